@@ -1,0 +1,15 @@
+"""nanoattn: multi-head causal attention for JAX and Flax, correct, verified and fast.
+
+Conventions (axis letters, mask polarity, positional causality, zero rows) are
+in docs/conventions.md.
+"""
+
+from ._attention import attention_weights as attention_weights
+from ._attention import dot_product_attention as dot_product_attention
+from ._masks import causal_mask as causal_mask
+from ._masks import combine_masks as combine_masks
+from ._masks import lengths_to_valid as lengths_to_valid
+from ._masks import padding_mask as padding_mask
+from ._reference import large_negative as large_negative
+
+__version__ = "0.1.0"

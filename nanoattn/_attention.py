@@ -1,0 +1,129 @@
+"""The public functional API: ``dot_product_attention`` and ``attention_weights``."""
+
+import jax.numpy as jnp
+
+from . import _reference
+from ._spec import attention_spec
+
+
+def _check_dropout(dropout_rate: float, dropout_rng) -> None:
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    if dropout_rate > 0.0 and dropout_rng is None:
+        raise ValueError(
+            f"dropout_rate={dropout_rate} needs dropout_rng (a jax.random key); "
+            "pass dropout_rate=0.0 for evaluation"
+        )
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    *,
+    mask=None,
+    bias=None,
+    is_causal: bool = False,
+    q_offset=None,
+    kv_lengths=None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+):
+    r"""Multi-head scaled dot-product attention.
+
+    .. math::
+
+       \mathrm{out}_{btnh} = \sum_s P_{bnts} \, V_{bskh}, \qquad
+       P_{bnt\cdot} = \mathrm{softmax}_{s \in \mathrm{allowed}}
+         \Big(\mathrm{scale} \sum_h Q_{btnh} K_{bskh} + \mathrm{bias}_{bnts}\Big)
+
+    where key/value head ``k = n // G`` serves query head ``n`` (``G = N / K``).
+    The axis letters (docs/conventions.md): B batch, T query time, S key/value
+    time, N query heads, K key/value heads, H head width.
+
+    A key is allowed when ``mask``, the causal rule and ``kv_lengths`` all allow
+    it (they combine by AND). Differences from other libraries:
+
+    * causality is positional: query i sits at position ``q_offset + i`` and
+      may see key j iff ``j <= q_offset + i``. With T != S, ``q_offset`` must
+      be given (0 = top-left like ``jax.nn``, S - T = bottom-right like
+      FlashAttention);
+    * a query row with no allowed key returns zeros (``jax.nn`` and flax
+      return the mean of V), with zero, finite gradients;
+    * the mask must be boolean, True = may attend (a float mask raises).
+
+    The softmax runs in at least float32; the output has the query's dtype.
+
+    Args:
+      query: (B, T, N, H).
+      key: (B, S, K, H), K dividing N (grouped-query attention when K < N).
+      value: (B, S, K, H).
+      mask: optional boolean, broadcastable to (B, N, T, S).
+      bias: optional float, broadcastable to (B, N, T, S), added to the
+        scaled logits.
+      is_causal: apply the positional causal mask.
+      q_offset: position of the first query; int, or int array () or (B,).
+        Defaults to 0 when T == S.
+      kv_lengths: optional int array (B,): key j of row b is valid iff
+        ``j < kv_lengths[b]``.
+      scale: factor on ``q . k``; defaults to ``1 / sqrt(H)``.
+      dropout_rate: dropout on the weights (inverted scaling); 0 disables it.
+      dropout_rng: a ``jax.random`` key, needed when ``dropout_rate > 0``.
+
+    Returns:
+      (B, T, N, H), the query's dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = k = v = jnp.ones((2, 5, 4, 32))
+      >>> dot_product_attention(q, k, v, is_causal=True).shape
+      (2, 5, 4, 32)
+    """
+    _check_dropout(dropout_rate, dropout_rng)
+    spec = attention_spec(
+        query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
+        kv_lengths=kv_lengths, scale=scale,
+    )
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    return _reference.attend(
+        query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng
+    )
+
+
+def attention_weights(
+    query,
+    key,
+    *,
+    mask=None,
+    bias=None,
+    is_causal: bool = False,
+    q_offset=None,
+    kv_lengths=None,
+    scale: float | None = None,
+):
+    r"""The normalised attention weights of :func:`dot_product_attention`.
+
+    ``P_{bnts} = softmax_s(scale * q . k + bias)`` over the allowed keys, exactly
+    0 at blocked keys; a row with no allowed key is all zeros. Every argument
+    follows the rules of :func:`dot_product_attention`.
+
+    Args:
+      query: (B, T, N, H).
+      key: (B, S, K, H), K dividing N.
+
+    Returns:
+      (B, N, T, S), the query's dtype. Every row with an allowed key sums to 1.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> w = attention_weights(jnp.ones((1, 3, 1, 4)), jnp.ones((1, 3, 1, 4)), is_causal=True)
+      >>> w[0, 0].round(2).tolist()
+      [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.33, 0.33, 0.33]]
+    """
+    spec = attention_spec(
+        query, key, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
+        kv_lengths=kv_lengths, scale=scale,
+    )
+    query, key = jnp.asarray(query), jnp.asarray(key)
+    return _reference.weights(query, key, spec).astype(query.dtype)

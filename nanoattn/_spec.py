@@ -1,0 +1,139 @@
+"""Validation of an attention call, shared by every backend.
+
+:func:`attention_spec` checks the arguments of ``dot_product_attention`` and
+``attention_weights`` once and returns an :class:`AttentionSpec`: the sizes and
+the mask ingredients kept apart (dense mask, causal offset, key lengths), so a
+backend can build a dense mask (the reference) or skip whole blocks (a
+blockwise kernel) from the same validated description.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from ._validate import (
+    expect_bool,
+    expect_broadcastable,
+    expect_floating,
+    expect_integer,
+    expect_shape,
+)
+
+SCORE_AXES = "B N T S"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """A validated attention call. Shapes use the legend of docs/conventions.md.
+
+    Attributes:
+      B, T, S, N, K, H: batch, query time, key time, query heads, key/value
+        heads and head width.
+      mask: boolean, rank 4, broadcastable to (B, N, T, S), or None.
+      bias: floating, rank 4, broadcastable to (B, N, T, S), or None.
+      is_causal: whether the positional causal mask applies.
+      q_offset: position of the first query (int, or int array () or (B,)).
+      kv_lengths: int array (B,) of valid key counts, or None.
+      scale: the factor applied to ``q . k``.
+    """
+
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    mask: Any
+    bias: Any
+    is_causal: bool
+    q_offset: Any
+    kv_lengths: Any
+    scale: float
+
+    @property
+    def G(self) -> int:
+        """Query heads per key/value head."""
+        return self.N // self.K
+
+    @property
+    def score_shape(self) -> tuple[int, int, int, int]:
+        return (self.B, self.N, self.T, self.S)
+
+
+def _as_rank4(x):
+    return jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
+
+
+def attention_spec(
+    query, key, value=None, *, mask=None, bias=None, is_causal=False, q_offset=None,
+    kv_lengths=None, scale=None,
+) -> AttentionSpec:
+    """Checks an attention call and returns its :class:`AttentionSpec`.
+
+    Raises:
+      ValueError: a shape problem, naming the expected and the actual shape.
+      TypeError: a mask that is not boolean, or inputs of the wrong dtype kind.
+    """
+    query, key = jnp.asarray(query), jnp.asarray(key)
+    expect_shape("query", query.shape, "B T N H", (None,) * 4)
+    B, T, N, H = query.shape
+    expect_shape("key", key.shape, "B S K H", (B, None, None, H))
+    _, S, K, _ = key.shape
+    if value is not None:
+        expect_shape("value", jnp.shape(value), "B S K H", (B, S, K, H))
+    if K == 0 or N % K != 0:
+        raise ValueError(
+            f"the number of query heads N={N} must be a multiple of the number of key/value "
+            f"heads K={K} (query shape (B, T, N, H) = {query.shape}, key shape "
+            f"(B, S, K, H) = {key.shape})"
+        )
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x is not None:
+            expect_floating(name, jnp.result_type(x))
+
+    scores = (B, N, T, S)
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        expect_bool("mask", mask.dtype)
+        expect_broadcastable("mask", mask.shape, SCORE_AXES, scores)
+        mask = _as_rank4(mask)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        expect_floating("bias", bias.dtype)
+        expect_broadcastable("bias", bias.shape, SCORE_AXES, scores)
+        bias = _as_rank4(bias)
+
+    if not is_causal and q_offset is not None:
+        raise ValueError("q_offset only applies to causal attention; pass is_causal=True")
+    if is_causal:
+        q_offset = _check_q_offset(q_offset, B, T, S)
+    if kv_lengths is not None:
+        kv_lengths = jnp.asarray(kv_lengths)
+        expect_integer("kv_lengths", kv_lengths.dtype)
+        expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+    return AttentionSpec(B, T, S, N, K, H, mask, bias, bool(is_causal), q_offset, kv_lengths,
+                         scale)
+
+
+def _check_q_offset(q_offset, B: int, T: int, S: int):
+    if q_offset is None:
+        if T != S:
+            raise ValueError(
+                f"is_causal=True with T={T} queries and S={S} keys needs q_offset, the "
+                f"position of the first query: q_offset=0 aligns the triangle top-left "
+                f"(query i sees keys 0..i, as jax.nn and PyTorch's is_causal), "
+                f"q_offset=S-T={S - T} aligns it bottom-right (the last query sees every "
+                f"key, as FlashAttention and decoding with a KV cache)"
+            )
+        return 0
+    if isinstance(q_offset, int):
+        return q_offset
+    q_offset = jnp.asarray(q_offset)
+    expect_integer("q_offset", q_offset.dtype)
+    if q_offset.ndim != 0:
+        expect_shape("q_offset", q_offset.shape, "B", (B,))
+    return q_offset
