@@ -82,8 +82,15 @@ def dot_product_attention(
     """
     _check_dropout(dropout_rate, dropout_rng)
     spec = attention_spec(
-        query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
-        kv_lengths=kv_lengths, scale=scale,
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        is_causal=is_causal,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        scale=scale,
     )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     return _reference.attend(
@@ -122,8 +129,14 @@ def attention_weights(
       [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.33, 0.33, 0.33]]
     """
     spec = attention_spec(
-        query, key, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
-        kv_lengths=kv_lengths, scale=scale,
+        query,
+        key,
+        mask=mask,
+        bias=bias,
+        is_causal=is_causal,
+        q_offset=q_offset,
+        kv_lengths=kv_lengths,
+        scale=scale,
     )
     query, key = jnp.asarray(query), jnp.asarray(key)
     return _reference.weights(query, key, spec).astype(query.dtype)

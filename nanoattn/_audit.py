@@ -37,8 +37,14 @@ def axis_sizes(config: AttentionConfig, batch: int, seq_len: int, kv_len: int | 
     """The size each axis token must have, e.g. ``{"B": 2, "3D": 384, ...}``."""
     D = config.d_model
     return {
-        "B": batch, "T": seq_len, "S": seq_len if kv_len is None else kv_len,
-        "N": config.n_heads, "H": config.head_dim, "D": D, "2D": 2 * D, "3D": 3 * D,
+        "B": batch,
+        "T": seq_len,
+        "S": seq_len if kv_len is None else kv_len,
+        "N": config.n_heads,
+        "H": config.head_dim,
+        "D": D,
+        "2D": 2 * D,
+        "3D": 3 * D,
     }
 
 
@@ -160,8 +166,14 @@ def mask_examples(
             ("causal AND padding", causal, valid, dict(is_causal=True, mask=pad)),
         ]
     else:
-        cases = [(f"source padding, lengths {lengths.tolist()} (no causal triangle)",
-                  no_order, valid, dict(mask=pad))]
+        cases = [
+            (
+                f"source padding, lengths {lengths.tolist()} (no causal triangle)",
+                no_order,
+                valid,
+                dict(mask=pad),
+            )
+        ]
 
     examples = []
     for title, order, kv_valid, mask_args in cases:
@@ -169,8 +181,15 @@ def mask_examples(
         allowed = order[None, None] & kv_valid[:, None, None, :]
         passed = _row_sums_ok(weights, allowed)
         for b in range(B):
-            examples.append(MaskExample(title, b, _grid(order, kv_valid[b]),
-                                        tuple(weights[b, 0].sum(-1).tolist()), passed))
+            examples.append(
+                MaskExample(
+                    title,
+                    b,
+                    _grid(order, kv_valid[b]),
+                    tuple(weights[b, 0].sum(-1).tolist()),
+                    passed,
+                )
+            )
     return examples
 
 
@@ -184,5 +203,8 @@ def blocked_row_example(config: AttentionConfig, seq_len: int) -> dict:
     row_sum = float(jnp.abs(weights).sum(-1).max())
     out_max = float(jnp.abs(out).max())
     finite = bool(jnp.isfinite(out).all())
-    return {"row_sum": row_sum, "output_max_abs": out_max,
-            "passed": row_sum == 0.0 and out_max == 0.0 and finite}
+    return {
+        "row_sum": row_sum,
+        "output_max_abs": out_max,
+        "passed": row_sum == 0.0 and out_max == 0.0 and finite,
+    }

@@ -67,8 +67,16 @@ def _as_rank4(x):
 
 
 def attention_spec(
-    query, key, value=None, *, mask=None, bias=None, is_causal=False, q_offset=None,
-    kv_lengths=None, scale=None,
+    query,
+    key,
+    value=None,
+    *,
+    mask=None,
+    bias=None,
+    is_causal=False,
+    q_offset=None,
+    kv_lengths=None,
+    scale=None,
 ) -> AttentionSpec:
     """Checks an attention call and returns its :class:`AttentionSpec`.
 
@@ -115,8 +123,7 @@ def attention_spec(
         expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
     if scale is None:
         scale = 1.0 / math.sqrt(H)
-    return AttentionSpec(B, T, S, N, K, H, mask, bias, bool(is_causal), q_offset, kv_lengths,
-                         scale)
+    return AttentionSpec(B, T, S, N, K, H, mask, bias, bool(is_causal), q_offset, kv_lengths, scale)
 
 
 def _check_q_offset(q_offset, B: int, T: int, S: int):

@@ -44,8 +44,7 @@ def expect_broadcastable(name: str, shape: Sequence[int], axes: str, dims: Seque
     )
     if not ok:
         raise ValueError(
-            f"{name} must be broadcastable to {_fmt_axes(axes)} = {_fmt(dims)}, "
-            f"got {_fmt(shape)}"
+            f"{name} must be broadcastable to {_fmt_axes(axes)} = {_fmt(dims)}, got {_fmt(shape)}"
         )
 
 

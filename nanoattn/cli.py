@@ -21,17 +21,23 @@ SYMBOLS = {
 class UsageError(Exception):
     """Bad command-line input: reported in one line with exit status 2."""
 
+    def __init__(self, message: str, prog: str | None = None):
+        super().__init__(message)
+        self.prog = prog
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
-        raise UsageError(f"{self.prog}: error: {message}")
+        raise UsageError(message, self.prog)
 
 
 def _int_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,11 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--heads", type=int, default=4, help="number of heads N (default 4)")
     audit.add_argument("--batch", type=int, default=2, help="batch size B (default 2)")
     audit.add_argument("--seq-len", type=int, default=5, help="query length T (default 5)")
-    audit.add_argument("--kv-len", type=int, default=None,
-                       help="audit CrossAttention with S context tokens instead")
-    audit.add_argument("--lengths", type=_int_list, default=None,
-                       help="valid tokens per batch row for the padding example "
-                       "(default 5,3 for the seed: the full length, then 2 fewer)")
+    audit.add_argument(
+        "--kv-len",
+        type=int,
+        default=None,
+        help="audit CrossAttention with S context tokens instead",
+    )
+    audit.add_argument(
+        "--lengths",
+        type=_int_list,
+        default=None,
+        help="valid tokens per batch row for the padding example "
+        "(default 5,3 for the seed: the full length, then 2 fewer)",
+    )
     audit.add_argument("--json", action="store_true", help="print machine-readable JSON")
     audit.add_argument("--ascii", action="store_true", help="draw masks without emoji")
     audit.set_defaults(run=_run_audit)
@@ -92,8 +106,11 @@ def _run_audit(args) -> int:
     passed = all(c.ok for c in checks) and all(e.passed for e in examples) and blocked["passed"]
     module = "CausalSelfAttention" if args.kv_len is None else "CrossAttention"
     if args.json:
-        print(json.dumps(_audit_json(module, config, args, checks, examples, blocked, passed),
-                         indent=2))
+        print(
+            json.dumps(
+                _audit_json(module, config, args, checks, examples, blocked, passed), indent=2
+            )
+        )
     else:
         symbols = SYMBOLS["ascii" if args.ascii else "emoji"]
         print(_audit_text(module, config, args, checks, examples, blocked, symbols))
@@ -103,19 +120,35 @@ def _run_audit(args) -> int:
 def _audit_json(module, config, args, checks, examples, blocked, passed) -> dict:
     return {
         "module": module,
-        "config": {"d_model": config.d_model, "n_heads": config.n_heads,
-                   "head_dim": config.head_dim, "batch": args.batch,
-                   "seq_len": args.seq_len, "kv_len": args.kv_len},
+        "config": {
+            "d_model": config.d_model,
+            "n_heads": config.n_heads,
+            "head_dim": config.head_dim,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "kv_len": args.kv_len,
+        },
         "shapes": [
-            {"stage": c.stage.name, "shape": list(c.stage.shape), "axes": list(c.stage.axes),
-             "elements": c.stage.elements, "op": c.stage.op, "source": c.stage.source,
-             "ok": c.ok, "problems": list(c.problems)}
+            {
+                "stage": c.stage.name,
+                "shape": list(c.stage.shape),
+                "axes": list(c.stage.axes),
+                "elements": c.stage.elements,
+                "op": c.stage.op,
+                "source": c.stage.source,
+                "ok": c.ok,
+                "problems": list(c.problems),
+            }
             for c in checks
         ],
         "masks": [
-            {"title": e.title, "batch_index": e.batch_index,
-             "cells": [list(row) for row in e.cells], "row_sums": list(e.row_sums),
-             "passed": e.passed}
+            {
+                "title": e.title,
+                "batch_index": e.batch_index,
+                "cells": [list(row) for row in e.cells],
+                "row_sums": list(e.row_sums),
+                "passed": e.passed,
+            }
             for e in examples
         ],
         "blocked_row": blocked,
@@ -134,36 +167,52 @@ def _audit_text(module, config, args, checks, examples, blocked, symbols) -> str
     rows = [("stage", "shape", "axes", "elements", "op", "check")]
     for c in checks:
         s = c.stage
-        rows.append((s.name, str(s.shape), " ".join(s.axes), f"{s.elements:,}", s.op,
-                     "ok" if c.ok else "FAIL: " + "; ".join(c.problems)))
+        rows.append(
+            (
+                s.name,
+                str(s.shape),
+                " ".join(s.axes),
+                f"{s.elements:,}",
+                s.op,
+                "ok" if c.ok else "FAIL: " + "; ".join(c.problems),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5])
     kept = all(c.ok for c in checks)
-    lines.append(f"Every reshape and split keeps its element count and axis sizes: "
-                 f"{'yes' if kept else 'NO'}")
+    lines.append(
+        f"Every reshape and split keeps its element count and axis sizes: {'yes' if kept else 'NO'}"
+    )
 
-    lines += ["", f"Masks (rows = query tokens, columns = key positions; "
-              f"{symbols[_audit.ALLOWED]} permitted, {symbols[_audit.FUTURE]} future, "
-              f"{symbols[_audit.PADDING]} padding)"]
+    lines += [
+        "",
+        f"Masks (rows = query tokens, columns = key positions; "
+        f"{symbols[_audit.ALLOWED]} permitted, {symbols[_audit.FUTURE]} future, "
+        f"{symbols[_audit.PADDING]} padding)",
+    ]
     for e in _examples_to_draw(examples):
         row = "" if e.title == "causal mask" else f", batch row {e.batch_index + 1}"
         lines += ["", f"{e.title[0].upper()}{e.title[1:]}{row}"]
         lines += _draw(e.cells, symbols)
         sums = "  ".join(f"{x:.3f}" for x in e.row_sums)
         lines.append(f"Row sums:  {sums}   {'ok' if e.passed else 'FAIL'}")
-        both = [str(i + 1) for i, r in enumerate(e.cells)
-                if _audit.FUTURE in r and _audit.PADDING in r]
+        both = [
+            str(i + 1) for i, r in enumerate(e.cells) if _audit.FUTURE in r and _audit.PADDING in r
+        ]
         if both:
-            lines.append(f"Both kinds of blocked cell in the row of token {', '.join(both)}; "
-                         "its permitted weights still sum to 1")
+            lines.append(
+                f"Both kinds of blocked cell in the row of token {', '.join(both)}; "
+                "its permitted weights still sum to 1"
+            )
     lines += [
         "",
         f"A query that sees no key (kv_lengths = 0): row sum {blocked['row_sum']:g}, "
         f"largest output {blocked['output_max_abs']:g}   {'ok' if blocked['passed'] else 'FAIL'}",
         "",
-        "PASS" if all(c.ok for c in checks) and all(e.passed for e in examples)
-        and blocked["passed"] else "FAIL",
+        "PASS"
+        if all(c.ok for c in checks) and all(e.passed for e in examples) and blocked["passed"]
+        else "FAIL",
     ]
     return "\n".join(lines)
 
@@ -190,17 +239,20 @@ def _draw(cells, symbols) -> list[str]:
     width = len(cells[0]) if cells else 0
     lines = ["Position:".ljust(label) + "  " + "".join(f"{j + 1:<4}" for j in range(width))]
     for i, row in enumerate(cells):
-        lines.append(f"Token {i + 1}:".ljust(label) + "  " + "".join(_cell(symbols[c]) for c in row))
+        cells_text = "".join(_cell(symbols[c]) for c in row)
+        lines.append(f"Token {i + 1}:".ljust(label) + "  " + cells_text)
     return [line.rstrip() for line in lines]
 
 
 def main(argv=None) -> int:
     """Runs the command line; returns the exit status."""
+    args = None
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
     except UsageError as e:
-        print(str(e), file=sys.stderr)
+        prog = e.prog or f"nanoattn {args.command}"
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 
 

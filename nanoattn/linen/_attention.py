@@ -20,8 +20,12 @@ def _split_heads(x, name: str, time: str, cfg: AttentionConfig):
     B, L, _ = x.shape
     heads = x.reshape(B, L, cfg.n_heads, cfg.head_dim)  # (B, L, N, H)
     return check_shape(
-        heads, f"{name} heads", f"B {time} N H", (B, L, cfg.n_heads, cfg.head_dim),
-        op="reshape", source=name,
+        heads,
+        f"{name} heads",
+        f"B {time} N H",
+        (B, L, cfg.n_heads, cfg.head_dim),
+        op="reshape",
+        source=name,
     )
 
 
@@ -34,11 +38,18 @@ def _attend(module: nn.Module, q, k, v, cfg: AttentionConfig, deterministic: boo
     if module.sow_weights:
         module.sow("intermediates", "attention_weights", attention_weights(q, k, **mask_args))
     merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)
-    check_shape(merged, "concatenated heads", "B T D", (B, T, cfg.d_model),
-                op="reshape", source="per-head output")
+    check_shape(
+        merged,
+        "concatenated heads",
+        "B T D",
+        (B, T, cfg.d_model),
+        op="reshape",
+        source="per-head output",
+    )
     y = nn.Dense(cfg.d_model, name="out")(merged)
-    return check_shape(y, "output", "B T D", (B, T, cfg.d_model), op="project",
-                       source="concatenated heads")
+    return check_shape(
+        y, "output", "B T D", (B, T, cfg.d_model), op="project", source="concatenated heads"
+    )
 
 
 class CausalSelfAttention(nn.Module):

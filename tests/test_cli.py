@@ -1,0 +1,161 @@
+"""`nanoattn audit`: output, JSON, exit statuses and errors."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from nanoattn import _audit, _reference
+from nanoattn._trace import Stage
+from nanoattn.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_default_audit_is_the_seed_worked_example(capsys):
+    code, out, err = run(capsys, "audit")
+    assert code == 0 and err == ""
+    assert "d_model 128, 4 heads of width 32, batch 2, 5 tokens" in out
+    for row in [
+        ("qkv", "(2, 5, 384)", "B T 3D", "3,840"),
+        ("q heads", "(2, 5, 4, 32)", "B T N H", "1,280"),
+        ("scores", "(2, 4, 5, 5)", "B N T S", "200"),
+        ("concatenated heads", "(2, 5, 128)", "B T D", "1,280"),
+    ]:
+        line = next(x for x in out.splitlines() if x.strip().startswith(row[0] + "  "))
+        assert line.split()[-1] == "ok"
+        for cell in row[1:]:
+            assert cell in line
+    lines = out.splitlines()
+    causal = lines.index("Causal mask")
+    assert lines[causal + 1] == "Position:  1   2   3   4   5"
+    assert lines[causal + 2] == "Token 1:   ✅  ❌  ❌  ❌  ❌"
+    assert lines[causal + 6] == "Token 5:   ✅  ✅  ✅  ✅  ✅"
+    combined = lines.index("Causal AND padding, batch row 2")
+    assert lines[combined + 5] == "Token 4:   ✅  ✅  ✅  🚫  ❌"
+    assert lines[combined + 7].startswith("Row sums:  1.000  1.000  1.000  1.000  1.000")
+    assert "Both kinds of blocked cell in the row of token 4" in out
+    assert "row sum 0, largest output 0   ok" in out
+    assert lines[-1] == "PASS"
+
+
+def test_json_output(capsys):
+    code, out, _ = run(capsys, "audit", "--json", "--lengths", "5,2")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] is True
+    shapes = {s["stage"]: s for s in report["shapes"]}
+    assert shapes["qkv"]["shape"] == [2, 5, 384] and shapes["qkv"]["axes"] == ["B", "T", "3D"]
+    assert shapes["weights"]["elements"] == 200
+    combined = [m for m in report["masks"] if m["title"] == "causal AND padding"]
+    assert combined[1]["cells"][4] == ["allowed", "allowed", "padding", "padding", "padding"]
+    assert combined[1]["cells"][1] == ["allowed", "allowed", "future", "future", "future"]
+
+
+def test_ascii_has_no_emoji(capsys):
+    code, out, _ = run(capsys, "audit", "--ascii")
+    assert code == 0 and out.isascii()
+    assert "Token 4:   +   +   +   -   x" in out
+
+
+def test_kv_len_audits_cross_attention(capsys):
+    code, out, _ = run(capsys, "audit", "--kv-len", "7", "--seq-len", "3", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["module"] == "CrossAttention"
+    shapes = {s["stage"]: s["shape"] for s in report["shapes"]}
+    assert shapes["scores"] == [2, 4, 3, 7] and shapes["kv"] == [2, 7, 256]
+    assert shapes["output"] == [2, 3, 128]
+    assert {m["title"] for m in report["masks"]} == {
+        "source padding, lengths [7, 5] (no causal triangle)"
+    }
+
+
+def test_other_sizes_change_the_traced_table(capsys):
+    code, out, _ = run(
+        capsys,
+        "audit",
+        "--d-model",
+        "96",
+        "--heads",
+        "6",
+        "--batch",
+        "3",
+        "--seq-len",
+        "7",
+        "--json",
+    )
+    shapes = {s["stage"]: s["shape"] for s in json.loads(out)["shapes"]}
+    assert code == 0 and shapes["q heads"] == [3, 7, 6, 16] and shapes["scores"] == [3, 6, 7, 7]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--d-model", "130", "--heads", "4"], "d_model=130 is not divisible by n_heads=4"),
+        (["--heads", "0"], "n_heads must be >= 1"),
+        (["--lengths", "5,-1"], r"each length must be in [0, 5], got -1"),
+        (["--lengths", "5,6"], r"each length must be in [0, 5], got 6"),
+        (["--lengths", "5"], "--lengths gives 1 lengths for --batch 2"),
+        (["--lengths", "a,b"], "expected comma-separated integers"),
+        (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+        (["--batch", "-2"], "--batch must be >= 1, got -2"),
+        (["--kv-len", "0"], "--kv-len must be >= 1"),
+        (["--d-model", "x"], "invalid int value: 'x'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, "audit", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_audit_fails_with_exit_1_when_masking_is_broken(capsys, monkeypatch):
+    # A plain softmax ignores the mask: row sums stay 1 but blocked cells get weight.
+    monkeypatch.setattr(
+        _reference, "masked_softmax", lambda logits, allowed: jax.nn.softmax(logits, axis=-1)
+    )
+    code, out, _ = run(capsys, "audit")
+    assert code == 1 and out.splitlines()[-1] == "FAIL"
+    assert "FAIL" in next(x for x in out.splitlines() if x.startswith("Row sums"))
+
+
+def test_check_stages_catches_a_reshape_that_changes_element_count():
+    sizes = {"B": 2, "T": 5, "D": 8, "N": 2, "H": 4}
+    stages = [
+        Stage("q", (2, 5, 8), ("B", "T", "D"), "input"),
+        Stage("q heads", (2, 5, 2, 3), ("B", "T", "N", "H"), "reshape", "q"),
+    ]
+    checks = _audit.check_stages(stages, sizes)
+    assert checks[0].ok and not checks[1].ok
+    assert "60 elements, but q had 80" in checks[1].problems[-1]
+    assert "axis H has size 3, expected 4" in checks[1].problems[0]
+    parts = [
+        Stage("qkv", (2, 5, 24), ("B", "T", "3D"), "project"),
+        Stage("q", (2, 5, 8), ("B", "T", "D"), "split", "qkv"),
+        Stage("k", (2, 5, 8), ("B", "T", "D"), "split", "qkv"),
+    ]
+    split = _audit.check_stages(parts, sizes | {"3D": 24})
+    assert "the parts of qkv hold 160 elements, it held 240" in split[1].problems[0]
+
+
+def test_console_entry_point_and_module():
+    ok = subprocess.run(
+        [sys.executable, "-m", "nanoattn", "audit", "--ascii"], capture_output=True, text=True
+    )
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS")
+    bad = subprocess.run(
+        [sys.executable, "-m", "nanoattn", "audit", "--d-model", "130"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == (
+        "nanoattn audit: error: d_model=130 is not divisible by n_heads=4, so the heads cannot "
+        "split it into equal widths; head counts that divide 130: 1, 2, 5, 10, 13, 26, 65, 130"
+    )

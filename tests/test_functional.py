@@ -1,0 +1,336 @@
+"""The functional core against an independent float64 numpy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from nanoattn import attention_weights, dot_product_attention, padding_mask
+
+from conftest import np_attention, np_causal, randn
+
+B, T, S, N, K, H = 2, 5, 7, 6, 2, 8  # every axis a different size
+
+
+def qkv(seed=0, t=T, s=S, n=N, k=K, h=H, b=B, dtype=np.float32):
+    return (
+        randn(seed, b, t, n, h, dtype=dtype),
+        randn(seed + 1, b, s, k, h, dtype=dtype),
+        randn(seed + 2, b, s, k, h, dtype=dtype),
+    )
+
+
+def test_matches_reference_no_mask():
+    q, k, v = qkv()
+    got = dot_product_attention(q, k, v)
+    assert got.shape == (B, T, N, H) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, np_attention(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_offset", [0, S - T, 1])
+def test_causal_rectangular_offsets(q_offset):
+    q, k, v = qkv(1)
+    got = dot_product_attention(q, k, v, is_causal=True, q_offset=q_offset)
+    want = np_attention(q, k, v, allowed=np_causal(T, S, q_offset))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_square_defaults_to_offset_zero():
+    q, k, v = qkv(2, s=T)
+    got = dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(got, np_attention(q, k, v, allowed=np_causal(T, T)), atol=1e-5)
+
+
+def test_batched_q_offset():
+    q, k, v = qkv(3)
+    off = jnp.array([0, 2])
+    got = dot_product_attention(q, k, v, is_causal=True, q_offset=off)
+    for b in range(B):
+        want = np_attention(
+            q[b : b + 1], k[b : b + 1], v[b : b + 1], allowed=np_causal(T, S, int(off[b]))
+        )
+        np.testing.assert_allclose(got[b : b + 1], want, atol=1e-5)
+
+
+def test_mask_causal_lengths_and_bias_combine_by_and():
+    q, k, v = qkv(4)
+    mask = np.random.default_rng(0).random((B, 1, T, S)) > 0.3
+    bias = randn(9, 1, N, T, S)
+    lengths = np.array([7, 4])
+    got = dot_product_attention(
+        q, k, v, mask=mask, bias=bias, is_causal=True, q_offset=2, kv_lengths=lengths
+    )
+    allowed = mask & np_causal(T, S, 2) & (np.arange(S) < lengths[:, None])[:, None, None, :]
+    want = np_attention(q, k, v, allowed=allowed, bias=bias)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_query_heads_use_contiguous_groups():
+    # Query head n must use key/value head n // (N / K): heads 0-2 use kv head 0.
+    q, k, v = qkv(5)
+    got = np.asarray(dot_product_attention(q, k, v))
+    G = N // K
+    for n in range(N):
+        one = dot_product_attention(
+            q[:, :, n : n + 1], k[:, :, n // G : n // G + 1], v[:, :, n // G : n // G + 1]
+        )
+        np.testing.assert_allclose(got[:, :, n : n + 1], one, atol=1e-6)
+
+
+def test_multi_query_attention():
+    q, k, v = qkv(6, k=1)
+    np.testing.assert_allclose(dot_product_attention(q, k, v), np_attention(q, k, v), atol=1e-5)
+
+
+def test_scale_argument():
+    q, k, v = qkv(7)
+    got = dot_product_attention(q, k, v, scale=0.3)
+    np.testing.assert_allclose(got, np_attention(q, k, v, scale=0.3), atol=1e-5)
+
+
+def test_weights_rows_sum_to_one_and_blocked_cells_are_zero():
+    q, k, _ = qkv(8)
+    w = np.asarray(attention_weights(q, k, is_causal=True, q_offset=0, kv_lengths=np.array([7, 3])))
+    assert w.shape == (B, N, T, S)
+    allowed = (
+        np_causal(T, S, 0)[None, None]
+        & (np.arange(S) < np.array([7, 3])[:, None])[:, None, None, :]
+    )
+    allowed = np.broadcast_to(allowed, w.shape)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
+    assert (w[~allowed] == 0).all()
+    np.testing.assert_allclose(
+        w, np_attention(q, k, k, allowed=allowed, return_weights=True), atol=1e-6
+    )
+
+
+def test_fully_masked_rows_give_zeros_and_zero_finite_gradients():
+    q, k, v = qkv(9)
+    mask = np.ones((B, 1, T, S), bool)
+    mask[0, 0, 1] = False  # query 1 of batch 0 sees nothing
+    lengths = np.array([7, 0])  # every query of batch 1 sees nothing
+
+    def f(q, k, v):
+        return dot_product_attention(q, k, v, mask=mask, kv_lengths=lengths)
+
+    out = f(q, k, v)
+    assert (out[0, 1] == 0).all() and (out[1] == 0).all()
+    w = attention_weights(q, k, mask=mask, kv_lengths=lengths)
+    assert (w[0, :, 1] == 0).all() and (w[1] == 0).all()
+    np.testing.assert_allclose(out[0, 0], np_attention(q, k, v)[0, 0], atol=1e-5)
+
+    # Gradients of the blocked rows' outputs are exactly zero; all gradients finite.
+    grads = jax.grad(lambda *a: f(*a)[0, 1].sum() + f(*a)[1].sum(), argnums=(0, 1, 2))(q, k, v)
+    for g in grads:
+        assert np.isfinite(g).all()
+        assert (np.asarray(g) == 0).all()
+    full = jax.grad(lambda *a: (f(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
+    assert all(np.isfinite(g).all() for g in full)
+    assert (full[0][1] == 0).all() and (full[0][0, 1] == 0).all()
+
+
+def test_huge_logits_stay_finite_and_pick_the_max():
+    q, k, v = qkv(10)
+    q = q * 1e15  # logits around 1e30: still finite in float32
+    k = k * 1e15
+    out = dot_product_attention(q, k, v, is_causal=True, q_offset=0)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np_attention(q, k, v, allowed=np_causal(T, S)), atol=1e-5)
+
+
+def test_huge_negative_bias_is_not_a_mask():
+    # A finite bias far below the large negative must not revive blocked keys.
+    q, k, v = qkv(11)
+    bias = np.zeros((1, 1, T, S), np.float32)
+    bias[..., 0] = -3e38
+    out = dot_product_attention(q, k, v, bias=bias, is_causal=True, q_offset=0)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_inputs(dtype):
+    q, k, v = (jnp.asarray(a, dtype) for a in qkv(12))
+    out = dot_product_attention(q, k, v, is_causal=True, q_offset=0)
+    assert out.dtype == dtype
+    want = np_attention(*(np.asarray(a, np.float64) for a in (q, k, v)), allowed=np_causal(T, S))
+    err = np.abs(np.asarray(out, np.float64) - want).max()
+    # Only the final rounding to the half dtype remains: a few units in the last place.
+    eps = float(jnp.finfo(dtype).eps)
+    assert err <= 4 * eps * np.abs(want).max(), err
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_softmax_runs_in_float32(dtype):
+    q, k, v = (jnp.asarray(a, dtype) for a in qkv(13))
+    jaxpr = jax.make_jaxpr(lambda *a: dot_product_attention(*a, is_causal=True, q_offset=0))(
+        q, k, v
+    )
+    exps = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "exp"]
+    assert exps and all(e.outvars[0].aval.dtype == jnp.float32 for e in exps)
+
+
+def test_float64_stays_float64(x64):
+    q, k, v = qkv(14, dtype=np.float64)
+    out = dot_product_attention(q, k, v, is_causal=True, q_offset=1)
+    assert out.dtype == jnp.float64
+    np.testing.assert_allclose(out, np_attention(q, k, v, allowed=np_causal(T, S, 1)), atol=1e-12)
+
+
+def test_check_grads_float64(x64):
+    q, k, v = qkv(15, dtype=np.float64)
+    mask = np.random.default_rng(1).random((B, 1, T, S)) > 0.2
+    bias = randn(16, B, N, T, S, dtype=np.float64)
+
+    def f(q, k, v, bias):
+        return dot_product_attention(q, k, v, mask=mask, bias=bias, is_causal=True, q_offset=2)
+
+    check_grads(f, (q, k, v, bias), order=2, modes=["rev"], eps=1e-4)
+    check_grads(f, (q, k, v, bias), order=1, modes=["fwd"], eps=1e-4)
+
+
+def test_jit_matches_eager():
+    q, k, v = qkv(17)
+    f = jax.jit(
+        lambda q, k, v, n: dot_product_attention(q, k, v, is_causal=True, q_offset=2, kv_lengths=n)
+    )
+    n = np.array([6, 3])
+    np.testing.assert_allclose(
+        f(q, k, v, n),
+        dot_product_attention(q, k, v, is_causal=True, q_offset=2, kv_lengths=n),
+        atol=1e-6,
+    )
+
+
+def test_traced_q_offset_under_jit():
+    q, k, v = qkv(18)
+    f = jax.jit(lambda off: dot_product_attention(q, k, v, is_causal=True, q_offset=off))
+    np.testing.assert_allclose(
+        f(jnp.int32(2)), np_attention(q, k, v, allowed=np_causal(T, S, 2)), atol=1e-5
+    )
+
+
+def test_vmap_over_an_extra_axis():
+    qs, ks, vs = (np.stack([a, a * 0.5 + 1]) for a in qkv(19))
+    f = jax.vmap(lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, q_offset=0))
+    got = f(qs, ks, vs)
+    for i in range(2):
+        np.testing.assert_allclose(
+            got[i], np_attention(qs[i], ks[i], vs[i], allowed=np_causal(T, S)), atol=1e-5
+        )
+
+
+def test_padded_content_changes_nothing():
+    q, k, v = qkv(20)
+    lengths = np.array([7, 4])
+    base = dot_product_attention(q, k, v, kv_lengths=lengths, is_causal=True, q_offset=2)
+    k2, v2 = k.copy(), v.copy()
+    k2[1, 4:], v2[1, 4:] = 1e30, -1e30
+    got = dot_product_attention(q, k2, v2, kv_lengths=lengths, is_causal=True, q_offset=2)
+    np.testing.assert_array_equal(got, base)
+    valid = np.arange(S) < lengths[:, None]
+    got = dot_product_attention(q, k2, v2, mask=padding_mask(valid), is_causal=True, q_offset=2)
+    np.testing.assert_array_equal(got, base)
+
+
+def test_dropout_inverted_scaling_and_rng():
+    q, k, v = qkv(21, h=S)  # head width S, so that value can be the identity
+    rate = 0.25
+    w = attention_weights(q, k)
+    v_eye = jnp.broadcast_to(jnp.eye(S)[None, :, None, :], (B, S, K, S))  # out = weights
+    run = jax.jit(
+        lambda rng: dot_product_attention(q, k, v_eye, dropout_rate=rate, dropout_rng=rng)
+    )
+    outs = np.stack([run(jax.random.key(i)) for i in range(300)])  # (R, B, T, N, S)
+    dropped = np.moveaxis(outs, 3, 2)  # (R, B, N, T, S)
+    assert abs((dropped == 0).mean() - rate) < 0.01
+    # Unbiased: the mean over R draws is w within 5 standard errors, w * sqrt(rate/(1-rate)/R).
+    stderr = np.asarray(w) * np.sqrt(rate / (1 - rate) / len(dropped))
+    assert (np.abs(dropped.mean(0) - w) <= 5 * stderr + 1e-6).all()
+    kept = dropped != 0
+    np.testing.assert_allclose(
+        dropped[kept], np.broadcast_to(w, dropped.shape)[kept] / (1 - rate), rtol=1e-5
+    )
+    same = dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=jax.random.key(0))
+    again = dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=jax.random.key(0))
+    np.testing.assert_array_equal(same, again)
+    np.testing.assert_array_equal(
+        dot_product_attention(q, k, v, dropout_rate=0.0), dot_product_attention(q, k, v)
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (
+            dict(query=np.ones((2, 5, 6))),
+            ValueError,
+            r"query must have shape \(B, T, N, H\) = \(\*, \*, \*, \*\), got \(2, 5, 6\)",
+        ),
+        (
+            dict(key=np.ones((3, S, K, H))),
+            ValueError,
+            r"key must have shape \(B, S, K, H\) = \(2, \*, \*, 8\), got \(3, 7, 2, 8\)",
+        ),
+        (
+            dict(key=np.ones((B, S, K, 4))),
+            ValueError,
+            r"key must have shape \(B, S, K, H\) = \(2, \*, \*, 8\), got \(2, 7, 2, 4\)",
+        ),
+        (
+            dict(value=np.ones((B, 6, K, H))),
+            ValueError,
+            r"value must have shape \(B, S, K, H\) = \(2, 7, 2, 8\), got \(2, 6, 2, 8\)",
+        ),
+        (
+            dict(key=np.ones((B, S, 4, H)), value=np.ones((B, S, 4, H))),
+            ValueError,
+            r"N=6 must be a multiple of .* K=4",
+        ),
+        (
+            dict(mask=np.ones((T, 8), bool)),
+            ValueError,
+            r"mask must be broadcastable to \(B, N, T, S\) = \(2, 6, 5, 7\), got \(5, 8\)",
+        ),
+        (dict(mask=np.ones((1, 1, 1, T, S), bool)), ValueError, "mask must be broadcastable"),
+        (dict(mask=np.ones((T, S))), TypeError, "mask must be a boolean array.*float"),
+        (
+            dict(bias=np.ones((3, 1, T, S))),
+            ValueError,
+            r"bias must be broadcastable to \(B, N, T, S\)",
+        ),
+        (
+            dict(kv_lengths=np.array([1, 2, 3])),
+            ValueError,
+            r"kv_lengths must have shape \(B,\) = \(2,\), got \(3,\)",
+        ),
+        (dict(kv_lengths=np.array([1.0, 2.0])), TypeError, "kv_lengths must be an integer"),
+        (dict(is_causal=True), ValueError, r"q_offset=0 aligns .* top-left.*S-T=2.*bottom-right"),
+        (dict(q_offset=1), ValueError, "q_offset only applies to causal"),
+        (
+            dict(is_causal=True, q_offset=np.array([1, 2, 3])),
+            ValueError,
+            r"q_offset must have shape \(B,\)",
+        ),
+        (dict(dropout_rate=0.1), ValueError, "needs dropout_rng"),
+        (
+            dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)),
+            ValueError,
+            r"dropout_rate must be in \[0, 1\)",
+        ),
+        (dict(query=np.ones((B, T, N, H), np.int32)), TypeError, "query must be a floating"),
+    ],
+)
+def test_invalid_inputs(kwargs, error, pattern):
+    q, k, v = qkv(22)
+    args = dict(query=q, key=k, value=v) | kwargs
+    with pytest.raises(error, match=pattern):
+        dot_product_attention(**args)
+
+
+def test_attention_weights_validates_too():
+    q, k, _ = qkv(23)
+    with pytest.raises(ValueError, match="needs q_offset"):
+        attention_weights(q, k, is_causal=True)
+    with pytest.raises(TypeError, match="boolean"):
+        attention_weights(q, k, mask=np.ones((T, S), np.int32))

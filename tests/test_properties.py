@@ -1,0 +1,71 @@
+"""Property tests: random shapes, masks, offsets and lengths against the numpy reference."""
+
+import jax
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoattn import attention_weights, dot_product_attention
+
+from conftest import np_attention, np_causal
+
+# One compiled program per example, instead of one per operation: much faster here.
+dot_product_attention = jax.jit(dot_product_attention, static_argnames="is_causal")
+attention_weights = jax.jit(attention_weights, static_argnames="is_causal")
+
+
+@st.composite
+def attention_case(draw):
+    B, T, S = draw(st.integers(1, 3)), draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    K, G, H = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    N = K * G
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    k = rng.standard_normal((B, S, K, H)).astype(np.float32)
+    v = rng.standard_normal((B, S, K, H)).astype(np.float32)
+    kwargs = {}
+    allowed = np.ones((B, N, T, S), bool)
+    mask_shape = draw(st.sampled_from([None, (T, S), (B, 1, T, S), (1, N, 1, S), (B, N, T, S)]))
+    if mask_shape is not None:
+        kwargs["mask"] = rng.random(mask_shape) > draw(st.floats(0.0, 0.9))
+        allowed &= kwargs["mask"]
+    if draw(st.booleans()):
+        kwargs["is_causal"] = True
+        kwargs["q_offset"] = draw(st.integers(-2, S + 1))
+        allowed &= np_causal(T, S, kwargs["q_offset"])
+    if draw(st.booleans()):
+        kwargs["kv_lengths"] = rng.integers(0, S + 2, size=B).astype(np.int32)
+        allowed &= (np.arange(S) < kwargs["kv_lengths"][:, None])[:, None, None, :]
+    if draw(st.booleans()):
+        kwargs["bias"] = rng.standard_normal((1, N, T, S)).astype(np.float32)
+    return q, k, v, kwargs, allowed
+
+
+@settings(max_examples=40, deadline=None)
+@given(attention_case())
+def test_matches_reference(case):
+    q, k, v, kwargs, allowed = case
+    got = np.asarray(dot_product_attention(q, k, v, **kwargs))
+    want = np_attention(q, k, v, allowed=allowed, bias=kwargs.get("bias"))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(attention_case())
+def test_rows_sum_to_one_or_zero(case):
+    q, k, _, kwargs, allowed = case
+    w = np.asarray(attention_weights(q, k, **kwargs))
+    assert np.isfinite(w).all()
+    assert (w[~allowed] == 0).all()
+    sums = w.sum(-1)
+    has_key = allowed.any(-1)
+    np.testing.assert_allclose(sums[has_key], 1.0, atol=1e-5)
+    assert (sums[~has_key] == 0).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(attention_case(), st.floats(1e-3, 1e15))
+def test_finite_for_any_finite_scale_of_inputs(case, magnitude):
+    q, k, v, kwargs, _ = case
+    out = np.asarray(dot_product_attention(q * magnitude, k * magnitude, v, **kwargs))
+    assert np.isfinite(out).all()
