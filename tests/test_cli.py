@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from nanoattn import _audit, _reference
@@ -159,3 +160,13 @@ def test_console_entry_point_and_module():
         "nanoattn audit: error: d_model=130 is not divisible by n_heads=4, so the heads cannot "
         "split it into equal widths; head counts that divide 130: 1, 2, 5, 10, 13, 26, 65, 130"
     )
+
+
+def test_row_sum_check_rejects_bad_rows():
+    allowed = np.array([[True, True, False], [False, False, False]])
+    good = np.array([[0.25, 0.75, 0.0], [0.0, 0.0, 0.0]])
+    assert _audit._row_sums_ok(good, allowed)
+    assert not _audit._row_sums_ok(good * 0.9, allowed)  # a permitted row sums to 0.9
+    blocked_row_not_zero = good + np.array([[0, 0, 0], [0.5, 0.5, 0]])
+    assert not _audit._row_sums_ok(blocked_row_not_zero, allowed)
+    assert not _audit._row_sums_ok(np.array([[0.2, 0.7, 0.1], [0, 0, 0]]), allowed)  # leak
