@@ -125,8 +125,10 @@ def attention_weights(
     Example:
       >>> import jax.numpy as jnp
       >>> w = attention_weights(jnp.ones((1, 3, 1, 4)), jnp.ones((1, 3, 1, 4)), is_causal=True)
-      >>> w[0, 0].round(2).tolist()
-      [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.33, 0.33, 0.33]]
+      >>> print(w[0, 0])
+      [[1.         0.         0.        ]
+       [0.5        0.5        0.        ]
+       [0.33333334 0.33333334 0.33333334]]
     """
     spec = attention_spec(
         query,
