@@ -1,8 +1,8 @@
-"""The data behind ``nanoattn audit``: a traced shape table and worked mask examples.
+"""The data behind ``nanoattn audit``: worked mask examples and the verification
+of the built-in modules. The shape table is :func:`nanoattn.verify.check_shapes`.
 
-Nothing here is written by hand: the shape table comes from tracing the real
-module under ``jax.eval_shape``, the masks from the library's mask builders and
-the row sums from the library's own attention weights.
+Nothing here is written by hand: masks come from the library's mask builders,
+row sums from its own attention weights, and verdicts from ``nanoattn.verify``.
 """
 
 import dataclasses
@@ -13,91 +13,12 @@ import numpy as np
 
 from ._attention import attention_weights, dot_product_attention
 from ._masks import causal_mask, lengths_to_valid, padding_mask
-from ._trace import Stage, record_shapes
 from .linen import AttentionConfig, CausalSelfAttention, CrossAttention
+from .verify import Report, check_causality, check_padding, check_row_sums
 
 # Cell kinds of a drawn mask. A cell blocked both by order and by padding is
 # drawn as "future": the causal rule blocks it whatever the padding.
 ALLOWED, FUTURE, PADDING = "allowed", "future", "padding"
-
-
-@dataclasses.dataclass(frozen=True)
-class StageCheck:
-    """A traced stage and what the audit found wrong with it (empty: nothing)."""
-
-    stage: Stage
-    problems: tuple[str, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def axis_sizes(config: AttentionConfig, batch: int, seq_len: int, kv_len: int | None):
-    """The size each axis token must have, e.g. ``{"B": 2, "3D": 384, ...}``."""
-    D = config.d_model
-    return {
-        "B": batch,
-        "T": seq_len,
-        "S": seq_len if kv_len is None else kv_len,
-        "N": config.n_heads,
-        "H": config.head_dim,
-        "D": D,
-        "2D": 2 * D,
-        "3D": 3 * D,
-    }
-
-
-def trace_stages(config: AttentionConfig, batch: int, seq_len: int, kv_len: int | None = None):
-    """Traces one forward pass of the real module and returns its stages.
-
-    ``kv_len=None`` traces :class:`CausalSelfAttention` on (B, T, D);
-    otherwise :class:`CrossAttention` with a (B, S, D) context.
-    """
-    x = jax.ShapeDtypeStruct((batch, seq_len, config.d_model), jnp.float32)
-    if kv_len is None:
-        module, args = CausalSelfAttention(config), (x,)
-    else:
-        context = jax.ShapeDtypeStruct((batch, kv_len, config.d_model), jnp.float32)
-        module, args = CrossAttention(config), (x, context)
-
-    def forward(*inputs):
-        return module.init_with_output(jax.random.key(0), *inputs, deterministic=True)
-
-    with record_shapes() as stages:
-        jax.eval_shape(forward, *args)
-    return list(stages)
-
-
-def check_stages(stages, sizes: dict[str, int]) -> list[StageCheck]:
-    """Checks each stage: axis sizes as ``sizes`` says, and element counts kept.
-
-    A ``reshape`` must keep its source's element count; the parts of a
-    ``split`` must add up to their source's.
-    """
-    by_name = {s.name: s for s in stages}
-    split_totals: dict[str, int] = {}
-    for s in stages:
-        if s.op == "split":
-            split_totals[s.source] = split_totals.get(s.source, 0) + s.elements
-    checks = []
-    for s in stages:
-        problems = []
-        if len(s.axes) != len(s.shape):
-            problems.append(f"{len(s.axes)} axis names for a rank-{len(s.shape)} shape")
-        for axis, size in zip(s.axes, s.shape):
-            if sizes.get(axis, size) != size:
-                problems.append(f"axis {axis} has size {size}, expected {sizes[axis]}")
-        source = by_name.get(s.source)
-        if s.op == "reshape" and source is not None and source.elements != s.elements:
-            problems.append(f"{s.elements} elements, but {s.source} had {source.elements}")
-        if s.op == "split" and source is not None and split_totals[s.source] != source.elements:
-            problems.append(
-                f"the parts of {s.source} hold {split_totals[s.source]} elements, "
-                f"it held {source.elements}"
-            )
-        checks.append(StageCheck(s, tuple(problems)))
-    return checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +30,8 @@ class MaskExample:
       batch_index: which batch row is drawn.
       cells: a (T, S) grid of ALLOWED, FUTURE or PADDING.
       row_sums: (T,) sums of the weights over keys, per query (head 0).
-      passed: every row with an allowed cell sums to 1, every blocked cell is
-        exactly 0 and a row with no allowed cell is all zeros, in every head.
+      passed: :func:`check_row_sums` passed on the weights of every batch
+        row and head.
     """
 
     title: str
@@ -120,22 +41,15 @@ class MaskExample:
     passed: bool
 
 
-def _grid(causal, valid_row) -> tuple[tuple[str, ...], ...]:
-    T, S = causal.shape
+def _grid(order, valid_row) -> tuple[tuple[str, ...], ...]:
+    T, S = order.shape
     return tuple(
         tuple(
-            FUTURE if not causal[i, j] else PADDING if not valid_row[j] else ALLOWED
+            FUTURE if not order[i, j] else PADDING if not valid_row[j] else ALLOWED
             for j in range(S)
         )
         for i in range(T)
     )
-
-
-def _row_sums_ok(weights: np.ndarray, allowed: np.ndarray, atol: float = 1e-5) -> bool:
-    sums = weights.sum(-1)
-    any_allowed = np.broadcast_to(allowed, weights.shape).any(-1)
-    rows_ok = np.where(any_allowed, np.abs(sums - 1) <= atol, sums == 0)
-    return bool(rows_ok.all() and (weights[np.broadcast_to(~allowed, weights.shape)] == 0).all())
 
 
 def mask_examples(
@@ -179,7 +93,7 @@ def mask_examples(
     for title, order, kv_valid, mask_args in cases:
         weights = np.asarray(attention_weights(q, k, **mask_args))  # (B, N, T, S)
         allowed = order[None, None] & kv_valid[:, None, None, :]
-        passed = _row_sums_ok(weights, allowed)
+        passed = check_row_sums(weights, allowed).passed
         for b in range(B):
             examples.append(
                 MaskExample(
@@ -208,3 +122,40 @@ def blocked_row_example(config: AttentionConfig, seq_len: int) -> dict:
         "output_max_abs": out_max,
         "passed": row_sum == 0.0 and out_max == 0.0 and finite,
     }
+
+
+def verify_modules(config: AttentionConfig, seed: int = 0) -> list[tuple[str, Report]]:
+    """Runs ``nanoattn.verify`` on the built-in modules at ``config``'s sizes."""
+    D = config.d_model
+    x = jnp.ones((1, 3, D))
+    self_attn = CausalSelfAttention(config, sow_weights=True)
+    params = self_attn.init(jax.random.key(seed), x, deterministic=True)
+    cross = CrossAttention(config)
+    cross_params = cross.init(jax.random.key(seed), x, x, deterministic=True)
+
+    @jax.jit
+    def causal(x):
+        return self_attn.apply(params, x, deterministic=True)
+
+    @jax.jit
+    def padded(x, valid):
+        return self_attn.apply(params, x, deterministic=True, mask=padding_mask(valid))
+
+    @jax.jit
+    def cross_padded(x, valid):
+        return cross.apply(cross_params, x, x, deterministic=True, context_mask=valid)
+
+    T, lengths = 9, np.array([9, 5])
+    valid = np.asarray(lengths_to_valid(lengths, T))
+    xs = jax.random.normal(jax.random.key(seed + 1), (2, T, D))
+    _, state = self_attn.apply(
+        params, xs, deterministic=True, mask=padding_mask(valid), mutable="intermediates"
+    )
+    (weights,) = state["intermediates"]["attention_weights"]
+    allowed = np.tril(np.ones((T, T), bool))[None, None] & valid[:, None, None, :]
+    return [
+        ("CausalSelfAttention causality", check_causality(causal, d_model=D, seed=seed)),
+        ("CausalSelfAttention row sums", check_row_sums(weights, allowed)),
+        ("CausalSelfAttention padding", check_padding(padded, d_model=D, seed=seed)),
+        ("CrossAttention padding", check_padding(cross_padded, d_model=D, seed=seed)),
+    ]

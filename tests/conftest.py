@@ -52,3 +52,17 @@ def x64():
     """Runs the test with 64-bit floats enabled."""
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture(scope="session")
+def default_audit():
+    """Exit status and stdout of a plain `nanoattn audit`, run once per session."""
+    import contextlib
+    import io
+
+    from nanoattn.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["audit"])
+    return code, out.getvalue()

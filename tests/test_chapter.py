@@ -13,8 +13,9 @@ from nanoattn import (
     lengths_to_valid,
     padding_mask,
 )
-from nanoattn._audit import axis_sizes, check_stages, trace_stages
 from nanoattn.linen import AttentionConfig, CausalSelfAttention, CrossAttention
+from nanoattn.verify import check_shapes
+from nanoattn.verify._shapes import trace_stages
 
 from conftest import np_attention, randn
 from test_masks import LENGTHS, PRODUCT_LENGTHS
@@ -35,10 +36,9 @@ def test_worked_example_shapes_of_the_seed_configuration():
 
 def test_element_counts_are_kept_through_every_reshape():
     config = AttentionConfig(96, 6)
-    stages = trace_stages(config, batch=3, seq_len=7)
-    checks = check_stages(stages, axis_sizes(config, 3, 7, None))
-    assert all(c.ok for c in checks)
-    by_name = {s.name: s.elements for s in stages}
+    report = check_shapes(config, batch=3, seq_len=7)
+    assert report.passed
+    by_name = {c.name: c.data["elements"] for c in report.checks}
     assert by_name["q"] + by_name["k"] + by_name["v"] == by_name["qkv"]
     assert by_name["q heads"] == by_name["q"] == by_name["concatenated heads"]
 

@@ -11,17 +11,44 @@ from nanoattn.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+GUIDES = ["README.md", "docs/verify.md"]
+BLOCKS = [
+    pytest.param(block, id=f"{name}-{i}")
+    for name in GUIDES
+    for i, block in enumerate(re.findall(r"```python\n(.*?)```", (ROOT / name).read_text(), re.S))
+]
 
 
-@pytest.mark.parametrize("block", re.findall(r"```python\n(.*?)```", README, re.S))
-def test_readme_python_blocks_run(block):
-    exec(compile(block, "README.md", "exec"), {})
+@pytest.mark.parametrize("block", BLOCKS)
+def test_python_blocks_in_the_docs_run(block):
+    exec(compile(block, "docs", "exec"), {})
 
 
-def test_readme_shows_the_real_audit_output(capsys):
-    assert main(["audit"]) == 0
-    real = capsys.readouterr().out.strip()
-    assert real in README
+def test_verify_guide_examples_exit_as_shown(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    guide = (ROOT / "docs/verify.md").read_text()
+    for target, status in [("flax_causal", 0), ("flax_no_mask", 1)]:
+        assert (
+            main(
+                [
+                    "verify",
+                    f"examples.verify_demo:{target}",
+                    "--d-model",
+                    "64",
+                    "--seq-lens",
+                    "1,2,5",
+                ]
+            )
+            == status
+        )
+        assert f"verify_demo:{target} --d-model 64\n" in guide
+    assert main(["verify", "examples.verify_demo:nothing", "--d-model", "64"]) == 2
+    assert "examples.verify_demo has no attribute 'nothing'" in capsys.readouterr().err
+
+
+def test_readme_shows_the_real_audit_output(default_audit):
+    code, out = default_audit
+    assert code == 0 and out.strip() in README
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,13 @@
-"""The ``nanoattn`` command line. It parses, calls the library, and prints.
+"""``nanoattn audit``: the shape audit, the worked mask examples and the
+verification of the built-in modules, for one configuration."""
 
-Exit statuses: 0 every check passed, 1 a check failed, 2 bad input (one line
-on stderr, no traceback).
-"""
-
-import argparse
 import json
-import sys
 import unicodedata
 
-from . import _audit
-from .linen import AttentionConfig
+from .. import _audit
+from ..linen import AttentionConfig
+from ..verify import check_shapes
+from ._common import UsageError, int_list
 
 SYMBOLS = {
     "emoji": {_audit.ALLOWED: "✅", _audit.FUTURE: "❌", _audit.PADDING: "🚫"},
@@ -18,37 +15,14 @@ SYMBOLS = {
 }
 
 
-class UsageError(Exception):
-    """Bad command-line input: reported in one line with exit status 2."""
-
-    def __init__(self, message: str, prog: str | None = None):
-        super().__init__(message)
-        self.prog = prog
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(message, self.prog)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="nanoattn", description="Multi-head causal attention for JAX/Flax.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_parser(commands) -> None:
     audit = commands.add_parser(
         "audit",
         help="audit shapes and masks of the attention module",
         description="Trace one forward pass of the attention module and audit every shape, "
-        "then draw the causal and padding masks with the row sums of the real weights. "
-        "Defaults: the NanoMoE seed (d_model 128, 4 heads, batch 2, 5 tokens).",
+        "draw the causal and padding masks with the row sums of the real weights, and verify "
+        "the built-in modules. Defaults: the NanoMoE seed (d_model 128, 4 heads, batch 2, "
+        "5 tokens). Exit status 0 when every check passes, 1 when one fails, 2 for bad input.",
     )
     audit.add_argument("--d-model", type=int, default=128, help="model width D (default 128)")
     audit.add_argument("--heads", type=int, default=4, help="number of heads N (default 4)")
@@ -62,18 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument(
         "--lengths",
-        type=_int_list,
+        type=int_list,
         default=None,
         help="valid tokens per batch row for the padding example "
         "(default 5,3 for the seed: the full length, then 2 fewer)",
     )
     audit.add_argument("--json", action="store_true", help="print machine-readable JSON")
     audit.add_argument("--ascii", action="store_true", help="draw masks without emoji")
-    audit.set_defaults(run=_run_audit)
-    return parser
+    audit.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the verification of the built-in modules (a few seconds)",
+    )
+    audit.set_defaults(run=run)
 
 
-def _audit_inputs(args) -> tuple[AttentionConfig, list[int]]:
+def _inputs(args) -> tuple[AttentionConfig, list[int]]:
     for name in ("batch", "seq_len"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -95,29 +73,29 @@ def _audit_inputs(args) -> tuple[AttentionConfig, list[int]]:
     return config, lengths
 
 
-def _run_audit(args) -> int:
-    config, lengths = _audit_inputs(args)
-    stages = _audit.trace_stages(config, args.batch, args.seq_len, args.kv_len)
-    checks = _audit.check_stages(
-        stages, _audit.axis_sizes(config, args.batch, args.seq_len, args.kv_len)
-    )
+def run(args) -> int:
+    config, lengths = _inputs(args)
+    shapes = check_shapes(config, batch=args.batch, seq_len=args.seq_len, kv_len=args.kv_len)
     examples = _audit.mask_examples(config, lengths, args.seq_len, args.kv_len)
     blocked = _audit.blocked_row_example(config, args.seq_len)
-    passed = all(c.ok for c in checks) and all(e.passed for e in examples) and blocked["passed"]
+    verified = [] if args.no_verify else _audit.verify_modules(config)
+    passed = (
+        shapes.passed
+        and all(e.passed for e in examples)
+        and blocked["passed"]
+        and all(r.passed for _, r in verified)
+    )
     module = "CausalSelfAttention" if args.kv_len is None else "CrossAttention"
     if args.json:
-        print(
-            json.dumps(
-                _audit_json(module, config, args, checks, examples, blocked, passed), indent=2
-            )
-        )
+        report = _json(module, config, args, shapes, examples, blocked, verified, passed)
+        print(json.dumps(report, indent=2))
     else:
         symbols = SYMBOLS["ascii" if args.ascii else "emoji"]
-        print(_audit_text(module, config, args, checks, examples, blocked, symbols))
+        print(_text(module, config, args, shapes, examples, blocked, verified, passed, symbols))
     return 0 if passed else 1
 
 
-def _audit_json(module, config, args, checks, examples, blocked, passed) -> dict:
+def _json(module, config, args, shapes, examples, blocked, verified, passed) -> dict:
     return {
         "module": module,
         "config": {
@@ -130,16 +108,12 @@ def _audit_json(module, config, args, checks, examples, blocked, passed) -> dict
         },
         "shapes": [
             {
-                "stage": c.stage.name,
-                "shape": list(c.stage.shape),
-                "axes": list(c.stage.axes),
-                "elements": c.stage.elements,
-                "op": c.stage.op,
-                "source": c.stage.source,
-                "ok": c.ok,
-                "problems": list(c.problems),
+                "stage": c.name,
+                **c.data,
+                "ok": c.passed,
+                "problems": [] if c.passed else c.detail.split("; "),
             }
-            for c in checks
+            for c in shapes.checks
         ],
         "masks": [
             {
@@ -152,11 +126,12 @@ def _audit_json(module, config, args, checks, examples, blocked, passed) -> dict
             for e in examples
         ],
         "blocked_row": blocked,
+        "verification": [{"subject": name, **report.to_dict()} for name, report in verified],
         "passed": passed,
     }
 
 
-def _audit_text(module, config, args, checks, examples, blocked, symbols) -> str:
+def _text(module, config, args, shapes, examples, blocked, verified, passed, symbols) -> str:
     kv = "" if args.kv_len is None else f", {args.kv_len} context tokens"
     lines = [
         f"nanoattn audit: {module}, d_model {config.d_model}, {config.n_heads} heads of "
@@ -164,25 +139,23 @@ def _audit_text(module, config, args, checks, examples, blocked, symbols) -> str
         "",
         "Shapes of one forward pass (traced from the module under jax.eval_shape)",
     ]
-    rows = [("stage", "shape", "axes", "elements", "op", "check")]
-    for c in checks:
-        s = c.stage
-        rows.append(
+    lines += _table(
+        [("stage", "shape", "axes", "elements", "op", "check")]
+        + [
             (
-                s.name,
-                str(s.shape),
-                " ".join(s.axes),
-                f"{s.elements:,}",
-                s.op,
-                "ok" if c.ok else "FAIL: " + "; ".join(c.problems),
+                c.name,
+                str(tuple(c.data["shape"])),
+                " ".join(c.data["axes"]),
+                f"{c.data['elements']:,}",
+                c.data["op"],
+                "ok" if c.passed else "FAIL: " + c.detail,
             )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for r in rows:
-        lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5])
-    kept = all(c.ok for c in checks)
+            for c in shapes.checks
+        ]
+    )
     lines.append(
-        f"Every reshape and split keeps its element count and axis sizes: {'yes' if kept else 'NO'}"
+        f"Every reshape and split keeps its element count and axis sizes: "
+        f"{'yes' if shapes.passed else 'NO'}"
     )
 
     lines += [
@@ -209,12 +182,35 @@ def _audit_text(module, config, args, checks, examples, blocked, symbols) -> str
         "",
         f"A query that sees no key (kv_lengths = 0): row sum {blocked['row_sum']:g}, "
         f"largest output {blocked['output_max_abs']:g}   {'ok' if blocked['passed'] else 'FAIL'}",
-        "",
-        "PASS"
-        if all(c.ok for c in checks) and all(e.passed for e in examples) and blocked["passed"]
-        else "FAIL",
     ]
+    if verified:
+        lines += [
+            "",
+            f"Verification of the built-in modules at d_model {config.d_model}, "
+            f"{config.n_heads} heads (nanoattn.verify)",
+        ]
+        rows = [("subject", "result", "checks")]
+        for name, report in verified:
+            failed = [f"{c.name}: {c.detail}" for c in report.checks if not c.passed]
+            rows.append(
+                (
+                    name,
+                    "PASS" if report.passed else "FAIL",
+                    "; ".join(failed) or ", ".join(c.name for c in report.checks),
+                )
+            )
+        lines += _table(rows)
+    lines += ["", "PASS" if passed else "FAIL"]
     return "\n".join(lines)
+
+
+def _table(rows) -> list[str]:
+    """Left-aligned columns; the last column is not padded."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return [
+        ("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip()
+        for r in rows
+    ]
 
 
 def _examples_to_draw(examples):
@@ -242,19 +238,3 @@ def _draw(cells, symbols) -> list[str]:
         cells_text = "".join(_cell(symbols[c]) for c in row)
         lines.append(f"Token {i + 1}:".ljust(label) + "  " + cells_text)
     return [line.rstrip() for line in lines]
-
-
-def main(argv=None) -> int:
-    """Runs the command line; returns the exit status."""
-    args = None
-    try:
-        args = build_parser().parse_args(argv)
-        return args.run(args)
-    except UsageError as e:
-        prog = e.prog or f"nanoattn {args.command}"
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _entry() -> None:
-    sys.exit(main())

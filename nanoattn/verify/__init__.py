@@ -1,0 +1,13 @@
+"""Verification toolkit: prove that an attention implementation hides the future,
+ignores padding, normalises its rows and keeps its axes straight.
+
+Works on nanoattn's modules and on anyone else's attention function or decoder.
+See docs/verify.md.
+"""
+
+from ._causality import check_causality as check_causality
+from ._causality import check_padding as check_padding
+from ._report import CheckResult as CheckResult
+from ._report import Report as Report
+from ._shapes import check_shapes as check_shapes
+from ._weights import check_row_sums as check_row_sums
