@@ -12,6 +12,14 @@ def _at(index: tuple[int, ...], names: tuple[str, ...] | None) -> dict:
     return dict(zip(names, (int(i) for i in index)))
 
 
+def _worst(name: str, deviation: np.ndarray, names, tolerance: float, detail: str):
+    """A check that passes when every deviation is at most ``tolerance``."""
+    index = np.unravel_index(np.argmax(deviation), deviation.shape) if deviation.size else ()
+    worst = float(deviation[index]) if deviation.size else 0.0
+    where = _at(index, names) if worst > 0 else None
+    return CheckResult(name, worst <= tolerance, detail, worst, where)
+
+
 def check_row_sums(weights, allowed, *, atol: float = 1e-5) -> Report:
     """Checks normalised attention weights against the mask that produced them.
 
@@ -44,44 +52,30 @@ def check_row_sums(weights, allowed, *, atol: float = 1e-5) -> Report:
     row_names = cell_names and cell_names[:-1]
     has_key = allowed.any(-1)
 
-    checks = []
-    sums = w.sum(-1)
-    dev = np.where(has_key, np.abs(sums - 1), 0.0)
-    worst = np.unravel_index(np.argmax(dev), dev.shape) if dev.size else ()
-    worst_dev = float(dev[worst]) if dev.size else 0.0
-    checks.append(
-        CheckResult(
+    row_dev = np.where(has_key, np.abs(w.sum(-1) - 1), 0.0)
+    cell_dev = np.where(allowed, 0.0, np.abs(w))
+    empty_dev = np.where(has_key[..., None], 0.0, np.abs(w)).max(-1, initial=0.0)
+    checks = [
+        _worst(
             "permitted rows sum to 1",
-            worst_dev <= atol,
+            row_dev,
+            row_names,
+            atol,
             f"{int(has_key.sum())} rows with a permitted cell, tolerance {atol:g}",
-            worst_dev,
-            _at(worst, row_names) if worst_dev > 0 else None,
-        )
-    )
-
-    blocked = np.where(allowed, 0.0, np.abs(w))
-    worst = np.unravel_index(np.argmax(blocked), blocked.shape) if blocked.size else ()
-    worst_dev = float(blocked[worst]) if blocked.size else 0.0
-    checks.append(
-        CheckResult(
+        ),
+        _worst(
             "blocked cells are 0",
-            worst_dev == 0.0,
+            cell_dev,
+            cell_names,
+            0.0,
             f"{int((~allowed).sum())} blocked cells, must be exactly 0",
-            worst_dev,
-            _at(worst, cell_names) if worst_dev > 0 else None,
-        )
-    )
-
-    empty = np.where(has_key[..., None], 0.0, np.abs(w)).max(-1) if w.size else np.zeros(())
-    worst = np.unravel_index(np.argmax(empty), empty.shape) if empty.size else ()
-    worst_dev = float(empty[worst]) if empty.size else 0.0
-    checks.append(
-        CheckResult(
+        ),
+        _worst(
             "fully blocked rows are 0",
-            worst_dev == 0.0,
+            empty_dev,
+            row_names,
+            0.0,
             f"{int((~has_key).sum())} rows with no permitted cell, must be all zeros",
-            worst_dev,
-            _at(worst, row_names) if worst_dev > 0 else None,
-        )
-    )
+        ),
+    ]
     return Report("row sums", checks)
