@@ -1,0 +1,354 @@
+"""Blockwise ("flash") attention in pure JAX: online softmax, O(T) memory.
+
+The forward pass walks the work items of :mod:`nanoattn._schedule` (pairs of
+a query block and a key block) and keeps, per query row, the running maximum
+``m``, the running sum ``l`` of ``exp(logit - m)`` and the running weighted
+sum of values (FlashAttention-2). It saves only the output and the
+log-sum-exp ``m + log l`` per row; the backward pass (a ``jax.custom_vjp``)
+recomputes the weights block by block from them, so neither pass holds
+anything of size T x S.
+
+Block layout: queries (B, nQ, K, G, bq, H), keys and values (B, nK, K, bk, H),
+per-row statistics (B, nQ, K, G, bq). A step gathers one item per lane, so
+each array gains a lane axis L after B.
+
+The semantics are the reference's (docs/conventions.md): positional
+causality with ``q_offset``, key lengths, a dense boolean mask and an additive
+bias sliced per block, grouped-query heads, zeros (and zero gradients) for a
+row with no visible key, and softmax statistics in at least float32.
+Dropout is not supported here: the dispatcher sends it to the reference.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._reference import compute_dtype, large_negative
+from ._schedule import Schedule, block_schedules
+from ._spec import AttentionSpec
+
+# (block_q, block_k, lanes) per pass, measured on a 2-core x86 CPU (docs/performance.md).
+FORWARD_TILES = (256, 256, 8)
+BACKWARD_TILES = (128, 128, 8)
+
+_ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one kernel call (hashable: a custom_vjp argument)."""
+
+    B: int
+    T: int
+    S: int
+    K: int
+    G: int
+    H: int
+    block_q: int
+    block_k: int
+    lanes: int
+    scale: float
+    causal: bool
+    static_offset: int | None  # causal with a Python int offset: blocks can be skipped
+    has_lengths: bool
+    mask_shape: tuple[int, ...] | None
+    bias_shape: tuple[int, ...] | None
+
+    @property
+    def n_q(self) -> int:
+        return -(-self.T // self.block_q)
+
+    @property
+    def n_k(self) -> int:
+        return -(-self.S // self.block_k)
+
+    def schedules(self) -> tuple[Schedule, Schedule]:
+        """The (masked, full) schedules."""
+        traced_offset = self.causal and self.static_offset is None
+        all_masked = self.has_lengths or self.mask_shape is not None or traced_offset
+        offset = self.static_offset if self.causal else None
+        return block_schedules(self.T, self.S, self.block_q, self.block_k, self.lanes, offset,
+                               all_masked)
+
+
+def _pad(x, axis: int, size: int, value=0):
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _query_blocks(x, plan: Plan, dtype):
+    """(B, T, N, H) -> (B, nQ, K, G, bq, H)."""
+    x = _pad(x.astype(dtype), 1, plan.n_q * plan.block_q)
+    x = x.reshape(plan.B, plan.n_q, plan.block_q, plan.K, plan.G, plan.H)  # (B, nQ, bq, K, G, H)
+    return jnp.einsum("BnqKGH->BnKGqH", x)
+
+
+def _key_blocks(x, plan: Plan, dtype):
+    """(B, S, K, H) -> (B, nK, K, bk, H)."""
+    x = _pad(x.astype(dtype), 1, plan.n_k * plan.block_k)
+    x = x.reshape(plan.B, plan.n_k, plan.block_k, plan.K, plan.H)  # (B, nK, bk, K, H)
+    return jnp.einsum("BnkKH->BnKkH", x)
+
+
+def _unblock_queries(x, plan: Plan):
+    """(B, nQ, K, G, bq, H) -> (B, T, N, H)."""
+    x = jnp.einsum("BnKGqH->BnqKGH", x)
+    x = x.reshape(plan.B, plan.n_q * plan.block_q, plan.K * plan.G, plan.H)  # (B, Tpad, N, H)
+    return x[:, : plan.T]
+
+
+def _row_blocks(x, plan: Plan):
+    """Per-row statistics (B, T, K, G) -> (B, nQ, K, G, bq)."""
+    x = _pad(x, 1, plan.n_q * plan.block_q)
+    x = x.reshape(plan.B, plan.n_q, plan.block_q, plan.K, plan.G)  # (B, nQ, bq, K, G)
+    return jnp.einsum("BnqKG->BnKGq", x)
+
+
+def _unblock_rows(x, plan: Plan):
+    """(B, nQ, K, G, bq) -> (B, T, K, G)."""
+    x = jnp.einsum("BnKGq->BnqKG", x).reshape(plan.B, -1, plan.K, plan.G)
+    return x[:, : plan.T]
+
+
+def _pair_blocks(x, plan: Plan, fill):
+    """A mask or bias (xB, xN, xT, xS), each axis 1 or full, as blocks
+    (xB, xN, nQ or 1, bq or 1, nK or 1, bk or 1)."""
+    xB, xN, xT, xS = x.shape
+    if xT > 1:
+        x = _pad(x, 2, plan.n_q * plan.block_q, fill)
+    if xS > 1:
+        x = _pad(x, 3, plan.n_k * plan.block_k, fill)
+    rows = (plan.n_q, plan.block_q) if xT > 1 else (1, 1)
+    cols = (plan.n_k, plan.block_k) if xS > 1 else (1, 1)
+    return x.reshape(xB, xN, *rows, *cols)
+
+
+def _gather_pairs(blocks, qi, kj, plan: Plan):
+    """The blocks of each lane's item: (xB, L, K or 1, G or 1, bq or 1, bk or 1)."""
+    qi = qi if blocks.shape[2] > 1 else jnp.zeros_like(qi)
+    kj = kj if blocks.shape[4] > 1 else jnp.zeros_like(kj)
+    picked = blocks[:, :, qi, :, kj, :]  # (L, xB, xN, bq', bk'): advanced axes come first
+    picked = jnp.moveaxis(picked, 0, 1)  # (xB, L, xN, bq', bk')
+    heads = (plan.K, plan.G) if picked.shape[2] > 1 else (1, 1)
+    return picked.reshape(*picked.shape[:2], *heads, *picked.shape[3:])
+
+
+def _scatter_pairs(blocks, qi, kj, grad):
+    """Adds an item gradient (B, L, K, G, bq, bk), summed to the blocks' broadcast
+    shape, into ``blocks`` at each lane's item."""
+    xB, xN, nq, bq, nk, bk = blocks.shape
+    axes = tuple(a for a, keep in [(0, xB > 1), (2, xN > 1), (3, xN > 1), (4, bq > 1),
+                                   (5, bk > 1)] if not keep)
+    grad = grad.sum(axis=axes, keepdims=True)
+    grad = grad.reshape(grad.shape[0], grad.shape[1], xN, *grad.shape[4:])  # (xB, L, xN, ., .)
+    qi = qi if nq > 1 else jnp.zeros_like(qi)
+    kj = kj if nk > 1 else jnp.zeros_like(kj)
+    return blocks.at[:, :, qi, :, kj, :].add(jnp.moveaxis(grad, 1, 0))
+
+
+def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks):
+    """Which cells of each lane's item are visible: bool, broadcastable to
+    (B, L, K, G, bq, bk)."""
+    k_pos = kj[:, None] * plan.block_k + jnp.arange(plan.block_k)  # (L, bk)
+    parts = []
+    if plan.causal:
+        q_pos = qi[:, None] * plan.block_q + jnp.arange(plan.block_q)  # (L, bq)
+        offset = plan.static_offset if plan.static_offset is not None else q_offset
+        offset = jnp.reshape(jnp.asarray(offset), (-1, 1, 1))  # (1 or B, 1, 1)
+        sees = k_pos[None, :, None, :] <= (offset + q_pos)[..., None]  # (1 or B, L, bq, bk)
+        parts.append(sees[:, :, None, None])
+    if plan.n_k * plan.block_k > plan.S:
+        parts.append((k_pos < plan.S)[None, :, None, None, None, :])
+    if kv_lengths is not None:
+        valid = k_pos[None] < kv_lengths[:, None, None]  # (B, L, bk)
+        parts.append(valid[:, :, None, None, None, :])
+    if mask_blocks is not None:
+        parts.append(_gather_pairs(mask_blocks, qi, kj, plan))
+    return functools.reduce(jnp.logical_and, parts)
+
+
+def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks):
+    """Scaled logits of each lane's item (the query blocks are pre-scaled)."""
+    s = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", qs, ks)
+    if bias_blocks is not None:
+        s = s + _gather_pairs(bias_blocks, qi, kj, plan)
+    return s
+
+
+def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths):
+    acc = compute_dtype(q.dtype, k.dtype, v.dtype)
+    neg = large_negative(acc)
+    qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
+    kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
+    mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
+    bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
+    rows = (plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q)  # one spare row for idle slots
+    state = (jnp.full(rows, neg, acc), jnp.zeros(rows, acc), jnp.zeros((*rows, plan.H), acc))
+
+    def run(state, schedule: Schedule, masked: bool):
+        if schedule.steps == 0:
+            return state
+
+        def step(state, item):
+            m, l, o = state
+            qi, kj = item
+            qc = jnp.minimum(qi, plan.n_q - 1)
+            qs = jnp.take(qb, qc, axis=1)  # (B, L, K, G, bq, H)
+            ks, vs = jnp.take(kb, kj, axis=1), jnp.take(vb, kj, axis=1)  # (B, L, K, bk, H)
+            s = _scores(plan, qs, ks, qc, kj, bias_blocks)
+            if masked:
+                allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks)
+                s = jnp.where(allowed, s, neg)
+            m_old, l_old, o_old = (jnp.take(x, qi, axis=1) for x in (m, l, o))
+            m_new = jnp.maximum(m_old, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            if masked:
+                p = jnp.where(allowed, p, 0)  # exact zeros, also in a row that sees nothing
+            rescale = jnp.exp(m_old - m_new)
+            l_new = l_old * rescale + p.sum(-1)
+            o_new = o_old * rescale[..., None] + jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", p, vs)
+            return (m.at[:, qi].set(m_new), l.at[:, qi].set(l_new), o.at[:, qi].set(o_new)), None
+
+        state, _ = jax.lax.scan(step, state, (jnp.asarray(schedule.q_block),
+                                              jnp.asarray(schedule.k_block)))
+        return state
+
+    masked, full = plan.schedules()
+    m, l, o = run(run(state, masked, True), full, False)
+    m, l, o = m[:, :-1], l[:, :-1], o[:, :-1]
+    seen = l > 0
+    out = o / jnp.where(seen, l, 1)[..., None]
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), 0)  # (B, nQ, K, G, bq)
+    return _unblock_queries(out, plan).astype(q.dtype), _unblock_rows(lse, plan)
+
+
+def _backward(plan: Plan, residuals, d_out):
+    q, k, v, bias, mask, q_offset, kv_lengths, out, lse = residuals
+    acc = lse.dtype
+    lse = _row_blocks(lse, plan)  # (B, nQ, K, G, bq)
+    neg = large_negative(acc)
+    qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
+    dob = _query_blocks(d_out, plan, acc)
+    kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
+    # D_i = sum_h dO_ih O_ih, the row term of the softmax gradient.
+    delta = (d_out.astype(acc) * out.astype(acc)).sum(-1)  # (B, T, N)
+    delta = _row_blocks(delta.reshape(plan.B, plan.T, plan.K, plan.G), plan)  # (B, nQ, K, G, bq)
+    mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
+    bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
+    grads = (
+        jnp.zeros((plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q, plan.H), acc),
+        jnp.zeros_like(kb),
+        jnp.zeros_like(vb),
+        None if bias is None else jnp.zeros_like(bias_blocks),
+    )
+
+    def run(grads, schedule: Schedule, masked: bool):
+        if schedule.steps == 0:
+            return grads
+
+        def step(grads, item):
+            dq, dk, dv, dbias = grads
+            qi, kj = item
+            qc = jnp.minimum(qi, plan.n_q - 1)
+            live = (qi < plan.n_q)[None, :, None, None, None]  # idle slots must add nothing:
+            qs = jnp.take(qb, qc, axis=1)  # (B, L, K, G, bq, H)
+            dos = jnp.take(dob, qc, axis=1) * live[..., None]  # with dO = 0 and D = 0 there,
+            delta_i = jnp.take(delta, qc, axis=1) * live  # both p dO and dS vanish
+            lse_i = jnp.take(lse, qc, axis=1)
+            ks, vs = jnp.take(kb, kj, axis=1), jnp.take(vb, kj, axis=1)
+            s = _scores(plan, qs, ks, qc, kj, bias_blocks)
+            if masked:
+                allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks)
+                s = jnp.where(allowed, s, neg)
+            p = jnp.exp(s - lse_i[..., None])
+            if masked:
+                p = jnp.where(allowed, p, 0)
+            dp = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", dos, vs)
+            ds = p * (dp - delta_i[..., None])
+            dq = dq.at[:, qi].add(jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", ds, ks))
+            dk = dk.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLKkH", ds, qs))
+            dv = dv.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLKkH", p, dos))
+            if dbias is not None:
+                dbias = _scatter_pairs(dbias, qc, kj, ds)
+            return (dq, dk, dv, dbias), None
+
+        grads, _ = jax.lax.scan(step, grads, (jnp.asarray(schedule.q_block),
+                                              jnp.asarray(schedule.k_block)))
+        return grads
+
+    masked, full = plan.schedules()
+    dq, dk, dv, dbias = run(run(grads, masked, True), full, False)
+    dq = _unblock_queries(dq[:, :-1] * jnp.asarray(plan.scale, acc), plan).astype(q.dtype)
+    dk = jnp.einsum("BnKkH->BnkKH", dk).reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
+    dv = jnp.einsum("BnKkH->BnkKH", dv).reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
+    if dbias is not None:
+        xB, xN, xT, xS = bias.shape
+        dbias = dbias.reshape(xB, xN, -1, dbias.shape[4] * dbias.shape[5])[:, :, :xT, :xS]
+        dbias = dbias.astype(bias.dtype)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(plan, backward_plan, q, k, v, bias, mask, q_offset, kv_lengths):
+    return _forward(plan, q, k, v, bias, mask, q_offset, kv_lengths)[0]
+
+
+def _attend_fwd(plan, backward_plan, q, k, v, bias, mask, q_offset, kv_lengths):
+    out, lse = _forward(plan, q, k, v, bias, mask, q_offset, kv_lengths)
+    return out, (q, k, v, bias, mask, q_offset, kv_lengths, out, lse)
+
+
+def _attend_bwd(plan, backward_plan, residuals, d_out):
+    return _backward(backward_plan, residuals, d_out)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def flash_attention(query, key, value, spec: AttentionSpec, *, forward_tiles=None,
+                    backward_tiles=None):
+    """Blockwise attention with the reference's output contract.
+
+    Args:
+      query: (B, T, N, H); key, value: (B, S, K, H); ``spec`` from
+        :func:`nanoattn._spec.attention_spec`.
+      forward_tiles, backward_tiles: ``(block_q, block_k, lanes)`` for each
+        pass: block sizes along T and S (capped at T and S; lengths need not
+        be multiples of them) and the work items processed side by side per
+        step. Defaults: :data:`FORWARD_TILES`, :data:`BACKWARD_TILES`.
+
+    Returns:
+      (B, T, N, H) in the query's dtype.
+    """
+    static_offset = spec.q_offset if isinstance(spec.q_offset, int) else None
+    plans = []
+    for tiles, default in ((forward_tiles, FORWARD_TILES), (backward_tiles, BACKWARD_TILES)):
+        block_q, block_k, lanes = tiles or default
+        if min(block_q, block_k, lanes) < 1:
+            raise ValueError(f"block sizes and lanes must be >= 1, got {tiles}")
+        plans.append(Plan(
+            B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H,
+            block_q=min(block_q, spec.T), block_k=min(block_k, spec.S), lanes=lanes,
+            scale=float(spec.scale), causal=spec.is_causal, static_offset=static_offset,
+            has_lengths=spec.kv_lengths is not None,
+            mask_shape=None if spec.mask is None else tuple(spec.mask.shape),
+            bias_shape=None if spec.bias is None else tuple(spec.bias.shape),
+        ))
+    q_offset = None if static_offset is not None or not spec.is_causal else spec.q_offset
+    return _attend(*plans, query, key, value, spec.bias, spec.mask, q_offset, spec.kv_lengths)
+
+
+def unsupported(spec: AttentionSpec, dropout_rate: float) -> str | None:
+    """Why the kernel cannot serve this call, or None when it can."""
+    if dropout_rate > 0:
+        return "dropout is only implemented by the reference (implementation='xla')"
+    if not isinstance(spec.scale, (int, float, np.floating, np.integer)):
+        return "the kernel needs a Python number for scale, not a traced array"
+    return None
