@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 
-from . import _reference
+from . import _dispatch, _flash, _reference
 from ._spec import attention_spec
 
 
@@ -29,6 +29,7 @@ def dot_product_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    implementation: _dispatch.Implementation | None = None,
 ):
     r"""Multi-head scaled dot-product attention.
 
@@ -70,6 +71,11 @@ def dot_product_attention(
       scale: factor on ``q . k``; defaults to ``1 / sqrt(H)``.
       dropout_rate: dropout on the weights (inverted scaling); 0 disables it.
       dropout_rng: a ``jax.random`` key, needed when ``dropout_rate > 0``.
+      implementation: ``"xla"`` (the reference: full score tensor, every
+        feature), ``"flash"`` (blockwise kernel, O(T) memory, no dropout),
+        ``"cudnn"`` (NVIDIA GPUs, half precision), or None to choose the
+        fastest one that can serve the call (docs/performance.md). A named
+        implementation that cannot serve the call raises ValueError.
 
     Returns:
       (B, T, N, H), the query's dtype.
@@ -93,9 +99,15 @@ def dot_product_attention(
         scale=scale,
     )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    return _reference.attend(
-        query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng
-    )
+    match _dispatch.choose(implementation, spec, query.dtype, dropout_rate):
+        case "flash":
+            return _flash.flash_attention(query, key, value, spec)
+        case "cudnn":
+            return _dispatch.cudnn_attention(query, key, value, spec)
+        case _:
+            return _reference.attend(
+                query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng
+            )
 
 
 def attention_weights(

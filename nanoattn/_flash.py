@@ -8,9 +8,10 @@ log-sum-exp ``m + log l`` per row; the backward pass (a ``jax.custom_vjp``)
 recomputes the weights block by block from them, so neither pass holds
 anything of size T x S.
 
-Block layout: queries (B, nQ, K, G, bq, H), keys and values (B, nK, K, bk, H),
-per-row statistics (B, nQ, K, G, bq). A step gathers one item per lane, so
-each array gains a lane axis L after B.
+Block layout: queries (B, nQ, bq, K, G, H) and keys and values
+(B, nK, bk, K, H), free reshapes of the inputs; per-row statistics
+(B, nQ, K, G, bq). A step gathers one item per lane (a lane axis L after B)
+and turns it head-major, (B, L, K, G, bq, H), for the matrix products.
 
 The semantics are the reference's (docs/conventions.md): positional
 causality with ``q_offset``, key lengths, a dense boolean mask and an additive
@@ -31,7 +32,7 @@ from ._schedule import Schedule, block_schedules
 from ._spec import AttentionSpec
 
 # (block_q, block_k, lanes) per pass, measured on a 2-core x86 CPU (docs/performance.md).
-FORWARD_TILES = (256, 256, 8)
+FORWARD_TILES = (256, 512, 4)
 BACKWARD_TILES = (128, 128, 8)
 
 _ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
@@ -70,8 +71,9 @@ class Plan:
         traced_offset = self.causal and self.static_offset is None
         all_masked = self.has_lengths or self.mask_shape is not None or traced_offset
         offset = self.static_offset if self.causal else None
-        return block_schedules(self.T, self.S, self.block_q, self.block_k, self.lanes, offset,
-                               all_masked)
+        return block_schedules(
+            self.T, self.S, self.block_q, self.block_k, self.lanes, offset, all_masked
+        )
 
 
 def _pad(x, axis: int, size: int, value=0):
@@ -84,22 +86,29 @@ def _pad(x, axis: int, size: int, value=0):
 
 
 def _query_blocks(x, plan: Plan, dtype):
-    """(B, T, N, H) -> (B, nQ, K, G, bq, H)."""
+    """(B, T, N, H) -> (B, nQ, bq, K, G, H): a reshape, no copy unless T is padded."""
     x = _pad(x.astype(dtype), 1, plan.n_q * plan.block_q)
-    x = x.reshape(plan.B, plan.n_q, plan.block_q, plan.K, plan.G, plan.H)  # (B, nQ, bq, K, G, H)
-    return jnp.einsum("BnqKGH->BnKGqH", x)
+    return x.reshape(plan.B, plan.n_q, plan.block_q, plan.K, plan.G, plan.H)
 
 
 def _key_blocks(x, plan: Plan, dtype):
-    """(B, S, K, H) -> (B, nK, K, bk, H)."""
+    """(B, S, K, H) -> (B, nK, bk, K, H): a reshape, no copy unless S is padded."""
     x = _pad(x.astype(dtype), 1, plan.n_k * plan.block_k)
-    x = x.reshape(plan.B, plan.n_k, plan.block_k, plan.K, plan.H)  # (B, nK, bk, K, H)
-    return jnp.einsum("BnkKH->BnKkH", x)
+    return x.reshape(plan.B, plan.n_k, plan.block_k, plan.K, plan.H)
+
+
+def _take_queries(blocks, qi):
+    """Each lane's query block, head-major: (B, L, K, G, bq, H)."""
+    return jnp.einsum("BLqKGH->BLKGqH", jnp.take(blocks, qi, axis=1))
+
+
+def _take_keys(blocks, kj):
+    """Each lane's key block, head-major: (B, L, K, bk, H)."""
+    return jnp.einsum("BLkKH->BLKkH", jnp.take(blocks, kj, axis=1))
 
 
 def _unblock_queries(x, plan: Plan):
-    """(B, nQ, K, G, bq, H) -> (B, T, N, H)."""
-    x = jnp.einsum("BnKGqH->BnqKGH", x)
+    """(B, nQ, bq, K, G, H) -> (B, T, N, H)."""
     x = x.reshape(plan.B, plan.n_q * plan.block_q, plan.K * plan.G, plan.H)  # (B, Tpad, N, H)
     return x[:, : plan.T]
 
@@ -144,8 +153,11 @@ def _scatter_pairs(blocks, qi, kj, grad):
     """Adds an item gradient (B, L, K, G, bq, bk), summed to the blocks' broadcast
     shape, into ``blocks`` at each lane's item."""
     xB, xN, nq, bq, nk, bk = blocks.shape
-    axes = tuple(a for a, keep in [(0, xB > 1), (2, xN > 1), (3, xN > 1), (4, bq > 1),
-                                   (5, bk > 1)] if not keep)
+    axes = tuple(
+        a
+        for a, keep in [(0, xB > 1), (2, xN > 1), (3, xN > 1), (4, bq > 1), (5, bk > 1)]
+        if not keep
+    )
     grad = grad.sum(axis=axes, keepdims=True)
     grad = grad.reshape(grad.shape[0], grad.shape[1], xN, *grad.shape[4:])  # (xB, L, xN, ., .)
     qi = qi if nq > 1 else jnp.zeros_like(qi)
@@ -190,7 +202,8 @@ def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths):
     mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
     bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
     rows = (plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q)  # one spare row for idle slots
-    state = (jnp.full(rows, neg, acc), jnp.zeros(rows, acc), jnp.zeros((*rows, plan.H), acc))
+    values = (plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H)
+    state = (jnp.full(rows, neg, acc), jnp.zeros(rows, acc), jnp.zeros(values, acc))
 
     def run(state, schedule: Schedule, masked: bool):
         if schedule.steps == 0:
@@ -200,13 +213,14 @@ def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths):
             m, l, o = state
             qi, kj = item
             qc = jnp.minimum(qi, plan.n_q - 1)
-            qs = jnp.take(qb, qc, axis=1)  # (B, L, K, G, bq, H)
-            ks, vs = jnp.take(kb, kj, axis=1), jnp.take(vb, kj, axis=1)  # (B, L, K, bk, H)
+            qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
+            ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)  # (B, L, K, bk, H)
             s = _scores(plan, qs, ks, qc, kj, bias_blocks)
             if masked:
                 allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks)
                 s = jnp.where(allowed, s, neg)
-            m_old, l_old, o_old = (jnp.take(x, qi, axis=1) for x in (m, l, o))
+            m_old, l_old = jnp.take(m, qi, axis=1), jnp.take(l, qi, axis=1)
+            o_old = _take_queries(o, qi)
             m_new = jnp.maximum(m_old, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             if masked:
@@ -214,17 +228,19 @@ def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths):
             rescale = jnp.exp(m_old - m_new)
             l_new = l_old * rescale + p.sum(-1)
             o_new = o_old * rescale[..., None] + jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", p, vs)
+            o_new = jnp.einsum("BLKGqH->BLqKGH", o_new)
             return (m.at[:, qi].set(m_new), l.at[:, qi].set(l_new), o.at[:, qi].set(o_new)), None
 
-        state, _ = jax.lax.scan(step, state, (jnp.asarray(schedule.q_block),
-                                              jnp.asarray(schedule.k_block)))
+        state, _ = jax.lax.scan(
+            step, state, (jnp.asarray(schedule.q_block), jnp.asarray(schedule.k_block))
+        )
         return state
 
     masked, full = plan.schedules()
     m, l, o = run(run(state, masked, True), full, False)
     m, l, o = m[:, :-1], l[:, :-1], o[:, :-1]
     seen = l > 0
-    out = o / jnp.where(seen, l, 1)[..., None]
+    out = o / jnp.einsum("BnKGq->BnqKG", jnp.where(seen, l, 1))[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), 0)  # (B, nQ, K, G, bq)
     return _unblock_queries(out, plan).astype(q.dtype), _unblock_rows(lse, plan)
 
@@ -243,7 +259,7 @@ def _backward(plan: Plan, residuals, d_out):
     mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
     bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
     grads = (
-        jnp.zeros((plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q, plan.H), acc),
+        jnp.zeros((plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H), acc),
         jnp.zeros_like(kb),
         jnp.zeros_like(vb),
         None if bias is None else jnp.zeros_like(bias_blocks),
@@ -258,11 +274,11 @@ def _backward(plan: Plan, residuals, d_out):
             qi, kj = item
             qc = jnp.minimum(qi, plan.n_q - 1)
             live = (qi < plan.n_q)[None, :, None, None, None]  # idle slots must add nothing:
-            qs = jnp.take(qb, qc, axis=1)  # (B, L, K, G, bq, H)
-            dos = jnp.take(dob, qc, axis=1) * live[..., None]  # with dO = 0 and D = 0 there,
+            qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
+            dos = _take_queries(dob, qc) * live[..., None]  # with dO = 0 and D = 0 there,
             delta_i = jnp.take(delta, qc, axis=1) * live  # both p dO and dS vanish
             lse_i = jnp.take(lse, qc, axis=1)
-            ks, vs = jnp.take(kb, kj, axis=1), jnp.take(vb, kj, axis=1)
+            ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
             s = _scores(plan, qs, ks, qc, kj, bias_blocks)
             if masked:
                 allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks)
@@ -272,22 +288,23 @@ def _backward(plan: Plan, residuals, d_out):
                 p = jnp.where(allowed, p, 0)
             dp = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", dos, vs)
             ds = p * (dp - delta_i[..., None])
-            dq = dq.at[:, qi].add(jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", ds, ks))
-            dk = dk.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLKkH", ds, qs))
-            dv = dv.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLKkH", p, dos))
+            dq = dq.at[:, qi].add(jnp.einsum(f"{_ITEM},BLKkH->BLqKGH", ds, ks))
+            dk = dk.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", ds, qs))
+            dv = dv.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", p, dos))
             if dbias is not None:
                 dbias = _scatter_pairs(dbias, qc, kj, ds)
             return (dq, dk, dv, dbias), None
 
-        grads, _ = jax.lax.scan(step, grads, (jnp.asarray(schedule.q_block),
-                                              jnp.asarray(schedule.k_block)))
+        grads, _ = jax.lax.scan(
+            step, grads, (jnp.asarray(schedule.q_block), jnp.asarray(schedule.k_block))
+        )
         return grads
 
     masked, full = plan.schedules()
     dq, dk, dv, dbias = run(run(grads, masked, True), full, False)
     dq = _unblock_queries(dq[:, :-1] * jnp.asarray(plan.scale, acc), plan).astype(q.dtype)
-    dk = jnp.einsum("BnKkH->BnkKH", dk).reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
-    dv = jnp.einsum("BnKkH->BnkKH", dv).reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
+    dk = dk.reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
+    dv = dv.reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
     if dbias is not None:
         xB, xN, xT, xS = bias.shape
         dbias = dbias.reshape(xB, xN, -1, dbias.shape[4] * dbias.shape[5])[:, :, :xT, :xS]
@@ -312,8 +329,9 @@ def _attend_bwd(plan, backward_plan, residuals, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def flash_attention(query, key, value, spec: AttentionSpec, *, forward_tiles=None,
-                    backward_tiles=None):
+def flash_attention(
+    query, key, value, spec: AttentionSpec, *, forward_tiles=None, backward_tiles=None
+):
     """Blockwise attention with the reference's output contract.
 
     Args:
@@ -333,14 +351,25 @@ def flash_attention(query, key, value, spec: AttentionSpec, *, forward_tiles=Non
         block_q, block_k, lanes = tiles or default
         if min(block_q, block_k, lanes) < 1:
             raise ValueError(f"block sizes and lanes must be >= 1, got {tiles}")
-        plans.append(Plan(
-            B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H,
-            block_q=min(block_q, spec.T), block_k=min(block_k, spec.S), lanes=lanes,
-            scale=float(spec.scale), causal=spec.is_causal, static_offset=static_offset,
-            has_lengths=spec.kv_lengths is not None,
-            mask_shape=None if spec.mask is None else tuple(spec.mask.shape),
-            bias_shape=None if spec.bias is None else tuple(spec.bias.shape),
-        ))
+        plans.append(
+            Plan(
+                B=spec.B,
+                T=spec.T,
+                S=spec.S,
+                K=spec.K,
+                G=spec.G,
+                H=spec.H,
+                block_q=min(block_q, spec.T),
+                block_k=min(block_k, spec.S),
+                lanes=lanes,
+                scale=float(spec.scale),
+                causal=spec.is_causal,
+                static_offset=static_offset,
+                has_lengths=spec.kv_lengths is not None,
+                mask_shape=None if spec.mask is None else tuple(spec.mask.shape),
+                bias_shape=None if spec.bias is None else tuple(spec.bias.shape),
+            )
+        )
     q_offset = None if static_offset is not None or not spec.is_causal else spec.q_offset
     return _attend(*plans, query, key, value, spec.bias, spec.mask, q_offset, spec.kv_lengths)
 

@@ -75,7 +75,12 @@ def pack(rows: list[list[int]], lanes: int) -> Schedule:
 
 @functools.lru_cache(maxsize=256)
 def block_schedules(
-    T: int, S: int, block_q: int, block_k: int, lanes: int, causal_offset: int | None,
+    T: int,
+    S: int,
+    block_q: int,
+    block_k: int,
+    lanes: int,
+    causal_offset: int | None,
     all_masked: bool,
 ) -> tuple[Schedule, Schedule]:
     """The (masked, full) schedules of an attention call.

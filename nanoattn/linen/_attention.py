@@ -34,7 +34,9 @@ def _attend(module: nn.Module, q, k, v, cfg: AttentionConfig, deterministic: boo
     B, T, _, _ = q.shape
     rate = 0.0 if deterministic else cfg.dropout
     rng = module.make_rng("dropout") if rate > 0.0 else None
-    out = dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=rng, **mask_args)
+    out = dot_product_attention(
+        q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=cfg.implementation, **mask_args
+    )
     if module.sow_weights:
         module.sow("intermediates", "attention_weights", attention_weights(q, k, **mask_args))
     merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from .._dispatch import IMPLEMENTATIONS
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
@@ -11,6 +13,10 @@ class AttentionConfig:
       d_model: D, the model width.
       n_heads: N, the number of heads; must divide ``d_model``.
       dropout: dropout rate on the attention weights, in [0, 1).
+      implementation: the attention backend, ``"xla"``, ``"flash"``,
+        ``"cudnn"`` or None for the automatic choice (see
+        ``nanoattn.dot_product_attention``). Training with dropout uses the
+        reference under the automatic choice.
 
     Example:
       >>> AttentionConfig(d_model=128, n_heads=4).head_dim
@@ -20,6 +26,7 @@ class AttentionConfig:
     d_model: int = 128
     n_heads: int = 4
     dropout: float = 0.0
+    implementation: str | None = None
 
     def __post_init__(self):
         if self.n_heads < 1:
@@ -35,6 +42,11 @@ class AttentionConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got dropout={self.dropout}")
+        if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))} or "
+                f"None, got {self.implementation!r}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -48,7 +60,12 @@ class AttentionConfig:
         if isinstance(config, cls):
             return config
         try:
-            return cls(config.d_model, config.n_heads, getattr(config, "dropout", 0.0))
+            return cls(
+                config.d_model,
+                config.n_heads,
+                getattr(config, "dropout", 0.0),
+                getattr(config, "implementation", None),
+            )
         except AttributeError as e:
             raise TypeError(
                 f"config must be an AttentionConfig or have d_model and n_heads, "

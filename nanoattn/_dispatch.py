@@ -1,0 +1,107 @@
+"""The closed set of attention backends and the automatic choice between them.
+
+* ``"xla"``: the reference (:mod:`nanoattn._reference`), always available; it
+  defines the output contract.
+* ``"flash"``: the blockwise kernel (:mod:`nanoattn._flash`), pure JAX, O(T)
+  memory, any platform.
+* ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``,
+  NVIDIA GPUs only, half precision only.
+
+A backend asked for by name that cannot serve a call raises ValueError saying
+why; the automatic choice (``implementation=None``) only picks a backend that
+can serve the call, so it never fails where the reference would succeed.
+"""
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _flash
+from ._reference import allowed_mask
+from ._spec import AttentionSpec
+
+Implementation = Literal["xla", "flash", "cudnn"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "flash", "cudnn")
+
+# On CPU the kernel beats the reference from about this many score cells per
+# batch row and head (T * S); measured with `nanoattn bench` (docs/performance.md).
+CPU_FLASH_MIN_CELLS = 256 * 256
+# Off CPU (unmeasured here): above this many bytes of scores the kernel's
+# O(T) memory wins when cuDNN cannot serve the call.
+ACCELERATOR_FLASH_MIN_SCORE_BYTES = 2**30
+
+
+def cudnn_unsupported(spec: AttentionSpec, dtype, dropout_rate: float) -> str | None:
+    """Why cuDNN cannot serve this call with nanoattn's semantics, or None."""
+    if jax.default_backend() != "gpu":
+        return f"it needs an NVIDIA GPU, and the default backend is {jax.default_backend()!r}"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"it supports bfloat16 and float16 inputs only, got {jnp.dtype(dtype)}"
+    if dropout_rate > 0:
+        return "dropout is only implemented by the reference (implementation='xla')"
+    if spec.is_causal and not (isinstance(spec.q_offset, int) and spec.q_offset == 0):
+        return "its causal mask is top-left only: it needs q_offset=0 as a Python int"
+    if spec.H % 8 or spec.H > 128:
+        return f"it needs a head width H that is a multiple of 8 and at most 128, got H={spec.H}"
+    if not isinstance(spec.scale, (int, float, np.floating, np.integer)):
+        return "it needs a Python number for scale"
+    return None
+
+
+def choose(requested: str | None, spec: AttentionSpec, dtype, dropout_rate: float) -> str:
+    """The backend that serves this call.
+
+    Raises:
+      ValueError: an unknown name, or a named backend that cannot serve the call.
+    """
+    if requested is not None and requested not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))} or None, "
+            f"got {requested!r}"
+        )
+    reasons = {
+        "xla": None,
+        "flash": _flash.unsupported(spec, dropout_rate),
+        "cudnn": cudnn_unsupported(spec, dtype, dropout_rate),
+    }
+    if requested is not None:
+        if reasons[requested] is not None:
+            raise ValueError(
+                f"implementation={requested!r} cannot serve this call: {reasons[requested]}"
+            )
+        return requested
+    if reasons["cudnn"] is None:
+        return "cudnn"
+    if reasons["flash"] is None:
+        cells = spec.T * spec.S
+        if jax.default_backend() == "cpu":
+            if cells >= CPU_FLASH_MIN_CELLS:
+                return "flash"
+        elif spec.B * spec.N * cells * 4 >= ACCELERATOR_FLASH_MIN_SCORE_BYTES:
+            return "flash"
+    return "xla"
+
+
+def cudnn_attention(query, key, value, spec: AttentionSpec):
+    """cuDNN through jax.nn, with nanoattn's zeros for rows that see no key."""
+    out = jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        bias=spec.bias,
+        mask=spec.mask,
+        scale=float(spec.scale),
+        is_causal=spec.is_causal,
+        key_value_seq_lengths=spec.kv_lengths,
+        implementation="cudnn",
+    )
+    # cuDNN's value for a row with no visible key is not nanoattn's contract: zero it.
+    if spec.mask is not None:
+        sees = jnp.moveaxis(allowed_mask(spec).any(-1), 1, 2)[..., None]  # (B|1, T, N|1, 1)
+    elif spec.kv_lengths is not None:
+        sees = (spec.kv_lengths > 0)[:, None, None, None]  # causal or not, key 0 is visible
+    else:
+        return out
+    return jnp.where(sees, out, 0).astype(out.dtype)
