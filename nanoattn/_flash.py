@@ -31,9 +31,16 @@ from ._reference import compute_dtype, large_negative
 from ._schedule import Schedule, block_schedules
 from ._spec import AttentionSpec
 
-# (block_q, block_k, lanes) per pass, measured on a 2-core x86 CPU (docs/performance.md).
+# (block_q, block_k, most lanes) per pass, and the most score cells one step may
+# hold (B * N * lanes * block_q * block_k); measured on a 2-core x86 CPU with
+# benchmarks/tune_tiles.py (docs/performance.md). A larger batch or more heads
+# get fewer lanes, then smaller blocks: the step's size sets the speed of XLA's
+# CPU kernels and the memory of the pass.
 FORWARD_TILES = (256, 512, 4)
 BACKWARD_TILES = (128, 128, 8)
+FORWARD_STEP_CELLS = 2**21
+BACKWARD_STEP_CELLS = 2**20
+MIN_BLOCK = 64
 
 _ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
 
@@ -340,17 +347,21 @@ def flash_attention(
       forward_tiles, backward_tiles: ``(block_q, block_k, lanes)`` for each
         pass: block sizes along T and S (capped at T and S; lengths need not
         be multiples of them) and the work items processed side by side per
-        step. Defaults: :data:`FORWARD_TILES`, :data:`BACKWARD_TILES`.
+        step. By default :func:`fit_tiles` sizes them for the call.
 
     Returns:
       (B, T, N, H) in the query's dtype.
     """
     static_offset = spec.q_offset if isinstance(spec.q_offset, int) else None
     plans = []
-    for tiles, default in ((forward_tiles, FORWARD_TILES), (backward_tiles, BACKWARD_TILES)):
-        block_q, block_k, lanes = tiles or default
-        if min(block_q, block_k, lanes) < 1:
+    passes = (
+        (forward_tiles, FORWARD_TILES, FORWARD_STEP_CELLS),
+        (backward_tiles, BACKWARD_TILES, BACKWARD_STEP_CELLS),
+    )
+    for tiles, default, budget in passes:
+        if tiles is not None and min(tiles) < 1:
             raise ValueError(f"block sizes and lanes must be >= 1, got {tiles}")
+        block_q, block_k, lanes = tiles or fit_tiles(default, budget, spec)
         plans.append(
             Plan(
                 B=spec.B,
@@ -372,6 +383,21 @@ def flash_attention(
         )
     q_offset = None if static_offset is not None or not spec.is_causal else spec.q_offset
     return _attend(*plans, query, key, value, spec.bias, spec.mask, q_offset, spec.kv_lengths)
+
+
+def fit_tiles(tiles, budget: int, spec: AttentionSpec) -> tuple[int, int, int]:
+    """Shrinks ``tiles`` until one step holds at most ``budget`` score cells:
+    first fewer lanes, then smaller blocks (halving the larger one)."""
+    block_q, block_k, lanes = tiles
+    block_q, block_k = min(block_q, spec.T), min(block_k, spec.S)
+    per_lane = spec.B * spec.N * block_q * block_k
+    while per_lane > budget and max(block_q, block_k) > MIN_BLOCK:
+        if block_k >= block_q:
+            block_k = max(MIN_BLOCK, block_k // 2)
+        else:
+            block_q = max(MIN_BLOCK, block_q // 2)
+        per_lane = spec.B * spec.N * block_q * block_k
+    return block_q, block_k, max(1, min(lanes, budget // per_lane))
 
 
 def unsupported(spec: AttentionSpec, dropout_rate: float) -> str | None:

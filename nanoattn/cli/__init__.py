@@ -6,7 +6,7 @@ on stderr, no traceback).
 
 import sys
 
-from . import _audit, _verify
+from . import _audit, _bench, _verify
 from ._common import Parser, UsageError
 
 
@@ -15,6 +15,7 @@ def build_parser() -> Parser:
     commands = parser.add_subparsers(dest="command", required=True)
     _audit.add_parser(commands)
     _verify.add_parser(commands)
+    _bench.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,55 @@
+"""Timing and memory measurement: warm-up, block until ready, several runs."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def time_runs(run, *, min_runs: int = 3, max_runs: int = 7, budget_s: float = 2.0):
+    """Median and minimum seconds of ``run()`` after one warm-up call.
+
+    Runs at least ``min_runs`` times, and more (up to ``max_runs``) while the
+    total stays within ``budget_s``. ``run`` must block until its result is
+    ready.
+    """
+    run()  # warm-up: compilation and first-touch allocation
+    times: list[float] = []
+    while len(times) < min_runs or (len(times) < max_runs and sum(times) < budget_s):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), float(min(times))
+
+
+def jax_pass(fn, backward: bool):
+    """The forward, or forward+backward, of ``fn`` as one jitted function of (q, k, v)."""
+    if not backward:
+        return jax.jit(fn)
+
+    def loss(q, k, v, cotangent):
+        return (fn(q, k, v).astype(jnp.float32) * cotangent).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    return jax.jit(lambda q, k, v: grad(q, k, v, jnp.ones(q.shape, jnp.float32)))
+
+
+def temp_bytes(compiled_fn, *args) -> int:
+    """XLA's compiled temporary memory: deterministic, no run needed."""
+    return int(compiled_fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def matmul_peak_gflops(size: int = 2048, dtype=jnp.float32) -> float:
+    """This machine's measured matrix-multiply rate, the yardstick for MFU."""
+    a = jax.random.normal(jax.random.key(0), (size, size), dtype)
+    mm = jax.jit(lambda a: a @ a)
+    _, best = time_runs(lambda: mm(a).block_until_ready(), min_runs=5, max_runs=10)
+    return 2 * size**3 / best / 1e9
+
+
+def causal_flops(B: int, T: int, N: int, H: int, backward: bool) -> float:
+    """Ideal FLOPs of causal attention: two T x T x H products per head, half
+    of them skipped by causality; the backward pass does 2.5 times the forward's."""
+    forward = 2 * 2 * B * N * T * T * H / 2
+    return forward * (3.5 if backward else 1.0)

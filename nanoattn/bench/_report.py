@@ -1,0 +1,165 @@
+"""Writing benchmark results: JSON, a markdown table and a plot."""
+
+import json
+import pathlib
+
+
+def _cell_map(results: dict) -> dict:
+    return {(c["impl"], c["shape"], c["T"], c["pass"]): c for c in results["cells"]}
+
+
+def _ms(cell) -> str:
+    if cell is None:
+        return ""
+    if cell["status"] != "ok":
+        return "skipped" if cell["status"].startswith("skipped") else "error"
+    return f"{cell['median_ms']:.1f}"
+
+
+def markdown(results: dict) -> str:
+    """Tables of median times, flash's speedup over each peer, throughput and memory."""
+    m, config = results["machine"], results["config"]
+    cells = _cell_map(results)
+    impls = [i for i in config["implementations"] if any(k[0] == i for k in cells)]
+    peers = [i for i in impls if i != "flash"]
+    lines = [
+        f"Machine: {m['platform']} ({m['device']}, {m['cpu_count']} CPUs, {m['processor']}); "
+        f"jax {m['jax']}; torch {m['torch'] or 'not installed'}; measured f32 matmul peak "
+        f"{m['matmul_peak_gflops']:.0f} GFLOP/s.",
+        f"Causal attention, {config['dtype']}, batch B = {config['tokens']} / T (at least 1). "
+        "Times are medians of at least 3 runs after a warm-up, in ms; GFLOP/s counts the "
+        "ideal causal FLOPs (the backward pass as 2.5x the forward).",
+    ]
+    for N, H in config["shapes"]:
+        shape = f"{N}x{H}"
+        for pass_ in ("fwd", "fwd+bwd"):
+            rows = [
+                (T, {i: cells.get((i, shape, T, pass_)) for i in impls}) for T in config["lengths"]
+            ]
+            lines += [
+                "",
+                f"### {N} heads of width {H}, {pass_}",
+                "",
+                "| T | B | "
+                + " | ".join(f"{i} ms" for i in impls)
+                + " | "
+                + " | ".join(f"flash vs {p}" for p in peers)
+                + " | flash GFLOP/s (% peak) |",
+                "|" + " --- |" * (3 + len(impls) + len(peers)),
+            ]
+            for T, row in rows:
+                flash = row.get("flash")
+                ratios = []
+                for p in peers:
+                    cell = row.get(p)
+                    ok = flash and cell and flash["status"] == cell["status"] == "ok"
+                    ratios.append(f"{cell['median_ms'] / flash['median_ms']:.2f}x" if ok else "")
+                B = next((c["B"] for c in row.values() if c), "")
+                rate = (
+                    f"{flash['gflops']:.0f} ({flash['pct_peak']:.0f}%)"
+                    if flash and flash["status"] == "ok"
+                    else ""
+                )
+                lines.append(
+                    f"| {T} | {B} | "
+                    + " | ".join(_ms(row[i]) for i in impls)
+                    + " | "
+                    + " | ".join(ratios)
+                    + f" | {rate} |"
+                )
+        jax_impls = [i for i in impls if i != "torch"]
+        lines += [
+            "",
+            f"### {N} heads of width {H}, fwd+bwd compiled temporary memory (MiB)",
+            "",
+            "| T | " + " | ".join(jax_impls) + " |",
+            "|" + " --- |" * (1 + len(jax_impls)),
+        ]
+        for T in config["lengths"]:
+            row = []
+            for i in jax_impls:
+                cell = cells.get((i, shape, T, "fwd+bwd"))
+                ok = cell and cell["status"] == "ok" and cell.get("temp_bytes") is not None
+                row.append(f"{cell['temp_bytes'] / 2**20:.1f}" if ok else _ms(cell))
+            lines.append(f"| {T} | " + " | ".join(row) + " |")
+    if results["targets"]:
+        lines += [
+            "",
+            "### Targets (f32, causal, batch 1, 4 heads of width 32)",
+            "",
+            "| target | measured | met |",
+            "| --- | --- | --- |",
+        ]
+        for t in results["targets"]:
+            met = {True: "yes", False: "NO", None: "n/a"}[t["passed"]]
+            lines.append(f"| {t['target']} | {t['measured']} | {met} |")
+    notes = sorted(
+        {
+            f"{c['impl']} {c['shape']} T={c['T']}: {c['status']}"
+            for c in results["cells"]
+            if c["status"] != "ok"
+        }
+    )
+    if notes:
+        lines += ["", "Not measured:", *[f"- {n}" for n in notes]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: pathlib.Path) -> str | None:
+    """Time and memory against T on log axes; returns why not when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'nanoattn[bench]'): no plot"
+    config, cells = results["config"], results["cells"]
+    shapes = config["shapes"]
+    fig, axes = plt.subplots(len(shapes), 3, figsize=(15, 4.2 * len(shapes)), squeeze=False)
+    for row, (N, H) in enumerate(shapes):
+        shape = f"{N}x{H}"
+        panels = [
+            ("fwd", "median_ms", "forward time (ms)"),
+            ("fwd+bwd", "median_ms", "forward+backward time (ms)"),
+            ("fwd+bwd", "temp_bytes", "forward+backward temp memory (MiB)"),
+        ]
+        for col, (pass_, key, title) in enumerate(panels):
+            ax = axes[row][col]
+            for impl in config["implementations"]:
+                points = [
+                    (c["T"], c[key])
+                    for c in cells
+                    if c["impl"] == impl
+                    and c["shape"] == shape
+                    and c["pass"] == pass_
+                    and c["status"] == "ok"
+                    and c.get(key) is not None
+                ]
+                if points:
+                    xs, ys = zip(*sorted(points))
+                    if key == "temp_bytes":
+                        ys = [y / 2**20 for y in ys]
+                    ax.plot(xs, ys, marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("T")
+            ax.set_title(f"{N} heads x {H}: {title}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def write(results: dict, out_dir: pathlib.Path) -> tuple[list[pathlib.Path], str | None]:
+    """Writes results.json, results.md and results.png; returns the paths and a note."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "results.md"]
+    paths[0].write_text(json.dumps(results, indent=2))
+    paths[1].write_text(markdown(results))
+    note = plot(results, out_dir / "results.png")
+    if note is None:
+        paths.append(out_dir / "results.png")
+    return paths, note

@@ -1,0 +1,113 @@
+"""``nanoattn bench``: time and memory of nanoattn's backends against the peers."""
+
+import pathlib
+import sys
+
+from ..bench import BenchConfig, run_bench, write
+from ..bench._peers import PEERS
+from ..bench._run import FULL_LENGTHS, QUICK_LENGTHS, SHAPES, default_implementations
+from ._common import UsageError, int_list
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark nanoattn against flax, jax.nn, the seed and PyTorch",
+        description="Measure causal attention side by side in one process: nanoattn's 'flash' "
+        "and 'xla' backends, the seed module's computation, flax, jax.nn and PyTorch SDPA "
+        "(when torch is installed). Forward and forward+backward over sequence lengths and "
+        "two head shapes, with median and min times, GFLOP/s against the measured matmul "
+        "peak, and XLA's compiled temporary memory. Writes results.json, results.md and "
+        "results.png (with matplotlib) to --out.",
+    )
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short run: T in {','.join(map(str, QUICK_LENGTHS))}, the seed's "
+        "head shape, no targets",
+    )
+    bench.add_argument(
+        "--lengths",
+        type=int_list,
+        default=None,
+        help=f"sequence lengths (default {','.join(map(str, FULL_LENGTHS))})",
+    )
+    bench.add_argument(
+        "--shapes", default=None, help="head shapes as NxH, comma-separated (default 4x32,12x64)"
+    )
+    bench.add_argument(
+        "--tokens", type=int, default=8192, help="B*T, kept constant across lengths (default 8192)"
+    )
+    bench.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    bench.add_argument(
+        "--impls", default=None, help="implementations, comma-separated, from: " + ", ".join(PEERS)
+    )
+    bench.add_argument(
+        "--max-score-gib",
+        type=float,
+        default=2.0,
+        help="skip implementations that materialise more GiB of scores (default 2)",
+    )
+    bench.add_argument(
+        "--no-targets",
+        action="store_true",
+        help="skip the performance targets (T=65536 takes about a minute)",
+    )
+    bench.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("bench-results"),
+        help="output folder (default bench-results)",
+    )
+    bench.set_defaults(run=run)
+
+
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        shapes = tuple(tuple(int(n) for n in s.lower().split("x")) for s in text.split(","))
+    except ValueError:
+        raise UsageError(f"--shapes must look like 4x32,12x64, got {text!r}") from None
+    if any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise UsageError(f"--shapes must look like 4x32,12x64, got {text!r}")
+    return shapes
+
+
+def config_from_args(args) -> BenchConfig:
+    impls = tuple(args.impls.split(",")) if args.impls else default_implementations()
+    unknown = [i for i in impls if i not in PEERS]
+    if unknown:
+        raise UsageError(f"unknown implementation {unknown[0]!r}; choose from " + ", ".join(PEERS))
+    lengths = args.lengths or (QUICK_LENGTHS if args.quick else FULL_LENGTHS)
+    if min(lengths, default=0) < 1:
+        raise UsageError(f"--lengths must be >= 1, got {lengths}")
+    if args.tokens < 1:
+        raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
+    shapes = _shapes(args.shapes) if args.shapes else (SHAPES[:1] if args.quick else SHAPES)
+    return BenchConfig(
+        lengths=tuple(lengths),
+        shapes=shapes,
+        tokens=args.tokens,
+        dtype=args.dtype,
+        implementations=impls,
+        max_score_gib=args.max_score_gib,
+        targets=not (args.quick or args.no_targets or args.dtype != "float32"),
+    )
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run(args) -> int:
+    config = config_from_args(args)
+    results = run_bench(config, progress=_progress if sys.stderr.isatty() else None)
+    paths, note = write(results, args.out)
+    print((args.out / "results.md").read_text(), end="")
+    print("\nwrote " + ", ".join(str(p) for p in paths) + (f"; {note}" if note else ""))
+    failed = [t for t in results["targets"] if t["passed"] is False]
+    return 1 if failed else 0

@@ -1,0 +1,95 @@
+"""Backend dispatch: named backends fail loudly, the automatic choice never fails."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from test_properties import attention_case
+
+from nanoattn import _dispatch, dot_product_attention
+from nanoattn._spec import attention_spec
+from nanoattn.linen import AttentionConfig, CausalSelfAttention
+
+from conftest import randn
+
+
+def spec_for(T, S=None, **kwargs):
+    S = S or T
+    return attention_spec(jnp.zeros((1, T, 2, 8)), jnp.zeros((1, S, 2, 8)), **kwargs)
+
+
+def test_unknown_implementation():
+    with pytest.raises(
+        ValueError,
+        match=r"implementation must be one of 'xla', 'flash', "
+        r"'cudnn' or None, got 'triton'",
+    ):
+        _dispatch.choose("triton", spec_for(4), jnp.float32, 0.0)
+
+
+def test_named_backends_that_cannot_serve_raise():
+    with pytest.raises(
+        ValueError,
+        match=r"implementation='flash' cannot serve this call: "
+        r"dropout is only implemented by the reference",
+    ):
+        _dispatch.choose("flash", spec_for(4), jnp.float32, 0.1)
+    with pytest.raises(
+        ValueError,
+        match=r"implementation='cudnn' cannot serve this call: it "
+        r"needs an NVIDIA GPU, and the default backend is 'cpu'",
+    ):
+        _dispatch.choose("cudnn", spec_for(4), jnp.bfloat16, 0.0)
+    traced_scale = jax.jit(
+        lambda s: _dispatch.choose("flash", spec_for(4, scale=s), jnp.float32, 0.0) and s
+    )
+    with pytest.raises(ValueError, match="needs a Python number for scale"):
+        traced_scale(0.5)
+
+
+def test_automatic_choice_on_cpu():
+    big = int(np.sqrt(_dispatch.CPU_FLASH_MIN_CELLS))
+    assert _dispatch.choose(None, spec_for(big), jnp.float32, 0.0) == "flash"
+    assert _dispatch.choose(None, spec_for(big - 1), jnp.float32, 0.0) == "xla"
+    assert _dispatch.choose(None, spec_for(big), jnp.float32, 0.1) == "xla"  # dropout
+
+
+def test_explicit_flash_with_dropout_raises_and_auto_falls_back():
+    q, k, v = (jnp.asarray(randn(i, 1, 300, 2, 8)) for i in range(3))
+    with pytest.raises(ValueError, match="cannot serve this call: dropout"):
+        dot_product_attention(
+            q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="flash"
+        )
+    auto = dot_product_attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    ref = dot_product_attention(
+        q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="xla"
+    )
+    np.testing.assert_array_equal(auto, ref)
+
+
+@settings(max_examples=12, deadline=None)
+@given(attention_case())
+def test_flash_and_auto_match_the_reference(case):
+    q, k, v, kwargs, _ = case
+    run = jax.jit(dot_product_attention, static_argnames=("is_causal", "implementation"))
+    ref = run(q, k, v, implementation="xla", **kwargs)
+    for implementation in ("flash", None):
+        got = run(q, k, v, implementation=implementation, **kwargs)
+        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_config_implementation():
+    with pytest.raises(ValueError, match=r"implementation must be one of .* got 'fast'"):
+        AttentionConfig(implementation="fast")
+    x = jnp.asarray(randn(0, 2, 40, 32))
+    outs = []
+    for implementation in ("xla", "flash", None):
+        layer = CausalSelfAttention(AttentionConfig(32, 4, implementation=implementation))
+        params = layer.init(jax.random.key(0), x, deterministic=True)
+        outs.append(layer.apply(params, x, deterministic=True))
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-5)
+    np.testing.assert_allclose(outs[2], outs[0], atol=1e-5)
+    training = CausalSelfAttention(AttentionConfig(32, 4, dropout=0.1, implementation="flash"))
+    with pytest.raises(ValueError, match="cannot serve this call: dropout"):
+        training.apply(params, x, rngs={"dropout": jax.random.key(1)})
