@@ -95,17 +95,20 @@ def config_from_args(args) -> BenchConfig:
 
 
 def _progress(done: int, total: int, label: str) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
-    if done == total:
-        sys.stderr.write("\n")
+    """A bar redrawn in place on a terminal; one line per step in a log."""
+    if sys.stderr.isatty():
+        width = 30
+        filled = width * done // max(total, 1)
+        bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label}"
+        sys.stderr.write("\r" + bar.ljust(80) + ("\n" if done == total else ""))
+    else:
+        sys.stderr.write(f"[{done}/{total}] {label}\n")
     sys.stderr.flush()
 
 
 def run(args) -> int:
     config = config_from_args(args)
-    results = run_bench(config, progress=_progress if sys.stderr.isatty() else None)
+    results = run_bench(config, progress=_progress)
     paths, note = write(results, args.out)
     print((args.out / "results.md").read_text(), end="")
     print("\nwrote " + ", ".join(str(p) for p in paths) + (f"; {note}" if note else ""))
