@@ -62,8 +62,7 @@ class Plan:
     causal: bool
     static_offset: int | None  # causal with a Python int offset: blocks can be skipped
     has_lengths: bool
-    mask_shape: tuple[int, ...] | None
-    bias_shape: tuple[int, ...] | None
+    has_mask: bool
 
     @property
     def n_q(self) -> int:
@@ -76,7 +75,7 @@ class Plan:
     def schedules(self) -> tuple[Schedule, Schedule]:
         """The (masked, full) schedules."""
         traced_offset = self.causal and self.static_offset is None
-        all_masked = self.has_lengths or self.mask_shape is not None or traced_offset
+        all_masked = self.has_lengths or self.has_mask or traced_offset
         offset = self.static_offset if self.causal else None
         return block_schedules(
             self.T, self.S, self.block_q, self.block_k, self.lanes, offset, all_masked
@@ -353,6 +352,11 @@ def flash_attention(
       (B, T, N, H) in the query's dtype.
     """
     static_offset = spec.q_offset if isinstance(spec.q_offset, int) else None
+    shared = Plan(
+        B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H, block_q=0, block_k=0,
+        lanes=0, scale=float(spec.scale), causal=spec.is_causal, static_offset=static_offset,
+        has_lengths=spec.kv_lengths is not None, has_mask=spec.mask is not None,
+    )  # fmt: skip
     plans = []
     passes = (
         (forward_tiles, FORWARD_TILES, FORWARD_STEP_CELLS),
@@ -362,25 +366,9 @@ def flash_attention(
         if tiles is not None and min(tiles) < 1:
             raise ValueError(f"block sizes and lanes must be >= 1, got {tiles}")
         block_q, block_k, lanes = tiles or fit_tiles(default, budget, spec)
-        plans.append(
-            Plan(
-                B=spec.B,
-                T=spec.T,
-                S=spec.S,
-                K=spec.K,
-                G=spec.G,
-                H=spec.H,
-                block_q=min(block_q, spec.T),
-                block_k=min(block_k, spec.S),
-                lanes=lanes,
-                scale=float(spec.scale),
-                causal=spec.is_causal,
-                static_offset=static_offset,
-                has_lengths=spec.kv_lengths is not None,
-                mask_shape=None if spec.mask is None else tuple(spec.mask.shape),
-                bias_shape=None if spec.bias is None else tuple(spec.bias.shape),
-            )
-        )
+        plans.append(dataclasses.replace(
+            shared, block_q=min(block_q, spec.T), block_k=min(block_k, spec.S), lanes=lanes
+        ))  # fmt: skip
     q_offset = None if static_offset is not None or not spec.is_causal else spec.q_offset
     return _attend(*plans, query, key, value, spec.bias, spec.mask, q_offset, spec.kv_lengths)
 
