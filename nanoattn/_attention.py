@@ -154,3 +154,45 @@ def attention_weights(
     )
     query, key = jnp.asarray(query), jnp.asarray(key)
     return _reference.weights(query, key, spec).astype(query.dtype)
+
+
+def flash_attention(
+    query,
+    key,
+    value,
+    *,
+    mask=None,
+    bias=None,
+    is_causal: bool = False,
+    q_offset=None,
+    kv_lengths=None,
+    scale: float | None = None,
+    forward_tiles: tuple[int, int, int] | None = None,
+    backward_tiles: tuple[int, int, int] | None = None,
+):
+    """:func:`dot_product_attention` with ``implementation="flash"`` and its tiles exposed.
+
+    The blockwise kernel (docs/performance.md): same arguments, same output
+    contract, no dropout. ``forward_tiles`` and ``backward_tiles`` are
+    ``(block_q, block_k, lanes)`` for each pass: block sizes along T and S
+    (capped at T and S) and the number of block pairs processed side by side
+    per step. By default they are sized for the call from tiles measured on
+    a 2-core CPU.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q = k = v = jnp.ones((1, 300, 2, 16))
+      >>> flash_attention(q, k, v, is_causal=True, forward_tiles=(64, 128, 2)).shape
+      (1, 300, 2, 16)
+    """
+    spec = attention_spec(
+        query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
+        kv_lengths=kv_lengths, scale=scale,
+    )  # fmt: skip
+    reason = _flash.unsupported(spec, 0.0)
+    if reason is not None:
+        raise ValueError(f"flash_attention cannot serve this call: {reason}")
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    return _flash.flash_attention(
+        query, key, value, spec, forward_tiles=forward_tiles, backward_tiles=backward_tiles
+    )

@@ -61,7 +61,7 @@ def synthetic_results():
                     "dtype": "float32",
                     "status": "ok",
                     "median_ms": ms,
-                    "min_ms": ms,
+                    "min_ms": ms - 0.5,
                     "gflops": 10.0,
                     "pct_peak": 5.0,
                     "temp_bytes": 3 * 2**20,
@@ -92,7 +92,7 @@ def synthetic_results():
 def test_markdown_reports_ratios_against_flash():
     text = _report.markdown(synthetic_results())
     assert "| T | B | flash ms | seed ms | flash vs seed | flash GFLOP/s (% peak) |" in text
-    assert "| 128 | 2 | 2.0 | 8.0 | 4.00x | 10 (5%) |" in text
+    assert "| 128 | 2 | 2.0 (1.5) | 8.0 (7.5) | 4.00x | 10 (5%) |" in text
     assert "| 128 | 3.0 | 3.0 |" in text  # memory in MiB
     assert "| t | m | NO |" in text
 

@@ -216,3 +216,19 @@ def test_fit_tiles_respects_the_step_budget(B, T, N):
     assert cells <= FORWARD_STEP_CELLS or (lanes == 1 and max(block_q, block_k) <= MIN_BLOCK)
     if (B, T, N) == (1, 4096, 4):
         assert (block_q, block_k, lanes) == FORWARD_TILES  # the tuned case is untouched
+
+
+def test_public_flash_attention_takes_tiles_and_validates():
+    import nanoattn
+
+    q, k, v = qkv(45, 45)
+    ref = dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    for tiles in [None, (8, 16, 2), (64, 64, 1)]:
+        out = nanoattn.flash_attention(
+            q, k, v, is_causal=True, forward_tiles=tiles, backward_tiles=tiles
+        )
+        np.testing.assert_allclose(out, ref, atol=1e-5)
+    with pytest.raises(ValueError, match=r"block sizes and lanes must be >= 1"):
+        nanoattn.flash_attention(q, k, v, forward_tiles=(0, 16, 2))
+    with pytest.raises(ValueError, match=r"key must have shape"):
+        nanoattn.flash_attention(q, k[..., :4], v)

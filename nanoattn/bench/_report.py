@@ -13,7 +13,7 @@ def _ms(cell) -> str:
         return ""
     if cell["status"] != "ok":
         return "skipped" if cell["status"].startswith("skipped") else "error"
-    return f"{cell['median_ms']:.1f}"
+    return f"{cell['median_ms']:.1f} ({cell['min_ms']:.1f})"
 
 
 def markdown(results: dict) -> str:
@@ -27,8 +27,9 @@ def markdown(results: dict) -> str:
         f"jax {m['jax']}; torch {m['torch'] or 'not installed'}; measured f32 matmul peak "
         f"{m['matmul_peak_gflops']:.0f} GFLOP/s.",
         f"Causal attention, {config['dtype']}, batch B = {config['tokens']} / T (at least 1). "
-        "Times are medians of at least 3 runs after a warm-up, in ms; GFLOP/s counts the "
-        "ideal causal FLOPs (the backward pass as 2.5x the forward).",
+        "Times are in ms, the median (and the minimum) of at least 3 runs after a warm-up; "
+        "ratios use the medians; GFLOP/s counts the ideal causal FLOPs (the backward pass as "
+        "2.5x the forward).",
     ]
     for N, H in config["shapes"]:
         shape = f"{N}x{H}"

@@ -38,7 +38,12 @@ def add_parser(commands) -> None:
     bench.add_argument(
         "--tokens", type=int, default=8192, help="B*T, kept constant across lengths (default 8192)"
     )
-    bench.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    bench.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="input dtype (default float32; targets are measured in float32)",
+    )
     bench.add_argument(
         "--impls", default=None, help="implementations, comma-separated, from: " + ", ".join(PEERS)
     )
