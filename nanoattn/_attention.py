@@ -189,10 +189,8 @@ def flash_attention(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
         kv_lengths=kv_lengths, scale=scale,
     )  # fmt: skip
-    reason = _flash.unsupported(spec, 0.0)
-    if reason is not None:
-        raise ValueError(f"flash_attention cannot serve this call: {reason}")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    _dispatch.choose("flash", spec, query.dtype, 0.0)  # raises if the kernel cannot serve
     return _flash.flash_attention(
         query, key, value, spec, forward_tiles=forward_tiles, backward_tiles=backward_tiles
     )

@@ -16,7 +16,6 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _flash
 from ._reference import allowed_mask
@@ -41,11 +40,11 @@ def cudnn_unsupported(spec: AttentionSpec, dtype, dropout_rate: float) -> str | 
         return f"it supports bfloat16 and float16 inputs only, got {jnp.dtype(dtype)}"
     if dropout_rate > 0:
         return "dropout is only implemented by the reference (implementation='xla')"
-    if spec.is_causal and not (isinstance(spec.q_offset, int) and spec.q_offset == 0):
+    if spec.is_causal and spec.static_q_offset != 0:
         return "its causal mask is top-left only: it needs q_offset=0 as a Python int"
     if spec.H % 8 or spec.H > 128:
         return f"it needs a head width H that is a multiple of 8 and at most 128, got H={spec.H}"
-    if not isinstance(spec.scale, (int, float, np.floating, np.integer)):
+    if not spec.static_scale:
         return "it needs a Python number for scale"
     return None
 

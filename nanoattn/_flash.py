@@ -25,7 +25,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ._reference import compute_dtype, large_negative
 from ._schedule import Schedule, block_schedules
@@ -351,7 +350,7 @@ def flash_attention(
     Returns:
       (B, T, N, H) in the query's dtype.
     """
-    static_offset = spec.q_offset if isinstance(spec.q_offset, int) else None
+    static_offset = spec.static_q_offset
     shared = Plan(
         B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H, block_q=0, block_k=0,
         lanes=0, scale=float(spec.scale), causal=spec.is_causal, static_offset=static_offset,
@@ -392,6 +391,6 @@ def unsupported(spec: AttentionSpec, dropout_rate: float) -> str | None:
     """Why the kernel cannot serve this call, or None when it can."""
     if dropout_rate > 0:
         return "dropout is only implemented by the reference (implementation='xla')"
-    if not isinstance(spec.scale, (int, float, np.floating, np.integer)):
+    if not spec.static_scale:
         return "the kernel needs a Python number for scale, not a traced array"
     return None

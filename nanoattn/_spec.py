@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from ._validate import (
     expect_bool,
@@ -51,6 +52,16 @@ class AttentionSpec:
     q_offset: Any
     kv_lengths: Any
     scale: float
+
+    @property
+    def static_q_offset(self) -> int | None:
+        """The causal offset as a Python int, or None when traced or not causal."""
+        return self.q_offset if self.is_causal and isinstance(self.q_offset, int) else None
+
+    @property
+    def static_scale(self) -> bool:
+        """Whether ``scale`` is a Python number (not a traced array)."""
+        return isinstance(self.scale, (int, float, np.floating, np.integer))
 
     @property
     def G(self) -> int:

@@ -69,3 +69,9 @@ def expect_floating(name: str, dtype) -> None:
 
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+
+
+def describe(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    message = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {message}"

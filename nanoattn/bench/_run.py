@@ -8,6 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from .._validate import describe
 from . import _torch
 from ._measure import causal_flops, jax_pass, matmul_peak_gflops, temp_bytes, time_runs
 from ._peers import PEERS
@@ -107,8 +108,7 @@ def measure_cell(
 
         median, best = time_runs(run)
     except Exception as e:  # an implementation that cannot run a size is reported, not fatal
-        message = str(e).splitlines()[0][:200] if str(e) else ""
-        return cell | {"status": f"error: {type(e).__name__}: {message}"}
+        return cell | {"status": f"error: {describe(e)[:200]}"}
     gflops = causal_flops(B, T, N, H, backward) / median / 1e9
     return cell | {
         "status": "ok",

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from .._validate import describe
 from ..verify import check_causality
 from ..verify._causality import DEFAULT_SEQ_LENS
 from ._common import UsageError, int_list
@@ -50,7 +51,7 @@ def load_target(target: str):
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:
-        raise UsageError(f"cannot import {module_name}: {type(e).__name__}: {e}") from None
+        raise UsageError(f"cannot import {module_name}: {describe(e)}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise UsageError(f"{module_name} has no attribute {attr!r}")
@@ -62,7 +63,7 @@ def load_target(target: str):
             obj = obj()
         except Exception as e:
             raise UsageError(
-                f"calling the factory {target}() failed: {type(e).__name__}: {e}"
+                f"calling the factory {target}() failed: {describe(e)}"
             ) from None
         if not callable(obj):
             raise UsageError(
@@ -95,8 +96,7 @@ def run(args) -> int:
             fn, d_model=args.d_model, seq_lens=args.seq_lens, batch=args.batch, atol=args.atol
         )
     except Exception as e:
-        message = str(e).splitlines()[0] if str(e) else ""
-        raise UsageError(f"calling {args.target} failed: {type(e).__name__}: {message}") from None
+        raise UsageError(f"calling {args.target} failed: {describe(e)}") from None
     if args.json:
         print(json.dumps({"target": args.target, **report.to_dict()}, indent=2))
     else:

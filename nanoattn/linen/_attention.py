@@ -37,7 +37,7 @@ def _attend(module: nn.Module, q, k, v, cfg: AttentionConfig, deterministic: boo
     out = dot_product_attention(
         q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=cfg.implementation, **mask_args
     )
-    if module.sow_weights:
+    if module.sow_weights and module.is_mutable_collection("intermediates"):
         module.sow("intermediates", "attention_weights", attention_weights(q, k, **mask_args))
     merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)
     check_shape(

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._validate import describe
 from ._report import CheckResult, Report
 
 DEFAULT_SEQ_LENS = (1, 2, 3, 5, 8, 16, 17, 33, 64)
@@ -121,7 +122,7 @@ def _receptive_field(fn, x: np.ndarray, seed: int):
     try:
         grads = output_gradients(jnp.asarray(x))
     except Exception as e:  # any failure to trace means: not differentiable with jax
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None, describe(e)
     grads = np.abs(np.asarray(grads, np.float64))
     jac = grads[:, 0].reshape(T, T, -1).max(-1)  # (T out, T in)
     other_rows = float(grads[:, 1:].max()) if grads.shape[1] > 1 else 0.0
