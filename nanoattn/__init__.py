@@ -12,5 +12,6 @@ from ._masks import combine_masks as combine_masks
 from ._masks import lengths_to_valid as lengths_to_valid
 from ._masks import padding_mask as padding_mask
 from ._reference import large_negative as large_negative
+from ._rope import apply_rope as apply_rope
 
 __version__ = "0.1.0"
