@@ -25,6 +25,53 @@ from ._validate import (
 SCORE_AXES = "B N T S"
 
 
+def normalize_window(window) -> tuple[int, int] | None:
+    """A ``window`` argument as ``(left, right)``, or None.
+
+    An int ``w`` means ``(w, w)``; a pair is ``(left, right)``: query at
+    position p may see keys at positions ``p - left .. p + right``.
+
+    Raises:
+      TypeError: not None, an int or a pair of ints.
+      ValueError: a negative side.
+    """
+    if window is None:
+        return None
+    pair = (window, window) if isinstance(window, int) and not isinstance(window, bool) else window
+    try:
+        left, right = pair
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"window must be an int w (meaning (w, w)) or a pair (left, right) of ints, "
+            f"got {window!r}"
+        ) from None
+    for side in (left, right):
+        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
+            raise TypeError(
+                f"window must be an int w (meaning (w, w)) or a pair (left, right) of ints, "
+                f"got {window!r}"
+            )
+    if left < 0 or right < 0:
+        raise ValueError(f"window sides must be >= 0, got (left, right) = ({left}, {right})")
+    return int(left), int(right)
+
+
+def check_soft_cap(cap) -> float | None:
+    """A ``logit_soft_cap`` argument as a float > 0, or None.
+
+    Raises:
+      TypeError: not a real number.
+      ValueError: not finite and > 0.
+    """
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"logit_soft_cap must be a float > 0 or None, got {cap!r}")
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"logit_soft_cap must be a finite float > 0, got {cap!r}")
+    return float(cap)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """A validated attention call. Shapes use the legend of docs/conventions.md.
