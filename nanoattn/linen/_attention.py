@@ -1,129 +1,265 @@
-"""Flax linen attention modules. They own the parameters, project, split heads
-and call the functional core; the math lives in ``nanoattn.dot_product_attention``.
+"""Flax linen attention modules. They own the parameters and the KV cache,
+project, split heads, normalise and rotate them, and call the functional core;
+the math lives in ``nanoattn.dot_product_attention``.
 
-Every reshape is followed by :func:`check_shape` (free under ``jit``), which
-names the axes, so a refactor that swaps time and head axes fails loudly.
+Axis letters (docs/conventions.md): B batch, T query time, S key time (the
+cache capacity when decoding), N query heads, K key/value heads, G = N / K,
+H head width, D model width.
 """
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .._attention import attention_weights, dot_product_attention
 from .._masks import padding_mask
 from .._trace import check_shape
-from .._validate import expect_bool, expect_shape
+from .._validate import expect_bool, expect_integer, expect_shape
+from . import _cache
 from ._config import AttentionConfig
+from ._heads import (
+    attend,
+    compute_dtype,
+    core_options,
+    dense,
+    kv_letters,
+    normalize_qk,
+    rotate_qk,
+    split_heads,
+)
 
 
-def _split_heads(x, name: str, time: str, cfg: AttentionConfig):
-    """(B, L, D) -> (B, L, N, H), with heads as contiguous ``head_dim`` slices of D."""
-    B, L, _ = x.shape
-    heads = x.reshape(B, L, cfg.n_heads, cfg.head_dim)  # (B, L, N, H)
-    return check_shape(
-        heads,
-        f"{name} heads",
-        f"B {time} N H",
-        (B, L, cfg.n_heads, cfg.head_dim),
-        op="reshape",
-        source=name,
-    )
+def _project_qkv(cfg: AttentionConfig, x, dtype):
+    """x (B, T, D) -> query heads (B, T, N, H), key and value heads (B, T, K, H)."""
+    B, T, D = x.shape
+    N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    kv_axis, kv_width = kv_letters(cfg)
+    width = "3D" if K == N else "(N+2K)H"
+    qkv = dense(cfg, (N + 2 * K) * H, "qkv", dtype)(x)
+    check_shape(qkv, "qkv", f"B T {width}", (B, T, (N + 2 * K) * H), op="project", source="input")
+    q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)  # [Q (N*H) | K (K*H) | V (K*H)]
+    check_shape(q, "q", "B T D", (B, T, D), op="split", source="qkv")
+    for name, part in (("k", k), ("v", v)):
+        check_shape(part, name, f"B S {kv_width}", (B, T, K * H), op="split", source="qkv")
+    q = split_heads(q, "q", "B T N H", N, cfg)
+    k = split_heads(k, "k", f"B S {kv_axis} H", K, cfg)
+    v = split_heads(v, "v", f"B S {kv_axis} H", K, cfg)
+    q, k = normalize_qk(cfg, q, k, dtype)
+    return q, k, v
 
 
-def _attend(module: nn.Module, q, k, v, cfg: AttentionConfig, deterministic: bool, **mask_args):
-    """Core attention, then heads concatenated and the output projection: (B, T, D)."""
-    B, T, _, _ = q.shape
-    rate = 0.0 if deterministic else cfg.dropout
-    rng = module.make_rng("dropout") if rate > 0.0 else None
-    out = dot_product_attention(
-        q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=cfg.implementation, **mask_args
-    )
-    if module.sow_weights and module.is_mutable_collection("intermediates"):
-        module.sow("intermediates", "attention_weights", attention_weights(q, k, **mask_args))
-    merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)
-    check_shape(
-        merged,
-        "concatenated heads",
-        "B T D",
-        (B, T, cfg.d_model),
-        op="reshape",
-        source="per-head output",
-    )
-    y = nn.Dense(cfg.d_model, name="out")(merged)
-    return check_shape(
-        y, "output", "B T D", (B, T, cfg.d_model), op="project", source="concatenated heads"
-    )
+def _int_per_token(name: str, value, axes: str, dims) -> jnp.ndarray:
+    value = jnp.asarray(value)
+    expect_integer(name, value.dtype)
+    expect_shape(name, value.shape, axes, dims)
+    return value
 
 
 class CausalSelfAttention(nn.Module):
-    r"""Multi-head causal self-attention, a drop-in for the NanoMoE seed module.
+    r"""Causal self-attention with grouped-query heads, RoPE, a sliding window,
+    soft-capping, QK norm and a KV cache; a drop-in for the NanoMoE seed module.
 
-    ``y = out(concat_n softmax(q_n k_n^T / sqrt(H) + causal) v_n)`` with
-    ``[q | k | v] = qkv(x)``: one combined projection whose columns are ordered
-    [Q | K | V], each block split into N contiguous slices of width H. The
-    parameters are exactly the seed's (``Dense_0`` -> ``qkv``,
-    ``Dense_1`` -> ``out``)::
+    .. math::
 
-        {"qkv": {"kernel": (D, 3D), "bias": (3D,)},
-         "out": {"kernel": (D, D), "bias": (D,)}}
+       y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}(i)}
+           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+
+    with ``[q | k | v] = qkv(x)`` (columns [Q (N*H) | K (K*H) | V (K*H)]),
+    ``q, k`` RMS-normalised per head (``qk_norm``) and then rotated by RoPE at
+    their positions (``rope_base``), query head n reading key/value head
+    ``n // G``, and ``c = logit_soft_cap`` (no tanh when None). Query i may
+    see key j iff ``j <= i``, ``i - left <= j <= i + right`` (``window``),
+    the ``mask`` allows it and, when packing, both have the same segment id.
+
+    Parameters, with K = N and ``use_bias=True`` exactly the seed's
+    (``Dense_0`` -> ``qkv``, ``Dense_1`` -> ``out``)::
+
+        {"qkv": {"kernel": (D, (N + 2K) H), "bias": ((N + 2K) H,)},   # (D, 3D) when K = N
+         "out": {"kernel": (D, D), "bias": (D,)},
+         "q_norm": {"scale": (H,)}, "k_norm": {"scale": (H,)}}        # with qk_norm only
+
+    **Decoding** (the flax convention): ``layer.init(key, jnp.zeros((B,
+    max_len, D)), decode=True)`` also returns a ``"cache"`` collection of
+    capacity ``max_len`` with every row at position 0 (see
+    ``nanoattn.linen._cache``). Each ``layer.apply({"params": p, "cache": c},
+    chunk, decode=True, mutable=["cache"])`` takes a chunk of any length
+    L >= 1 (a prompt, one token, anything between), writes its keys and values
+    at each row's position, attends causally with the row's position as
+    ``q_offset`` over the keys written so far, and advances the row by
+    ``lengths[b]`` (default L). Outputs equal those of one causal call on the
+    whole sequence. A write past the capacity raises ValueError when the
+    position is concrete; under ``jit`` it cannot raise, and the overflowing
+    rows' outputs are NaN instead (their excess tokens are not stored).
 
     Attributes:
       config: an :class:`AttentionConfig` (or any object with ``d_model``,
-        ``n_heads`` and ``dropout``).
+        ``n_heads`` and optionally ``dropout`` and the other fields).
       sow_weights: if True, sow the attention weights (B, N, T, S), without
         dropout, into the ``intermediates`` collection.
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> layer = CausalSelfAttention(AttentionConfig(d_model=128, n_heads=4))
-      >>> x = jnp.ones((2, 5, 128))
+      >>> config = AttentionConfig(d_model=128, n_heads=4, n_kv_heads=2, rope_base=10000.0)
+      >>> layer = CausalSelfAttention(config)
+      >>> x = jax.random.normal(jax.random.key(1), (2, 5, 128))  # (B, T, D)
       >>> params = layer.init(jax.random.key(0), x, deterministic=True)
-      >>> layer.apply(params, x, deterministic=True).shape
-      (2, 5, 128)
+      >>> jax.tree.map(jnp.shape, params["params"]["qkv"])  # (N + 2K) H = 256
+      {'bias': (256,), 'kernel': (128, 256)}
+      >>> full = layer.apply(params, x, deterministic=True)
+      >>> # The same outputs from a cache of capacity 8, fed a prompt of 3, then 2 tokens.
+      >>> cache = layer.init(jax.random.key(0), jnp.zeros((2, 8, 128)), decode=True)["cache"]
+      >>> step = lambda c, chunk: layer.apply(
+      ...     {**params, "cache": c}, chunk, True, decode=True, mutable=["cache"])
+      >>> y1, state = step(cache, x[:, :3])
+      >>> y2, state = step(state["cache"], x[:, 3:])
+      >>> bool(jnp.allclose(jnp.concatenate([y1, y2], 1), full, atol=1e-5))
+      True
+      >>> state["cache"]["position"]
+      Array([5, 5], dtype=int32)
     """
 
     config: AttentionConfig
     sow_weights: bool = False
 
     @nn.compact
-    def __call__(self, x, deterministic: bool = False, *, mask=None):
+    def __call__(
+        self,
+        x,
+        deterministic: bool = False,
+        *,
+        mask=None,
+        positions=None,
+        segment_ids=None,
+        decode: bool = False,
+        lengths=None,
+    ):
         """Attends every token to itself and the tokens before it.
 
         Args:
-          x: (B, T, D).
+          x: (B, T, D); with ``decode=True`` a chunk of T >= 1 new tokens.
           deterministic: disables dropout (evaluation mode).
-          mask: optional boolean mask broadcastable to (B, N, T, T), True = may
+          mask: optional boolean mask broadcastable to (B, N, T, S), True = may
             attend, ANDed with the causal triangle (e.g. a ``padding_mask``).
+            S = T, or the cache capacity when decoding.
+          positions: optional int (B, T) or (T,): the positions RoPE rotates
+            by (default ``arange(T)``; unused without ``rope_base``).
+            Causality and the window follow the index in the sequence, not
+            these positions. Not with ``decode=True``, where the cache keeps
+            the positions.
+          segment_ids: optional int (B, T): packed documents; a token attends
+            only to tokens with the same id. Not with ``decode=True``.
+          decode: use and advance the ``"cache"`` collection (see the class
+            docstring); the first call (``init``) creates it.
+          lengths: only with ``decode=True``: optional int (B,), the real
+            tokens of each row of a right-padded chunk, in [0, T]. Row b
+            advances by ``lengths[b]``; its outputs at padded tokens are zeros.
 
         Returns:
-          (B, T, D).
+          (B, T, D) in the compute dtype (``config.dtype``, else ``x``'s).
+
+        Raises:
+          ValueError: a shape or argument error, or (concrete positions only)
+            a chunk that does not fit in the cache.
         """
         cfg = AttentionConfig.from_config(self.config)
         expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
         B, T, D = x.shape
         check_shape(x, "input", "B T D", (B, T, D), op="input")
-        qkv = nn.Dense(3 * D, name="qkv")(x)
-        check_shape(qkv, "qkv", "B T 3D", (B, T, 3 * D), op="project", source="input")
-        q, k, v = jnp.split(qkv, 3, axis=-1)  # 3 x (B, T, D), in the order [Q | K | V]
-        for name, part, time in (("q", q, "T"), ("k", k, "S"), ("v", v, "S")):
-            check_shape(part, name, f"B {time} D", (B, T, D), op="split", source="qkv")
-        q = _split_heads(q, "q", "T", cfg)
-        k = _split_heads(k, "k", "S", cfg)
-        v = _split_heads(v, "v", "S", cfg)
-        return _attend(self, q, k, v, cfg, deterministic, mask=mask, is_causal=True)
+        dtype = compute_dtype(cfg, x)
+        options = core_options(cfg, positional=True)
+        if decode:
+            for name, value in (("positions", positions), ("segment_ids", segment_ids)):
+                if value is not None:
+                    raise ValueError(
+                        f"{name} is not supported with decode=True: the cache keeps each "
+                        f"row's position (use lengths for ragged rows)"
+                    )
+            return self._decode(cfg, x, deterministic, dtype, mask, lengths, options)
+        if lengths is not None:
+            raise ValueError(
+                "lengths only applies with decode=True; in full-sequence mode pass a "
+                "padding mask or segment_ids"
+            )
+        if positions is None:
+            positions = jnp.arange(T)
+        elif jnp.ndim(positions) == 1:
+            positions = _int_per_token("positions", positions, "T", (T,))
+        else:
+            positions = _int_per_token("positions", positions, "B T", (B, T))
+        if segment_ids is not None:
+            segment_ids = _int_per_token("segment_ids", segment_ids, "B T", (B, T))
+            options |= {"q_segment_ids": segment_ids, "kv_segment_ids": segment_ids}
+        q, k, v = _project_qkv(cfg, x, dtype)
+        q, k = rotate_qk(cfg, q, k, positions)
+        return attend(
+            self, q, k, v, cfg, deterministic, dtype, mask=mask, is_causal=True, **options
+        )
+
+    def _decode(self, cfg: AttentionConfig, x, deterministic, dtype, mask, lengths, options):
+        """One call of decode mode: create the cache (init), or write a chunk and attend."""
+        B, T, D = x.shape
+        K, H = cfg.kv_heads, cfg.head_dim
+        cache_k, cache_v, cache_pos, fresh = _cache.cache_variables(self, B, T, K, H, dtype)
+        q, k, v = _project_qkv(cfg, x, dtype)
+        if fresh:  # init: an empty cache of capacity T; the output is the full forward of x
+            q, k = rotate_qk(cfg, q, k, jnp.arange(T))
+            return attend(
+                self, q, k, v, cfg, deterministic, dtype, mask=mask, is_causal=True, **options
+            )
+        capacity = cache_k.value.shape[1]
+        expect_shape("x", x.shape, "B T D", (cache_k.value.shape[0], None, D))
+        position = cache_pos.value  # (B,)
+        if lengths is None:
+            lengths = jnp.full((B,), T, jnp.int32)
+        lengths = _int_per_token("lengths", lengths, "B", (B,))
+        _cache.check_chunk(position, lengths, T, capacity)
+        lengths = jnp.clip(lengths, 0, T)  # under jit, where it could not be checked
+        q, k = rotate_qk(cfg, q, k, position[:, None] + jnp.arange(T))  # (B, T) positions
+        cache_k.value = _cache.write(cache_k.value, k, position, lengths)
+        cache_v.value = _cache.write(cache_v.value, v, position, lengths)
+        end = position + lengths  # (B,)
+        cache_pos.value = end.astype(jnp.int32)
+        # Slots at and past `end` are never read: kv_lengths hides them from every backend.
+        y = attend(
+            self,
+            q,
+            cache_k.value,
+            cache_v.value,
+            cfg,
+            deterministic,
+            dtype,
+            mask=mask,
+            is_causal=True,
+            q_offset=position,
+            kv_lengths=end,
+            **options,
+        )
+        real = jnp.arange(T) < lengths[:, None]  # (B, T)
+        y = jnp.where(real[..., None], y, 0)
+        overflow = end > capacity  # only reachable under jit: the ValueError above
+        return jnp.where(overflow[:, None, None], jnp.nan, y).astype(y.dtype)
 
 
 MultiHeadAttention = CausalSelfAttention
 
 
 class CrossAttention(nn.Module):
-    r"""Multi-head cross-attention: T queries from ``x`` attend to S keys from ``context``.
+    r"""Cross-attention: T queries from ``x`` attend to S keys from ``context``.
 
-    ``y = out(concat_n softmax(q_n k_n^T / sqrt(H)) v_n)`` with ``q = q(x)`` and
-    ``[k | v] = kv(context)``; no causal triangle. Parameters::
+    .. math::
+
+       y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}}
+           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+
+    with ``q = q(x)``, ``[k | v] = kv(context)`` (columns [K (K*H) | V (K*H)]),
+    query head n reading key/value head ``n // G``, q and k RMS-normalised per
+    head with ``qk_norm``, and ``c = logit_soft_cap`` (no tanh when None). No
+    causal triangle and no cache (the keys do not grow). The positional
+    options of the config, ``rope_base`` and ``window``, do not apply between
+    two sequences and are ignored. Parameters::
 
         {"q": {"kernel": (D, D), "bias": (D,)},
-         "kv": {"kernel": (D, 2D), "bias": (2D,)},
-         "out": {"kernel": (D, D), "bias": (D,)}}
+         "kv": {"kernel": (D, 2KH), "bias": (2KH,)},                # (D, 2D) when K = N
+         "out": {"kernel": (D, D), "bias": (D,)},
+         "q_norm": {"scale": (H,)}, "k_norm": {"scale": (H,)}}     # with qk_norm only
 
     Attributes:
       config: an :class:`AttentionConfig`.
@@ -132,9 +268,11 @@ class CrossAttention(nn.Module):
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> layer = CrossAttention(AttentionConfig(d_model=64, n_heads=4))
+      >>> layer = CrossAttention(AttentionConfig(d_model=64, n_heads=4, n_kv_heads=1))
       >>> x, ctx = jnp.ones((2, 3, 64)), jnp.ones((2, 7, 64))
       >>> params = layer.init(jax.random.key(0), x, ctx, deterministic=True)
+      >>> params["params"]["kv"]["kernel"].shape  # one key/value head of width 16
+      (64, 32)
       >>> layer.apply(params, x, ctx, deterministic=True).shape
       (2, 3, 64)
     """
@@ -154,10 +292,10 @@ class CrossAttention(nn.Module):
             tokens, or any mask broadcastable to (B, N, T, S) of rank other than 2.
 
         Returns:
-          (B, T, D).
+          (B, T, D) in the compute dtype (``config.dtype``, else ``x``'s).
         """
         cfg = AttentionConfig.from_config(self.config)
-        D = cfg.d_model
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
         expect_shape("x", jnp.shape(x), "B T D", (None, None, D))
         B, T, _ = x.shape
         expect_shape("context", jnp.shape(context), "B S D", (B, None, D))
@@ -168,16 +306,20 @@ class CrossAttention(nn.Module):
             expect_shape("context_mask", jnp.shape(mask), "B S", (B, S))
             mask = padding_mask(mask)  # (B, 1, 1, S)
 
+        dtype = compute_dtype(cfg, x)
+        kv_axis, kv_width = kv_letters(cfg)
         check_shape(x, "input", "B T D", (B, T, D), op="input")
         check_shape(context, "context", "B S D", (B, S, D), op="input")
-        q = nn.Dense(D, name="q")(x)
+        q = dense(cfg, N * H, "q", dtype)(x)
         check_shape(q, "q", "B T D", (B, T, D), op="project", source="input")
-        kv = nn.Dense(2 * D, name="kv")(context)
-        check_shape(kv, "kv", "B S 2D", (B, S, 2 * D), op="project", source="context")
-        k, v = jnp.split(kv, 2, axis=-1)  # 2 x (B, S, D), in the order [K | V]
+        kv = dense(cfg, 2 * K * H, "kv", dtype)(context)
+        check_shape(kv, "kv", f"B S 2{kv_width}", (B, S, 2 * K * H), op="project", source="context")
+        k, v = jnp.split(kv, 2, axis=-1)  # 2 x (B, S, K*H), in the order [K | V]
         for name, part in (("k", k), ("v", v)):
-            check_shape(part, name, "B S D", (B, S, D), op="split", source="kv")
-        q = _split_heads(q, "q", "T", cfg)
-        k = _split_heads(k, "k", "S", cfg)
-        v = _split_heads(v, "v", "S", cfg)
-        return _attend(self, q, k, v, cfg, deterministic, mask=mask)
+            check_shape(part, name, f"B S {kv_width}", (B, S, K * H), op="split", source="kv")
+        q = split_heads(q, "q", "B T N H", N, cfg)
+        k = split_heads(k, "k", f"B S {kv_axis} H", K, cfg)
+        v = split_heads(v, "v", f"B S {kv_axis} H", K, cfg)
+        q, k = normalize_qk(cfg, q, k, dtype)
+        options = core_options(cfg, positional=False)
+        return attend(self, q, k, v, cfg, deterministic, dtype, mask=mask, **options)

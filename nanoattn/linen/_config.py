@@ -1,32 +1,86 @@
 """The attention configuration: a frozen dataclass validated on construction."""
 
 import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
 
 from .._dispatch import IMPLEMENTATIONS
+from .._spec import check_soft_cap, normalize_window
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _float_dtype(name: str, dtype):
+    """``dtype`` as a floating numpy dtype, or a one-line TypeError."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype such as jnp.float32, got {dtype!r}")
+    return dt
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Sizes of a multi-head attention layer.
+    """Sizes and options of an attention layer.
+
+    Axis letters (docs/conventions.md): D model width, N query heads, K
+    key/value heads, G = N / K query heads per key/value head, H = D / N head
+    width.
 
     Attributes:
       d_model: D, the model width.
-      n_heads: N, the number of heads; must divide ``d_model``.
+      n_heads: N, the number of query heads; must divide ``d_model``.
       dropout: dropout rate on the attention weights, in [0, 1).
       implementation: the attention backend, ``"xla"``, ``"flash"``,
         ``"cudnn"`` or None for the automatic choice (see
         ``nanoattn.dot_product_attention``). Training with dropout uses the
         reference under the automatic choice.
+      n_kv_heads: K, the number of key/value heads; must divide ``n_heads``.
+        None means K = N (multi-head attention); 1 < K < N is grouped-query
+        attention, K = 1 multi-query attention.
+      rope_base: None for no rotary embedding, else the frequency base of
+        ``nanoattn.apply_rope`` applied to queries and keys (needs an even H).
+      window: None, an int ``w`` (meaning ``(w, w)``) or ``(left, right)``:
+        a query at position p sees keys at ``p - left .. p + right`` (ANDed
+        with causality). Stored as ``(left, right)``.
+      logit_soft_cap: None or a float ``cap`` > 0: logits become
+        ``cap * tanh(logits / cap)`` before the softmax (Gemma 2).
+      qk_norm: RMSNorm over H on every query and key head, with a learned
+        scale per feature, before RoPE (Gemma 3, OLMo 2).
+      use_bias: whether the projections have biases.
+      dtype: the compute dtype of projections and attention, and the dtype of
+        the KV cache; None means the input's dtype.
+      param_dtype: the dtype of the parameters.
 
     Example:
-      >>> AttentionConfig(d_model=128, n_heads=4).head_dim
-      32
+      >>> config = AttentionConfig(d_model=128, n_heads=4, n_kv_heads=2, window=16)
+      >>> config.head_dim, config.kv_heads, config.groups, config.window
+      (32, 2, 2, (16, 16))
     """
 
     d_model: int = 128
     n_heads: int = 4
     dropout: float = 0.0
     implementation: str | None = None
+    n_kv_heads: int | None = None
+    rope_base: float | None = None
+    window: Any = None
+    logit_soft_cap: float | None = None
+    qk_norm: bool = False
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
 
     def __post_init__(self):
         if self.n_heads < 1:
@@ -34,11 +88,10 @@ class AttentionConfig:
         if self.d_model < 1:
             raise ValueError(f"d_model must be >= 1, got d_model={self.d_model}")
         if self.d_model % self.n_heads != 0:
-            divisors = [n for n in range(1, self.d_model + 1) if self.d_model % n == 0]
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}, so the "
                 f"heads cannot split it into equal widths; head counts that divide "
-                f"{self.d_model}: {', '.join(map(str, divisors))}"
+                f"{self.d_model}: {_divisors(self.d_model)}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got dropout={self.dropout}")
@@ -47,27 +100,78 @@ class AttentionConfig:
                 f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))} or "
                 f"None, got {self.implementation!r}"
             )
+        self._check_kv_heads()
+        self._check_rope()
+        object.__setattr__(self, "window", normalize_window(self.window))
+        object.__setattr__(self, "logit_soft_cap", check_soft_cap(self.logit_soft_cap))
+        for name in ("qk_norm", "use_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", _float_dtype("dtype", self.dtype))
+        object.__setattr__(self, "param_dtype", _float_dtype("param_dtype", self.param_dtype))
+
+    def _check_kv_heads(self) -> None:
+        K = self.n_kv_heads
+        if K is None:
+            return
+        if not _is_int(K):
+            raise TypeError(f"n_kv_heads must be an int or None, got {K!r}")
+        if K < 1:
+            raise ValueError(f"n_kv_heads must be >= 1 or None, got n_kv_heads={K}")
+        if self.n_heads % K != 0:
+            raise ValueError(
+                f"n_kv_heads={K} does not divide n_heads={self.n_heads}, so the query heads "
+                f"cannot share key/value heads in equal groups; key/value head counts that "
+                f"divide {self.n_heads}: {_divisors(self.n_heads)}"
+            )
+
+    def _check_rope(self) -> None:
+        base = self.rope_base
+        if base is None:
+            return
+        if isinstance(base, bool) or not isinstance(base, (int, float, np.integer, np.floating)):
+            raise TypeError(f"rope_base must be a float > 0 or None, got {base!r}")
+        if not (math.isfinite(base) and base > 0):
+            raise ValueError(f"rope_base must be a finite float > 0, got rope_base={base!r}")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"rope_base needs an even head width H, got H={self.head_dim} "
+                f"(d_model={self.d_model} / n_heads={self.n_heads})"
+            )
 
     @property
     def head_dim(self) -> int:
         """H, the width of one head: ``d_model // n_heads``."""
         return self.d_model // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """K, the number of key/value heads: ``n_kv_heads``, or ``n_heads`` when None."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def groups(self) -> int:
+        """G, the query heads that share one key/value head: ``n_heads // kv_heads``."""
+        return self.n_heads // self.kv_heads
+
     @classmethod
     def from_config(cls, config) -> "AttentionConfig":
-        """Accepts an AttentionConfig or any object with ``d_model``, ``n_heads``
-        and (optionally) ``dropout``, such as the NanoMoE seed's config."""
+        """Accepts an AttentionConfig or any object with ``d_model`` and ``n_heads``,
+        such as the NanoMoE seed's config; every other field it has (``dropout``,
+        ``n_kv_heads``, ...) is taken too, the rest keep their defaults."""
         if isinstance(config, cls):
             return config
         try:
-            return cls(
-                config.d_model,
-                config.n_heads,
-                getattr(config, "dropout", 0.0),
-                getattr(config, "implementation", None),
-            )
+            sizes = {"d_model": config.d_model, "n_heads": config.n_heads}
         except AttributeError as e:
             raise TypeError(
                 f"config must be an AttentionConfig or have d_model and n_heads, "
                 f"got {type(config).__name__}"
             ) from e
+        optional = {
+            f.name: getattr(config, f.name)
+            for f in dataclasses.fields(cls)
+            if f.name not in sizes and hasattr(config, f.name)
+        }
+        return cls(**sizes, **optional)

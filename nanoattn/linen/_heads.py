@@ -1,0 +1,96 @@
+"""The steps the linen modules share: projections, head splits, QK norm, RoPE, and
+the call of the functional core followed by the output projection.
+
+Every reshape is followed by :func:`check_shape` (free under ``jit``), which
+names the axes, so a refactor that swaps time and head axes fails loudly.
+"""
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from .._attention import attention_weights, dot_product_attention
+from .._rope import apply_rope
+from .._trace import check_shape
+from ._config import AttentionConfig
+from ._norm import HeadRMSNorm
+
+
+def compute_dtype(cfg: AttentionConfig, x):
+    """The dtype of projections, attention and cache: ``cfg.dtype``, else ``x``'s."""
+    return jnp.dtype(x.dtype) if cfg.dtype is None else cfg.dtype
+
+
+def dense(cfg: AttentionConfig, features: int, name: str, dtype) -> nn.Dense:
+    return nn.Dense(
+        features, use_bias=cfg.use_bias, dtype=dtype, param_dtype=cfg.param_dtype, name=name
+    )
+
+
+def kv_letters(cfg: AttentionConfig) -> tuple[str, str]:
+    """Axis names of the key/value heads and their width: ("N", "D") when K = N, else
+    ("K", "KH"), so the audit of a multi-head layer keeps the seed's names."""
+    return ("N", "D") if cfg.kv_heads == cfg.n_heads else ("K", "KH")
+
+
+def split_heads(x, name: str, axes: str, heads: int, cfg: AttentionConfig):
+    """(B, L, heads * H) -> (B, L, heads, H): heads are contiguous slices of width H."""
+    B, L, _ = x.shape
+    out = x.reshape(B, L, heads, cfg.head_dim)  # (B, L, N|K, H)
+    return check_shape(
+        out, f"{name} heads", axes, (B, L, heads, cfg.head_dim), op="reshape", source=name
+    )
+
+
+def normalize_qk(cfg: AttentionConfig, q, k, dtype):
+    """RMSNorm over H of each query and key head (params ``q_norm``, ``k_norm``), if on."""
+    if not cfg.qk_norm:
+        return q, k
+    q = HeadRMSNorm(dtype=dtype, param_dtype=cfg.param_dtype, name="q_norm")(q)
+    k = HeadRMSNorm(dtype=dtype, param_dtype=cfg.param_dtype, name="k_norm")(k)
+    return q, k
+
+
+def rotate_qk(cfg: AttentionConfig, q, k, positions):
+    """RoPE on queries and keys at integer ``positions`` (B, L) or (L,), if on."""
+    if cfg.rope_base is None:
+        return q, k
+    return (
+        apply_rope(q, positions, base=cfg.rope_base),
+        apply_rope(k, positions, base=cfg.rope_base),
+    )
+
+
+def core_options(cfg: AttentionConfig, *, positional: bool) -> dict:
+    """The config's options of the core call: soft-cap, and the window when
+    ``positional`` (self-attention). Unset options are left out."""
+    options = {"logit_soft_cap": cfg.logit_soft_cap}
+    if positional:
+        options["window"] = cfg.window
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def attend(
+    module: nn.Module, q, k, v, cfg: AttentionConfig, deterministic: bool, dtype, **mask_args
+):
+    """Core attention, then heads concatenated and the output projection: (B, T, D)."""
+    B, T, _, _ = q.shape
+    rate = 0.0 if deterministic else cfg.dropout
+    rng = module.make_rng("dropout") if rate > 0.0 else None
+    out = dot_product_attention(
+        q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=cfg.implementation, **mask_args
+    )
+    if module.sow_weights and module.is_mutable_collection("intermediates"):
+        module.sow("intermediates", "attention_weights", attention_weights(q, k, **mask_args))
+    merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)
+    check_shape(
+        merged,
+        "concatenated heads",
+        "B T D",
+        (B, T, cfg.d_model),
+        op="reshape",
+        source="per-head output",
+    )
+    y = dense(cfg, cfg.d_model, "out", dtype)(merged)
+    return check_shape(
+        y, "output", "B T D", (B, T, cfg.d_model), op="project", source="concatenated heads"
+    )
