@@ -198,8 +198,8 @@ class CausalSelfAttention(nn.Module):
         B, T, D = x.shape
         K, H = cfg.kv_heads, cfg.head_dim
         cache_k, cache_v, cache_pos, fresh = _cache.cache_variables(self, B, T, K, H, dtype)
-        q, k, v = _project_qkv(cfg, x, dtype)
         if fresh:  # init: an empty cache of capacity T; the output is the full forward of x
+            q, k, v = _project_qkv(cfg, x, dtype)
             q, k = rotate_qk(cfg, q, k, jnp.arange(T))
             return attend(
                 self, q, k, v, cfg, deterministic, dtype, mask=mask, is_causal=True, **options
@@ -212,6 +212,7 @@ class CausalSelfAttention(nn.Module):
         lengths = _int_per_token("lengths", lengths, "B", (B,))
         _cache.check_chunk(position, lengths, T, capacity)
         lengths = jnp.clip(lengths, 0, T)  # under jit, where it could not be checked
+        q, k, v = _project_qkv(cfg, x, dtype)
         q, k = rotate_qk(cfg, q, k, position[:, None] + jnp.arange(T))  # (B, T) positions
         cache_k.value = _cache.write(cache_k.value, k, position, lengths)
         cache_v.value = _cache.write(cache_v.value, v, position, lengths)
