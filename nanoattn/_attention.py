@@ -4,6 +4,7 @@ import jax.numpy as jnp
 
 from . import _dispatch, _flash, _reference
 from ._spec import attention_spec
+from ._visibility import hide_unseen_keys
 
 
 def _check_dropout(dropout_rate: float, dropout_rng) -> None:
@@ -26,6 +27,10 @@ def dot_product_attention(
     is_causal: bool = False,
     q_offset=None,
     kv_lengths=None,
+    window=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    logit_soft_cap: float | None = None,
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
@@ -43,15 +48,24 @@ def dot_product_attention(
     The axis letters (docs/conventions.md): B batch, T query time, S key/value
     time, N query heads, K key/value heads, H head width.
 
-    A key is allowed when ``mask``, the causal rule and ``kv_lengths`` all allow
-    it (they combine by AND). Differences from other libraries:
+    With ``logit_soft_cap`` the logits become ``cap * tanh(logits / cap)``
+    before masking and the softmax (Gemma 2).
 
-    * causality is positional: query i sits at position ``q_offset + i`` and
-      may see key j iff ``j <= q_offset + i``. With T != S, ``q_offset`` must
-      be given (0 = top-left like ``jax.nn``, S - T = bottom-right like
-      FlashAttention);
+    A key is allowed when ``mask``, the causal rule, the window, ``kv_lengths``
+    and the segment ids all allow it (they combine by AND). Differences from
+    other libraries:
+
+    * causality and windows are positional: query i sits at position
+      ``p = q_offset + i``; causality lets it see key j iff ``j <= p``, a
+      window ``(left, right)`` iff ``p - left <= j <= p + right``. With T != S,
+      ``q_offset`` must be given (0 = top-left like ``jax.nn``, S - T =
+      bottom-right like FlashAttention);
     * a query row with no allowed key returns zeros (``jax.nn`` and flax
       return the mean of V), with zero, finite gradients;
+    * content that no query may see is never read: NaN or inf in a key or
+      value past ``kv_lengths`` (an unwritten cache slot), outside every
+      window or in another segment, in the bias at a blocked cell, or in a
+      query that sees no key, does not reach the output;
     * the mask must be boolean, True = may attend (a float mask raises).
 
     The softmax runs in at least float32; the output has the query's dtype.
@@ -65,9 +79,16 @@ def dot_product_attention(
         scaled logits.
       is_causal: apply the positional causal mask.
       q_offset: position of the first query; int, or int array () or (B,).
-        Defaults to 0 when T == S.
+        Defaults to 0 when T == S; only with ``is_causal`` or ``window``.
       kv_lengths: optional int array (B,): key j of row b is valid iff
         ``j < kv_lengths[b]``.
+      window: local attention: an int ``w`` (meaning ``(w, w)``) or a pair
+        ``(left, right)`` of ints >= 0; combine with ``is_causal`` for causal
+        sliding-window attention (then ``right`` has no effect).
+      q_segment_ids: optional int (B, T); with ``kv_segment_ids`` (B, S), a
+        query may see a key only when their ids are equal (packed sequences).
+      kv_segment_ids: optional int (B, S); both segment arguments or neither.
+      logit_soft_cap: optional float > 0, the cap of ``cap * tanh(s / cap)``.
       scale: factor on ``q . k``; defaults to ``1 / sqrt(H)``.
       dropout_rate: dropout on the weights (inverted scaling); 0 disables it.
       dropout_rng: a ``jax.random`` key, needed when ``dropout_rate > 0``.
@@ -96,9 +117,14 @@ def dot_product_attention(
         is_causal=is_causal,
         q_offset=q_offset,
         kv_lengths=kv_lengths,
+        window=window,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        logit_soft_cap=logit_soft_cap,
         scale=scale,
     )
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    query = jnp.asarray(query)
+    key, value = hide_unseen_keys(spec, jnp.asarray(key), jnp.asarray(value))
     match _dispatch.choose(implementation, spec, query.dtype, dropout_rate):
         case "flash":
             return _flash.flash_attention(query, key, value, spec)
@@ -119,6 +145,10 @@ def attention_weights(
     is_causal: bool = False,
     q_offset=None,
     kv_lengths=None,
+    window=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    logit_soft_cap: float | None = None,
     scale: float | None = None,
 ):
     r"""The normalised attention weights of :func:`dot_product_attention`.
@@ -150,9 +180,14 @@ def attention_weights(
         is_causal=is_causal,
         q_offset=q_offset,
         kv_lengths=kv_lengths,
+        window=window,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        logit_soft_cap=logit_soft_cap,
         scale=scale,
     )
-    query, key = jnp.asarray(query), jnp.asarray(key)
+    query = jnp.asarray(query)
+    key, _ = hide_unseen_keys(spec, jnp.asarray(key))
     return _reference.weights(query, key, spec).astype(query.dtype)
 
 
@@ -166,6 +201,10 @@ def flash_attention(
     is_causal: bool = False,
     q_offset=None,
     kv_lengths=None,
+    window=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    logit_soft_cap: float | None = None,
     scale: float | None = None,
     forward_tiles: tuple[int, int, int] | None = None,
     backward_tiles: tuple[int, int, int] | None = None,
@@ -187,9 +226,11 @@ def flash_attention(
     """
     spec = attention_spec(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
-        kv_lengths=kv_lengths, scale=scale,
+        kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
     )  # fmt: skip
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    query = jnp.asarray(query)
+    key, value = hide_unseen_keys(spec, jnp.asarray(key), jnp.asarray(value))
     _dispatch.choose("flash", spec, query.dtype, 0.0)  # raises if the kernel cannot serve
     return _flash.flash_attention(
         query, key, value, spec, forward_tiles=forward_tiles, backward_tiles=backward_tiles

@@ -40,6 +40,8 @@ def cudnn_unsupported(spec: AttentionSpec, dtype, dropout_rate: float) -> str | 
         return f"it supports bfloat16 and float16 inputs only, got {jnp.dtype(dtype)}"
     if dropout_rate > 0:
         return "dropout is only implemented by the reference (implementation='xla')"
+    if spec.window is not None or spec.q_segment_ids is not None or spec.logit_soft_cap:
+        return "window, segment ids and logit_soft_cap are served by 'xla' and 'flash' only"
     if spec.is_causal and spec.static_q_offset != 0:
         return "its causal mask is top-left only: it needs q_offset=0 as a Python int"
     if spec.H % 8 or spec.H > 128:

@@ -14,9 +14,10 @@ Block layout: queries (B, nQ, bq, K, G, H) and keys and values
 and turns it head-major, (B, L, K, G, bq, H), for the matrix products.
 
 The semantics are the reference's (docs/conventions.md): positional
-causality with ``q_offset``, key lengths, a dense boolean mask and an additive
-bias sliced per block, grouped-query heads, zeros (and zero gradients) for a
-row with no visible key, and softmax statistics in at least float32.
+causality and sliding windows with ``q_offset``, key lengths, segment ids, a
+dense boolean mask and an additive bias sliced per block, logit soft-capping,
+grouped-query heads, zeros (and zero gradients) for a row with no visible
+key, and softmax statistics in at least float32.
 Dropout is not supported here: the dispatcher sends it to the reference.
 """
 
@@ -58,10 +59,12 @@ class Plan:
     block_k: int
     lanes: int
     scale: float
-    causal: bool
-    static_offset: int | None  # causal with a Python int offset: blocks can be skipped
+    band: tuple[int | None, int | None] | None  # (left, right) of the positional rule, if any
+    static_offset: int | None  # a Python int offset: blocks outside the band can be skipped
     has_lengths: bool
     has_mask: bool
+    has_segments: bool
+    soft_cap: float | None
 
     @property
     def n_q(self) -> int:
@@ -73,12 +76,13 @@ class Plan:
 
     def schedules(self) -> tuple[Schedule, Schedule]:
         """The (masked, full) schedules."""
-        traced_offset = self.causal and self.static_offset is None
-        all_masked = self.has_lengths or self.has_mask or traced_offset
-        offset = self.static_offset if self.causal else None
+        traced_offset = self.band is not None and self.static_offset is None
+        all_masked = self.has_lengths or self.has_mask or self.has_segments or traced_offset
+        offset = self.static_offset if self.band is not None else None
         return block_schedules(
-            self.T, self.S, self.block_q, self.block_k, self.lanes, offset, all_masked
-        )
+            self.T, self.S, self.block_q, self.block_k, self.lanes, offset, all_masked,
+            self.band or (None, None),
+        )  # fmt: skip
 
 
 def _pad(x, axis: int, size: int, value=0):
@@ -170,17 +174,22 @@ def _scatter_pairs(blocks, qi, kj, grad):
     return blocks.at[:, :, qi, :, kj, :].add(jnp.moveaxis(grad, 1, 0))
 
 
-def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks):
+def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_blocks):
     """Which cells of each lane's item are visible: bool, broadcastable to
     (B, L, K, G, bq, bk)."""
     k_pos = kj[:, None] * plan.block_k + jnp.arange(plan.block_k)  # (L, bk)
     parts = []
-    if plan.causal:
+    if plan.band is not None:
+        left, right = plan.band
         q_pos = qi[:, None] * plan.block_q + jnp.arange(plan.block_q)  # (L, bq)
         offset = plan.static_offset if plan.static_offset is not None else q_offset
         offset = jnp.reshape(jnp.asarray(offset), (-1, 1, 1))  # (1 or B, 1, 1)
-        sees = k_pos[None, :, None, :] <= (offset + q_pos)[..., None]  # (1 or B, L, bq, bk)
-        parts.append(sees[:, :, None, None])
+        p = (offset + q_pos)[..., None]  # (1 or B, L, bq, 1): each query's position
+        j = k_pos[None, :, None, :]  # (1, L, 1, bk)
+        if right is not None:
+            parts.append((j <= p + right)[:, :, None, None])
+        if left is not None:
+            parts.append((j >= p - left)[:, :, None, None])
     if plan.n_k * plan.block_k > plan.S:
         parts.append((k_pos < plan.S)[None, :, None, None, None, :])
     if kv_lengths is not None:
@@ -188,24 +197,50 @@ def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks):
         parts.append(valid[:, :, None, None, None, :])
     if mask_blocks is not None:
         parts.append(_gather_pairs(mask_blocks, qi, kj, plan))
+    if segment_blocks is not None:
+        q_ids, kv_ids = segment_blocks  # (B, nQ, bq), (B, nK, bk)
+        same = jnp.take(q_ids, qi, axis=1)[..., None] == jnp.take(kv_ids, kj, axis=1)[:, :, None]
+        parts.append(same[:, :, None, None])  # (B, L, 1, 1, bq, bk)
     return functools.reduce(jnp.logical_and, parts)
 
 
-def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks):
-    """Scaled logits of each lane's item (the query blocks are pre-scaled)."""
+def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks, allowed=None):
+    """Logits of each lane's item (the query blocks are pre-scaled), soft-capped,
+    and ``tanh(logits / cap)`` (None without a cap) for the backward pass.
+
+    Blocked cells hold ``large_negative`` when ``allowed`` is given; their
+    ``tanh`` is 0, so a NaN there cannot reach a gradient."""
     s = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", qs, ks)
     if bias_blocks is not None:
         s = s + _gather_pairs(bias_blocks, qi, kj, plan)
-    return s
+    tanh = None
+    if plan.soft_cap is not None:
+        if allowed is not None:
+            s = jnp.where(allowed, s, 0)
+        tanh = jnp.tanh(s / plan.soft_cap)
+        s = plan.soft_cap * tanh
+    if allowed is not None:
+        s = jnp.where(allowed, s, large_negative(s.dtype))
+    return s, tanh
 
 
-def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths):
+def _segment_blocks(q_ids, kv_ids, plan: Plan):
+    """Segment ids as blocks: (B, nQ, bq) and (B, nK, bk), or None."""
+    if q_ids is None:
+        return None
+    q_ids = _pad(q_ids, 1, plan.n_q * plan.block_q).reshape(plan.B, plan.n_q, plan.block_q)
+    kv_ids = _pad(kv_ids, 1, plan.n_k * plan.block_k).reshape(plan.B, plan.n_k, plan.block_k)
+    return q_ids, kv_ids
+
+
+def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids):
     acc = compute_dtype(q.dtype, k.dtype, v.dtype)
     neg = large_negative(acc)
     qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
     kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
     mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
     bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
+    segment_blocks = _segment_blocks(q_ids, kv_ids, plan)
     rows = (plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q)  # one spare row for idle slots
     values = (plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H)
     state = (jnp.full(rows, neg, acc), jnp.zeros(rows, acc), jnp.zeros(values, acc))
@@ -220,19 +255,27 @@ def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths):
             qc = jnp.minimum(qi, plan.n_q - 1)
             qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
             ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)  # (B, L, K, bk, H)
-            s = _scores(plan, qs, ks, qc, kj, bias_blocks)
+            allowed = None
             if masked:
-                allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks)
-                s = jnp.where(allowed, s, neg)
+                allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks)
+            s, _ = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed)
             m_old, l_old = jnp.take(m, qi, axis=1), jnp.take(l, qi, axis=1)
             o_old = _take_queries(o, qi)
-            m_new = jnp.maximum(m_old, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
+            # The block's own softmax, shifted twice: by its row maximum, then by the
+            # maximum of the very values that are exponentiated (XLA may compute the
+            # first from a differently rounded copy of s; see _reference.masked_softmax).
+            top = s.max(-1)
+            shifted = s - top[..., None]
+            peak = shifted.max(-1)
+            p = jnp.exp(jnp.minimum(shifted - peak[..., None], 0))
             if masked:
                 p = jnp.where(allowed, p, 0)  # exact zeros, also in a row that sees nothing
-            rescale = jnp.exp(m_old - m_new)
-            l_new = l_old * rescale + p.sum(-1)
-            o_new = o_old * rescale[..., None] + jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", p, vs)
+            m_block = top + peak
+            m_new = jnp.maximum(m_old, m_block)
+            rescale, weight = jnp.exp(m_old - m_new), jnp.exp(m_block - m_new)
+            l_new = l_old * rescale + p.sum(-1) * weight
+            pv = jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", p, vs)
+            o_new = o_old * rescale[..., None] + pv * weight[..., None]
             o_new = jnp.einsum("BLKGqH->BLqKGH", o_new)
             return (m.at[:, qi].set(m_new), l.at[:, qi].set(l_new), o.at[:, qi].set(o_new)), None
 
@@ -246,16 +289,20 @@ def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths):
     m, l, o = m[:, :-1], l[:, :-1], o[:, :-1]
     seen = l > 0
     out = o / jnp.einsum("BnKGq->BnqKG", jnp.where(seen, l, 1))[..., None]
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), 0)  # (B, nQ, K, G, bq)
+    # log 0 = -inf marks a row that sees no key (the backward pass never reads its query).
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)  # (B, nQ, K, G, bq)
     return _unblock_queries(out, plan).astype(q.dtype), _unblock_rows(lse, plan)
 
 
 def _backward(plan: Plan, residuals, d_out):
-    q, k, v, bias, mask, q_offset, kv_lengths, out, lse = residuals
+    q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids, out, lse = residuals
     acc = lse.dtype
     lse = _row_blocks(lse, plan)  # (B, nQ, K, G, bq)
-    neg = large_negative(acc)
+    seen = lse > -jnp.inf  # rows that see at least one key
+    lse = jnp.where(seen, lse, 0)
     qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
+    # A query that sees no key is never read: NaN there must not reach dK.
+    qb = jnp.where(jnp.einsum("BnKGq->BnqKG", seen)[..., None], qb, 0)
     dob = _query_blocks(d_out, plan, acc)
     kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
     # D_i = sum_h dO_ih O_ih, the row term of the softmax gradient.
@@ -263,6 +310,7 @@ def _backward(plan: Plan, residuals, d_out):
     delta = _row_blocks(delta.reshape(plan.B, plan.T, plan.K, plan.G), plan)  # (B, nQ, K, G, bq)
     mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
     bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
+    segment_blocks = _segment_blocks(q_ids, kv_ids, plan)
     grads = (
         jnp.zeros((plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H), acc),
         jnp.zeros_like(kb),
@@ -284,15 +332,18 @@ def _backward(plan: Plan, residuals, d_out):
             delta_i = jnp.take(delta, qc, axis=1) * live  # both p dO and dS vanish
             lse_i = jnp.take(lse, qc, axis=1)
             ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
-            s = _scores(plan, qs, ks, qc, kj, bias_blocks)
+            allowed = None
             if masked:
-                allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks)
-                s = jnp.where(allowed, s, neg)
-            p = jnp.exp(s - lse_i[..., None])
+                allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks)
+            s, tanh = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed)
+            # p <= 1 exactly; the clamp keeps a differently rounded s from overflowing.
+            p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0))
             if masked:
                 p = jnp.where(allowed, p, 0)
             dp = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", dos, vs)
             ds = p * (dp - delta_i[..., None])
+            if tanh is not None:
+                ds = ds * (1 - tanh * tanh)  # through cap * tanh(s / cap)
             dq = dq.at[:, qi].add(jnp.einsum(f"{_ITEM},BLKkH->BLqKGH", ds, ks))
             dk = dk.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", ds, qs))
             dv = dv.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", p, dos))
@@ -314,17 +365,17 @@ def _backward(plan: Plan, residuals, d_out):
         xB, xN, xT, xS = bias.shape
         dbias = dbias.reshape(xB, xN, -1, dbias.shape[4] * dbias.shape[5])[:, :, :xT, :xS]
         dbias = dbias.astype(bias.dtype)
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None, None
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None, None, None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(plan, backward_plan, q, k, v, bias, mask, q_offset, kv_lengths):
-    return _forward(plan, q, k, v, bias, mask, q_offset, kv_lengths)[0]
+def _attend(plan, backward_plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids):
+    return _forward(plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids)[0]
 
 
-def _attend_fwd(plan, backward_plan, q, k, v, bias, mask, q_offset, kv_lengths):
-    out, lse = _forward(plan, q, k, v, bias, mask, q_offset, kv_lengths)
-    return out, (q, k, v, bias, mask, q_offset, kv_lengths, out, lse)
+def _attend_fwd(plan, backward_plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids):
+    out, lse = _forward(plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids)
+    return out, (q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids, out, lse)
 
 
 def _attend_bwd(plan, backward_plan, residuals, d_out):
@@ -353,8 +404,9 @@ def flash_attention(
     static_offset = spec.static_q_offset
     shared = Plan(
         B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H, block_q=0, block_k=0,
-        lanes=0, scale=float(spec.scale), causal=spec.is_causal, static_offset=static_offset,
+        lanes=0, scale=float(spec.scale), band=spec.band, static_offset=static_offset,
         has_lengths=spec.kv_lengths is not None, has_mask=spec.mask is not None,
+        has_segments=spec.q_segment_ids is not None, soft_cap=spec.logit_soft_cap,
     )  # fmt: skip
     plans = []
     passes = (
@@ -368,8 +420,11 @@ def flash_attention(
         plans.append(dataclasses.replace(
             shared, block_q=min(block_q, spec.T), block_k=min(block_k, spec.S), lanes=lanes
         ))  # fmt: skip
-    q_offset = None if static_offset is not None or not spec.is_causal else spec.q_offset
-    return _attend(*plans, query, key, value, spec.bias, spec.mask, q_offset, spec.kv_lengths)
+    q_offset = None if static_offset is not None or not spec.positional else spec.q_offset
+    return _attend(
+        *plans, query, key, value, spec.bias, spec.mask, q_offset, spec.kv_lengths,
+        spec.q_segment_ids, spec.kv_segment_ids,
+    )  # fmt: skip
 
 
 def fit_tiles(tiles, budget: int, spec: AttentionSpec) -> tuple[int, int, int]:

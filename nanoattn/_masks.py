@@ -9,6 +9,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from ._spec import normalize_window
 from ._validate import expect_bool, expect_integer, expect_shape
 
 
@@ -36,16 +37,76 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, q_offset=0) -> jnp.nda
              [1, 1, 0],
              [1, 1, 1]])
     """
+    return band_mask(q_len, kv_len, None, 0, q_offset=q_offset)
+
+
+def window_mask(q_len: int, kv_len: int | None = None, *, window, q_offset=0) -> jnp.ndarray:
+    """The local-attention mask: query i may see key j iff ``p - left <= j <= p + right``
+    with ``p = q_offset + i``.
+
+    ``window`` is an int ``w`` (meaning ``(w, w)``) or a pair ``(left, right)``.
+    AND it with :func:`causal_mask` for causal local attention (or pass both
+    ``is_causal=True`` and ``window`` to the attention functions).
+
+    Returns:
+      A boolean array of shape (T, S), or (B, T, S) for a (B,) offset.
+
+    Example:
+      >>> np.asarray(window_mask(4, window=(1, 0))).astype(int)
+      array([[1, 0, 0, 0],
+             [1, 1, 0, 0],
+             [0, 1, 1, 0],
+             [0, 0, 1, 1]])
+    """
+    left, right = normalize_window(window)
+    return band_mask(q_len, kv_len, left, right, q_offset=q_offset)
+
+
+def band_mask(q_len: int, kv_len: int | None, left, right, *, q_offset=0) -> jnp.ndarray:
+    """Query i (at ``p = q_offset + i``) may see key j iff ``p - left <= j <= p + right``;
+    ``left`` or ``right`` None leaves that side unbounded. Shape (T, S) or (B, T, S)."""
     kv_len = q_len if kv_len is None else kv_len
     if q_len < 0 or kv_len < 0:
-        raise ValueError(f"causal_mask lengths must be >= 0, got q_len={q_len}, kv_len={kv_len}")
+        raise ValueError(f"mask lengths must be >= 0, got q_len={q_len}, kv_len={kv_len}")
     offset = jnp.asarray(q_offset)
     expect_integer("q_offset", offset.dtype)
     if offset.ndim > 1:
         raise ValueError(f"q_offset must have shape () or (B,), got {offset.shape}")
-    q_pos = offset[..., None] + jnp.arange(q_len)  # (T,) or (B, T)
+    q_pos = (offset[..., None] + jnp.arange(q_len))[..., None]  # (T, 1) or (B, T, 1)
     k_pos = jnp.arange(kv_len)  # (S,)
-    return k_pos <= q_pos[..., None]
+    sees = jnp.ones((*q_pos.shape[:-1], kv_len), bool)
+    if left is not None:
+        sees &= k_pos >= q_pos - left
+    if right is not None:
+        sees &= k_pos <= q_pos + right
+    return sees
+
+
+def segment_mask(q_segment_ids, kv_segment_ids=None) -> jnp.ndarray:
+    """Packed sequences: query i may see key j iff their segment ids are equal.
+
+    Args:
+      q_segment_ids: integer (B, T).
+      kv_segment_ids: integer (B, S); defaults to ``q_segment_ids``
+        (self-attention).
+
+    Returns:
+      Boolean (B, 1, T, S).
+
+    Example:
+      >>> ids = np.array([[0, 0, 1]])
+      >>> np.asarray(segment_mask(ids))[0, 0].astype(int)
+      array([[1, 1, 0],
+             [1, 1, 0],
+             [0, 0, 1]])
+    """
+    q_ids = jnp.asarray(q_segment_ids)
+    kv_ids = q_ids if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
+    expect_integer("q_segment_ids", q_ids.dtype)
+    expect_integer("kv_segment_ids", kv_ids.dtype)
+    expect_shape("q_segment_ids", q_ids.shape, "B T", (None, None))
+    expect_shape("kv_segment_ids", kv_ids.shape, "B S", (q_ids.shape[0], None))
+    return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
 
 
 def lengths_to_valid(lengths, max_len: int) -> jnp.ndarray:

@@ -6,7 +6,7 @@ It defines the output contract that every other backend is tested against.
 import jax
 import jax.numpy as jnp
 
-from ._masks import causal_mask, combine_masks, lengths_to_valid
+from ._masks import band_mask, combine_masks, lengths_to_valid, segment_mask
 from ._spec import AttentionSpec
 from ._trace import record
 
@@ -28,42 +28,70 @@ def compute_dtype(*dtypes):
 
 
 def allowed_mask(spec: AttentionSpec):
-    """ANDs the spec's mask, causal triangle and key lengths: bool, rank 4, or None."""
-    causal = lengths = None
-    if spec.is_causal:
-        causal = causal_mask(spec.T, spec.S, q_offset=spec.q_offset)  # (T, S) or (B, T, S)
-        causal = causal[None, None] if causal.ndim == 2 else causal[:, None]
+    """ANDs the spec's mask, positional band (causality, window), key lengths and
+    segments: bool, rank 4, or None."""
+    band = lengths = segments = None
+    if spec.band is not None:
+        band = band_mask(spec.T, spec.S, *spec.band, q_offset=spec.q_offset)  # (T, S) or (B, T, S)
+        band = band[None, None] if band.ndim == 2 else band[:, None]
     if spec.kv_lengths is not None:
         lengths = lengths_to_valid(spec.kv_lengths, spec.S)[:, None, None, :]  # (B, 1, 1, S)
-    return combine_masks(spec.mask, causal, lengths)
+    if spec.q_segment_ids is not None:
+        segments = segment_mask(spec.q_segment_ids, spec.kv_segment_ids)  # (B, 1, T, S)
+    return combine_masks(spec.mask, band, lengths, segments)
 
 
 def masked_softmax(logits, allowed):
     """Softmax over the last axis that gives exactly 0 at blocked cells.
 
     A row with no allowed cell gives all zeros, with zero, finite gradients.
+    The exponent is shifted twice: by the row maximum, then by the maximum of
+    the shifted values themselves. Under ``jit`` XLA may compute the row
+    maximum from a differently rounded copy of the logits (for example with a
+    fused multiply-add), and with logits near 1e10 that copy can be off by
+    thousands, so every ``exp`` would underflow (a row sum of 0, then NaN).
+    The second maximum is taken of the very values that are exponentiated,
+    so the largest exponent is 0 and the row sum is at least 1.
     """
-    if allowed is None:
-        return jax.nn.softmax(logits, axis=-1)
     neg = large_negative(logits.dtype)
-    logits = jnp.where(allowed, logits, neg)
-    # The softmax is invariant to the subtracted maximum, so no gradient flows through it.
-    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=neg))
-    unnormalized = jnp.exp(logits - row_max) * allowed
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, neg)
+    # The softmax is invariant to the subtracted maxima, so no gradient flows through them.
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=neg))
+    shifted = shifted - jax.lax.stop_gradient(jnp.max(shifted, axis=-1, keepdims=True))
+    unnormalized = jnp.exp(shifted)
+    if allowed is not None:
+        unnormalized = jnp.where(allowed, unnormalized, 0)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
     return unnormalized / jnp.where(total == 0, 1, total)
+
+
+def soft_cap(logits, cap, allowed=None):
+    """``cap * tanh(logits / cap)``; blocked cells are set to 0 first, so that a NaN
+    or inf there cannot reach the gradient through ``tanh``."""
+    if cap is None:
+        return logits
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, 0)
+    return cap * jnp.tanh(logits / cap)
 
 
 def weights(query, key, spec: AttentionSpec):
     """Normalised attention weights (B, N, T, S) in the compute dtype."""
     acc = compute_dtype(query.dtype, key.dtype)
+    allowed = allowed_mask(spec)
+    if allowed is not None:
+        # A query that sees no key is never read, so NaN there cannot reach a gradient.
+        sees = jnp.moveaxis(allowed.any(-1), 1, 2)[..., None]  # (B|1, T, N|1, 1)
+        query = jnp.where(sees, query, jnp.zeros((), query.dtype))
     q = query.reshape(spec.B, spec.T, spec.K, spec.G, spec.H)  # (B, T, K, G, H)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key, preferred_element_type=acc)
     logits = logits.reshape(spec.score_shape) * jnp.asarray(spec.scale, acc)  # (B, N, T, S)
     if spec.bias is not None:
         logits = logits + spec.bias.astype(acc)
+    logits = soft_cap(logits, spec.logit_soft_cap, allowed)
     record(logits, "scores", "B N T S", op="einsum")
-    probs = masked_softmax(logits, allowed_mask(spec))
+    probs = masked_softmax(logits, allowed)
     record(probs, "weights", "B N T S", op="softmax")
     return probs
 

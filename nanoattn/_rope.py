@@ -10,14 +10,13 @@ def apply_rope(x, positions, *, base: float = 10000.0):
 
     .. math::
 
-       y_{\ell, i} = x_{\ell, i} \cos(p_\ell \theta_i) - x_{\ell, i + H/2} \sin(p_\ell \theta_i),
-       \quad
-       y_{\ell, i + H/2} = x_{\ell, i + H/2} \cos(p_\ell \theta_i) + x_{\ell, i} \sin(p_\ell \theta_i)
+       y_i = x_i \cos(p \theta_i) - x_{i + H/2} \sin(p \theta_i), \quad
+       y_{i + H/2} = x_{i + H/2} \cos(p \theta_i) + x_i \sin(p \theta_i)
 
-    for ``i < H/2``, with frequencies ``theta_i = base ** (-2 i / H)`` and
-    ``p_l`` the integer position of token ``l``. So ``<rope(q, m), rope(k, n)>``
-    depends on the positions only through ``m - n``, and position 0 is the
-    identity.
+    for each token and head, ``i < H/2``, frequencies
+    ``theta_i = base ** (-2 i / H)`` and ``p`` the token's integer position.
+    So ``<rope(q, m), rope(k, n)>`` depends on the positions only through
+    ``m - n``, and position 0 is the identity.
 
     Convention: **half-split** (feature ``i`` pairs with feature ``i + H/2``),
     as GPT-NeoX, Llama's Hugging Face port, Gemma and equinox. The

@@ -2,11 +2,12 @@
 
 The query and key axes are cut into blocks of ``block_q`` and ``block_k``. A
 work item is a pair (query block i, key block j) that holds at least one
-visible (query, key) pair; causal block skipping means that items above the
-diagonal are never listed. Items whose every pair is visible are *full*; the
-others (on the diagonal, in a padded last key block, or under a dense mask,
-key lengths or a traced offset) are *masked* and are the only ones that pay
-for masking.
+visible (query, key) pair: under causality items above the diagonal are never
+listed, and under a sliding window neither are items wholly left of the band,
+so a windowed call does work linear in T. Items whose every pair is visible
+are *full*; the others (on the band's edges, in a padded last key block, or
+under a dense mask, key lengths, segment ids or a traced offset) are *masked*
+and are the only ones that pay for masking.
 
 XLA on CPU runs a small operation on one core but spreads a large one over
 all of them. So the kernel does not walk one block at a time: each step
@@ -80,27 +81,41 @@ def block_schedules(
     block_q: int,
     block_k: int,
     lanes: int,
-    causal_offset: int | None,
+    q_offset: int | None,
     all_masked: bool,
+    band: tuple[int | None, int | None] = (None, 0),
 ) -> tuple[Schedule, Schedule]:
     """The (masked, full) schedules of an attention call.
 
     Args:
       T, S: query and key lengths (before padding to whole blocks).
-      causal_offset: the static ``q_offset`` of causal attention, or None for
-        no block skipping (non-causal, or a traced offset).
-      all_masked: every item needs a mask (dense mask, key lengths or a traced
-        offset), so no item is full.
+      q_offset: the static position of the first query, or None when no
+        positional rule lets blocks be skipped (none applies, or the offset
+        is traced).
+      all_masked: every item needs a mask (dense mask, key lengths, segment
+        ids or a traced offset), so no item is full.
+      band: ``(left, right)``: query at position p may see keys
+        ``p - left .. p + right`` (None = unbounded). The default ``(None, 0)``
+        is causality; a causal sliding window is ``(left, 0)``.
     """
     n_q, n_k = -(-T // block_q), -(-S // block_k)
+    left, right = band if q_offset is not None else (None, None)
     masked: list[list[int]] = [[] for _ in range(n_q)]
     full: list[list[int]] = [[] for _ in range(n_q)]
     for i in range(n_q):
-        first_q, last_q = i * block_q, min((i + 1) * block_q, T) - 1
+        # The block's queries sit at first_p .. last_p; its keys at first_k .. last_k.
+        first_p = (q_offset or 0) + i * block_q
+        last_p = (q_offset or 0) + min((i + 1) * block_q, T) - 1
         for j in range(n_k):
             first_k, last_k = j * block_k, (j + 1) * block_k - 1
-            if causal_offset is not None and first_k > causal_offset + last_q:
-                continue  # above the diagonal: nothing visible, never computed
-            whole = last_k < S and (causal_offset is None or last_k <= causal_offset + first_q)
+            if right is not None and first_k > last_p + right:
+                continue  # every key is right of every query's band: never computed
+            if left is not None and min(last_k, S - 1) < first_p - left:
+                continue  # every key is left of every query's band
+            whole = (
+                last_k < S
+                and (right is None or last_k <= first_p + right)
+                and (left is None or first_k >= last_p - left)
+            )
             (full if whole and not all_masked else masked)[i].append(j)
     return pack(masked, lanes), pack(full, lanes)

@@ -82,8 +82,12 @@ class AttentionSpec:
       mask: boolean, rank 4, broadcastable to (B, N, T, S), or None.
       bias: floating, rank 4, broadcastable to (B, N, T, S), or None.
       is_causal: whether the positional causal mask applies.
-      q_offset: position of the first query (int, or int array () or (B,)).
+      q_offset: position of the first query (int, or int array () or (B,));
+        None unless ``is_causal`` or ``window`` is set.
       kv_lengths: int array (B,) of valid key counts, or None.
+      window: ``(left, right)`` of local attention, or None.
+      q_segment_ids, kv_segment_ids: int arrays (B, T) and (B, S), or None.
+      logit_soft_cap: the cap of ``cap * tanh(logits / cap)``, or None.
       scale: the factor applied to ``q . k``.
     """
 
@@ -99,11 +103,32 @@ class AttentionSpec:
     q_offset: Any
     kv_lengths: Any
     scale: float
+    window: tuple[int, int] | None = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    logit_soft_cap: float | None = None
+
+    @property
+    def positional(self) -> bool:
+        """Whether a rule on positions (causality or a window) applies."""
+        return self.is_causal or self.window is not None
+
+    @property
+    def band(self) -> tuple[int | None, int] | None:
+        """The positional rule as ``(left, right)``: query at position p may see
+        keys ``p - left .. p + right`` (``left`` None = unbounded); None when no
+        positional rule applies. Causality is the band ``(None, 0)``."""
+        if not self.positional:
+            return None
+        left, right = self.window if self.window is not None else (None, None)
+        if self.is_causal:
+            right = 0 if right is None else min(right, 0)
+        return left, right
 
     @property
     def static_q_offset(self) -> int | None:
-        """The causal offset as a Python int, or None when traced or not causal."""
-        return self.q_offset if self.is_causal and isinstance(self.q_offset, int) else None
+        """The offset as a Python int, or None when traced or not positional."""
+        return self.q_offset if self.positional and isinstance(self.q_offset, int) else None
 
     @property
     def static_scale(self) -> bool:
@@ -134,6 +159,10 @@ def attention_spec(
     is_causal=False,
     q_offset=None,
     kv_lengths=None,
+    window=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    logit_soft_cap=None,
     scale=None,
 ) -> AttentionSpec:
     """Checks an attention call and returns its :class:`AttentionSpec`.
@@ -171,30 +200,51 @@ def attention_spec(
         expect_broadcastable("bias", bias.shape, SCORE_AXES, scores)
         bias = _as_rank4(bias)
 
-    if not is_causal and q_offset is not None:
-        raise ValueError("q_offset only applies to causal attention; pass is_causal=True")
-    if is_causal:
-        q_offset = _check_q_offset(q_offset, B, T, S)
+    window = normalize_window(window)
+    if not is_causal and window is None and q_offset is not None:
+        raise ValueError(
+            "q_offset only applies to causal or windowed attention; pass is_causal=True or a window"
+        )
+    if is_causal or window is not None:
+        what = "is_causal=True" if is_causal else f"window={window}"
+        q_offset = _check_q_offset(q_offset, B, T, S, what)
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths)
         expect_integer("kv_lengths", kv_lengths.dtype)
         expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(
+            "q_segment_ids and kv_segment_ids go together: pass both (for self-attention "
+            "over packed sequences, the same ids twice) or neither"
+        )
+    if q_segment_ids is not None:
+        q_segment_ids, kv_segment_ids = jnp.asarray(q_segment_ids), jnp.asarray(kv_segment_ids)
+        expect_integer("q_segment_ids", q_segment_ids.dtype)
+        expect_integer("kv_segment_ids", kv_segment_ids.dtype)
+        expect_shape("q_segment_ids", q_segment_ids.shape, "B T", (B, T))
+        expect_shape("kv_segment_ids", kv_segment_ids.shape, "B S", (B, S))
+    logit_soft_cap = check_soft_cap(logit_soft_cap)
     if scale is None:
         scale = 1.0 / math.sqrt(H)
-    return AttentionSpec(B, T, S, N, K, H, mask, bias, bool(is_causal), q_offset, kv_lengths, scale)
+    return AttentionSpec(
+        B, T, S, N, K, H, mask, bias, bool(is_causal), q_offset, kv_lengths, scale, window,
+        q_segment_ids, kv_segment_ids, logit_soft_cap,
+    )  # fmt: skip
 
 
-def _check_q_offset(q_offset, B: int, T: int, S: int):
+def _check_q_offset(q_offset, B: int, T: int, S: int, what: str):
     if q_offset is None:
         if T != S:
             raise ValueError(
-                f"is_causal=True with T={T} queries and S={S} keys needs q_offset, the "
-                f"position of the first query: q_offset=0 aligns the triangle top-left "
-                f"(query i sees keys 0..i, as jax.nn and PyTorch's is_causal), "
-                f"q_offset=S-T={S - T} aligns it bottom-right (the last query sees every "
-                f"key, as FlashAttention and decoding with a KV cache)"
+                f"{what} with T={T} queries and S={S} keys needs q_offset, the "
+                f"position of the first query: q_offset=0 aligns the queries top-left "
+                f"(query i sits at key position i, as jax.nn and PyTorch's is_causal), "
+                f"q_offset=S-T={S - T} aligns them bottom-right (the last query sits at the "
+                f"last key, as FlashAttention and decoding with a KV cache)"
             )
         return 0
+    if isinstance(q_offset, bool):
+        raise TypeError(f"q_offset must be an int or an integer array, got {q_offset!r}")
     if isinstance(q_offset, int):
         return q_offset
     q_offset = jnp.asarray(q_offset)
