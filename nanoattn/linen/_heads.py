@@ -61,12 +61,12 @@ def rotate_qk(cfg: AttentionConfig, q, k, positions):
 
 
 def core_options(cfg: AttentionConfig, *, positional: bool) -> dict:
-    """The config's options of the core call: soft-cap, and the window when
-    ``positional`` (self-attention). Unset options are left out."""
+    """The config's options of the core call: the soft-cap, and the window when
+    ``positional`` (self-attention; it has no meaning between two sequences)."""
     options = {"logit_soft_cap": cfg.logit_soft_cap}
     if positional:
         options["window"] = cfg.window
-    return {name: value for name, value in options.items() if value is not None}
+    return options
 
 
 def attend(
