@@ -64,10 +64,10 @@ def mask_examples(
     lengths = np.asarray(lengths, dtype=np.int32)
     B, T = len(lengths), seq_len
     S = seq_len if kv_len is None else kv_len
-    N, H = config.n_heads, config.head_dim
+    N, K, H = config.n_heads, config.kv_heads, config.head_dim
     kq, kk = jax.random.split(jax.random.key(seed))
     q = jax.random.normal(kq, (B, T, N, H))
-    k = jax.random.normal(kk, (B, S, N, H))
+    k = jax.random.normal(kk, (B, S, K, H))  # K key heads: grouped-query when K < N
     valid = np.asarray(lengths_to_valid(lengths, S))  # (B, S)
     pad = np.asarray(padding_mask(valid))  # (B, 1, 1, S)
     no_order = np.ones((T, S), bool)
@@ -110,7 +110,8 @@ def mask_examples(
 def blocked_row_example(config: AttentionConfig, seq_len: int) -> dict:
     """A query that may see no key: its weights and its output must be all zeros."""
     N, H = config.n_heads, config.head_dim
-    q = k = v = jax.random.normal(jax.random.key(1), (1, seq_len, N, H))
+    q = jax.random.normal(jax.random.key(1), (1, seq_len, N, H))
+    k = v = q[:, :, : config.kv_heads]  # (1, S, K, H)
     lengths = jnp.zeros((1,), jnp.int32)
     weights = attention_weights(q, k, is_causal=True, kv_lengths=lengths)
     out = dot_product_attention(q, k, v, is_causal=True, kv_lengths=lengths)

@@ -92,6 +92,29 @@ def test_other_sizes_change_the_traced_table(capsys):
     assert code == 0 and shapes["q heads"] == [3, 7, 6, 16] and shapes["scores"] == [3, 6, 7, 7]
 
 
+def test_kv_heads_audits_grouped_query_shapes(capsys):
+    code, out, _ = run(capsys, "audit", "--no-verify", "--kv-heads", "2", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["passed"] is True and report["config"]["n_kv_heads"] == 2
+    shapes = {s["stage"]: (s["shape"], " ".join(s["axes"])) for s in report["shapes"]}
+    assert shapes["qkv"] == ([2, 5, 256], "B T (N+2K)H")  # (N + 2K) H = (4 + 4) 32
+    assert shapes["q heads"] == ([2, 5, 4, 32], "B T N H")
+    assert shapes["k"] == shapes["v"] == ([2, 5, 64], "B S KH")
+    assert shapes["k heads"] == shapes["v heads"] == ([2, 5, 2, 32], "B S K H")
+    assert shapes["scores"] == ([2, 4, 5, 5], "B N T S")
+    code, out, _ = run(capsys, "audit", "--no-verify", "--kv-heads", "1")
+    assert code == 0 and out.splitlines()[0] == (
+        "nanoattn audit: CausalSelfAttention, d_model 128, 4 heads of width 32, "
+        "1 key/value head, batch 2, 5 tokens"
+    )
+    assert "  k heads             (2, 5, 1, 32)  B S K H      320       reshape  ok" in out
+    code, out, _ = run(capsys, "audit", "--no-verify", "--kv-heads", "4", "--json")
+    assert json.loads(out)["shapes"][1]["axes"] == ["B", "T", "3D"]  # K = N: the seed's names
+    code, out, _ = run(capsys, "audit", "--no-verify", "--kv-len", "7", "--kv-heads", "2", "--json")
+    shapes = {s["stage"]: s["shape"] for s in json.loads(out)["shapes"]}
+    assert code == 0 and shapes["kv"] == [2, 7, 128] and shapes["k heads"] == [2, 7, 2, 32]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -104,6 +127,8 @@ def test_other_sizes_change_the_traced_table(capsys):
         (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
         (["--batch", "-2"], "--batch must be >= 1, got -2"),
         (["--kv-len", "0"], "--kv-len must be >= 1"),
+        (["--kv-heads", "3"], "n_kv_heads=3 does not divide n_heads=4"),
+        (["--kv-heads", "0"], "n_kv_heads must be >= 1 or None, got n_kv_heads=0"),
         (["--d-model", "x"], "invalid int value: 'x'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],

@@ -26,6 +26,13 @@ def add_parser(commands) -> None:
     )
     audit.add_argument("--d-model", type=int, default=128, help="model width D (default 128)")
     audit.add_argument("--heads", type=int, default=4, help="number of heads N (default 4)")
+    audit.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="number of key/value heads K, dividing --heads: grouped-query attention "
+        "(default: as many as --heads)",
+    )
     audit.add_argument("--batch", type=int, default=2, help="batch size B (default 2)")
     audit.add_argument("--seq-len", type=int, default=5, help="query length T (default 5)")
     audit.add_argument(
@@ -58,7 +65,7 @@ def _inputs(args) -> tuple[AttentionConfig, list[int]]:
     if args.kv_len is not None and args.kv_len < 1:
         raise UsageError(f"--kv-len must be >= 1, got {args.kv_len}")
     try:
-        config = AttentionConfig(d_model=args.d_model, n_heads=args.heads)
+        config = AttentionConfig(d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads)
     except ValueError as e:
         raise UsageError(str(e)) from None
     key_len = args.seq_len if args.kv_len is None else args.kv_len
@@ -101,6 +108,7 @@ def _json(module, config, args, shapes, examples, blocked, verified, passed) -> 
         "config": {
             "d_model": config.d_model,
             "n_heads": config.n_heads,
+            "n_kv_heads": config.kv_heads,
             "head_dim": config.head_dim,
             "batch": args.batch,
             "seq_len": args.seq_len,
@@ -133,9 +141,13 @@ def _json(module, config, args, shapes, examples, blocked, verified, passed) -> 
 
 def _text(module, config, args, shapes, examples, blocked, verified, passed, symbols) -> str:
     kv = "" if args.kv_len is None else f", {args.kv_len} context tokens"
+    # Only named when given, so the default audit reads exactly as before.
+    kv_heads = ""
+    if args.kv_heads is not None:
+        kv_heads = f", {config.kv_heads} key/value head{'' if config.kv_heads == 1 else 's'}"
     lines = [
         f"nanoattn audit: {module}, d_model {config.d_model}, {config.n_heads} heads of "
-        f"width {config.head_dim}, batch {args.batch}, {args.seq_len} tokens{kv}",
+        f"width {config.head_dim}{kv_heads}, batch {args.batch}, {args.seq_len} tokens{kv}",
         "",
         "Shapes of one forward pass (traced from the module under jax.eval_shape)",
     ]
@@ -187,7 +199,7 @@ def _text(module, config, args, shapes, examples, blocked, verified, passed, sym
         lines += [
             "",
             f"Verification of the built-in modules at d_model {config.d_model}, "
-            f"{config.n_heads} heads (nanoattn.verify)",
+            f"{config.n_heads} heads{kv_heads} (nanoattn.verify)",
         ]
         rows = [("subject", "result", "checks")]
         for name, report in verified:
