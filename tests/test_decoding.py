@@ -218,6 +218,32 @@ def test_a_jitted_one_token_step_compiles_once():
     np.testing.assert_allclose(
         jnp.concatenate(outs, 1), c.full(c.params, c.x), atol=1e-5, rtol=1e-5
     )
+    step(c.params, c.cache, c.x[:, :2])  # positive control: a new chunk length traces again
+    assert len(traces) == 2
+
+
+def test_dropout_in_decode_mode_follows_deterministic():
+    c = case("gqa")
+    layer = CausalSelfAttention(AttentionConfig(D, N, dropout=0.5, **CONFIGS["gqa"]))
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def step(params, cache, chunk, deterministic, rng):
+        y, _ = layer.apply(
+            {"params": params, "cache": cache},
+            chunk,
+            deterministic,
+            decode=True,
+            mutable=["cache"],
+            rngs={"dropout": rng},
+        )
+        return y
+
+    chunk, key = c.x[:, :WIDTH], jax.random.key(3)
+    plain, _ = c.step(c.params, c.cache, chunk, jnp.array([WIDTH, WIDTH]))
+    np.testing.assert_allclose(step(c.params, c.cache, chunk, True, key), plain, atol=1e-6)
+    dropped = step(c.params, c.cache, chunk, False, key)
+    assert np.abs(dropped - plain).max() > 1e-2
+    np.testing.assert_array_equal(dropped, step(c.params, c.cache, chunk, False, key))
 
 
 def test_a_write_past_the_capacity_raises_when_the_position_is_concrete():
