@@ -93,26 +93,22 @@ def test_other_sizes_change_the_traced_table(capsys):
 
 
 def test_kv_heads_audits_grouped_query_shapes(capsys):
-    code, out, _ = run(capsys, "audit", "--no-verify", "--kv-heads", "2", "--json")
-    report = json.loads(out)
-    assert code == 0 and report["passed"] is True and report["config"]["n_kv_heads"] == 2
-    shapes = {s["stage"]: (s["shape"], " ".join(s["axes"])) for s in report["shapes"]}
-    assert shapes["qkv"] == ([2, 5, 256], "B T (N+2K)H")  # (N + 2K) H = (4 + 4) 32
-    assert shapes["q heads"] == ([2, 5, 4, 32], "B T N H")
-    assert shapes["k"] == shapes["v"] == ([2, 5, 64], "B S KH")
-    assert shapes["k heads"] == shapes["v heads"] == ([2, 5, 2, 32], "B S K H")
-    assert shapes["scores"] == ([2, 4, 5, 5], "B N T S")
-    code, out, _ = run(capsys, "audit", "--no-verify", "--kv-heads", "1")
-    assert code == 0 and out.splitlines()[0] == (
+    code, out, _ = run(capsys, "audit", "--no-verify", "--kv-heads", "2")
+    lines = out.splitlines()
+    assert code == 0 and lines[-1] == "PASS"
+    assert lines[0] == (
         "nanoattn audit: CausalSelfAttention, d_model 128, 4 heads of width 32, "
-        "1 key/value head, batch 2, 5 tokens"
+        "2 key/value heads, batch 2, 5 tokens"
     )
-    assert "  k heads             (2, 5, 1, 32)  B S K H      320       reshape  ok" in out
-    code, out, _ = run(capsys, "audit", "--no-verify", "--kv-heads", "4", "--json")
-    assert json.loads(out)["shapes"][1]["axes"] == ["B", "T", "3D"]  # K = N: the seed's names
-    code, out, _ = run(capsys, "audit", "--no-verify", "--kv-len", "7", "--kv-heads", "2", "--json")
-    shapes = {s["stage"]: s["shape"] for s in json.loads(out)["shapes"]}
-    assert code == 0 and shapes["kv"] == [2, 7, 128] and shapes["k heads"] == [2, 7, 2, 32]
+    for row in [  # (N + 2K) H = (4 + 4) 32 = 256 columns; K = 2 key/value heads of width 32
+        "  qkv                 (2, 5, 256)    B T (N+2K)H  2,560     project  ok",
+        "  q heads             (2, 5, 4, 32)  B T N H      1,280     reshape  ok",
+        "  k                   (2, 5, 64)     B S KH       640       split    ok",
+        "  k heads             (2, 5, 2, 32)  B S K H      640       reshape  ok",
+        "  v heads             (2, 5, 2, 32)  B S K H      640       reshape  ok",
+        "  scores              (2, 4, 5, 5)   B N T S      200       einsum   ok",
+    ]:
+        assert row in lines
 
 
 @pytest.mark.parametrize(

@@ -99,20 +99,27 @@ class CausalSelfAttention(nn.Module):
       >>> import jax, jax.numpy as jnp
       >>> config = AttentionConfig(d_model=128, n_heads=4, n_kv_heads=2, rope_base=10000.0)
       >>> layer = CausalSelfAttention(config)
+      >>> # init with decode=True: the parameters, and an empty cache of capacity 8.
+      >>> init = jax.jit(lambda key: layer.init(key, jnp.zeros((2, 8, 128)), decode=True))
+      >>> variables = init(jax.random.key(0))
+      >>> jax.tree.map(jnp.shape, variables)  # qkv: (N + 2K) H = 256 columns
+      {'cache': {'key': (2, 8, 2, 32), 'position': (2,), 'value': (2, 8, 2, 32)},
+       'params': {'out': {'bias': (128,), 'kernel': (128, 128)},
+                  'qkv': {'bias': (256,), 'kernel': (128, 256)}}}
+      >>> params = {"params": variables["params"]}
       >>> x = jax.random.normal(jax.random.key(1), (2, 5, 128))  # (B, T, D)
-      >>> params = layer.init(jax.random.key(0), x, deterministic=True)
-      >>> jax.tree.map(jnp.shape, params["params"]["qkv"])  # (N + 2K) H = 256
-      {'bias': (256,), 'kernel': (128, 256)}
-      >>> full = layer.apply(params, x, deterministic=True)
-      >>> # The same outputs from a cache of capacity 8, fed a prompt of 3, then 2 tokens.
-      >>> cache = layer.init(jax.random.key(0), jnp.zeros((2, 8, 128)), decode=True)["cache"]
-      >>> step = lambda c, chunk: layer.apply(
-      ...     {**params, "cache": c}, chunk, True, decode=True, mutable=["cache"])
-      >>> y1, state = step(cache, x[:, :3])
-      >>> y2, state = step(state["cache"], x[:, 3:])
-      >>> bool(jnp.allclose(jnp.concatenate([y1, y2], 1), full, atol=1e-5))
+      >>> full = jax.jit(lambda x: layer.apply(params, x, deterministic=True))(x)
+      >>> @jax.jit
+      ... def step(cache, chunk):  # a chunk of any length: a prompt, one token, ...
+      ...     variables = {**params, "cache": cache}
+      ...     y, state = layer.apply(variables, chunk, True, decode=True, mutable=["cache"])
+      ...     return y, state["cache"]
+      >>> y1, cache = step(variables["cache"], x[:, :3])  # the prompt
+      >>> y2, cache = step(cache, x[:, 3:4])  # then one token per step
+      >>> y3, cache = step(cache, x[:, 4:5])
+      >>> bool(jnp.allclose(jnp.concatenate([y1, y2, y3], 1), full, atol=1e-5))
       True
-      >>> state["cache"]["position"]
+      >>> cache["position"]
       Array([5, 5], dtype=int32)
     """
 
@@ -271,10 +278,12 @@ class CrossAttention(nn.Module):
       >>> import jax, jax.numpy as jnp
       >>> layer = CrossAttention(AttentionConfig(d_model=64, n_heads=4, n_kv_heads=1))
       >>> x, ctx = jnp.ones((2, 3, 64)), jnp.ones((2, 7, 64))
-      >>> params = layer.init(jax.random.key(0), x, ctx, deterministic=True)
-      >>> params["params"]["kv"]["kernel"].shape  # one key/value head of width 16
+      >>> params = jax.jit(lambda key: layer.init(key, x, ctx, deterministic=True))(
+      ...     jax.random.key(0)
+      ... )
+      >>> params["params"]["kv"]["kernel"].shape  # one key/value head of width 16: [K | V]
       (64, 32)
-      >>> layer.apply(params, x, ctx, deterministic=True).shape
+      >>> jax.jit(lambda p: layer.apply(p, x, ctx, deterministic=True))(params).shape
       (2, 3, 64)
     """
 
