@@ -1,4 +1,9 @@
-"""Property tests: random shapes, masks, offsets and lengths against the numpy reference."""
+"""Property tests: random shapes, masks, offsets, lengths, windows, segment ids and
+soft-caps against the numpy reference.
+
+Hypothesis runs derandomised by default, so CI always draws the same examples;
+`HYPOTHESIS_PROFILE=dev` draws fresh ones on each run (profiles in conftest.py).
+"""
 
 import jax
 import numpy as np
@@ -7,15 +12,18 @@ from hypothesis import strategies as st
 
 from nanoattn import attention_weights, dot_product_attention
 
-from conftest import np_attention, np_causal
+from conftest import np_attention, np_causal, np_segments, np_window
 
 # One compiled program per example, instead of one per operation: much faster here.
-dot_product_attention = jax.jit(dot_product_attention, static_argnames="is_causal")
-attention_weights = jax.jit(attention_weights, static_argnames="is_causal")
+STATIC = ("is_causal", "window", "logit_soft_cap")
+dot_product_attention = jax.jit(dot_product_attention, static_argnames=STATIC)
+attention_weights = jax.jit(attention_weights, static_argnames=STATIC)
 
 
 @st.composite
-def attention_case(draw):
+def attention_case(draw, extended=False):
+    """(q, k, v, kwargs, allowed). ``extended`` also draws a window, segment ids and a
+    soft-cap (static arguments: ``window`` and ``logit_soft_cap`` under ``jit``)."""
     B, T, S = draw(st.integers(1, 3)), draw(st.integers(1, 9)), draw(st.integers(1, 9))
     K, G, H = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 6))
     N = K * G
@@ -31,27 +39,42 @@ def attention_case(draw):
         allowed &= kwargs["mask"]
     if draw(st.booleans()):
         kwargs["is_causal"] = True
+    if extended and draw(st.booleans()):
+        kwargs["window"] = (draw(st.integers(0, S + 1)), draw(st.integers(0, S + 1)))
+    if kwargs.get("is_causal") or "window" in kwargs:
         kwargs["q_offset"] = draw(st.integers(-2, S + 1))
-        allowed &= np_causal(T, S, kwargs["q_offset"])
+        if kwargs.get("is_causal"):
+            allowed &= np_causal(T, S, kwargs["q_offset"])
+        if "window" in kwargs:
+            allowed &= np_window(T, S, kwargs["q_offset"], *kwargs["window"])
     if draw(st.booleans()):
         kwargs["kv_lengths"] = rng.integers(0, S + 2, size=B).astype(np.int32)
         allowed &= (np.arange(S) < kwargs["kv_lengths"][:, None])[:, None, None, :]
+    if extended and draw(st.booleans()):
+        ids = draw(st.integers(1, 3))
+        kwargs["q_segment_ids"] = rng.integers(0, ids, (B, T)).astype(np.int32)
+        kwargs["kv_segment_ids"] = rng.integers(0, ids, (B, S)).astype(np.int32)
+        allowed &= np_segments(kwargs["q_segment_ids"], kwargs["kv_segment_ids"])
+    if extended and draw(st.booleans()):
+        kwargs["logit_soft_cap"] = draw(st.floats(0.25, 30.0))
     if draw(st.booleans()):
         kwargs["bias"] = rng.standard_normal((1, N, T, S)).astype(np.float32)
     return q, k, v, kwargs, allowed
 
 
 @settings(max_examples=40, deadline=None)
-@given(attention_case())
+@given(attention_case(extended=True))
 def test_matches_reference(case):
     q, k, v, kwargs, allowed = case
     got = np.asarray(dot_product_attention(q, k, v, **kwargs))
-    want = np_attention(q, k, v, allowed=allowed, bias=kwargs.get("bias"))
+    want = np_attention(
+        q, k, v, allowed=allowed, bias=kwargs.get("bias"), soft_cap=kwargs.get("logit_soft_cap")
+    )
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
 @settings(max_examples=40, deadline=None)
-@given(attention_case())
+@given(attention_case(extended=True))
 def test_rows_sum_to_one_or_zero(case):
     q, k, _, kwargs, allowed = case
     w = np.asarray(attention_weights(q, k, **kwargs))
@@ -63,8 +86,11 @@ def test_rows_sum_to_one_or_zero(case):
     assert (sums[~has_key] == 0).all()
 
 
+# Magnitudes up to 1e15 make logits near 1e30: under jit this once gave NaN in about
+# one run of three, depending on the examples drawn (test_nonfinite.py pins it). The
+# derandomised CI profile keeps the outcome fixed; the dev profile keeps hunting.
 @settings(max_examples=25, deadline=None)
-@given(attention_case(), st.floats(1e-3, 1e15))
+@given(attention_case(extended=True), st.floats(1e-3, 1e15))
 def test_finite_for_any_finite_scale_of_inputs(case, magnitude):
     q, k, v, kwargs, _ = case
     out = np.asarray(dot_product_attention(q * magnitude, k * magnitude, v, **kwargs))
