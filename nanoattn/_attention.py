@@ -4,7 +4,6 @@ import jax.numpy as jnp
 
 from . import _dispatch, _flash, _reference
 from ._spec import attention_spec
-from ._visibility import hide_unseen_keys
 
 
 def _check_dropout(dropout_rate: float, dropout_rng) -> None:
@@ -123,8 +122,7 @@ def dot_product_attention(
         logit_soft_cap=logit_soft_cap,
         scale=scale,
     )
-    query = jnp.asarray(query)
-    key, value = hide_unseen_keys(spec, jnp.asarray(key), jnp.asarray(value))
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     match _dispatch.choose(implementation, spec, query.dtype, dropout_rate):
         case "flash":
             return _flash.flash_attention(query, key, value, spec)
@@ -186,8 +184,7 @@ def attention_weights(
         logit_soft_cap=logit_soft_cap,
         scale=scale,
     )
-    query = jnp.asarray(query)
-    key, _ = hide_unseen_keys(spec, jnp.asarray(key))
+    query, key = jnp.asarray(query), jnp.asarray(key)
     return _reference.weights(query, key, spec).astype(query.dtype)
 
 
@@ -229,8 +226,7 @@ def flash_attention(
         kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
     )  # fmt: skip
-    query = jnp.asarray(query)
-    key, value = hide_unseen_keys(spec, jnp.asarray(key), jnp.asarray(value))
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     _dispatch.choose("flash", spec, query.dtype, 0.0)  # raises if the kernel cannot serve
     return _flash.flash_attention(
         query, key, value, spec, forward_tiles=forward_tiles, backward_tiles=backward_tiles

@@ -192,6 +192,9 @@ def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_bloc
             parts.append((j >= p - left)[:, :, None, None])
     if plan.n_k * plan.block_k > plan.S:
         parts.append((k_pos < plan.S)[None, :, None, None, None, :])
+    if plan.n_q * plan.block_q > plan.T:  # padded query rows see nothing, so read nothing
+        q_real = qi[:, None] * plan.block_q + jnp.arange(plan.block_q) < plan.T  # (L, bq)
+        parts.append(q_real[None, :, None, None, :, None])
     if kv_lengths is not None:
         valid = k_pos[None] < kv_lengths[:, None, None]  # (B, L, bk)
         parts.append(valid[:, :, None, None, None, :])
@@ -202,6 +205,13 @@ def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_bloc
         same = jnp.take(q_ids, qi, axis=1)[..., None] == jnp.take(kv_ids, kj, axis=1)[:, :, None]
         parts.append(same[:, :, None, None])  # (B, L, 1, 1, bq, bk)
     return functools.reduce(jnp.logical_and, parts)
+
+
+def _zero_unseen_keys(x, allowed):
+    """Zeroes an item's keys or values (B, L, K, bk, H) that no query of its block
+    may see: a blocked weight of 0 does not stop a NaN there (0 * NaN = NaN)."""
+    sees = allowed.any(axis=(3, 4))[..., None]  # (B|1, L, K|1, bk|1, 1)
+    return jnp.where(sees, x, jnp.zeros((), x.dtype))
 
 
 def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks, allowed=None):
@@ -258,6 +268,7 @@ def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_id
             allowed = None
             if masked:
                 allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks)
+                ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
             s, _ = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed)
             m_old, l_old = jnp.take(m, qi, axis=1), jnp.take(l, qi, axis=1)
             o_old = _take_queries(o, qi)
@@ -335,6 +346,7 @@ def _backward(plan: Plan, residuals, d_out):
             allowed = None
             if masked:
                 allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks)
+                ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
             s, tanh = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed)
             # p <= 1 exactly; the clamp keeps a differently rounded s from overflowing.
             p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0))

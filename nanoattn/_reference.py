@@ -76,14 +76,29 @@ def soft_cap(logits, cap, allowed=None):
     return cap * jnp.tanh(logits / cap)
 
 
+def _zero_unseen_keys(x, allowed):
+    """Zeroes keys or values (B, S, K, H) that no query of their batch row may see.
+
+    A blocked weight of exactly 0 does not protect the output from NaN or inf
+    there (``0 * NaN = NaN`` in the sum over values and in the gradients)."""
+    if allowed is None:
+        return x
+    sees = allowed.any(axis=(1, 2))[:, :, None, None]  # (B|1, S, 1, 1)
+    return jnp.where(sees, x, jnp.zeros((), x.dtype))
+
+
 def weights(query, key, spec: AttentionSpec):
     """Normalised attention weights (B, N, T, S) in the compute dtype."""
+    return _weights(query, key, spec, allowed_mask(spec))
+
+
+def _weights(query, key, spec: AttentionSpec, allowed):
     acc = compute_dtype(query.dtype, key.dtype)
-    allowed = allowed_mask(spec)
     if allowed is not None:
         # A query that sees no key is never read, so NaN there cannot reach a gradient.
         sees = jnp.moveaxis(allowed.any(-1), 1, 2)[..., None]  # (B|1, T, N|1, 1)
         query = jnp.where(sees, query, jnp.zeros((), query.dtype))
+        key = _zero_unseen_keys(key, allowed)
     q = query.reshape(spec.B, spec.T, spec.K, spec.G, spec.H)  # (B, T, K, G, H)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key, preferred_element_type=acc)
     logits = logits.reshape(spec.score_shape) * jnp.asarray(spec.scale, acc)  # (B, N, T, S)
@@ -104,7 +119,9 @@ def dropout(probs, rate: float, rng):
 
 def attend(query, key, value, spec: AttentionSpec, *, dropout_rate=0.0, dropout_rng=None):
     """Attention output (B, T, N, H) in the query's dtype."""
-    probs = weights(query, key, spec)
+    allowed = allowed_mask(spec)
+    probs = _weights(query, key, spec, allowed)
+    value = _zero_unseen_keys(value, allowed)
     if dropout_rate > 0:
         probs = dropout(probs, dropout_rate, dropout_rng)
     acc = compute_dtype(probs.dtype, value.dtype)
