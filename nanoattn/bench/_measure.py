@@ -23,6 +23,27 @@ def time_runs(run, *, min_runs: int = 3, max_runs: int = 7, budget_s: float = 2.
     return float(np.median(times)), float(min(times))
 
 
+def time_interleaved(runs: dict, *, rounds: int, warmup: int = 1, order=None) -> dict:
+    """Median and minimum seconds of each ``runs[name]()``, timed in turn.
+
+    Every round calls the runs in ``order`` (names, repeats allowed; default
+    each run once), so that a burst of load on a shared machine falls on all
+    of them alike and their ratio stays fair; ``warmup`` rounds come first and
+    are not timed. Each run must block until its result is ready. Returns
+    ``{name: (median, min)}`` over every timed call.
+    """
+    order = list(runs) if order is None else list(order)
+    times: dict = {name: [] for name in runs}
+    for round_ in range(warmup + rounds):
+        for name in order:
+            run = runs[name]
+            start = time.perf_counter()
+            run()
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: (float(np.median(t)), float(min(t))) for name, t in times.items()}
+
+
 def jax_pass(fn, backward: bool):
     """The forward, or forward+backward, of ``fn`` as one jitted function of (q, k, v)."""
     if not backward:

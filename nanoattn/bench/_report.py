@@ -26,12 +26,15 @@ def markdown(results: dict) -> str:
         f"Machine: {m['platform']} ({m['device']}, {m['cpu_count']} CPUs, {m['processor']}); "
         f"jax {m['jax']}; torch {m['torch'] or 'not installed'}; measured f32 matmul peak "
         f"{m['matmul_peak_gflops']:.0f} GFLOP/s.",
-        f"Causal attention, {config['dtype']}, batch B = {config['tokens']} / T (at least 1). "
-        "Times are in ms, the median (and the minimum) of at least 3 runs after a warm-up; "
-        "ratios use the medians; GFLOP/s counts the ideal causal FLOPs (the backward pass as "
-        "2.5x the forward).",
     ]
-    for N, H in config["shapes"]:
+    if results["cells"]:
+        lines.append(
+            f"Causal attention, {config['dtype']}, batch B = {config['tokens']} / T (at least "
+            "1). Times are in ms, the median (and the minimum) of at least 3 runs after a "
+            "warm-up; ratios use the medians; GFLOP/s counts the ideal causal FLOPs (the "
+            "backward pass as 2.5x the forward)."
+        )
+    for N, H in config["shapes"] if results["cells"] else ():
         shape = f"{N}x{H}"
         for pass_ in ("fwd", "fwd+bwd"):
             rows = [
@@ -83,6 +86,8 @@ def markdown(results: dict) -> str:
                 ok = cell and cell["status"] == "ok" and cell.get("temp_bytes") is not None
                 row.append(f"{cell['temp_bytes'] / 2**20:.1f}" if ok else _ms(cell))
             lines.append(f"| {T} | " + " | ".join(row) + " |")
+    lines += generation_markdown(results.get("generation") or [])
+    lines += window_markdown(results.get("window"))
     if results["targets"]:
         lines += [
             "",
@@ -104,6 +109,65 @@ def markdown(results: dict) -> str:
     if notes:
         lines += ["", "Not measured:", *[f"- {n}" for n in notes]]
     return "\n".join(lines) + "\n"
+
+
+def generation_markdown(rows: list[dict]) -> list[str]:
+    """The generation table: ms per token of each way, and the two ratios."""
+    if not rows:
+        return []
+    first = rows[0]
+    lines = [
+        "",
+        f"### Generation: ms per token, one layer D={first['D']}, {first['N']} heads, "
+        f"B={first['B']}, {first['dtype']}",
+        "",
+        "cached: nanoattn's `CausalSelfAttention` one-token step with its KV cache; flax: "
+        "`flax.linen.MultiHeadDotProductAttention(decode=True)` one-token step; both jitted, "
+        "with projections, the cache donated, capacity = context + steps. recompute: the "
+        "same layer's full causal forward on context + 1 tokens (NanoMoE's `generate`). "
+        "prefill: nanoattn's one call writing the whole context into the empty cache (not "
+        "part of a step). Median (min) per call, in one process: the two cached steps "
+        "alternate token by token, with a recompute every few tokens "
+        "(`nanoattn/bench/_generation.py`).",
+        "",
+        "| context | capacity | cached ms | flax ms | recompute ms | prefill ms "
+        "| recompute / cached | flax / cached |",
+        "|" + " --- |" * 8,
+    ]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"| {row['context']} | {row['capacity']} | {row['status']} |")
+            continue
+        times = " | ".join(
+            f"{row[f'{name}_median_ms']:.2f} ({row[f'{name}_min_ms']:.2f})"
+            for name in ("cached", "flax", "recompute", "prefill")
+        )
+        lines.append(
+            f"| {row['context']} | {row['capacity']} | {times} | "
+            f"{row['recompute_vs_cached']:.1f}x | {row['flax_vs_cached']:.2f}x |"
+        )
+    return lines
+
+
+def window_markdown(row: dict | None) -> list[str]:
+    """The sliding-window table: full causal against windowed, time and memory."""
+    if not row:
+        return []
+    lines = [
+        "",
+        f"### Sliding window: fwd+bwd, flash, T={row['T']}, B={row['B']}, "
+        f"{row['N']} heads of width {row['H']}, {row['dtype']}",
+        "",
+        "| attention | ms | temp MiB |",
+        "| --- | --- | --- |",
+    ]
+    if row["status"] != "ok":
+        return [*lines, f"| {row['status']} | | |"]
+    for name, label in (("full", "causal"), ("windowed", f"causal, window={tuple(row['window'])}")):
+        ms = f"{row[f'{name}_median_ms']:.1f} ({row[f'{name}_min_ms']:.1f})"
+        lines.append(f"| {label} | {ms} | {row[f'{name}_temp_bytes'] / 2**20:.1f} |")
+    lines += ["", f"windowed / full time: {row['windowed_vs_full']:.3f}"]
+    return lines
 
 
 def plot(results: dict, path: pathlib.Path) -> str | None:
@@ -160,6 +224,8 @@ def write(results: dict, out_dir: pathlib.Path) -> tuple[list[pathlib.Path], str
     paths = [out_dir / "results.json", out_dir / "results.md"]
     paths[0].write_text(json.dumps(results, indent=2))
     paths[1].write_text(markdown(results))
+    if not results["cells"]:
+        return paths, "no grid measured: no plot"
     note = plot(results, out_dir / "results.png")
     if note is None:
         paths.append(out_dir / "results.png")

@@ -30,7 +30,15 @@ class BenchConfig:
       implementations: names from :data:`nanoattn.bench._peers.PEERS`.
       max_score_gib: skip an implementation that materialises the scores when
         one (B, N, T, T) float32 score tensor would exceed this.
-      targets: also measure the performance targets of docs/performance.md.
+      grid: measure the grid of implementations x lengths x shapes x passes.
+      targets: also measure the flash kernel's performance targets of
+        docs/performance.md.
+      generation: context lengths of the generation benchmark (time per
+        token with the KV cache, by recomputing, and flax's cached step;
+        :mod:`nanoattn.bench._generation`); empty to skip it.
+      window_length: T of the sliding-window benchmark (causal
+        ``window=(512, 0)`` against full causal, :mod:`nanoattn.bench._window`);
+        0 to skip it.
     """
 
     lengths: tuple[int, ...] = FULL_LENGTHS
@@ -40,6 +48,9 @@ class BenchConfig:
     implementations: tuple[str, ...] = ("flash", "xla", "seed", "flax", "jax.nn", "torch")
     max_score_gib: float = 2.0
     targets: bool = True
+    grid: bool = True
+    generation: tuple[int, ...] = (1024, 4096)
+    window_length: int = 16384
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -121,11 +132,14 @@ def measure_cell(
 
 
 def run_bench(config: BenchConfig, progress=None) -> dict:
-    """Runs the grid (and the targets) and returns every measurement as plain data.
+    """Runs the grid, the targets, the generation and the window benchmarks that
+    ``config`` asks for, and returns every measurement as plain data.
 
     ``progress(done, total, label)`` is called before each cell.
     """
+    from ._generation import generation_targets, measure_generation
     from ._targets import measure_targets
+    from ._window import measure_window, window_targets
 
     peak = matmul_peak_gflops(dtype=jnp.dtype(config.dtype))
     jobs = [
@@ -134,6 +148,7 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         for T in config.lengths
         for backward in (False, True)
         for name in config.implementations
+        if config.grid
     ]
     cells = []
     for done, (name, N, H, T, backward) in enumerate(jobs):
@@ -143,12 +158,26 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         cells.append(
             measure_cell(name, B, T, N, H, backward, config.dtype, peak, config.max_score_gib)
         )
-    if progress:
+    if progress and jobs:
         progress(len(jobs), len(jobs), "grid done")
     targets = measure_targets(peak, progress) if config.targets else []
+    generation = []
+    for i, context in enumerate(config.generation):
+        if progress:
+            progress(i, len(config.generation), f"generation: context {context}")
+        generation.append(measure_generation(context))
+    targets += generation_targets(generation)
+    window = None
+    if config.window_length:
+        if progress:
+            progress(0, 1, f"window: fwd+bwd T={config.window_length}")
+        window = measure_window(config.window_length)
+        targets += window_targets(window)
     return {
         "machine": machine() | {"matmul_peak_gflops": peak},
         "config": dataclasses.asdict(config),
         "cells": cells,
         "targets": targets,
+        "generation": generation,
+        "window": window,
     }

@@ -1,11 +1,14 @@
 """``nanoattn bench``: time and memory of nanoattn's backends against the peers."""
 
+import argparse
 import pathlib
 import sys
 
 from ..bench import BenchConfig, run_bench, write
+from ..bench._generation import CONTEXTS
 from ..bench._peers import PEERS
 from ..bench._run import FULL_LENGTHS, QUICK_LENGTHS, SHAPES, default_implementations
+from ..bench._window import LENGTH, WINDOW
 from ._common import UsageError, int_list
 
 
@@ -17,14 +20,44 @@ def add_parser(commands) -> None:
         "and 'xla' backends, the seed module's computation, flax, jax.nn and PyTorch SDPA "
         "(when torch is installed). Forward and forward+backward over sequence lengths and "
         "two head shapes, with median and min times, GFLOP/s against the measured matmul "
-        "peak, and XLA's compiled temporary memory. Writes results.json, results.md and "
-        "results.png (with matplotlib) to --out.",
+        "peak, and XLA's compiled temporary memory. Then the performance targets, the "
+        "generation benchmark (ms per token of nanoattn's layer with its KV cache, of "
+        "recomputing the whole context, and of flax's cached decode step) and the "
+        "sliding-window benchmark (causal window=(512, 0) against full causal, fwd+bwd). "
+        "Writes results.json, results.md and results.png (with matplotlib) to --out.",
     )
     bench.add_argument(
         "--quick",
         action="store_true",
         help=f"a short run: T in {','.join(map(str, QUICK_LENGTHS))}, the seed's "
-        "head shape, no targets",
+        "head shape, generation at context 1024 (reported, not judged), no targets",
+    )
+    bench.add_argument(
+        "--only",
+        type=_parts,
+        default=None,
+        metavar="PARTS",
+        help="measure only these parts, comma-separated, from: "
+        + ", ".join(PARTS)
+        + " (grid: the implementations table; targets: the flash kernel's targets; "
+        "generation: time per token with the KV cache against recomputing and flax, "
+        "judged at context 4096; window: window="
+        + f"{WINDOW} against full causal at T={LENGTH}, judged). "
+        "Example: --only generation,window",
+    )
+    bench.add_argument(
+        "--contexts",
+        type=int_list,
+        default=None,
+        help="context lengths of the generation benchmark (default "
+        + ",".join(map(str, CONTEXTS))
+        + "; with --quick 1024)",
+    )
+    bench.add_argument(
+        "--window-length",
+        type=int,
+        default=LENGTH,
+        help=f"T of the sliding-window benchmark (default {LENGTH}; judged only at {LENGTH})",
     )
     bench.add_argument(
         "--lengths",
@@ -56,7 +89,9 @@ def add_parser(commands) -> None:
     bench.add_argument(
         "--no-targets",
         action="store_true",
-        help="skip the performance targets (T=65536 takes about a minute)",
+        help="skip the judged parts: the kernel's targets (T=65536 takes about a minute), "
+        "the generation and the window benchmarks (as does a --dtype other than float32, "
+        "unless --only names them)",
     )
     bench.add_argument(
         "--out",
@@ -65,6 +100,17 @@ def add_parser(commands) -> None:
         help="output folder (default bench-results)",
     )
     bench.set_defaults(run=run)
+
+
+PARTS = ("grid", "targets", "generation", "window")
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"expected parts from {', '.join(PARTS)}, got {text!r}")
+    return parts
 
 
 def _shapes(text: str) -> tuple[tuple[int, int], ...]:
@@ -88,6 +134,14 @@ def config_from_args(args) -> BenchConfig:
     if args.tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
     shapes = _shapes(args.shapes) if args.shapes else (SHAPES[:1] if args.quick else SHAPES)
+    contexts = args.contexts or ((1024,) if args.quick else CONTEXTS)
+    if min(contexts) < 1:
+        raise UsageError(f"--contexts must be >= 1, got {contexts}")
+    if args.window_length < 1:
+        raise UsageError(f"--window-length must be >= 1, got {args.window_length}")
+    parts = args.only or (("grid", "generation") if args.quick else PARTS)
+    if args.no_targets or (args.only is None and args.dtype != "float32"):
+        parts = tuple(p for p in parts if p == "grid")
     return BenchConfig(
         lengths=tuple(lengths),
         shapes=shapes,
@@ -95,7 +149,10 @@ def config_from_args(args) -> BenchConfig:
         dtype=args.dtype,
         implementations=impls,
         max_score_gib=args.max_score_gib,
-        targets=not (args.quick or args.no_targets or args.dtype != "float32"),
+        targets="targets" in parts and args.dtype == "float32",
+        grid="grid" in parts,
+        generation=tuple(contexts) if "generation" in parts else (),
+        window_length=args.window_length if "window" in parts else 0,
     )
 
 
