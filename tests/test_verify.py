@@ -233,6 +233,22 @@ def test_check_shapes_records_every_stage():
     assert {c.name: c.data["shape"] for c in cross.checks}["scores"] == [2, 4, 3, 7]
 
 
+def test_check_shapes_knows_the_grouped_query_axes():
+    from nanoattn.verify._shapes import axis_sizes, trace_stages
+
+    config = AttentionConfig(48, 6, n_kv_heads=2)  # H = 8, (N + 2K) H = 80, K H = 16
+    report = check_shapes(config, batch=2, seq_len=5)
+    assert report.passed, report
+    shapes = {c.name: (c.data["shape"], c.data["axes"]) for c in report.checks}
+    assert shapes["qkv"] == ([2, 5, 80], ["B", "T", "(N+2K)H"])
+    assert shapes["k heads"] == ([2, 5, 2, 8], ["B", "S", "K", "H"])
+    # Every one of those axis names is checked: the same trace judged against K = 3 fails.
+    stages = trace_stages(config, 2, 5, None)
+    wrong = axis_sizes(AttentionConfig(48, 6, n_kv_heads=3), 2, 5, None)
+    failed = {c.name for c in shape_report(stages, wrong, "planted").checks if not c.passed}
+    assert {"qkv", "k", "v", "k heads", "v heads"} <= failed
+
+
 def test_shape_report_catches_lost_elements_and_wrong_axis_sizes():
     sizes = {"B": 2, "T": 5, "D": 8, "N": 2, "H": 4, "3D": 24}
     stages = [
@@ -369,15 +385,14 @@ def test_cli_verify_subprocess_from_the_target_directory():
 
 
 def test_audit_exits_1_when_a_builtin_module_leaks(capsys, monkeypatch):
-    from nanoattn import _masks
-
-    real = _masks.causal_mask
-    monkeypatch.setattr(
-        _masks, "causal_mask", lambda T, S=None, *, q_offset=0: real(T, S, q_offset=q_offset + 1)
-    )
     import nanoattn._reference as reference
 
-    monkeypatch.setattr(reference, "causal_mask", _masks.causal_mask)
+    real = reference.band_mask  # the reference's positional (causal) mask, shifted one key late
+    monkeypatch.setattr(
+        reference,
+        "band_mask",
+        lambda T, S, left, right, *, q_offset=0: real(T, S, left, right, q_offset=q_offset + 1),
+    )
     code, out, _ = run(capsys, "audit", "--d-model", "16", "--heads", "2")
     assert code == 1
     row = next(x for x in out.splitlines() if x.strip().startswith("CausalSelfAttention causality"))

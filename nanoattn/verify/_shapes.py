@@ -10,16 +10,20 @@ from ._report import CheckResult, Report
 
 def axis_sizes(config: AttentionConfig, batch: int, seq_len: int, kv_len: int | None):
     """The size each axis token must have, e.g. ``{"B": 2, "3D": 384, ...}``."""
-    D = config.d_model
+    D, N, K, H = config.d_model, config.n_heads, config.kv_heads, config.head_dim
     return {
         "B": batch,
         "T": seq_len,
         "S": seq_len if kv_len is None else kv_len,
-        "N": config.n_heads,
-        "H": config.head_dim,
+        "N": N,
+        "K": K,
+        "H": H,
         "D": D,
         "2D": 2 * D,
         "3D": 3 * D,
+        "KH": K * H,
+        "2KH": 2 * K * H,
+        "(N+2K)H": (N + 2 * K) * H,
     }
 
 
