@@ -62,9 +62,7 @@ def load_target(target: str):
         try:
             obj = obj()
         except Exception as e:
-            raise UsageError(
-                f"calling the factory {target}() failed: {describe(e)}"
-            ) from None
+            raise UsageError(f"calling the factory {target}() failed: {describe(e)}") from None
         if not callable(obj):
             raise UsageError(
                 f"the factory {target}() returned a {type(obj).__name__}, not a callable"
