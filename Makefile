@@ -4,13 +4,17 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-all lint bench clean
 
 run: $(VENV)/.installed
 	$(BIN)/nanoattn audit
 
+# Both cores; the few cases marked slow run with `make test-all`.
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist worksteal -m "not slow"
+
+test-all: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

@@ -100,6 +100,7 @@ def test_markdown_reports_ratios_against_flash():
     assert "| t | m | NO |" in text
 
 
+@pytest.mark.slow
 def test_cli_bench_writes_json_markdown_and_plot(tmp_path, capsys):
     code = main([*TINY, "--impls", "flash,xla,seed,flax,jax.nn", "--out", str(tmp_path)])
     out = capsys.readouterr().out

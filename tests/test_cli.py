@@ -145,6 +145,7 @@ def test_audit_fails_with_exit_1_when_masking_is_broken(capsys, monkeypatch):
     assert "FAIL" in next(x for x in out.splitlines() if x.startswith("Row sums"))
 
 
+@pytest.mark.slow
 def test_console_entry_point_and_module():
     ok = subprocess.run(
         [sys.executable, "-m", "nanoattn", "audit", "--ascii", "--no-verify"],

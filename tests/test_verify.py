@@ -384,6 +384,7 @@ def test_cli_verify_subprocess_from_the_target_directory():
     assert done.returncode == 1 and "causality: FAIL" in done.stdout
 
 
+@pytest.mark.slow
 def test_audit_exits_1_when_a_builtin_module_leaks(capsys, monkeypatch):
     import nanoattn._reference as reference
 
