@@ -79,6 +79,7 @@ def test_flash_and_auto_match_the_reference(case):
         np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_config_implementation():
     with pytest.raises(ValueError, match=r"implementation must be one of .* got 'fast'"):
         AttentionConfig(implementation="fast")

@@ -218,6 +218,7 @@ def test_fit_tiles_respects_the_step_budget(B, T, N):
         assert (block_q, block_k, lanes) == FORWARD_TILES  # the tuned case is untouched
 
 
+@pytest.mark.slow
 def test_public_flash_attention_takes_tiles_and_validates():
     import nanoattn
 

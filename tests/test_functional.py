@@ -177,6 +177,7 @@ def test_float64_stays_float64(x64):
     np.testing.assert_allclose(out, np_attention(q, k, v, allowed=np_causal(T, S, 1)), atol=1e-12)
 
 
+@pytest.mark.slow
 def test_check_grads_float64(x64):
     q, k, v = qkv(15, dtype=np.float64)
     mask = np.random.default_rng(1).random((B, 1, T, S)) > 0.2

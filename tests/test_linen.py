@@ -85,6 +85,7 @@ def test_seed_checkpoint_loads_and_matches(d_model, n_heads, t):
     np.testing.assert_allclose(ours, seed_forward_numpy(params, x, n_heads), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_seed_parity_in_float64(x64):
     config = NanoMoEConfig(d_model=48, n_heads=6)
     x = jnp.asarray(randn(2, 2, 9, 48, dtype=np.float64))

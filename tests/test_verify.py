@@ -82,6 +82,7 @@ def test_flax_attention_without_mask_fails_and_names_the_first_leak():
     assert "first leak" in str(report)
 
 
+@pytest.mark.slow
 def test_our_modules_pass():
     layer = CausalSelfAttention(AttentionConfig(D, 2))
     params = layer.init(jax.random.key(0), jnp.ones((1, 2, D)), deterministic=True)
@@ -101,6 +102,7 @@ MAX = 64
 TRIANGLE = np.tril(np.ones((MAX, MAX), bool))
 
 
+@pytest.mark.slow
 def test_mask_sliced_wrongly_from_a_precomputed_maximum_is_caught():
     # Right only at T = MAX: rows taken from the bottom of the triangle see the future.
     buggy = heads_attention(lambda T: TRIANGLE[MAX - T :, :T])
