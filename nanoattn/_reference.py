@@ -59,9 +59,7 @@ def masked_softmax(logits, allowed):
     # The softmax is invariant to the subtracted maxima, so no gradient flows through them.
     shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=neg))
     shifted = shifted - jax.lax.stop_gradient(jnp.max(shifted, axis=-1, keepdims=True))
-    # <= 0 exactly in exact arithmetic; the clamp keeps a differently rounded copy from
-    # overflowing (a `where`, not `minimum`, whose gradient would halve at the tie 0).
-    unnormalized = jnp.exp(jnp.where(shifted > 0, 0, shifted))
+    unnormalized = jnp.exp(shifted)
     if allowed is not None:
         unnormalized = jnp.where(allowed, unnormalized, 0)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
