@@ -292,3 +292,24 @@ def default_audit():
     with contextlib.redirect_stdout(out):
         code = main(["audit"])
     return code, out.getvalue()
+
+
+def _weights_of(q, k, v, **kwargs):
+    from nanoattn import attention_weights
+
+    return attention_weights(q, k, **kwargs)
+
+
+def _entry_points():
+    from nanoattn import dot_product_attention, flash_attention
+
+    return {
+        "dot_product_attention": dot_product_attention,
+        "attention_weights": _weights_of,
+        "flash_attention": flash_attention,
+    }
+
+
+# The three public attention functions, called as f(q, k, v, **kwargs): the same
+# argument checks must hold in each.
+ENTRY_POINTS = _entry_points()

@@ -6,9 +6,17 @@ import jax
 import numpy as np
 import pytest
 
-from nanoattn import attention_weights, dot_product_attention, flash_attention
+from nanoattn import attention_weights, dot_product_attention
 
-from conftest import Case, assert_cases_match, np_attention, np_causal, np_segments, randn
+from conftest import (
+    ENTRY_POINTS,
+    Case,
+    assert_cases_match,
+    np_attention,
+    np_causal,
+    np_segments,
+    randn,
+)
 
 B, N, K, H = 2, 6, 2, 8
 
@@ -110,11 +118,7 @@ def test_under_jit_with_traced_ids():
 
 T0, S0 = 5, 7
 IDS_Q, IDS_KV = np.zeros((B, T0), np.int32), np.zeros((B, S0), np.int32)
-FUNCTIONS = {
-    "dot_product_attention": dot_product_attention,
-    "attention_weights": lambda q, k, v, **kw: attention_weights(q, k, **kw),
-    "flash_attention": flash_attention,
-}
+FUNCTIONS = ENTRY_POINTS
 
 
 @pytest.mark.parametrize("function", FUNCTIONS)

@@ -6,9 +6,17 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from nanoattn import attention_weights, dot_product_attention, flash_attention
+from nanoattn import attention_weights, dot_product_attention
 
-from conftest import Case, assert_cases_match, np_attention_vjp, np_causal, randn, sum_to_shape
+from conftest import (
+    ENTRY_POINTS,
+    Case,
+    assert_cases_match,
+    np_attention_vjp,
+    np_causal,
+    randn,
+    sum_to_shape,
+)
 
 B, N, K, H = 2, 6, 2, 8
 
@@ -110,11 +118,7 @@ def test_a_huge_cap_changes_nothing():
     np.testing.assert_allclose(capped, plain, atol=1e-6)
 
 
-FUNCTIONS = {
-    "dot_product_attention": dot_product_attention,
-    "attention_weights": lambda q, k, v, **kw: attention_weights(q, k, **kw),
-    "flash_attention": flash_attention,
-}
+FUNCTIONS = ENTRY_POINTS
 
 
 @pytest.mark.parametrize("function", FUNCTIONS)

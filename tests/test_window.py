@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from nanoattn import attention_weights, dot_product_attention, flash_attention
+from nanoattn import attention_weights, dot_product_attention
 
-from conftest import Case, assert_cases_match, np_causal, np_window, randn
+from conftest import ENTRY_POINTS, Case, assert_cases_match, np_causal, np_window, randn
 
 B, N, K, H = 2, 6, 2, 8
 
@@ -120,11 +120,7 @@ def test_same_as_its_mask_and_square_default_offset_is_zero():
     np.testing.assert_array_equal(default, zero)
 
 
-FUNCTIONS = {
-    "dot_product_attention": dot_product_attention,
-    "attention_weights": lambda q, k, v, **kw: attention_weights(q, k, **kw),
-    "flash_attention": flash_attention,
-}
+FUNCTIONS = ENTRY_POINTS
 
 
 @pytest.mark.parametrize("function", FUNCTIONS)
