@@ -16,7 +16,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nanoattn import padding_mask
-from nanoattn.linen import AttentionConfig, CausalSelfAttention, _cache
+from nanoattn import _kv_cache
+from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 from conftest import randn
 
@@ -259,7 +260,7 @@ def test_a_write_past_the_capacity_raises_when_the_position_is_concrete():
     ):
         c.decode(c.params, case("gqa").cache, jnp.ones((B, 14, D)))
     # Exactly full is fine (the same check, without running the layer eagerly).
-    _cache.check_chunk(np.array([4, 5]), np.array([2, 1]), 2, 6)
+    _kv_cache.check_chunk(np.array([4, 5]), np.array([2, 1]), 2, 6, hint="")
 
 
 def test_a_write_past_the_capacity_under_jit_gives_nan_in_that_row_only():

@@ -58,7 +58,7 @@ def test_readme_shows_the_real_audit_output(default_audit):
         "nanoattn._masks",
         "nanoattn._rope",
         "nanoattn.linen._attention",
-        "nanoattn.linen._config",
+        "nanoattn._config",
     ],
 )
 def test_docstring_examples(module):

@@ -8,49 +8,43 @@ H head width, D model width.
 """
 
 import flax.linen as nn
-import jax.numpy as jnp
 
-from .._masks import padding_mask
-from .._trace import check_shape
-from .._validate import expect_bool, expect_integer, expect_shape
-from . import _cache
-from ._config import AttentionConfig
-from ._heads import (
-    attend,
-    compute_dtype,
-    core_options,
-    dense,
-    kv_letters,
-    normalize_qk,
-    rotate_qk,
-    split_heads,
+from .. import _kv_cache, _layer
+from .._config import AttentionConfig
+from .._heads import compute_dtype
+from ._norm import HeadRMSNorm
+
+# The "cache" collection: {"key": (B, S, K, H), "value": (B, S, K, H), "position": (B,)}.
+CACHE = "cache"
+_OVERFLOW_HINT = (
+    "create the cache with a longer input (init with jnp.zeros((B, max_len, D)), decode=True)"
 )
 
 
-def _project_qkv(cfg: AttentionConfig, x, dtype):
-    """x (B, T, D) -> query heads (B, T, N, H), key and value heads (B, T, K, H)."""
-    B, T, D = x.shape
-    N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    kv_axis, kv_width = kv_letters(cfg)
-    width = "3D" if K == N else "(N+2K)H"
-    qkv = dense(cfg, (N + 2 * K) * H, "qkv", dtype)(x)
-    check_shape(qkv, "qkv", f"B T {width}", (B, T, (N + 2 * K) * H), op="project", source="input")
-    q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)  # [Q (N*H) | K (K*H) | V (K*H)]
-    check_shape(q, "q", "B T D", (B, T, D), op="split", source="qkv")
-    for name, part in (("k", k), ("v", v)):
-        check_shape(part, name, f"B S {kv_width}", (B, T, K * H), op="split", source="qkv")
-    q = split_heads(q, "q", "B T N H", N, cfg)
-    k = split_heads(k, "k", f"B S {kv_axis} H", K, cfg)
-    v = split_heads(v, "v", f"B S {kv_axis} H", K, cfg)
-    q, k = normalize_qk(cfg, q, k, dtype)
-    return q, k, v
+class _Parameters:
+    """The parameters of a linen module, for the shared steps (``nanoattn._heads``):
+    submodules created in the module's compact call, named as the steps ask."""
 
+    def __init__(self, module: nn.Module, cfg: AttentionConfig):
+        self.module, self.cfg = module, cfg
 
-def _int_per_token(name: str, value, axes: str, dims) -> jnp.ndarray:
-    value = jnp.asarray(value)
-    expect_integer(name, value.dtype)
-    expect_shape(name, value.shape, axes, dims)
-    return value
+    def dense(self, name, x, features, dtype):
+        cfg = self.cfg
+        layer = nn.Dense(
+            features, use_bias=cfg.use_bias, dtype=dtype, param_dtype=cfg.param_dtype, name=name
+        )
+        return layer(x)
+
+    def norm(self, name, x, dtype):
+        return HeadRMSNorm(dtype=dtype, param_dtype=self.cfg.param_dtype, name=name)(x)
+
+    def dropout_rng(self):
+        return self.module.make_rng("dropout")
+
+    def sow_weights(self, weights):
+        module = self.module
+        if module.sow_weights and module.is_mutable_collection("intermediates"):
+            module.sow("intermediates", "attention_weights", weights())
 
 
 class CausalSelfAttention(nn.Module):
@@ -79,7 +73,7 @@ class CausalSelfAttention(nn.Module):
     **Decoding** (the flax convention): ``layer.init(key, jnp.zeros((B,
     max_len, D)), decode=True)`` also returns a ``"cache"`` collection of
     capacity ``max_len`` with every row at position 0 (see
-    ``nanoattn.linen._cache``). Each ``layer.apply({"params": p, "cache": c},
+    ``nanoattn._kv_cache``). Each ``layer.apply({"params": p, "cache": c},
     chunk, decode=True, mutable=["cache"])`` takes a chunk of any length
     L >= 1 (a prompt, one token, anything between), writes its keys and values
     at each row's position, attends causally with the row's position as
@@ -167,83 +161,47 @@ class CausalSelfAttention(nn.Module):
             a chunk that does not fit in the cache.
         """
         cfg = AttentionConfig.from_config(self.config)
-        expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
-        B, T, D = x.shape
-        check_shape(x, "input", "B T D", (B, T, D), op="input")
+        _layer.check_input(
+            cfg, x, decode=decode, positions=positions, segment_ids=segment_ids, lengths=lengths
+        )
+        params = _Parameters(self, cfg)
+        if not decode:
+            return _layer.self_attention(
+                params,
+                cfg,
+                x,
+                deterministic=deterministic,
+                mask=mask,
+                positions=positions,
+                segment_ids=segment_ids,
+            )
+        B, T, _ = x.shape
+        fresh = not self.has_variable(CACHE, "key")
         dtype = compute_dtype(cfg, x)
-        options = core_options(cfg, positional=True)
-        if decode:
-            for name, value in (("positions", positions), ("segment_ids", segment_ids)):
-                if value is not None:
-                    raise ValueError(
-                        f"{name} is not supported with decode=True: the cache keeps each "
-                        f"row's position (use lengths for ragged rows)"
-                    )
-            return self._decode(cfg, x, deterministic, dtype, mask, lengths, options)
-        if lengths is not None:
-            raise ValueError(
-                "lengths only applies with decode=True; in full-sequence mode pass a "
-                "padding mask or segment_ids"
-            )
-        if positions is None:
-            positions = jnp.arange(T)
-        elif jnp.ndim(positions) == 1:
-            positions = _int_per_token("positions", positions, "T", (T,))
-        else:
-            positions = _int_per_token("positions", positions, "B T", (B, T))
-        if segment_ids is not None:
-            segment_ids = _int_per_token("segment_ids", segment_ids, "B T", (B, T))
-            options |= {"q_segment_ids": segment_ids, "kv_segment_ids": segment_ids}
-        q, k, v = _project_qkv(cfg, x, dtype)
-        q, k = rotate_qk(cfg, q, k, positions)
-        return attend(
-            self, q, k, v, cfg, deterministic, dtype, mask=mask, is_causal=True, **options
-        )
 
-    def _decode(self, cfg: AttentionConfig, x, deterministic, dtype, mask, lengths, options):
-        """One call of decode mode: create the cache (init), or write a chunk and attend."""
-        B, T, D = x.shape
-        K, H = cfg.kv_heads, cfg.head_dim
-        cache_k, cache_v, cache_pos, fresh = _cache.cache_variables(self, B, T, K, H, dtype)
+        def empty():  # called only by init, when the cache is created
+            return _kv_cache.empty(B, T, cfg.kv_heads, cfg.head_dim, dtype)
+
+        variables = [
+            self.variable(CACHE, name, lambda name=name: getattr(empty(), name))
+            for name in _kv_cache.KVCache._fields
+        ]
         if fresh:  # init: an empty cache of capacity T; the output is the full forward of x
-            q, k, v = _project_qkv(cfg, x, dtype)
-            q, k = rotate_qk(cfg, q, k, jnp.arange(T))
-            return attend(
-                self, q, k, v, cfg, deterministic, dtype, mask=mask, is_causal=True, **options
-            )
-        capacity = cache_k.value.shape[1]
-        expect_shape("x", x.shape, "B T D", (cache_k.value.shape[0], None, D))
-        position = cache_pos.value  # (B,)
-        if lengths is None:
-            lengths = jnp.full((B,), T, jnp.int32)
-        lengths = _int_per_token("lengths", lengths, "B", (B,))
-        _cache.check_chunk(position, lengths, T, capacity)
-        lengths = jnp.clip(lengths, 0, T)  # under jit, where it could not be checked
-        q, k, v = _project_qkv(cfg, x, dtype)
-        q, k = rotate_qk(cfg, q, k, position[:, None] + jnp.arange(T))  # (B, T) positions
-        cache_k.value = _cache.write(cache_k.value, k, position, lengths)
-        cache_v.value = _cache.write(cache_v.value, v, position, lengths)
-        end = position + lengths  # (B,)
-        cache_pos.value = end.astype(jnp.int32)
-        # Slots at and past `end` are never read: kv_lengths hides them from every backend.
-        y = attend(
-            self,
-            q,
-            cache_k.value,
-            cache_v.value,
+            return _layer.self_attention(params, cfg, x, deterministic=deterministic, mask=mask)
+        cache = _kv_cache.KVCache(*(v.value for v in variables))
+        y, cache = _layer.decode(
+            params,
             cfg,
-            deterministic,
-            dtype,
+            x,
+            cache,
+            deterministic=deterministic,
             mask=mask,
-            is_causal=True,
-            q_offset=position,
-            kv_lengths=end,
-            **options,
+            lengths=lengths,
+            hint=_OVERFLOW_HINT,
         )
-        real = jnp.arange(T) < lengths[:, None]  # (B, T)
-        y = jnp.where(real[..., None], y, 0)
-        overflow = end > capacity  # only reachable under jit: the ValueError above
-        return jnp.where(overflow[:, None, None], jnp.nan, y).astype(y.dtype)
+        for variable, value in zip(variables, cache, strict=True):
+            variable.value = value
+        return y
 
 
 MultiHeadAttention = CausalSelfAttention
@@ -305,31 +263,11 @@ class CrossAttention(nn.Module):
           (B, T, D) in the compute dtype (``config.dtype``, else ``x``'s).
         """
         cfg = AttentionConfig.from_config(self.config)
-        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        expect_shape("x", jnp.shape(x), "B T D", (None, None, D))
-        B, T, _ = x.shape
-        expect_shape("context", jnp.shape(context), "B S D", (B, None, D))
-        S = context.shape[1]
-        mask = context_mask
-        if mask is not None and jnp.ndim(mask) == 2:
-            expect_bool("context_mask", jnp.result_type(mask))
-            expect_shape("context_mask", jnp.shape(mask), "B S", (B, S))
-            mask = padding_mask(mask)  # (B, 1, 1, S)
-
-        dtype = compute_dtype(cfg, x)
-        kv_axis, kv_width = kv_letters(cfg)
-        check_shape(x, "input", "B T D", (B, T, D), op="input")
-        check_shape(context, "context", "B S D", (B, S, D), op="input")
-        q = dense(cfg, N * H, "q", dtype)(x)
-        check_shape(q, "q", "B T D", (B, T, D), op="project", source="input")
-        kv = dense(cfg, 2 * K * H, "kv", dtype)(context)
-        check_shape(kv, "kv", f"B S 2{kv_width}", (B, S, 2 * K * H), op="project", source="context")
-        k, v = jnp.split(kv, 2, axis=-1)  # 2 x (B, S, K*H), in the order [K | V]
-        for name, part in (("k", k), ("v", v)):
-            check_shape(part, name, f"B S {kv_width}", (B, S, K * H), op="split", source="kv")
-        q = split_heads(q, "q", "B T N H", N, cfg)
-        k = split_heads(k, "k", f"B S {kv_axis} H", K, cfg)
-        v = split_heads(v, "v", f"B S {kv_axis} H", K, cfg)
-        q, k = normalize_qk(cfg, q, k, dtype)
-        options = core_options(cfg, positional=False)
-        return attend(self, q, k, v, cfg, deterministic, dtype, mask=mask, **options)
+        return _layer.cross_attention(
+            _Parameters(self, cfg),
+            cfg,
+            x,
+            context,
+            deterministic=deterministic,
+            context_mask=context_mask,
+        )

@@ -1,13 +1,11 @@
-"""RMSNorm over the head width, the QK normalisation of Gemma 3 and OLMo 2."""
+"""The linen module of the QK RMSNorm; the math is ``nanoattn._norm.head_rms_norm``."""
 
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-# Added to the mean square: keeps an all-zero head finite (the value of Gemma 3 and OLMo 2).
-EPSILON = 1e-6
+from .._norm import head_rms_norm
 
 
 class HeadRMSNorm(nn.Module):
@@ -29,8 +27,4 @@ class HeadRMSNorm(nn.Module):
     def __call__(self, x):
         """x: (..., H), e.g. query heads (B, T, N, H) or key heads (B, S, K, H)."""
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        acc = jnp.result_type(x.dtype, jnp.float32)
-        xf = x.astype(acc)
-        inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPSILON)
-        y = xf * inv_rms * scale.astype(acc)
-        return y.astype(x.dtype if self.dtype is None else self.dtype)
+        return head_rms_norm(x, scale, self.dtype)

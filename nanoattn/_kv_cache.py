@@ -1,43 +1,43 @@
-"""The key/value cache of decoding: three arrays in the ``"cache"`` collection.
+"""The key/value cache of decoding, independent of the module framework.
 
-``{"key": (B, S, K, H), "value": (B, S, K, H), "position": (B,) int32}``: S is
-the capacity (the length of the input the cache was created with), and
-``position[b]`` is the number of tokens row b holds, i.e. the position of its
-next token. Slots at and past ``position[b]`` are never read, whatever they
-hold.
+A cache is three arrays, ``{"key": (B, S, K, H), "value": (B, S, K, H),
+"position": (B,) int32}``: S is the capacity, and ``position[b]`` is the
+number of tokens row b holds, i.e. the position of its next token. Slots at
+and past ``position[b]`` are never read, whatever they hold. The linen modules
+keep it in the ``"cache"`` collection, the NNX modules in ``nnx.Cache``
+variables; both advance it with :func:`decode` of ``nanoattn._layer``.
 """
 
-import flax.linen as nn
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-COLLECTION = "cache"
+
+class KVCache(NamedTuple):
+    """key, value: (B, S, K, H); position: (B,) int32, the tokens each row holds."""
+
+    key: jax.Array
+    value: jax.Array
+    position: jax.Array
 
 
-def cache_variables(
-    module: nn.Module, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype
-):
-    """Declares the cache of ``module``: (key, value, position) variables and ``fresh``.
-
-    ``fresh`` is True when this call created the cache (``init``): it then
-    holds zeros at position 0 and has capacity ``capacity``; otherwise the
-    existing cache is returned and the sizes are ignored.
-    """
-    fresh = not module.has_variable(COLLECTION, "key")
+def empty(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
+    """A cache of capacity S = ``capacity`` with every row at position 0."""
     shape = (batch, capacity, kv_heads, head_dim)  # (B, S, K, H)
-    key = module.variable(COLLECTION, "key", jnp.zeros, shape, dtype)
-    value = module.variable(COLLECTION, "value", jnp.zeros, shape, dtype)
-    position = module.variable(COLLECTION, "position", jnp.zeros, (batch,), jnp.int32)
-    return key, value, position, fresh
+    zeros = jnp.zeros(shape, dtype)
+    return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32))
 
 
 def _concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_chunk(position, lengths, chunk: int, capacity: int) -> None:
+def check_chunk(position, lengths, chunk: int, capacity: int, hint: str) -> None:
     """Raises ValueError for bad ``lengths`` or a write past the capacity, when concrete.
+
+    ``hint`` ends the overflow message: how to create a larger cache.
 
     Under ``jit`` (traced values) nothing can be checked here; the caller
     turns overflowing rows into NaN instead.
@@ -58,8 +58,7 @@ def check_chunk(position, lengths, chunk: int, capacity: int) -> None:
             raise ValueError(
                 f"the KV cache is full: capacity {capacity}, row {b} is at position "
                 f"{int(np.asarray(position)[b])} and a chunk of length {chunk} brings "
-                f"{int(np.asarray(lengths)[b])} real tokens; create the cache with a longer "
-                f"input (init with jnp.zeros((B, max_len, D)), decode=True)"
+                f"{int(np.asarray(lengths)[b])} real tokens; {hint}"
             )
 
 

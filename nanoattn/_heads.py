@@ -1,29 +1,44 @@
-"""The steps the linen modules share: projections, head splits, QK norm, RoPE, and
-the call of the functional core followed by the output projection.
+"""The steps every attention layer shares, whatever framework owns its parameters:
+projections, head splits, QK norm, RoPE, and the call of the functional core
+followed by the output projection.
 
-Every reshape is followed by :func:`check_shape` (free under ``jit``), which
-names the axes, so a refactor that swaps time and head axes fails loudly.
+A layer hands its parameters to these steps as a :class:`Parameters` object
+(the linen and NNX modules each have a small one), so the math is written
+once. Every reshape is followed by :func:`check_shape` (free under ``jit``),
+which names the axes, so a refactor that swaps time and head axes fails loudly.
 """
 
-import flax.linen as nn
+from collections.abc import Callable
+from typing import Protocol
+
+import jax
 import jax.numpy as jnp
 
-from .._attention import attention_weights, dot_product_attention
-from .._rope import apply_rope
-from .._trace import check_shape
+from ._attention import attention_weights, dot_product_attention
 from ._config import AttentionConfig
-from ._norm import HeadRMSNorm
+from ._rope import apply_rope
+from ._trace import check_shape
+
+
+class Parameters(Protocol):
+    """What a module provides to the shared steps."""
+
+    def dense(self, name: str, x: jax.Array, features: int, dtype) -> jax.Array:
+        """The projection called ``name`` (kernel (D_in, features), optional bias)."""
+
+    def norm(self, name: str, x: jax.Array, dtype) -> jax.Array:
+        """The head RMSNorm called ``name`` (``q_norm`` or ``k_norm``) over the last axis."""
+
+    def dropout_rng(self) -> jax.Array:
+        """A fresh key for dropout; only asked for when dropout is on."""
+
+    def sow_weights(self, weights: Callable[[], jax.Array]) -> None:
+        """Stores ``weights()`` (B, N, T, S) when the module sows them; else does nothing."""
 
 
 def compute_dtype(cfg: AttentionConfig, x):
     """The dtype of projections, attention and cache: ``cfg.dtype``, else ``x``'s."""
     return jnp.dtype(x.dtype) if cfg.dtype is None else cfg.dtype
-
-
-def dense(cfg: AttentionConfig, features: int, name: str, dtype) -> nn.Dense:
-    return nn.Dense(
-        features, use_bias=cfg.use_bias, dtype=dtype, param_dtype=cfg.param_dtype, name=name
-    )
 
 
 def kv_letters(cfg: AttentionConfig) -> tuple[str, str]:
@@ -41,13 +56,11 @@ def split_heads(x, name: str, axes: str, heads: int, cfg: AttentionConfig):
     )
 
 
-def normalize_qk(cfg: AttentionConfig, q, k, dtype):
+def normalize_qk(params: Parameters, cfg: AttentionConfig, q, k, dtype):
     """RMSNorm over H of each query and key head (params ``q_norm``, ``k_norm``), if on."""
     if not cfg.qk_norm:
         return q, k
-    q = HeadRMSNorm(dtype=dtype, param_dtype=cfg.param_dtype, name="q_norm")(q)
-    k = HeadRMSNorm(dtype=dtype, param_dtype=cfg.param_dtype, name="k_norm")(k)
-    return q, k
+    return params.norm("q_norm", q, dtype), params.norm("k_norm", k, dtype)
 
 
 def rotate_qk(cfg: AttentionConfig, q, k, positions):
@@ -70,17 +83,16 @@ def core_options(cfg: AttentionConfig, *, positional: bool) -> dict:
 
 
 def attend(
-    module: nn.Module, q, k, v, cfg: AttentionConfig, deterministic: bool, dtype, **mask_args
+    params: Parameters, q, k, v, cfg: AttentionConfig, deterministic: bool, dtype, **mask_args
 ):
     """Core attention, then heads concatenated and the output projection: (B, T, D)."""
     B, T, _, _ = q.shape
     rate = 0.0 if deterministic else cfg.dropout
-    rng = module.make_rng("dropout") if rate > 0.0 else None
+    rng = params.dropout_rng() if rate > 0.0 else None
     out = dot_product_attention(
         q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=cfg.implementation, **mask_args
     )
-    if module.sow_weights and module.is_mutable_collection("intermediates"):
-        module.sow("intermediates", "attention_weights", attention_weights(q, k, **mask_args))
+    params.sow_weights(lambda: attention_weights(q, k, **mask_args))
     merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)
     check_shape(
         merged,
@@ -90,7 +102,7 @@ def attend(
         op="reshape",
         source="per-head output",
     )
-    y = dense(cfg, cfg.d_model, "out", dtype)(merged)
+    y = params.dense("out", merged, cfg.d_model, dtype)
     return check_shape(
         y, "output", "B T D", (B, T, cfg.d_model), op="project", source="concatenated heads"
     )

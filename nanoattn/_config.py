@@ -7,8 +7,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._dispatch import IMPLEMENTATIONS
-from .._spec import check_soft_cap, normalize_window
+from ._dispatch import IMPLEMENTATIONS
+from ._spec import check_soft_cap, normalize_window
 
 
 def _divisors(n: int) -> str:

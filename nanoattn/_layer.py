@@ -1,0 +1,200 @@
+"""The three calls of an attention layer, written once for linen and NNX:
+self-attention over a whole sequence, one decoding step through a KV cache,
+and cross-attention. The modules own the parameters and the cache and hand
+them in (``nanoattn._heads.Parameters``, ``nanoattn._kv_cache.KVCache``).
+
+Axis letters (docs/conventions.md): B batch, T query time, S key time (the
+cache capacity when decoding), N query heads, K key/value heads, H head
+width, D model width.
+"""
+
+import jax.numpy as jnp
+
+from . import _kv_cache
+from ._config import AttentionConfig
+from ._heads import (
+    Parameters,
+    attend,
+    compute_dtype,
+    core_options,
+    kv_letters,
+    normalize_qk,
+    rotate_qk,
+    split_heads,
+)
+from ._masks import padding_mask
+from ._trace import check_shape
+from ._validate import expect_bool, expect_integer, expect_shape
+
+
+def _int_per_token(name: str, value, axes: str, dims) -> jnp.ndarray:
+    value = jnp.asarray(value)
+    expect_integer(name, value.dtype)
+    expect_shape(name, value.shape, axes, dims)
+    return value
+
+
+def _project_qkv(params: Parameters, cfg: AttentionConfig, x, dtype):
+    """x (B, T, D) -> query heads (B, T, N, H), key and value heads (B, T, K, H)."""
+    B, T, D = x.shape
+    N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    kv_axis, kv_width = kv_letters(cfg)
+    width = "3D" if K == N else "(N+2K)H"
+    qkv = params.dense("qkv", x, (N + 2 * K) * H, dtype)
+    check_shape(qkv, "qkv", f"B T {width}", (B, T, (N + 2 * K) * H), op="project", source="input")
+    q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)  # [Q (N*H) | K (K*H) | V (K*H)]
+    check_shape(q, "q", "B T D", (B, T, D), op="split", source="qkv")
+    for name, part in (("k", k), ("v", v)):
+        check_shape(part, name, f"B S {kv_width}", (B, T, K * H), op="split", source="qkv")
+    q = split_heads(q, "q", "B T N H", N, cfg)
+    k = split_heads(k, "k", f"B S {kv_axis} H", K, cfg)
+    v = split_heads(v, "v", f"B S {kv_axis} H", K, cfg)
+    return (*normalize_qk(params, cfg, q, k, dtype), v)
+
+
+def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids, lengths):
+    """Validates a self-attention call's input and its arguments for the mode."""
+    expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
+    check_shape(x, "input", "B T D", x.shape, op="input")
+    if decode:
+        for name, value in (("positions", positions), ("segment_ids", segment_ids)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} is not supported with decode=True: the cache keeps each "
+                    f"row's position (use lengths for ragged rows)"
+                )
+    elif lengths is not None:
+        raise ValueError(
+            "lengths only applies with decode=True; in full-sequence mode pass a "
+            "padding mask or segment_ids"
+        )
+
+
+def self_attention(
+    params: Parameters,
+    cfg: AttentionConfig,
+    x,
+    *,
+    deterministic: bool,
+    mask=None,
+    positions=None,
+    segment_ids=None,
+):
+    """Causal self-attention over the whole of x (B, T, D) -> (B, T, D).
+
+    ``positions`` (B, T) or (T,) int (default ``arange(T)``) are what RoPE
+    rotates by; ``segment_ids`` (B, T) int restrict attention to equal ids.
+    """
+    B, T, _ = x.shape
+    dtype = compute_dtype(cfg, x)
+    options = core_options(cfg, positional=True)
+    if positions is None:
+        positions = jnp.arange(T)
+    elif jnp.ndim(positions) == 1:
+        positions = _int_per_token("positions", positions, "T", (T,))
+    else:
+        positions = _int_per_token("positions", positions, "B T", (B, T))
+    if segment_ids is not None:
+        segment_ids = _int_per_token("segment_ids", segment_ids, "B T", (B, T))
+        options |= {"q_segment_ids": segment_ids, "kv_segment_ids": segment_ids}
+    q, k, v = _project_qkv(params, cfg, x, dtype)
+    q, k = rotate_qk(cfg, q, k, positions)
+    return attend(params, q, k, v, cfg, deterministic, dtype, mask=mask, is_causal=True, **options)
+
+
+def decode(
+    params: Parameters,
+    cfg: AttentionConfig,
+    x,
+    cache: _kv_cache.KVCache,
+    *,
+    deterministic: bool,
+    mask=None,
+    lengths=None,
+    hint: str,
+):
+    """One decoding step: writes the chunk x (B, T, D) into the cache and attends.
+
+    Row b's tokens sit at positions ``cache.position[b] + t``; only the first
+    ``lengths[b]`` (default T) are real: they are written and the row advances
+    by ``lengths[b]``, and outputs at padded tokens are zeros. Each query
+    attends causally over the keys written so far (``kv_lengths`` hides the
+    slots at and past the row's end from every backend). A write past the
+    capacity raises ValueError (its message ends with ``hint``) when the
+    position is concrete; under ``jit`` the overflowing rows' outputs are NaN.
+
+    Returns:
+      (y (B, T, D), the advanced cache).
+    """
+    B, T, D = x.shape
+    capacity = cache.key.shape[1]
+    expect_shape("x", x.shape, "B T D", (cache.key.shape[0], None, D))
+    dtype = compute_dtype(cfg, x)
+    position = cache.position  # (B,)
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    lengths = _int_per_token("lengths", lengths, "B", (B,))
+    _kv_cache.check_chunk(position, lengths, T, capacity, hint)
+    lengths = jnp.clip(lengths, 0, T)  # under jit, where it could not be checked
+    q, k, v = _project_qkv(params, cfg, x, dtype)
+    q, k = rotate_qk(cfg, q, k, position[:, None] + jnp.arange(T))  # (B, T) positions
+    keys = _kv_cache.write(cache.key, k, position, lengths)
+    values = _kv_cache.write(cache.value, v, position, lengths)
+    end = position + lengths  # (B,)
+    y = attend(
+        params,
+        q,
+        keys.astype(dtype),
+        values.astype(dtype),
+        cfg,
+        deterministic,
+        dtype,
+        mask=mask,
+        is_causal=True,
+        q_offset=position,
+        kv_lengths=end,
+        **core_options(cfg, positional=True),
+    )
+    real = jnp.arange(T) < lengths[:, None]  # (B, T)
+    y = jnp.where(real[..., None], y, 0)
+    overflow = end > capacity  # only reachable under jit: the ValueError above
+    y = jnp.where(overflow[:, None, None], jnp.nan, y).astype(y.dtype)
+    return y, _kv_cache.KVCache(keys, values, end.astype(jnp.int32))
+
+
+def cross_attention(
+    params: Parameters, cfg: AttentionConfig, x, context, *, deterministic: bool, context_mask=None
+):
+    """T queries from x (B, T, D) attend to S keys from context (B, S, D) -> (B, T, D).
+
+    ``context_mask``: boolean (B, S), True at real context tokens, or any mask
+    broadcastable to (B, N, T, S) of rank other than 2.
+    """
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    expect_shape("x", jnp.shape(x), "B T D", (None, None, D))
+    B, T, _ = x.shape
+    expect_shape("context", jnp.shape(context), "B S D", (B, None, D))
+    S = context.shape[1]
+    mask = context_mask
+    if mask is not None and jnp.ndim(mask) == 2:
+        expect_bool("context_mask", jnp.result_type(mask))
+        expect_shape("context_mask", jnp.shape(mask), "B S", (B, S))
+        mask = padding_mask(mask)  # (B, 1, 1, S)
+
+    dtype = compute_dtype(cfg, x)
+    kv_axis, kv_width = kv_letters(cfg)
+    check_shape(x, "input", "B T D", (B, T, D), op="input")
+    check_shape(context, "context", "B S D", (B, S, D), op="input")
+    q = params.dense("q", x, N * H, dtype)
+    check_shape(q, "q", "B T D", (B, T, D), op="project", source="input")
+    kv = params.dense("kv", context, 2 * K * H, dtype)
+    check_shape(kv, "kv", f"B S 2{kv_width}", (B, S, 2 * K * H), op="project", source="context")
+    k, v = jnp.split(kv, 2, axis=-1)  # 2 x (B, S, K*H), in the order [K | V]
+    for name, part in (("k", k), ("v", v)):
+        check_shape(part, name, f"B S {kv_width}", (B, S, K * H), op="split", source="kv")
+    q = split_heads(q, "q", "B T N H", N, cfg)
+    k = split_heads(k, "k", f"B S {kv_axis} H", K, cfg)
+    v = split_heads(v, "v", f"B S {kv_axis} H", K, cfg)
+    q, k = normalize_qk(params, cfg, q, k, dtype)
+    options = core_options(cfg, positional=False)
+    return attend(params, q, k, v, cfg, deterministic, dtype, mask=mask, **options)
