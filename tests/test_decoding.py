@@ -15,8 +15,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nanoattn import padding_mask
-from nanoattn import _kv_cache
+from nanoattn import _kv_cache, padding_mask
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 from conftest import randn
