@@ -1,0 +1,301 @@
+"""Flax NNX attention modules. They own the parameters, the dropout stream and
+the KV cache, and call the steps the linen modules call (``nanoattn._layer``),
+so both give the same outputs from the same weights.
+
+Axis letters (docs/conventions.md): B batch, T query time, S key time (the
+cache capacity when decoding), N query heads, K key/value heads, G = N / K,
+H head width, D model width.
+"""
+
+import numbers
+
+import jax
+from flax import nnx
+
+from .. import _kv_cache, _layer
+from .._config import AttentionConfig, _float_dtype
+from ._parameters import HeadRMSNorm, Parameters
+
+_OVERFLOW_HINT = "create a larger cache with module.init_cache(batch, max_len)"
+
+
+class KVCache(nnx.Module):
+    """The decoding cache of one layer as ``nnx.Cache`` variables: ``key`` and
+    ``value`` (B, S, K, H) in the cache dtype, ``position`` (B,) int32 (the
+    tokens each row holds). Slots at and past ``position[b]`` are never read."""
+
+    def __init__(self, cache: _kv_cache.KVCache):
+        self.key = nnx.Cache(cache.key)
+        self.value = nnx.Cache(cache.value)
+        self.position = nnx.Cache(cache.position)
+
+    def get(self) -> _kv_cache.KVCache:
+        return _kv_cache.KVCache(self.key[...], self.value[...], self.position[...])
+
+    def set(self, cache: _kv_cache.KVCache) -> None:
+        self.key[...], self.value[...], self.position[...] = cache
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+    return int(value)
+
+
+class _Attention(nnx.Module):
+    """What both NNX modules share: config, output projection, QK norms, dropout
+    stream and the train/eval flag."""
+
+    def __init__(self, config, *, sow_weights: bool, deterministic: bool, rngs: nnx.Rngs):
+        cfg = AttentionConfig.from_config(config)
+        self.config = cfg
+        D, H = cfg.d_model, cfg.head_dim
+        self.out = self._linear(D, D, rngs)
+        if cfg.qk_norm:
+            self.q_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
+            self.k_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
+        self.sow_weights = sow_weights
+        self.deterministic = deterministic
+        self.rngs = nnx.data(rngs.dropout.fork() if cfg.dropout > 0 else None)
+
+    def _linear(self, d_in: int, features: int, rngs: nnx.Rngs) -> nnx.Linear:
+        cfg = self.config
+        return nnx.Linear(
+            d_in, features, use_bias=cfg.use_bias, param_dtype=cfg.param_dtype, rngs=rngs
+        )
+
+    def _deterministic(self, deterministic: bool | None) -> bool:
+        return self.deterministic if deterministic is None else deterministic
+
+
+class CausalSelfAttention(_Attention):
+    r"""Causal self-attention with grouped-query heads, RoPE, a sliding window,
+    soft-capping, QK norm and a KV cache: the NNX twin of
+    ``nanoattn.linen.CausalSelfAttention`` (same math, same parameters).
+
+    .. math::
+
+       y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}(i)}
+           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+
+    with ``[q | k | v] = qkv(x)`` (columns [Q (N*H) | K (K*H) | V (K*H)]),
+    ``q, k`` RMS-normalised per head (``qk_norm``) and then rotated by RoPE at
+    their positions (``rope_base``), query head n reading key/value head
+    ``n // G``, and ``c = logit_soft_cap`` (no tanh when None). Query i may
+    see key j iff ``j <= i``, ``i - left <= j <= i + right`` (``window``),
+    the ``mask`` allows it and, when packing, both have the same segment id.
+
+    Parameters (``nnx.Param``), named and shaped as the linen module's, so
+    ``from_linen``/``to_linen`` convert them::
+
+        qkv: Linear, kernel (D, (N + 2K) H), bias ((N + 2K) H,)
+        out: Linear, kernel (D, D), bias (D,)
+        q_norm, k_norm: HeadRMSNorm, scale (H,)          # with qk_norm only
+
+    **Dropout** (on the attention weights, rate ``config.dropout``) follows
+    NNX: the stream comes from ``rngs`` at construction (``rngs.dropout``, or
+    the default stream), ``model.train()`` / ``model.eval()`` switch the
+    ``deterministic`` attribute, and a call's ``deterministic=`` or ``rngs=``
+    overrides them.
+
+    **Decoding**: ``module.init_cache(batch, max_len)`` allocates an empty
+    cache (``module.cache``, ``nnx.Cache`` variables, every row at position
+    0); each ``module(chunk, decode=True, lengths=None)`` then takes a chunk of
+    any length L >= 1, writes its keys and values at each row's position,
+    attends causally over the keys written so far and advances the row by
+    ``lengths[b]`` (default L): outputs equal those of one causal call on the
+    whole sequence, with zeros at padded tokens. A write past the capacity
+    raises ValueError when the position is concrete; under ``nnx.jit`` it
+    cannot raise, and the overflowing rows' outputs are NaN instead.
+
+    Args:
+      config: an :class:`AttentionConfig` (or any object with ``d_model``,
+        ``n_heads`` and optionally the other fields).
+      sow_weights: if True, each call sows the attention weights (B, N, T, S),
+        without dropout, as ``nnx.Intermediate`` ``attention_weights``; collect
+        them with ``nnx.capture(module, nnx.Intermediate)(x)``.
+      deterministic: the initial train/eval flag (False: dropout on).
+      rngs: ``nnx.Rngs`` for the parameters and the dropout stream.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> config = AttentionConfig(d_model=128, n_heads=4, n_kv_heads=2, rope_base=10000.0)
+      >>> layer = CausalSelfAttention(config, rngs=nnx.Rngs(0))
+      >>> layer.qkv.kernel.shape  # (N + 2K) H = 256 columns
+      (128, 256)
+      >>> x = jax.random.normal(jax.random.key(1), (2, 5, 128))  # (B, T, D)
+      >>> full = nnx.jit(lambda layer, x: layer(x))(layer, x)
+      >>> layer.init_cache(batch=2, max_len=8)
+      >>> step = nnx.jit(lambda layer, chunk: layer(chunk, decode=True))
+      >>> y1 = step(layer, x[:, :3])  # the prompt, then one token per step
+      >>> y2, y3 = step(layer, x[:, 3:4]), step(layer, x[:, 4:5])
+      >>> bool(jnp.allclose(jnp.concatenate([y1, y2, y3], 1), full, atol=1e-5))
+      True
+      >>> layer.cache.position[...]
+      Array([5, 5], dtype=int32)
+    """
+
+    def __init__(
+        self, config, *, sow_weights: bool = False, deterministic: bool = False, rngs: nnx.Rngs
+    ):
+        super().__init__(config, sow_weights=sow_weights, deterministic=deterministic, rngs=rngs)
+        cfg = self.config
+        width = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim  # (N + 2K) H
+        self.qkv = self._linear(cfg.d_model, width, rngs)
+        self.cache = nnx.data(None)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
+        """Allocates an empty KV cache: capacity ``max_len`` tokens for ``batch`` rows.
+
+        Args:
+          batch: B, the rows every decoding call must have.
+          max_len: S, the most tokens a row can hold.
+          dtype: the dtype of the cached keys and values; default
+            ``config.dtype``, else ``config.param_dtype``.
+        """
+        cfg = self.config
+        batch, max_len = _positive_int("batch", batch), _positive_int("max_len", max_len)
+        dtype = cfg.dtype or cfg.param_dtype if dtype is None else _float_dtype("dtype", dtype)
+        self.cache = KVCache(_kv_cache.empty(batch, max_len, cfg.kv_heads, cfg.head_dim, dtype))
+
+    def __call__(
+        self,
+        x,
+        *,
+        mask=None,
+        positions=None,
+        segment_ids=None,
+        decode: bool = False,
+        lengths=None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:
+        """Attends every token to itself and the tokens before it.
+
+        Args:
+          x: (B, T, D); with ``decode=True`` a chunk of T >= 1 new tokens.
+          mask: optional boolean mask broadcastable to (B, N, T, S), True = may
+            attend, ANDed with the causal triangle (e.g. a ``padding_mask``).
+            S = T, or the cache capacity when decoding.
+          positions: optional int (B, T) or (T,): the positions RoPE rotates
+            by (default ``arange(T)``). Not with ``decode=True``.
+          segment_ids: optional int (B, T): packed documents; a token attends
+            only to tokens with the same id. Not with ``decode=True``.
+          decode: write x into the cache (``init_cache`` first) and attend
+            over everything cached.
+          lengths: only with ``decode=True``: optional int (B,), the real
+            tokens of each row of a right-padded chunk, in [0, T].
+          deterministic: overrides the module's flag for this call.
+          rngs: overrides the module's dropout stream for this call.
+
+        Returns:
+          (B, T, D) in the compute dtype (``config.dtype``, else ``x``'s).
+        """
+        cfg = self.config
+        _layer.check_input(
+            cfg, x, decode=decode, positions=positions, segment_ids=segment_ids, lengths=lengths
+        )
+        params = Parameters(self, rngs)
+        deterministic = self._deterministic(deterministic)
+        if not decode:
+            return _layer.self_attention(
+                params,
+                cfg,
+                x,
+                deterministic=deterministic,
+                mask=mask,
+                positions=positions,
+                segment_ids=segment_ids,
+            )
+        if self.cache is None:
+            raise ValueError(
+                "decode=True needs a cache: call module.init_cache(batch, max_len) first"
+            )
+        y, cache = _layer.decode(
+            params,
+            cfg,
+            x,
+            self.cache.get(),
+            deterministic=deterministic,
+            mask=mask,
+            lengths=lengths,
+            hint=_OVERFLOW_HINT,
+        )
+        self.cache.set(cache)
+        return y
+
+
+MultiHeadAttention = CausalSelfAttention
+
+
+class CrossAttention(_Attention):
+    r"""Cross-attention: T queries from ``x`` attend to S keys from ``context``;
+    the NNX twin of ``nanoattn.linen.CrossAttention``.
+
+    .. math::
+
+       y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}}
+           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+
+    with ``q = q(x)``, ``[k | v] = kv(context)`` (columns [K (K*H) | V (K*H)]),
+    query head n reading key/value head ``n // G``, q and k RMS-normalised per
+    head with ``qk_norm``, and ``c = logit_soft_cap``. No causal triangle and
+    no cache; ``rope_base`` and ``window`` do not apply between two sequences
+    and are ignored. Parameters::
+
+        q: Linear, kernel (D, D), bias (D,)
+        kv: Linear, kernel (D, 2KH), bias (2KH,)                  # (D, 2D) when K = N
+        out: Linear, kernel (D, D), bias (D,)
+        q_norm, k_norm: HeadRMSNorm, scale (H,)                   # with qk_norm only
+
+    Dropout and ``sow_weights`` work as in :class:`CausalSelfAttention`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> layer = CrossAttention(AttentionConfig(64, 4, n_kv_heads=1), rngs=nnx.Rngs(0))
+      >>> layer.kv.kernel.shape  # one key/value head of width 16: [K | V]
+      (64, 32)
+      >>> layer(jnp.ones((2, 3, 64)), jnp.ones((2, 7, 64))).shape
+      (2, 3, 64)
+    """
+
+    def __init__(
+        self, config, *, sow_weights: bool = False, deterministic: bool = False, rngs: nnx.Rngs
+    ):
+        super().__init__(config, sow_weights=sow_weights, deterministic=deterministic, rngs=rngs)
+        cfg = self.config
+        self.q = self._linear(cfg.d_model, cfg.d_model, rngs)
+        self.kv = self._linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, rngs)
+
+    def __call__(
+        self,
+        x,
+        context,
+        *,
+        context_mask=None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:
+        """Attends each query token to the context tokens.
+
+        Args:
+          x: (B, T, D) queries.
+          context: (B, S, D) keys and values.
+          context_mask: optional boolean; either (B, S), True at real context
+            tokens, or any mask broadcastable to (B, N, T, S) of rank other than 2.
+          deterministic: overrides the module's flag for this call.
+          rngs: overrides the module's dropout stream for this call.
+
+        Returns:
+          (B, T, D) in the compute dtype (``config.dtype``, else ``x``'s).
+        """
+        return _layer.cross_attention(
+            Parameters(self, rngs),
+            self.config,
+            x,
+            context,
+            deterministic=self._deterministic(deterministic),
+            context_mask=context_mask,
+        )
