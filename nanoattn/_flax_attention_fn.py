@@ -64,10 +64,12 @@ def flax_attention_fn(
     K key/value heads, H head width.
 
     Pass it as the ``attention_fn`` of ``flax.linen.MultiHeadDotProductAttention``
-    (and linen's ``MultiHeadAttention``) or ``flax.nnx.MultiHeadAttention``;
-    ``functools.partial(flax_attention_fn, is_causal=True)`` gives linen
-    layers causality without a dense mask, and ``implementation=`` picks a
-    backend as in :func:`nanoattn.dot_product_attention` (None: automatic).
+    (and linen's ``MultiHeadAttention``) or ``flax.nnx.MultiHeadAttention``.
+    Causality without a dense mask: ``layer(x, is_causal=True)`` in NNX (the
+    layer passes its own ``is_causal``, which overrides a partial's), and
+    ``functools.partial(flax_attention_fn, is_causal=True)`` in linen.
+    ``implementation=`` (through a partial) picks a backend as in
+    :func:`nanoattn.dot_product_attention` (None: automatic).
     With ``is_causal`` and no dense mask a long sequence runs the blockwise
     kernel in O(T) memory, forward and backward (docs/flax.md measures it).
 
@@ -142,11 +144,12 @@ def flax_attention_fn(
       >>> layer = nnx.MultiHeadAttention(
       ...     num_heads=4, in_features=32, attention_fn=nanoattn.flax_attention_fn,
       ...     decode=False, rngs=nnx.Rngs(0))
-      >>> layer(jnp.ones((2, 7, 32)), is_causal=True).shape
+      >>> forward = nnx.jit(lambda layer, x: layer(x, is_causal=True))
+      >>> forward(layer, jnp.ones((2, 7, 32))).shape
       (2, 7, 32)
-      >>> causal = functools.partial(nanoattn.flax_attention_fn, is_causal=True)
+      >>> causal = functools.partial(nanoattn.flax_attention_fn, is_causal=True)  # for linen
       >>> q = k = v = jnp.ones((3, 2, 5, 4, 8))  # two batch axes, T = 5, N = 4, H = 8
-      >>> causal(q, k, v).shape
+      >>> jax.jit(causal)(q, k, v).shape
       (3, 2, 5, 4, 8)
     """
     from flax.linen.dtypes import promote_dtype
