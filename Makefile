@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test test-all lint bench clean
+.PHONY: run test test-all flax-tests lint bench clean
 
 run: $(VENV)/.installed
 	$(BIN)/nanoattn audit
@@ -15,6 +15,11 @@ test: $(VENV)/.installed-test
 
 test-all: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n 2 --dist worksteal
+
+# flax's own attention tests with nanoattn.flax_attention_fn as the default attention_fn of
+# flax's layers (downloads flax's sdist into .cache/flax-sdist once; about 3 minutes).
+flax-tests: $(VENV)/.installed-test
+	$(BIN)/python tests/flax_upstream/run.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
