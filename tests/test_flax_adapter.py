@@ -360,13 +360,13 @@ def nnx_decode(attention_fn, x):
 
 
 def test_nnx_is_causal_decoding_is_right_with_the_adapter(served):
-    full, decoded = nnx_decode(flax_attention_fn, randn(30, 2, S, D))
+    full, decoded = nnx_decode(flax_attention_fn, randn(30, 2, T, D))
     close(decoded, full)
 
 
 def test_nnx_is_causal_decoding_is_wrong_with_flax_default():
     """google/flax#5591: with is_causal, flax's default lets each decoded token see key 0 only."""
-    full, decoded = nnx_decode(flax_nnx_fn, randn(30, 2, S, D))
+    full, decoded = nnx_decode(flax_nnx_fn, randn(30, 2, T, D))
     if np.allclose(decoded, full, atol=ATOL):
         pytest.skip("flax's default now decodes with is_causal correctly (google/flax#5591 fixed)")
     close(decoded[:, 0], full[:, 0])  # the first token has only key 0 to see anyway
