@@ -424,10 +424,12 @@ def test_dropout_draws_flax_bits_in_the_function_and_the_layers(params, served):
 
     @jit
     def outputs(q, k, v, rng):
+        kv_heads = ((k, v, flax_linen_fn), (k[..., :1, :], v[..., :1, :], flax_nnx_fn))  # K = N, 1
         return [
             fn(q, k, v, dropout_rate=0.4, dropout_rng=rng, broadcast_dropout=broadcast)
             for broadcast in (True, False)
-            for fn in (flax_linen_fn, flax_attention_fn)
+            for k, v, flax_fn in kv_heads
+            for fn in (flax_fn, flax_attention_fn)
         ]
 
     results = outputs(q, k, v, jax.random.key(3))
