@@ -11,7 +11,7 @@ from nanoattn.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-GUIDES = ["README.md", "docs/verify.md", "docs/decoding.md"]
+GUIDES = ["README.md", "docs/verify.md", "docs/decoding.md", "docs/flax.md"]
 BLOCKS = [
     pytest.param(block, id=f"{name}-{i}")
     for name in GUIDES
