@@ -1,6 +1,7 @@
 """nanoattn.verify on our modules, on flax's attention, and on planted bugs."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from nanoattn.verify import (
     check_row_sums,
     check_shapes,
 )
+from nanoattn.verify._causality import DEFAULT_SEQ_LENS, changed_positions, split_points
 from nanoattn.verify._shapes import shape_report
 
 D = 16
@@ -72,12 +74,15 @@ def test_flax_attention_without_mask_fails_and_names_the_first_leak():
     assert not report.passed
     prefix = by_name(report)["prefix invariance"]
     assert not prefix.passed
-    assert prefix.detail.startswith("first leak: output 0 changed by")
-    assert prefix.detail.endswith("when only positions >= 1 changed (T=2)")
-    assert set(prefix.where) == {"length", "split", "position"} and prefix.worst > 0.1
+    assert prefix.detail.startswith("first leak: output 0 of row ")
+    assert prefix.detail.endswith("when only positions >= 1 changed (T=2, jit)")
+    assert set(prefix.where) == {"length", "mode", "split", "position", "batch", "feature"}
+    assert prefix.worst > 0.1
+    first = prefix.data["first"]
+    assert (first["length"], first["split"], first["position"]) == (2, 1, 0)
     field = by_name(report)["receptive field"]
     assert not field.passed
-    assert field.detail.startswith("first leak: output 0 has gradient")
+    assert field.detail.startswith("first leak: output 0 of row 0 has gradient")
     assert field.detail.endswith("from the later input 1 (T=2)")
     assert "first leak" in str(report)
 
@@ -109,7 +114,7 @@ def test_mask_sliced_wrongly_from_a_precomputed_maximum_is_caught():
     assert check_causality(buggy, d_model=D, seq_lens=(MAX,)).passed  # fine at one length
     report = check_causality(buggy, d_model=D, seq_lens=(1, 2, 5, MAX))
     assert not report.passed
-    assert by_name(report)["prefix invariance"].detail.endswith("(T=2)")
+    assert by_name(report)["prefix invariance"].detail.endswith("(T=2, jit)")
 
 
 def test_mask_sliced_too_tight_is_caught_by_the_receptive_field():
@@ -131,9 +136,16 @@ def test_single_off_by_one_leak_in_64_tokens_is_caught(k):
     report = check_causality(heads_attention(mask), d_model=D, seq_lens=(64,))
     assert not report.passed
     single = by_name(report)["future perturbation"]
-    assert single.where == {"length": 64, "changed": k + 1, "position": k}
+    first = single.data["first"]
+    assert first.pop("deviation") == single.worst and first == single.where  # the only leak
+    assert {key: single.where[key] for key in ("length", "mode", "changed", "position")} == {
+        "length": 64,
+        "mode": "jit",
+        "changed": k + 1,
+        "position": k,
+    }
     field = by_name(report)["receptive field"]
-    assert field.where == {"length": 64, "output": k, "input": k + 1}
+    assert field.where | {"batch": 0} == {"length": 64, "batch": 0, "output": k, "input": k + 1}
 
 
 def test_leak_caught_without_jax_gradients():
@@ -410,4 +422,184 @@ def test_gradient_across_batch_rows_is_caught():
     report = check_causality(mixes_batch, d_model=4, seq_lens=(3,))
     field = by_name(report)["receptive field"]
     assert by_name(report)["prefix invariance"].passed
-    assert not field.passed and "reaches other batch rows" in field.detail
+    assert not field.passed and "from other batch rows (T=3)" in field.detail
+
+
+# The bug classes the default sweep must catch: one head of many, one length past a
+# block size, one mode (jit or eager), one batch row; and the pinned leak tolerance.
+
+
+def prefix_mean(x):
+    """A causal numpy function: the mean of the tokens so far, scale about 1."""
+    x = np.asarray(x, np.float64)
+    return np.cumsum(x, 1) / np.arange(1, x.shape[1] + 1)[:, None]
+
+
+def test_a_leak_in_one_head_of_many_counts_at_its_full_size():
+    # Six heads of width 3; head 4 (features 12..14) sees the next token a little. A numpy
+    # function: no jit, no gradient, only the feature-by-feature comparison can see it.
+    def one_head_leaks(x):
+        y = prefix_mean(x)
+        y[:, :-1, 12:15] += 1.5e-5 * np.asarray(x)[:, 1:, 12:15]
+        return y
+
+    report = check_causality(one_head_leaks, d_model=18, seq_lens=(2, 5))
+    single = by_name(report)["future perturbation"]
+    assert not single.passed and 12 <= single.data["first"]["feature"] < 15
+    # Averaged over the 18 features, even three features at the worst would pass 1e-5.
+    assert single.worst * 3 / 18 < 1e-5 < single.worst
+
+
+def test_a_leak_past_128_tokens_is_caught_at_bounded_cost():
+    def blockwise(T):  # past one tile of 128, the last query of a 32-key block sees the next
+        m = np.tril(np.ones((T, T), bool))
+        if T > 128:
+            m[31, 32] = True
+        return m
+
+    buggy = heads_attention(blockwise)
+    assert {129, 257, 513} <= set(DEFAULT_SEQ_LENS)
+    report = check_causality(buggy, d_model=D, seq_lens=(64, 129))
+    first = by_name(report)["future perturbation"].data["first"]  # none at 64, the old longest
+    assert (first["length"], first["changed"], first["position"]) == (129, 32, 31)
+    prefix = by_name(report)["prefix invariance"].data["first"]  # split at a block's first key
+    assert (prefix["length"], prefix["split"], prefix["position"]) == (129, 32, 31)
+    for T in (129, 257, 513, 4097):  # calls per length grow with log2(T), not T
+        assert len(changed_positions(T)) <= 3 * np.log2(T) and len(split_points(T)) <= np.log2(T)
+
+
+def causal_sum(x):
+    return jnp.cumsum(x, axis=1)
+
+
+def next_token_sum(x):  # position t also sees t + 1
+    return jnp.cumsum(x, axis=1) + jnp.roll(x, -1, axis=1)
+
+
+def test_a_leak_only_under_jit_is_caught():
+    def leaks_when_traced(x):
+        return (next_token_sum if isinstance(x, jax.core.Tracer) else causal_sum)(x)
+
+    report = check_causality(leaks_when_traced, d_model=4, seq_lens=(5,))
+    prefix = by_name(report)["prefix invariance"]
+    assert not prefix.passed and prefix.data["first"]["mode"] == "jit"
+
+
+def test_a_leak_only_outside_jit_is_caught_even_in_a_jitted_function():
+    @jax.jit
+    def leaks_when_eager(x):  # as a function with a numpy fallback for concrete inputs
+        return (causal_sum if isinstance(x, jax.core.Tracer) else next_token_sum)(x)
+
+    report = check_causality(leaks_when_eager, d_model=4, seq_lens=(2, 5))
+    prefix = by_name(report)["prefix invariance"]
+    assert not prefix.passed
+    assert prefix.detail.endswith("(T=5, eager)") and prefix.data["first"]["mode"] == "eager"
+    assert by_name(report)["receptive field"].passed  # traced, it is causal
+
+
+def test_a_leak_in_the_second_batch_row_only_is_caught_exactly():
+    def row_1_leaks(x):  # row 1 sees its next token, by far less than the tolerance
+        return jnp.cumsum(x, axis=1) + 1e-7 * jnp.zeros_like(x).at[1, :-1].set(x[1, 1:])
+
+    report = check_causality(row_1_leaks, d_model=4, seq_lens=(3,))
+    assert by_name(report)["prefix invariance"].passed  # too small to change an output
+    field = by_name(report)["receptive field"]
+    assert not field.passed and field.where["batch"] == 1
+    assert field.detail.startswith("first leak: output 0 of row 1 has gradient")
+
+
+def test_a_leak_of_a_thousandth_of_the_output_is_caught():
+    # Pins the leak tolerance: loosened a thousandfold (to 1e-2) it would pass this.
+    def leaks_a_thousandth(x):
+        y = prefix_mean(x)
+        y[:, :-1] += 1e-3 * np.asarray(x)[:, 1:]
+        return y
+
+    report = check_causality(leaks_a_thousandth, d_model=D, seq_lens=(2, 9))
+    assert by_name(report)["receptive field"].skipped  # numpy: no gradient
+    single = by_name(report)["future perturbation"]
+    assert not single.passed and single.worst < 1e-2
+    assert single.data["first"]["deviation"] > 1e-5
+
+
+# Token ids: a model from ids (B, T) in [0, V) to outputs, checked without embeddings.
+V = 11
+EMBED = jnp.asarray(np.random.default_rng(0).standard_normal((V, D)), jnp.float32)
+
+
+def token_model(mask_for_length):
+    attend = heads_attention(mask_for_length)
+    return lambda ids: attend(EMBED[ids])
+
+
+def test_token_id_model_passes_with_an_exact_receptive_field():
+    causal = token_model(lambda T: np.tril(np.ones((T, T), bool)))
+    report = check_causality(causal, vocab=V, seq_lens=(1, 2, 5))
+    assert report.passed, report
+    field = by_name(report)["receptive field"]
+    assert field.detail.startswith("token ids have no gradient, so exactly, by perturbation")
+
+
+def test_token_id_model_leaks_are_caught():
+    def mask(T):
+        m = np.tril(np.ones((T, T), bool))
+        m[2, 3] = True
+        return m
+
+    report = check_causality(token_model(mask), vocab=V, seq_lens=(5,))
+    single, field = by_name(report)["future perturbation"], by_name(report)["receptive field"]
+    assert single.data["first"]["changed"] == 3 and single.data["first"]["position"] == 2
+    assert not field.passed and field.data["first"]["position"] == 2
+
+
+def test_token_id_model_mixing_rows_or_ignoring_its_input_fails_the_receptive_field():
+    def mixes_rows(ids):
+        return jnp.cumsum(EMBED[ids], 1) + jnp.cumsum(EMBED[ids[::-1]], 1)
+
+    field = by_name(check_causality(mixes_rows, vocab=V, seq_lens=(3,)))["receptive field"]
+    assert not field.passed and "when only the other rows changed (T=3)" in field.detail
+
+    def forgets_position_1(ids):
+        return jnp.cumsum(EMBED[ids], 1).at[:, 1].set(0.0)
+
+    field = by_name(check_causality(forgets_position_1, vocab=V, seq_lens=(3,)))["receptive field"]
+    assert (
+        not field.passed
+        and "unchanged when every token changed for output 1 of row 0" in field.detail
+    )
+
+
+def test_padding_on_token_ids():
+    def masked_mean(ids, valid):
+        w = valid[:, :, None]
+        mean = (EMBED[ids] * w).sum(1, keepdims=True) / w.sum(1, keepdims=True)
+        return jnp.broadcast_to(mean, (*ids.shape, D))
+
+    assert check_padding(masked_mean, vocab=V).passed
+
+    def ignores_valid(ids, valid):
+        return jnp.broadcast_to(EMBED[ids].mean(1, keepdims=True), (*ids.shape, D))
+
+    report = check_padding(ignores_valid, vocab=V)
+    assert not by_name(report)["padded content is ignored (right padding)"].passed
+    assert (
+        "other token ids"
+        in by_name(check_padding(masked_mean, vocab=V))
+        .get("padded content is ignored (left padding)")
+        .detail
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(d_model=4, vocab=5), "pass d_model for float inputs (B, T, D) or vocab"),
+        (dict(), "exactly one of them; got d_model=None, vocab=None"),
+        (dict(vocab=1), "vocab must be an int >= 2, got vocab=1"),
+        (dict(d_model=0), "d_model must be an int >= 1, got d_model=0"),
+        (dict(d_model=4, batch=0), "batch must be an int >= 1, got batch=0"),
+    ],
+)
+def test_input_kind_errors(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_causality(lambda x: x, **kwargs)

@@ -1,12 +1,13 @@
 """Verification toolkit: prove that an attention implementation hides the future,
-ignores padding, normalises its rows and keeps its axes straight.
+ignores padding, normalises its rows, keeps its axes straight, and decodes
+through its KV cache exactly what it computes on the whole sequence.
 
-Works on nanoattn's modules and on anyone else's attention function or decoder.
-See docs/verify.md.
+Works on nanoattn's modules and on anyone else's attention function, decoder
+or whole model (on float inputs or token ids). See docs/verify.md.
 """
 
 from ._causality import check_causality as check_causality
-from ._causality import check_padding as check_padding
+from ._padding import check_padding as check_padding
 from ._report import CheckResult as CheckResult
 from ._report import Report as Report
 from ._shapes import check_shapes as check_shapes
