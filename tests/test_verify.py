@@ -363,7 +363,7 @@ def test_cli_verify_failing_target_json(capsys):
             ["verify_targets:wrong_shape", "--d-model", "4", "--seq-lens", "3"],
             "fn must map an input of shape",
         ),
-        (["verify_targets:broken"], "the following arguments are required: --d-model"),
+        (["verify_targets:broken"], "give --d-model D for float inputs or --vocab V"),
         (
             ["verify_targets:broken", "--d-model", "4", "--seq-lens", "0,2"],
             "--seq-lens must be lengths >= 1",

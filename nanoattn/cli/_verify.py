@@ -1,4 +1,6 @@
-"""``nanoattn verify MODULE:OBJECT``: check any attention function for causality."""
+"""``nanoattn verify MODULE:OBJECT``: check any attention function, model or decoder:
+causality (``check_causality``), or with ``--decode`` the KV-cache path
+(``check_decoding``)."""
 
 import importlib
 import inspect
@@ -7,42 +9,71 @@ import os
 import sys
 
 from .._validate import describe
-from ..verify import check_causality
+from ..verify import check_causality, check_decoding
 from ..verify._causality import DEFAULT_SEQ_LENS
+from ..verify._decoding import DEFAULT_SEQ_LEN
 from ._common import UsageError, int_list
+
+CAUSALITY_ATOL = 1e-5
 
 
 def add_parser(commands) -> None:
     verify = commands.add_parser(
         "verify",
-        help="prove that an attention function hides the future",
-        description="Import OBJECT from MODULE (a callable fn(x) -> y on float32 (B, T, D) "
-        "inputs in evaluation mode, or a zero-argument factory returning one) and run "
-        "nanoattn.verify.check_causality on it. Exit status 0 when every check passes, 1 when "
-        "one fails, 2 when the target cannot be imported or called or an option is bad.",
+        help="prove that an attention function hides the future, or that a decoder's "
+        "KV cache computes its full forward",
+        description="Import OBJECT from MODULE and check it. By default OBJECT is a callable "
+        "fn(x) -> y in evaluation mode (or a zero-argument factory returning one), x float32 "
+        "(B, T, D) (--d-model D) or int token ids (B, T) (--vocab V), and "
+        "nanoattn.verify.check_causality runs on it. With --decode, OBJECT is a decoder "
+        "(full, init, step) (or a zero-argument factory returning one; "
+        "nanoattn.verify.decoders builds it for nanoattn's and flax's modules) and "
+        "nanoattn.verify.check_decoding runs on it. Exit status 0 when every check passes, "
+        "1 when one fails, 2 when the target cannot be imported or called or an option is bad.",
     )
     verify.add_argument(
         "target",
         metavar="MODULE:OBJECT",
         help="e.g. mypkg.layers:make_attention (the current directory is importable)",
     )
-    verify.add_argument("--d-model", type=int, required=True, help="input width D")
+    verify.add_argument("--d-model", type=int, help="input width D, for float inputs (B, T, D)")
+    verify.add_argument(
+        "--vocab", type=int, help="vocabulary size V, for models on token ids (B, T)"
+    )
+    verify.add_argument(
+        "--decode",
+        action="store_true",
+        help="OBJECT is a decoder (full, init, step): run check_decoding",
+    )
     verify.add_argument(
         "--seq-lens",
         type=int_list,
-        default=list(DEFAULT_SEQ_LENS),
-        help="lengths to test (default " + ",".join(map(str, DEFAULT_SEQ_LENS)) + ")",
+        help="causality: lengths to test (default " + ",".join(map(str, DEFAULT_SEQ_LENS)) + ")",
+    )
+    verify.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"--decode: the length of the decoded sequence (default {DEFAULT_SEQ_LEN})",
+    )
+    verify.add_argument(
+        "--one-token",
+        action="store_true",
+        help="--decode: the step takes one token per call (check_decoding(chunked=False))",
     )
     verify.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     verify.add_argument(
-        "--atol", type=float, default=1e-5, help="tolerance for unchanged outputs (default 1e-5)"
+        "--atol",
+        type=float,
+        help=f"tolerance for unchanged outputs (default {CAUSALITY_ATOL:g}; with --decode "
+        "1e-5, or 3e-2 for 16-bit outputs, times the largest output, at least 1)",
     )
     verify.add_argument("--json", action="store_true", help="print machine-readable JSON")
     verify.set_defaults(run=run)
 
 
-def load_target(target: str):
-    """Imports ``MODULE:OBJECT`` and returns the function to check."""
+def load_target(target: str, decode: bool = False):
+    """Imports ``MODULE:OBJECT`` and returns the function (or with ``decode`` the
+    ``(full, init, step)`` decoder) to check; a zero-argument factory is called."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise UsageError(f"target must look like MODULE:OBJECT, got {target!r}")
@@ -56,18 +87,32 @@ def load_target(target: str):
         if not hasattr(obj, part):
             raise UsageError(f"{module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    if decode and _is_decoder(obj):
+        return tuple(obj)
     if not callable(obj):
-        raise UsageError(f"{target} is a {type(obj).__name__}, not a callable")
+        wanted = "a (full, init, step) decoder" if decode else "a callable"
+        raise UsageError(f"{target} is a {type(obj).__name__}, not {wanted}")
     if _takes_no_arguments(obj):
         try:
             obj = obj()
         except Exception as e:
             raise UsageError(f"calling the factory {target}() failed: {describe(e)}") from None
-        if not callable(obj):
+        if decode and not _is_decoder(obj):
+            raise UsageError(
+                f"the factory {target}() returned a {type(obj).__name__}, not a "
+                "(full, init, step) decoder"
+            )
+        if not decode and not callable(obj):
             raise UsageError(
                 f"the factory {target}() returned a {type(obj).__name__}, not a callable"
             )
+    elif decode:
+        raise UsageError(f"{target} takes arguments: --decode needs a (full, init, step) decoder")
     return obj
+
+
+def _is_decoder(obj) -> bool:
+    return isinstance(obj, tuple | list) and len(obj) == 3 and all(map(callable, obj))
 
 
 def _takes_no_arguments(obj) -> bool:
@@ -81,26 +126,62 @@ def _takes_no_arguments(obj) -> bool:
     )
 
 
-def run(args) -> int:
-    if args.d_model < 1 or args.batch < 1:
-        raise UsageError(f"--d-model and --batch must be >= 1, got {args.d_model}, {args.batch}")
-    if not args.seq_lens or min(args.seq_lens) < 1:
-        raise UsageError(f"--seq-lens must be lengths >= 1, got {args.seq_lens}")
-    if not args.atol >= 0:
+def _check_options(args) -> None:
+    if (args.d_model is None) == (args.vocab is None):
+        raise UsageError("give --d-model D for float inputs or --vocab V for token ids (one)")
+    if args.d_model is not None and args.d_model < 1:
+        raise UsageError(f"--d-model must be >= 1, got {args.d_model}")
+    if args.vocab is not None and args.vocab < 2:
+        raise UsageError(f"--vocab must be >= 2, got {args.vocab}")
+    if args.batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {args.batch}")
+    if args.atol is not None and not args.atol >= 0:
         raise UsageError(f"--atol must be >= 0, got {args.atol}")
-    fn = load_target(args.target)
+    if args.decode:
+        if args.seq_lens is not None:
+            raise UsageError("--seq-lens is for the causality check; with --decode use --seq-len")
+        if args.seq_len is not None and args.seq_len < 2:
+            raise UsageError(f"--seq-len must be >= 2, got {args.seq_len}")
+    else:
+        for flag, value in (("--seq-len", args.seq_len), ("--one-token", args.one_token)):
+            if value:
+                raise UsageError(f"{flag} only applies with --decode")
+        if args.seq_lens is not None and (not args.seq_lens or min(args.seq_lens) < 1):
+            raise UsageError(f"--seq-lens must be lengths >= 1, got {args.seq_lens}")
+
+
+def run(args) -> int:
+    _check_options(args)
+    target = load_target(args.target, decode=args.decode)
+    inputs = {"d_model": args.d_model, "vocab": args.vocab}
+    width = f"d_model {args.d_model}" if args.vocab is None else f"vocab {args.vocab}"
     try:
-        report = check_causality(
-            fn, d_model=args.d_model, seq_lens=args.seq_lens, batch=args.batch, atol=args.atol
-        )
+        if args.decode:
+            seq_len = args.seq_len or DEFAULT_SEQ_LEN
+            report = check_decoding(
+                *target,
+                **inputs,
+                seq_len=seq_len,
+                chunked=not args.one_token,
+                batch=args.batch,
+                atol=args.atol,
+            )
+            what = f"--decode ({width}, batch {args.batch}, length {seq_len})"
+        else:
+            seq_lens = args.seq_lens or list(DEFAULT_SEQ_LENS)
+            report = check_causality(
+                target,
+                **inputs,
+                seq_lens=seq_lens,
+                batch=args.batch,
+                atol=CAUSALITY_ATOL if args.atol is None else args.atol,
+            )
+            what = f"({width}, batch {args.batch}, lengths {','.join(map(str, seq_lens))})"
     except Exception as e:
         raise UsageError(f"calling {args.target} failed: {describe(e)}") from None
     if args.json:
         print(json.dumps({"target": args.target, **report.to_dict()}, indent=2))
     else:
-        print(
-            f"nanoattn verify {args.target} (d_model {args.d_model}, batch {args.batch}, "
-            f"lengths {','.join(map(str, args.seq_lens))})"
-        )
+        print(f"nanoattn verify {args.target} {what}")
         print(report)
     return 0 if report.passed else 1

@@ -6,7 +6,9 @@ Works on nanoattn's modules and on anyone else's attention function, decoder
 or whole model (on float inputs or token ids). See docs/verify.md.
 """
 
+from . import decoders as decoders
 from ._causality import check_causality as check_causality
+from ._decoding import check_decoding as check_decoding
 from ._padding import check_padding as check_padding
 from ._report import CheckResult as CheckResult
 from ._report import Report as Report

@@ -1,0 +1,292 @@
+"""The decoding check: a decoder fed through its KV cache, token by token, in
+chunks and in ragged rows, must give what its full forward gives.
+
+The decoder is three functions (see :mod:`nanoattn.verify.decoders` for
+adapters to nanoattn's and flax's modules):
+
+* ``full(x) -> y``: the whole sequence at once; x (B, T, D) float or (B, T)
+  int token ids, y (B, T, ...);
+* ``init(batch, max_len) -> state``: a fresh, empty decoder state (a cache);
+* ``step(state, chunk, lengths) -> (state, y_chunk)``: feeds the next chunk
+  (B, L, ...) and returns the outputs for those L positions; ``lengths`` is
+  None or int (B,), the real tokens of each row of a right-padded chunk.
+
+Every run starts from a fresh ``init`` and threads the state linearly, so a
+decoder that mutates its state in place is checked as well as a pure one.
+"""
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from ._inputs import Inputs, as_features
+from ._leaks import Leaks, per_feature, positive_control
+from ._report import CheckResult, Report
+
+DEFAULT_SEQ_LEN = 13
+CAPACITY_SLACK = 3  # init(batch, seq_len + 3): unwritten slots that no output may read
+CHUNK_CYCLE = (4, 1)  # the uneven chunking: sizes 4, 1, 4, 1, ..., then 1s up to T
+RAGGED_WIDTH = 4  # every ragged call is a right-padded chunk of 4 tokens
+TOLERANCE = {2: 3e-2, 4: 1e-5, 8: 1e-5}  # by the full forward's bytes per output element
+
+
+def _chunkings(T: int, chunked: bool) -> dict[str, list[int]]:
+    """The chunk sizes of each decoding run: one token per call, and with ``chunked``
+    the whole sequence in one call and the uneven cycle 4, 1, 4, 1, ... (three chunk
+    lengths, and the ragged width 4: few programs to compile)."""
+    runs = {"1 token per call": [1] * T}
+    if chunked:
+        runs[f"all {T} in one call"] = [T]
+        sizes = []
+        for n in itertools.cycle(CHUNK_CYCLE):
+            if sum(sizes) + n > T:
+                break
+            sizes.append(n)
+        sizes += [1] * (T - sum(sizes))  # the rest one by one: no fourth chunk length
+        runs["chunks " + ",".join(map(str, sizes))] = sizes
+    return runs
+
+
+def ragged_schedule(batch: int, T: int, width: int) -> list[np.ndarray]:
+    """The real tokens per row of each call, (B,) each: row b's chunk lengths cycle
+    through (W, 1, 0, W-1, 2) started at its b-th entry and cut at T, so rows sit at
+    different positions, some calls bring a row nothing, and each row totals T."""
+    pattern = (width, 1, 0, max(width - 1, 1), min(2, width))
+    done, calls, k = np.zeros(batch, int), [], 0
+    while (done < T).any():
+        want = np.array([pattern[(k + b) % len(pattern)] for b in range(batch)])
+        lengths = np.minimum(want, T - done)
+        calls.append(lengths)
+        done += lengths
+        k += 1
+    return calls
+
+
+def _decode(init, step, x: np.ndarray, sizes: list[int], max_len: int) -> np.ndarray:
+    """Feeds x (B, T, ...) through a fresh state in chunks of ``sizes``: outputs (B, T, F)."""
+    state, outs, t = init(x.shape[0], max_len), [], 0
+    for n in sizes:
+        chunk = x[:, t : t + n]
+        state, y = step(state, chunk, None)
+        outs.append(as_features(y, chunk.shape, "step"))
+        t += n
+    return np.concatenate(outs, axis=1)
+
+
+def _decode_ragged(init, step, inputs, rng, x, width, max_len, first_call_may_fail):
+    """Feeds row b of x through right-padded chunks of ``width`` with the lengths of
+    :func:`ragged_schedule`; the padding holds random tokens. Returns the outputs
+    (B, T, F) at the real tokens, or the reason the first call raised when
+    ``first_call_may_fail``."""
+    B, T = x.shape[:2]
+    state, done = init(B, max_len), np.zeros(B, int)
+    outs = [[] for _ in range(B)]
+    for k, lengths in enumerate(ragged_schedule(B, T, width)):
+        chunk = inputs.random(rng, B, width)
+        for b, n in enumerate(lengths):
+            chunk[b, :n] = x[b, done[b] : done[b] + n]
+        try:
+            state, y = step(state, chunk, lengths.astype(np.int32))
+        except Exception as e:
+            if k == 0 and first_call_may_fail:
+                return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise
+        y = as_features(y, chunk.shape, "step")
+        for b, n in enumerate(lengths):
+            outs[b].append(y[b, :n])
+            done[b] += n
+    return np.stack([np.concatenate(o) for o in outs])
+
+
+def _tolerance(atol, y: np.ndarray, itemsize: int) -> float:
+    if atol is not None:
+        if not atol >= 0:
+            raise ValueError(f"atol must be >= 0, got {atol}")
+        return float(atol)
+    scale = float(np.nanmax(np.abs(y), initial=0.0))
+    return TOLERANCE.get(itemsize, 1e-5) * max(1.0, scale if np.isfinite(scale) else 1.0)
+
+
+def check_decoding(
+    full,
+    init,
+    step,
+    *,
+    d_model: int | None = None,
+    vocab: int | None = None,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    chunked: bool = True,
+    ragged: bool | None = None,
+    batch: int = 2,
+    atol: float | None = None,
+) -> Report:
+    """Proves that a decoder's KV-cache path computes its full forward, hides the
+    future and uses its cache.
+
+    The decoder is ``(full, init, step)``: ``full(x) -> y`` on the whole sequence,
+    x float32 (B, T, D) (pass ``d_model``) or int32 token ids (B, T) in [0, V)
+    (pass ``vocab``), y (B, T, ...); ``init(batch, max_len) -> state``, a fresh,
+    empty cache; ``step(state, chunk, lengths) -> (state, y_chunk)``, the next
+    chunk (B, L, ...) and its outputs (B, L, ...), ``lengths`` None or int (B,),
+    the real tokens per row of a right-padded chunk. :mod:`nanoattn.verify.decoders`
+    builds the triple for nanoattn's and flax's modules. With T = ``seq_len``
+    and a capacity of T + 3 slots, from random x:
+
+    * cache equivalence: decoding one token per call, and with ``chunked`` all T
+      in one call and in chunks of 4, 1, 4, 1, ..., gives ``full(x)`` at every
+      position of every row, within the tolerance, feature by feature; a
+      failure names the first diverging position, its row and the size;
+    * ragged rows: rows fed right-padded chunks of 4 with different ``lengths``
+      per row (so rows sit at different positions, and some calls bring a row
+      nothing; the padding holds random tokens) each give their own row of
+      ``full(x)``. ``ragged=None`` checks it when the step takes ``lengths``
+      (its first such call does not raise; otherwise SKIP, with the error);
+      ``ragged=False`` skips it;
+    * no future in the cache: in every chunking, changing the tokens from p on
+      (p = 1, T//2, T-1; fed later) changes no decoded output before p;
+    * positive control: changing the first token changes some later output
+      decoded one token per call (which reaches it only through the cache) by
+      more than 10 times the tolerance: a decoder that ignores its cache fails.
+
+    A decoder that takes one token per call is checked with ``chunked=False``
+    (its ragged rows then get chunks of 1 with lengths 0 or 1).
+
+    Args:
+      atol: the largest allowed difference of one output feature; None: 1e-5
+        (3e-2 for 16-bit outputs) times the largest ``|full(x)|``, at least 1.
+
+    Returns:
+      A :class:`Report` titled ``"decoding"``.
+
+    Example:
+      >>> import numpy as np
+      >>> def full(x):  # a running mean: causal, decodable
+      ...     return np.cumsum(x, 1) / np.arange(1, x.shape[1] + 1)[:, None]
+      >>> def init(batch, max_len):
+      ...     return np.zeros((batch, 1)), np.zeros((batch, 1))  # running sum, count
+      >>> def step(state, chunk, lengths):
+      ...     total, count = state
+      ...     sums = total[:, None] + np.cumsum(chunk, 1)
+      ...     y = sums / (count[:, None] + np.arange(1, chunk.shape[1] + 1)[:, None])
+      ...     n = chunk.shape[1] if lengths is None else np.asarray(lengths)[:, None]
+      ...     idx = np.broadcast_to(np.asarray(n) - 1, (chunk.shape[0], 1))
+      ...     last = np.take_along_axis(sums, np.maximum(idx, 0)[..., None], 1)[:, 0]
+      ...     total = np.where(idx >= 0, last, total)
+      ...     return (total, count + np.where(idx >= 0, idx + 1, 0)), y
+      >>> check_decoding(full, init, step, d_model=3).passed
+      True
+    """
+    inputs = Inputs.of(d_model, vocab)
+    for name, value, least in (("seq_len", seq_len, 2), ("batch", batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {name}={value!r}")
+    if ragged not in (None, True, False):
+        raise ValueError(f"ragged must be None, True or False, got ragged={ragged!r}")
+    T, max_len = seq_len, seq_len + CAPACITY_SLACK
+    rng = np.random.default_rng(0)
+    x = inputs.random(rng, batch, T)
+    y_raw = full(x)
+    y = as_features(y_raw, x.shape, "full")
+    tol = _tolerance(atol, y, np.asarray(y_raw).dtype.itemsize)
+
+    runs = _chunkings(T, chunked)
+    equivalence, decoded, diverged = Leaks(tol), {}, []
+    for name, sizes in runs.items():
+        decoded[name] = _decode(init, step, x, sizes, max_len)
+        deviation = per_feature(decoded[name], y)
+        equivalence.add(
+            deviation,
+            {"chunking": name},
+            (),
+            f"position {{position}} of row {{batch}} (feature {{feature}}) differs from the "
+            f"full forward by {{deviation:.3g}}, decoding {name}",
+        )
+        if not (np.nan_to_num(deviation, nan=np.inf) <= tol).all():
+            diverged.append(name)
+    names = "; ".join(runs)
+    result = equivalence.result(
+        "cache equivalence",
+        f"{len(runs)} chunking{'s' if len(runs) > 1 else ''} ({names}) reproduce"
+        f"{'' if len(runs) > 1 else 's'} the full forward at all {T} positions "
+        f"of {batch} rows",
+        first="first divergence",
+    )
+    if not result.passed:
+        matches = [n for n in runs if n not in diverged]
+        detail = f"{result.detail}; diverges: {', '.join(diverged)}"
+        if matches:
+            detail += f"; matches: {', '.join(matches)}"
+        result = dataclasses.replace(result, detail=detail)
+    checks = [result]
+
+    checks.append(_ragged(init, step, inputs, x, y, tol, ragged, chunked, max_len))
+
+    future = Leaks(tol)
+    for name, sizes in runs.items():
+        for p in sorted({1, T // 2, T - 1}):
+            other = x.copy()
+            other[:, p:] = inputs.changed(rng, x[:, p:])
+            future.add(
+                per_feature(
+                    _decode(init, step, other, sizes, max_len)[:, :p], decoded[name][:, :p]
+                ),
+                {"chunking": name, "split": p},
+                (p,),
+                f"output {{position}} of row {{batch}} (feature {{feature}}) changed by "
+                f"{{deviation:.3g}} when only tokens >= {p} changed, decoding {name}",
+            )
+    checks.append(
+        future.result(
+            "no future in the cache",
+            f"{future.trials} decodings whose tokens differ only from p = "
+            f"{', '.join(map(str, sorted({1, T // 2, T - 1})))} on",
+        )
+    )
+
+    changed = x.copy()
+    changed[:, 0] = inputs.changed(rng, x[:, 0])
+    one = "1 token per call"
+    later = _decode(init, step, changed, runs[one], max_len)[:, 1:] - decoded[one][:, 1:]
+    moved = float(np.abs(later).max())
+    checks.append(
+        positive_control(
+            moved, tol, "the later outputs decoded one token per call", {"chunking": one}
+        )
+    )
+    return Report("decoding", checks)
+
+
+def _ragged(init, step, inputs, x, y, tol, ragged, chunked, max_len) -> CheckResult:
+    name = "ragged rows"
+    if ragged is False:
+        return CheckResult(name, True, "skipped: ragged=False", skipped=True)
+    width = RAGGED_WIDTH if chunked else 1
+    rng = np.random.default_rng(1)
+    got = _decode_ragged(init, step, inputs, rng, x, width, max_len, ragged is None)
+    if isinstance(got, str):
+        return CheckResult(name, True, f"skipped, the step takes no lengths: {got}", skipped=True)
+    B, T = x.shape[:2]
+    schedule = np.stack(ragged_schedule(B, T, width), axis=1)  # (B, calls)
+    leaks = Leaks(tol)
+    leaks.add(
+        per_feature(got, y),
+        {"width": width},
+        (),
+        "position {position} of row {batch} (feature {feature}) differs from its full "
+        "forward by {deviation:.3g}, rows fed in right-padded chunks of "
+        f"{width} with lengths per call " + _lengths_text(schedule),
+    )
+    return leaks.result(
+        name,
+        f"{B} rows fed {schedule.shape[1]} right-padded chunks of {width} with lengths "
+        f"{_lengths_text(schedule)} (random padding) reproduce their full forward",
+        first="first divergence",
+    )
+
+
+def _lengths_text(schedule: np.ndarray) -> str:
+    """``"row 0: 4,1,0,3; row 1: 1,0,3,2"``."""
+    return "; ".join(
+        f"row {b}: " + ",".join(map(str, row.tolist())) for b, row in enumerate(schedule)
+    )

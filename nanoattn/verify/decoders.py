@@ -1,0 +1,278 @@
+"""Adapters: a decoding layer as the ``(full, init, step)`` triple that
+:func:`nanoattn.verify.check_decoding` checks, so that each is one line::
+
+    check_decoding(*decoders.linen(layer, params), d_model=48).raise_if_failed()
+
+The protocol (B batch, T time, L chunk length, D model width):
+
+* ``full(x) -> y``: the whole sequence at once, x (B, T, D) -> y (B, T, ...);
+* ``init(batch, max_len) -> state``: a fresh, empty cache of ``max_len`` slots;
+* ``step(state, chunk, lengths) -> (state, y_chunk)``: the next chunk (B, L, D)
+  and its outputs (B, L, ...); ``lengths`` is None (all L tokens are real) or
+  int (B,), the real tokens of each row of a right-padded chunk.
+
+Every adapter runs its module in evaluation mode (``deterministic=True``) and
+compiles each call once per shape, for a short compile (the check runs each
+program only a few times). The state is a plain pytree (flax's ``"cache"``
+collection, or an NNX graph definition and state), never the caller's module:
+the module passed in is not changed.
+"""
+
+import functools
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx as _nnx
+
+from ._inputs import jit
+
+
+class _Fresh(NamedTuple):
+    """The state before the first chunk, for caches whose shape comes from the chunk."""
+
+    batch: int
+    max_len: int
+
+
+def _zeros_like(shapes):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+def _linen_cache(module: nn.Module, **kwargs):
+    """A function ``(fresh, chunk) -> cache``: an empty ``"cache"`` collection, as
+    ``module.init(key, x, **kwargs)`` creates it (zeros), for an input x (B, max_len,
+    ...) of the chunk's dtype; its shapes are traced once per input shape."""
+
+    @functools.cache
+    def shapes(x: jax.ShapeDtypeStruct):
+        init = functools.partial(module.init, **kwargs)
+        return jax.eval_shape(init, jax.random.key(0), x)["cache"]
+
+    def empty(fresh: _Fresh, chunk):
+        dtype = jax.dtypes.canonicalize_dtype(chunk.dtype)
+        x = jax.ShapeDtypeStruct((fresh.batch, fresh.max_len, *chunk.shape[2:]), dtype)
+        return _zeros_like(shapes(x))
+
+    return empty
+
+
+def _params(variables) -> dict:
+    """``{"params": ...}`` from either the variables or the bare parameters."""
+    return {"params": variables["params"] if "params" in variables else variables}
+
+
+def _no_lengths(name: str, lengths) -> None:
+    if lengths is not None:
+        raise ValueError(
+            f"{name} decodes one token per call with one cache index for the whole batch, "
+            "so it takes no lengths (check it with ragged=False)"
+        )
+
+
+def linen(module: nn.Module, params):
+    """nanoattn's linen ``CausalSelfAttention`` (or any linen module or model with its
+    decode API) as ``(full, init, step)``.
+
+    ``full(x) = module.apply(params, x, deterministic=True)``; ``init`` returns an
+    empty ``"cache"`` collection (zeros, every row at position 0, created at the
+    first chunk from its dtype and width); ``step`` is ``module.apply({"params": p,
+    "cache": c}, chunk, deterministic=True, decode=True, lengths=lengths,
+    mutable=["cache"])``.
+
+    Args:
+      module: the linen module.
+      params: its variables ``{"params": ...}`` (a ``"cache"`` in them is ignored)
+        or the bare parameters.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from nanoattn.linen import AttentionConfig, CausalSelfAttention
+      >>> from nanoattn.verify import check_decoding, decoders
+      >>> layer = CausalSelfAttention(AttentionConfig(d_model=16, n_heads=2))
+      >>> params = layer.init(jax.random.key(0), jnp.ones((1, 2, 16)), deterministic=True)
+      >>> check_decoding(*decoders.linen(layer, params), d_model=16, seq_len=5).passed
+      True
+    """
+    variables = _params(params)
+
+    @jit
+    def full(x):
+        return module.apply(variables, x, deterministic=True)
+
+    def init(batch: int, max_len: int):
+        return _Fresh(batch, max_len)
+
+    @jit
+    def decode(cache, chunk, lengths):
+        y, state = module.apply(
+            {**variables, "cache": cache},
+            chunk,
+            deterministic=True,
+            decode=True,
+            lengths=lengths,
+            mutable=["cache"],
+        )
+        return state["cache"], y
+
+    empty = _linen_cache(module, deterministic=True, decode=True)
+
+    def step(state, chunk, lengths):
+        if isinstance(state, _Fresh):
+            state = empty(state, chunk)
+        return decode(state, chunk, lengths)
+
+    return full, init, step
+
+
+def nnx(module: _nnx.Module):
+    """nanoattn's NNX ``CausalSelfAttention`` (or any NNX module with its decode API:
+    ``init_cache(batch, max_len)`` and ``module(chunk, decode=True, lengths=...)``)
+    as ``(full, init, step)``.
+
+    ``full(x) = module(x, deterministic=True)``; ``init`` calls ``init_cache`` on a
+    copy of the module and returns the copy's graph definition and state; ``step``
+    merges them, calls ``module(chunk, decode=True, lengths=lengths,
+    deterministic=True)`` and returns the new state.
+
+    Example:
+      >>> from flax import nnx
+      >>> from nanoattn.nnx import AttentionConfig, CausalSelfAttention
+      >>> from nanoattn.verify import check_decoding, decoders
+      >>> layer = CausalSelfAttention(AttentionConfig(d_model=16, n_heads=2), rngs=nnx.Rngs(0))
+      >>> check_decoding(*decoders.nnx(layer), d_model=16, seq_len=5).passed
+      True
+    """
+    graphdef, state = _nnx.split(module)
+
+    @jit
+    def forward(state, x):
+        return _nnx.merge(graphdef, state)(x, deterministic=True)
+
+    def full(x):
+        return forward(state, x)
+
+    def init(batch: int, max_len: int):
+        copy = _nnx.merge(graphdef, state)
+        copy.init_cache(batch, max_len)
+        return _nnx.split(copy)
+
+    @functools.partial(jit, static_argnums=0)
+    def decode(graph, cache_state, chunk, lengths):
+        copy = _nnx.merge(graph, cache_state)
+        y = copy(chunk, decode=True, lengths=lengths, deterministic=True)
+        return _nnx.split(copy)[1], y
+
+    def step(decoder_state, chunk, lengths):
+        graph, cache_state = decoder_state
+        cache_state, y = decode(graph, cache_state, chunk, lengths)
+        return (graph, cache_state), y
+
+    return full, init, step
+
+
+def flax_linen(module: nn.Module, variables):
+    """flax linen's ``MultiHeadDotProductAttention`` with ``decode=True`` as
+    ``(full, init, step)``.
+
+    ``full(x)`` applies the module (cloned with ``decode=False``) with
+    ``mask=nn.make_causal_mask(x[..., 0])``; ``init`` returns an empty ``"cache"``
+    collection (zeros, ``cache_index`` 0); flax decodes one token per call, with
+    one ``cache_index`` for the whole batch, so ``step`` feeds a chunk's tokens one
+    call each (module cloned with ``decode=True``) and takes no ``lengths``
+    (ValueError).
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> from nanoattn.verify import check_decoding, decoders
+      >>> mha = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16, decode=True)
+      >>> variables = mha.init(jax.random.key(0), jnp.ones((1, 2, 16)))
+      >>> check_decoding(*decoders.flax_linen(mha, variables), d_model=16, seq_len=5).passed
+      True
+    """
+    params = _params(variables)
+    whole, one_token = module.clone(decode=False), module.clone(decode=True)
+
+    @jit
+    def full(x):
+        return whole.apply(params, x, mask=nn.make_causal_mask(x[..., 0]), deterministic=True)
+
+    def init(batch: int, max_len: int):
+        return _Fresh(batch, max_len)
+
+    @jit
+    def decode(cache, token):
+        y, state = one_token.apply(
+            {**params, "cache": cache}, token, deterministic=True, mutable=["cache"]
+        )
+        return state["cache"], y
+
+    empty = _linen_cache(one_token)
+
+    def step(state, chunk, lengths):
+        _no_lengths("flax linen's MultiHeadDotProductAttention", lengths)
+        if isinstance(state, _Fresh):
+            state = empty(state, chunk)
+        ys = []
+        for t in range(chunk.shape[1]):
+            state, y = decode(state, chunk[:, t : t + 1])
+            ys.append(y)
+        return state, jnp.concatenate(ys, axis=1)
+
+    return full, init, step
+
+
+def flax_nnx(module: _nnx.Module, **call_kwargs):
+    """flax NNX's ``MultiHeadAttention`` decoding through ``init_cache`` as
+    ``(full, init, step)``; ``call_kwargs`` go to every call (e.g. ``is_causal=True``).
+
+    ``full(x) = module(x, decode=False, deterministic=True, **call_kwargs)``;
+    ``init`` calls ``init_cache((batch, max_len, D))`` on a copy of the module at
+    the first chunk (the chunk's width and dtype, or the module's ``dtype``); flax
+    decodes one token per call, with one ``cache_index`` for the whole batch, so
+    ``step`` feeds a chunk's tokens one call each (``decode=True``) and takes no
+    ``lengths`` (ValueError).
+
+    Example:
+      >>> from flax import nnx
+      >>> from nanoattn.verify import check_decoding, decoders
+      >>> mha = nnx.MultiHeadAttention(num_heads=2, in_features=16, rngs=nnx.Rngs(0))
+      >>> report = check_decoding(*decoders.flax_nnx(mha, is_causal=True), d_model=16, seq_len=5)
+      >>> report.passed  # google/flax#5591: decoding with is_causal sees only the first key
+      False
+    """
+    graphdef, state = _nnx.split(module)
+
+    @jit
+    def forward(state, x):
+        copy = _nnx.merge(graphdef, state)
+        return copy(x, decode=False, deterministic=True, **call_kwargs)
+
+    def full(x):
+        return forward(state, x)
+
+    def init(batch: int, max_len: int):
+        return _Fresh(batch, max_len)
+
+    @functools.partial(jit, static_argnums=0)
+    def decode(graph, cache_state, token):
+        copy = _nnx.merge(graph, cache_state)
+        y = copy(token, decode=True, deterministic=True, **call_kwargs)
+        return _nnx.split(copy)[1], y
+
+    def step(decoder_state, chunk, lengths):
+        _no_lengths("flax NNX's MultiHeadAttention", lengths)
+        if isinstance(decoder_state, _Fresh):
+            copy = _nnx.merge(graphdef, state)
+            dtype = getattr(module, "dtype", None) or chunk.dtype
+            copy.init_cache((*decoder_state, chunk.shape[-1]), dtype)
+            decoder_state = _nnx.split(copy)
+        graph, cache_state = decoder_state
+        ys = []
+        for t in range(chunk.shape[1]):
+            cache_state, y = decode(graph, cache_state, chunk[:, t : t + 1])
+            ys.append(y)
+        return (graph, cache_state), jnp.concatenate(ys, axis=1)
+
+    return full, init, step

@@ -1,0 +1,400 @@
+"""nanoattn.verify.check_decoding and its adapters: planted decoder bugs, each caught by
+the right check; the real flax NNX bug (google/flax#5591); no false alarm on nanoattn's
+linen and NNX layers or on flax linen's decode path; `nanoattn verify --decode / --vocab`.
+
+Every decoder under test is built (and so compiled) once per configuration; the planted
+bugs share one compiled step (tests/verify_decoders.py switches them with a traced array).
+"""
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import verify_decoders
+from flax import nnx
+
+from nanoattn import nnx as nanoattn_nnx
+from nanoattn.cli import main
+from nanoattn.linen import AttentionConfig, CausalSelfAttention
+from nanoattn.verify import Report, check_decoding, decoders
+from nanoattn.verify._decoding import ragged_schedule
+
+D, N, K = 48, 6, 2  # the sizes of tests/test_decoding.py
+EVERYTHING = dict(n_kv_heads=K, rope_base=100.0, window=(4, 0), logit_soft_cap=2.0, qk_norm=True)
+# The configurations of the decoding issue (tests/test_decoding.py).
+CONFIGS = {
+    "mha": dict(),
+    "gqa": dict(n_kv_heads=2),
+    "mqa": dict(n_kv_heads=1),
+    "rope": dict(n_kv_heads=2, rope_base=100.0),
+    "window": dict(n_kv_heads=2, window=(4, 0)),
+    "soft_cap": dict(n_kv_heads=2, logit_soft_cap=1.5),
+    "qk_norm": dict(n_kv_heads=2, qk_norm=True),
+    "bfloat16": dict(EVERYTHING, dtype=jnp.bfloat16),
+    "xla": dict(EVERYTHING, implementation="xla"),
+    "flash": dict(EVERYTHING, implementation="flash"),
+}
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = (ROOT / "docs/verify.md").read_text()
+
+
+def by_name(report: Report):
+    return {c.name: c for c in report.checks}
+
+
+def failed(report: Report) -> set[str]:
+    return {c.name for c in report.checks if not c.passed}
+
+
+@functools.cache
+def tiny_report(bug, vocab=None) -> Report:
+    inputs = {"vocab": vocab} if vocab else {"d_model": verify_decoders.D}
+    return check_decoding(*verify_decoders.tiny(bug, vocab), **inputs)
+
+
+def test_the_correct_tiny_decoder_passes():
+    report = tiny_report(None)
+    assert report.passed, report
+    assert [c.name for c in report.checks] == [
+        "cache equivalence",
+        "ragged rows",
+        "no future in the cache",
+        "positive control",
+    ]
+    assert not any(c.skipped for c in report.checks)
+    equivalence = by_name(report)["cache equivalence"].detail
+    assert equivalence.startswith(
+        "3 chunkings (1 token per call; all 13 in one call; chunks 4,1,4,1,1,1,1) reproduce "
+        "the full forward at all 13 positions of 2 rows, tolerance "
+    )
+
+
+# bug -> (the checks that fail, first diverging position of the named check, its detail)
+PLANTED = {
+    "late_write": ({"cache equivalence", "ragged rows"}, 0, "decoding 1 token per call"),
+    "advance_by_chunk": ({"ragged rows"}, 1, "right-padded chunks of 4"),
+    "rope_at_zero": ({"cache equivalence", "ragged rows"}, 1, "matches: all 13 in one call"),
+    "wide_window": (
+        {"cache equivalence", "ragged rows"},
+        verify_decoders.WINDOW + 1,
+        "decoding 1 token per call",
+    ),
+    "ignore_cache": (
+        {"cache equivalence", "ragged rows", "positive control"},
+        1,
+        "matches: all 13 in one call",
+    ),
+    "future_in_chunk": (
+        {"cache equivalence", "ragged rows", "no future in the cache"},
+        0,
+        "decoding all 13 in one call",
+    ),
+}
+
+
+def test_a_cache_off_by_a_thousandth_is_caught():
+    # Pins the tolerance: keys and values rounded to bfloat16 in a float32 layer move the
+    # outputs by about 1e-3, far above float32 rounding, far below a planted logic bug.
+    report = tiny_report("bfloat16_cache")
+    assert failed(report) == {"cache equivalence", "ragged rows"}
+    equivalence = by_name(report)["cache equivalence"]
+    assert 1e-4 < equivalence.data["first"]["deviation"] <= equivalence.worst < 3e-2
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_planted_decoder_bug_is_caught_by_the_right_check(bug):
+    report = tiny_report(bug)
+    checks, (names, position, words) = by_name(report), PLANTED[bug]
+    assert failed(report) == names, report
+    named = "ragged rows" if bug == "advance_by_chunk" else "cache equivalence"
+    if bug == "future_in_chunk":
+        named = "no future in the cache"
+    first = checks[named].data["first"]
+    assert first["position"] == position and first["deviation"] > 0.1
+    assert words in checks[named].detail
+    if bug == "ignore_cache":
+        assert checks["positive control"].detail.startswith("insensitive")
+        assert checks["positive control"].worst == 0.0
+
+
+def test_cache_equivalence_names_the_first_divergence():
+    detail = by_name(tiny_report("wide_window"))["cache equivalence"].detail
+    first = by_name(tiny_report("wide_window"))["cache equivalence"].data["first"]
+    assert detail.startswith(
+        f"first divergence: position 6 of row {first['batch']} (feature {first['feature']}) "
+        f"differs from the full forward by {first['deviation']:.3g}, decoding 1 token per call; "
+        "diverges: 1 token per call, all 13 in one call, chunks 4,1,4,1,1,1,1"
+    )
+
+
+def test_token_id_language_model():
+    # One token per call: the programs of `nanoattn verify --vocab` below, compiled once.
+    def check(bug):
+        return check_decoding(*verify_decoders.tiny(bug, vocab=11), vocab=11, chunked=False)
+
+    assert check(None).passed, check(None)
+    report = check("late_write")
+    assert failed(report) == {"cache equivalence", "ragged rows"}
+    assert (
+        "chunks of 1 with lengths per call row 0: 1,1,0,1," in by_name(report)["ragged rows"].detail
+    )
+
+
+def test_the_protocol_as_a_decoder_sees_it():
+    full, init, step = verify_decoders.tiny()
+    inits, calls = [], []
+
+    def spy_init(batch, max_len):
+        inits.append((batch, max_len))
+        return init(batch, max_len)
+
+    def spy_step(state, chunk, lengths):
+        calls.append((np.array(chunk), None if lengths is None else np.array(lengths)))
+        return step(state, chunk, lengths)
+
+    assert check_decoding(full, spy_init, spy_step, d_model=12).passed
+    assert set(inits) == {(2, 16)}  # capacity T + 3: unwritten slots are there to be misread
+    assert {c.shape[1] for c, n in calls if n is None} == {1, 4, 13}
+    ragged = [(c, n) for c, n in calls if n is not None]
+    assert all(n.dtype == np.int32 and n.shape == (2,) and c.shape == (2, 4, 12) for c, n in ragged)
+    padding = np.concatenate([c[b, n[b] :] for c, n in ragged for b in range(2)])
+    assert len(padding) > 10 and (np.abs(padding) > 0).all()  # random tokens, not zeros
+    real = np.concatenate([c[b, : n[b]] for c, n in ragged for b in range(2)])
+    assert not np.isin(padding, real).any()  # and not the row's own next tokens
+
+
+def test_ragged_schedule_puts_rows_at_different_positions():
+    calls = ragged_schedule(3, 13, 4)
+    assert np.stack(calls).sum(0).tolist() == [13, 13, 13]
+    assert np.stack(calls)[:3].tolist() == [[4, 1, 0], [1, 0, 3], [0, 3, 2]]
+    assert np.stack(ragged_schedule(2, 5, 1)).max() == 1  # one token per call: 0 or 1
+
+
+@jax.jit
+def _flax_nnx_second_token(x):
+    """Flax NNX's full forward and second decoded token with is_causal=True, (B, D) each."""
+    mha = nnx.MultiHeadAttention(num_heads=2, in_features=8, rngs=nnx.Rngs(1))
+    full = mha(x, decode=False, is_causal=True)
+    mha.init_cache(x.shape)
+    mha(x[:, :1], decode=True, is_causal=True)
+    return full[:, 1], mha(x[:, 1:], decode=True, is_causal=True)[:, 0]
+
+
+def flax_nnx_has_the_causal_decode_bug() -> bool:
+    """An independent probe of google/flax#5591, on a tiny layer: does the second token
+    decoded with is_causal=True differ from the full forward?"""
+    full, second = _flax_nnx_second_token(jax.random.normal(jax.random.key(2), (1, 2, 8)))
+    return not np.allclose(second, full, atol=1e-5)
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def docs_command(target: str) -> list[str]:
+    return ["verify", f"examples.verify_demo:{target}", "--decode", "--d-model", "16"]
+
+
+def test_flax_nnx_causal_decode_is_caught_as_the_docs_show(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, out, err = run(capsys, *docs_command("flax_nnx_decoder"))
+    if not flax_nnx_has_the_causal_decode_bug():
+        assert code == 0, out
+        pytest.skip(
+            f"google/flax#5591 is fixed in flax {flax.__version__}: check_decoding passes on "
+            "flax NNX's is_causal decode; update docs/verify.md and this test"
+        )
+    assert code == 1 and err == ""
+    row = next(line for line in out.splitlines() if "cache equivalence" in line)
+    assert re.search(r"FAIL .* first divergence: position 1 of row \d", row)
+    assert "decoding 1 token per call" in row
+    assert out in DOCS  # docs/verify.md shows this real report
+
+
+@pytest.mark.parametrize("target", ["nanoattn_decoder", "flax_linen_decoder"])
+def test_nanoattn_and_flax_linen_decode_pass_as_the_docs_show(capsys, monkeypatch, target):
+    monkeypatch.chdir(ROOT)
+    code, out, _ = run(capsys, *docs_command(target))
+    assert code == 0, out
+    assert out in DOCS
+    if target == "flax_linen_decoder":  # one cache index for the whole batch: no lengths
+        assert "ragged rows             SKIP" in out
+
+
+@functools.cache
+def nanoattn_decoder(framework: str, name: str):
+    config = AttentionConfig(D, N, **CONFIGS[name])
+    if framework == "nnx":
+        return decoders.nnx(nanoattn_nnx.CausalSelfAttention(config, rngs=nnx.Rngs(0)))
+    layer = CausalSelfAttention(config)
+    init = jax.jit(lambda key: layer.init(key, jnp.ones((1, 2, D)), deterministic=True))
+    return decoders.linen(layer, init(jax.random.key(0)))
+
+
+def test_no_false_alarm_on_nanoattn_nnx_in_bfloat16():
+    # Grouped-query heads, RoPE, window, soft-cap and QK norm at once, computing in bfloat16
+    # (the linen layer with all of them in float32 is the docs' example above).
+    report = check_decoding(*nanoattn_decoder("nnx", "bfloat16"), d_model=D, seq_len=11)
+    assert report.passed, report
+    assert not any(c.skipped for c in report.checks)
+    assert "tolerance 0.0" in by_name(report)["cache equivalence"].detail  # 3e-2 x scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_no_false_alarm_on_nanoattn_modules_in_every_configuration(framework, name):
+    report = check_decoding(*nanoattn_decoder(framework, name), d_model=D, seq_len=11)
+    assert report.passed, report
+
+
+def test_one_token_decoders_and_decoders_without_lengths():
+    full, init, step = verify_decoders.tiny()
+
+    def one_token_no_lengths(state, chunk, lengths):
+        if chunk.shape[1] != 1 or lengths is not None:
+            raise ValueError("one token per call, no lengths")
+        return step(state, chunk, lengths)
+
+    report = check_decoding(full, init, one_token_no_lengths, d_model=12, chunked=False)
+    assert report.passed, report
+    checks = by_name(report)
+    assert checks["cache equivalence"].detail.startswith("1 chunking (1 token per call) reproduces")
+    assert checks["ragged rows"].skipped
+    assert checks["ragged rows"].detail == (
+        "skipped, the step takes no lengths: ValueError: one token per call, no lengths"
+    )
+    report = check_decoding(
+        full, init, one_token_no_lengths, d_model=12, chunked=False, ragged=False
+    )
+    assert by_name(report)["ragged rows"].detail == "skipped: ragged=False"
+    with pytest.raises(ValueError, match="no lengths"):  # asked for, the error is not hidden
+        check_decoding(full, init, one_token_no_lengths, d_model=12, chunked=False, ragged=True)
+    with pytest.raises(ValueError, match="one token per call"):
+        check_decoding(full, init, one_token_no_lengths, d_model=12)
+
+
+def test_a_decoder_that_mutates_its_state_in_place_is_checked_too():
+    # Every run starts from init and threads the state, so an in-place cache works.
+    full, init, step = verify_decoders.tiny()
+
+    class Stateful:
+        def __init__(self, batch, max_len):
+            self.state = init(batch, max_len)
+
+    def stateful_step(box, chunk, lengths):
+        box.state, y = step(box.state, chunk, lengths)
+        return box, y
+
+    assert check_decoding(full, Stateful, stateful_step, d_model=verify_decoders.D).passed
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(d_model=12, vocab=5), "pass d_model for float inputs (B, T, D) or vocab"),
+        (dict(d_model=12, seq_len=1), "seq_len must be an int >= 2, got seq_len=1"),
+        (dict(d_model=12, batch=0), "batch must be an int >= 1, got batch=0"),
+        (dict(d_model=12, ragged="yes"), "ragged must be None, True or False, got ragged='yes'"),
+        (dict(d_model=12, atol=-1.0), "atol must be >= 0, got -1.0"),
+    ],
+)
+def test_argument_errors(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_decoding(*verify_decoders.tiny(), **kwargs)
+
+
+def test_wrong_output_shapes_are_one_line_errors():
+    full, init, step = verify_decoders.tiny()
+    with pytest.raises(ValueError, match=r"full must map an input of shape \(B, T, D\) = \(2, 13"):
+        check_decoding(lambda x: full(x)[:, :1], init, step, d_model=verify_decoders.D)
+
+    def drops_a_token(state, chunk, lengths):
+        state, y = step(state, chunk, lengths)
+        return state, y[:, 1:]
+
+    with pytest.raises(ValueError, match=r"step must map an input of shape"):
+        check_decoding(full, init, drops_a_token, d_model=verify_decoders.D)
+
+
+# `nanoattn verify --decode`, `--vocab`: targets in tests/verify_decoders.py.
+
+
+def test_cli_decode_exit_statuses_and_json(capsys):
+    code, out, _ = run(capsys, "verify", "verify_decoders:correct", "--decode", "--d-model", "12")
+    assert code == 0 and out.startswith(
+        "nanoattn verify verify_decoders:correct --decode (d_model 12, batch 2, length 13)\n"
+        "decoding: PASS"
+    )
+    code, out, _ = run(
+        capsys, "verify", "verify_decoders:late_write", "--decode", "--d-model", "12", "--json"
+    )
+    report = json.loads(out)
+    assert code == 1 and report["target"] == "verify_decoders:late_write"
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["cache equivalence"]["status"] == "FAIL"
+    assert checks["cache equivalence"]["data"]["first"]["position"] == 0
+
+
+def test_cli_vocab_for_token_id_models(capsys):
+    argv = ["verify", "verify_decoders:language_model", "--decode", "--vocab", "11"]
+    code, out, _ = run(capsys, *argv, "--seq-len", "13", "--one-token")
+    assert code == 0 and "(vocab 11, batch 2, length 13)" in out
+    assert "1 chunking (1 token per call) reproduces" in out
+
+
+def test_cli_causality_on_token_ids(capsys, monkeypatch):
+    monkeypatch.setattr(
+        verify_decoders, "lm_forward", lambda: verify_decoders.tiny(vocab=11)[0], raising=False
+    )
+    code, out, _ = run(
+        capsys, "verify", "verify_decoders:lm_forward", "--vocab", "11", "--seq-lens", "1,3"
+    )
+    assert code == 0 and "token ids have no gradient" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["verify_decoders:correct", "--decode"], "give --d-model D for float inputs or --vocab V"),
+        (
+            ["verify_decoders:correct", "--decode", "--d-model", "12", "--vocab", "3"],
+            "give --d-model D for float inputs or --vocab V for token ids (one)",
+        ),
+        (["verify_decoders:correct", "--decode", "--vocab", "1"], "--vocab must be >= 2, got 1"),
+        (
+            ["verify_decoders:not_a_triple", "--decode", "--d-model", "12"],
+            "the factory verify_decoders:not_a_triple() returned a ArrayImpl, not a "
+            "(full, init, step) decoder",
+        ),
+        (
+            ["verify_targets:reversed_time", "--decode", "--d-model", "12"],
+            "verify_targets:reversed_time takes arguments: --decode needs a (full, init, step)",
+        ),
+        (
+            ["verify_decoders:correct", "--decode", "--d-model", "12", "--seq-lens", "3"],
+            "--seq-lens is for the causality check; with --decode use --seq-len",
+        ),
+        (
+            ["verify_decoders:correct", "--decode", "--d-model", "12", "--seq-len", "1"],
+            "--seq-len must be >= 2, got 1",
+        ),
+        (["verify_targets:reversed_time", "--d-model", "4", "--one-token"], "only applies"),
+        (
+            ["verify_decoders:correct", "--decode", "--d-model", "5"],
+            "calling verify_decoders:correct failed: ",
+        ),
+    ],
+)
+def test_cli_decode_errors_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, "verify", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err

@@ -1,0 +1,145 @@
+"""Decoders with planted bugs, for check_decoding and `nanoattn verify --decode`.
+
+``tiny(bug)`` is one causal attention layer with a KV cache, written on
+nanoattn's functional core: D = 12, N = 3 heads of width H = 4, RoPE, and a
+causal window of 5 keys before each query (as the layers of Mistral or Gemma).
+Its ``(full, init, step)`` follows the check_decoding protocol; ``bug`` plants
+one of the bugs that decoders ship with:
+
+* ``"late_write"``: the cache is written one slot late (at position + 1);
+* ``"advance_by_chunk"``: a row's position advances by the chunk length L, not by
+  its ``lengths`` (right only when no row is padded);
+* ``"rope_at_zero"``: RoPE rotates the chunk from position 0, not from the row's
+  position (right only for a chunk that starts the sequence);
+* ``"wide_window"``: the window is one key wider while decoding only;
+* ``"ignore_cache"``: attention sees the current chunk only, never the cache;
+* ``"future_in_chunk"``: no causal rule inside a chunk (each query sees the
+  whole chunk, later tokens included), as when a prefill forgets its mask;
+* ``"bfloat16_cache"``: keys and values stored rounded to bfloat16 in a float32
+  layer: outputs off by about a thousandth, which only the tolerance separates
+  from rounding.
+
+With ``vocab`` it is a language model on token ids (an embedding in front).
+The bugs are switched by a traced array, so every variant shares one compiled
+step per chunk length.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nanoattn import apply_rope, dot_product_attention
+
+D, N, H = 12, 3, 4
+WINDOW = 5
+ROPE_BASE = 100.0
+BUGS = (
+    "late_write",
+    "advance_by_chunk",
+    "rope_at_zero",
+    "wide_window",
+    "ignore_cache",
+    "future_in_chunk",
+    "bfloat16_cache",
+)
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+_keys = jax.random.split(jax.random.key(3), 4)
+WQ, WK, WV, WO = (np.asarray(jax.random.normal(k, (D, D))) / np.sqrt(D) for k in _keys)
+
+
+def _project(x, positions):
+    """x (B, L, D) -> q, k, v (B, L, N, H); q and k rotated at ``positions`` (B, L) or (L,)."""
+    B, L, _ = x.shape
+    q, k, v = ((x @ w).reshape(B, L, N, H) for w in (WQ, WK, WV))
+    return apply_rope(q, positions, base=ROPE_BASE), apply_rope(k, positions, base=ROPE_BASE), v
+
+
+def _embedded(x, embed):
+    return x if embed is None else embed[x]
+
+
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+def _full(x, embed):
+    x = _embedded(x, embed)
+    B, T, _ = x.shape
+    q, k, v = _project(x, jnp.arange(T))
+    y = dot_product_attention(q, k, v, is_causal=True, window=(WINDOW, 0))
+    return y.reshape(B, T, D) @ WO
+
+
+def _write(cache, new, position, lengths):
+    """Writes row b's first ``lengths[b]`` of new (B, L, N, H) at ``position[b]`` onwards."""
+    B, S = cache.shape[:2]
+    steps = jnp.arange(new.shape[1])
+    slots = jnp.where(steps < lengths[:, None], position[:, None] + steps, S)  # (B, L)
+    return cache.at[jnp.arange(B)[:, None], slots].set(new, mode="drop")
+
+
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+def _decode(cache, chunk, lengths, embed, bug):
+    """One step; ``bug`` (7,) bool switches the planted bugs in the order of BUGS."""
+    late, by_chunk, at_zero, wide, no_cache, ahead, rounded = bug
+    x = _embedded(chunk, embed)
+    B, L, _ = x.shape
+    S = cache["key"].shape[1]
+    position = cache["position"]
+    start = jnp.where(at_zero, 0, position)
+    q, k, v = _project(x, start[:, None] + jnp.arange(L))
+    at = position + late
+    k, v = (jnp.where(rounded, a.astype(jnp.bfloat16).astype(a.dtype), a) for a in (k, v))
+    keys = _write(cache["key"], k, at, lengths)
+    values = _write(cache["value"], v, at, lengths)
+    end = position + lengths
+    # One attention over the cache slots j, every rule (and bug) in one mask (B, L, S).
+    query = (position[:, None] + jnp.arange(L))[..., None]  # (B, L, 1) positions of the queries
+    j = jnp.arange(S)
+    mask = (j < end[:, None, None]) & (j >= query - WINDOW - wide)
+    mask &= ahead | (j <= query)  # causal, unless the bug lets a query see its whole chunk
+    mask &= ~no_cache | (j >= position[:, None, None])  # the chunk's own slots only
+    y = dot_product_attention(q, keys, values, mask=mask[:, None])
+    advanced = jnp.where(by_chunk, position + L, end)
+    state = {"key": keys, "value": values, "position": advanced.astype(jnp.int32)}
+    return state, y.reshape(B, L, D) @ WO
+
+
+def tiny(bug: str | None = None, vocab: int | None = None):
+    """``(full, init, step)`` of the tiny layer, with ``bug`` planted (None: correct)."""
+    if bug not in (None, *BUGS):
+        raise ValueError(f"bug must be one of {BUGS}, got {bug!r}")
+    switches = jnp.asarray([name == bug for name in BUGS])
+    embed = None if vocab is None else jax.random.normal(jax.random.key(vocab), (vocab, D))
+
+    def full(x):
+        return _full(x, embed)
+
+    def init(batch, max_len):
+        zeros = jnp.zeros((batch, max_len, N, H))
+        return {"key": zeros, "value": zeros, "position": jnp.zeros((batch,), jnp.int32)}
+
+    def step(state, chunk, lengths):
+        if lengths is None:
+            lengths = np.full(chunk.shape[0], chunk.shape[1], np.int32)
+        return _decode(state, chunk, jnp.asarray(lengths, jnp.int32), embed, switches)
+
+    return full, init, step
+
+
+def correct():
+    """A zero-argument factory for `nanoattn verify --decode`: the correct layer."""
+    return tiny()
+
+
+def late_write():
+    return tiny("late_write")
+
+
+def language_model():
+    """The correct layer behind an embedding of 11 tokens: `--decode --vocab 11`."""
+    return tiny(vocab=11)
+
+
+def not_a_triple():
+    return jnp.zeros(3)
