@@ -199,6 +199,16 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def shown_in_docs(out: str) -> bool:
+    """Whether docs/verify.md shows this output, up to float rounding: values below 1e-4
+    (a float32 rounding error, which another CPU may round differently) and spacing."""
+
+    def normal(text):
+        return " ".join(re.sub(r"\b\d(\.\d+)?e-(0[5-9]|[1-9]\d)\b", "~0", text).split())
+
+    return normal(out) in normal(DOCS)
+
+
 def docs_command(target: str) -> list[str]:
     return ["verify", f"examples.verify_demo:{target}", "--decode", "--d-model", "16"]
 
@@ -216,7 +226,7 @@ def test_flax_nnx_causal_decode_is_caught_as_the_docs_show(capsys, monkeypatch):
     row = next(line for line in out.splitlines() if "cache equivalence" in line)
     assert re.search(r"FAIL .* first divergence: position 1 of row \d", row)
     assert "decoding 1 token per call" in row
-    assert out in DOCS  # docs/verify.md shows this real report
+    assert shown_in_docs(out)  # docs/verify.md shows this real report
 
 
 @pytest.mark.parametrize("target", ["nanoattn_decoder", "flax_linen_decoder"])
@@ -224,7 +234,7 @@ def test_nanoattn_and_flax_linen_decode_pass_as_the_docs_show(capsys, monkeypatc
     monkeypatch.chdir(ROOT)
     code, out, _ = run(capsys, *docs_command(target))
     assert code == 0, out
-    assert out in DOCS
+    assert shown_in_docs(out)
     if target == "flax_linen_decoder":  # one cache index for the whole batch: no lengths
         assert "ragged rows             SKIP" in out
 

@@ -70,12 +70,11 @@ class Leaks:
                 self.first = candidate
 
     def result(self, name: str, what: str, first: str = "first leak") -> CheckResult:
-        """Passed: ``"{what}, tolerance ..."``; failed: ``"{first}: {sentence}"``, with the
-        first leak's ``where`` and size in ``data["first"]`` (``worst``/``where``: the worst)."""
+        """Passed: ``"{what}, tolerance ..."`` and the worst deviation (rounding: no
+        ``where``); failed: ``"{first}: {sentence}"``, the first leak's ``where`` and size in
+        ``data["first"]``, and the worst deviation and its ``where``."""
         if self.first is None:
-            return CheckResult(
-                name, True, f"{what}, tolerance {self.atol:.3g}", self.worst, self.worst_at
-            )
+            return CheckResult(name, True, f"{what}, tolerance {self.atol:.3g}", self.worst)
         _, size, where, sentence = self.first
         data = {"first": where | {"deviation": size}}
         return CheckResult(
