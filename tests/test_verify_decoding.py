@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import verify_decoders
 from flax import nnx
+from test_decoding import CONFIGS, D, N  # the configurations of the decoding issue
 
 from nanoattn import nnx as nanoattn_nnx
 from nanoattn.cli import main
@@ -25,21 +26,6 @@ from nanoattn.linen import AttentionConfig, CausalSelfAttention
 from nanoattn.verify import Report, check_decoding, decoders
 from nanoattn.verify._decoding import ragged_schedule
 
-D, N, K = 48, 6, 2  # the sizes of tests/test_decoding.py
-EVERYTHING = dict(n_kv_heads=K, rope_base=100.0, window=(4, 0), logit_soft_cap=2.0, qk_norm=True)
-# The configurations of the decoding issue (tests/test_decoding.py).
-CONFIGS = {
-    "mha": dict(),
-    "gqa": dict(n_kv_heads=2),
-    "mqa": dict(n_kv_heads=1),
-    "rope": dict(n_kv_heads=2, rope_base=100.0),
-    "window": dict(n_kv_heads=2, window=(4, 0)),
-    "soft_cap": dict(n_kv_heads=2, logit_soft_cap=1.5),
-    "qk_norm": dict(n_kv_heads=2, qk_norm=True),
-    "bfloat16": dict(EVERYTHING, dtype=jnp.bfloat16),
-    "xla": dict(EVERYTHING, implementation="xla"),
-    "flash": dict(EVERYTHING, implementation="flash"),
-}
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = (ROOT / "docs/verify.md").read_text()
 
