@@ -85,6 +85,31 @@ class Plan:
         )  # fmt: skip
 
 
+def _varying_axes(x) -> set:
+    """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (none outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9; older: aval.vma
+    return set(manual.varying) if manual is not None else set(getattr(aval, "vma", ()))
+
+
+def varying_like(tree, *inputs):
+    """``tree`` (fresh zeros) marked as varying over the manual mesh axes any of
+    ``inputs`` varies over, as a scan carry inside ``jax.shard_map`` must be
+    (the ring of :mod:`nanoattn.parallel`); unchanged outside shard_map."""
+    axes = set()
+    for x in jax.tree.leaves(inputs):
+        axes |= _varying_axes(x)
+    if not axes:
+        return tree
+    axes = tuple(sorted(axes))
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in _varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
 def _pad(x, axis: int, size: int, value=0):
     extra = size - x.shape[axis]
     if extra == 0:
@@ -254,6 +279,7 @@ def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_id
     rows = (plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q)  # one spare row for idle slots
     values = (plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H)
     state = (jnp.full(rows, neg, acc), jnp.zeros(rows, acc), jnp.zeros(values, acc))
+    state = varying_like(state, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids)
 
     def run(state, schedule: Schedule, masked: bool):
         if schedule.steps == 0:
@@ -328,6 +354,7 @@ def _backward(plan: Plan, residuals, d_out):
         jnp.zeros_like(vb),
         None if bias is None else jnp.zeros_like(bias_blocks),
     )
+    grads = varying_like(grads, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids, d_out)
 
     def run(grads, schedule: Schedule, masked: bool):
         if schedule.steps == 0:
@@ -413,6 +440,20 @@ def flash_attention(
     Returns:
       (B, T, N, H) in the query's dtype.
     """
+    plans = kernel_plans(spec, forward_tiles, backward_tiles)
+    static_offset = spec.static_q_offset
+    q_offset = None if static_offset is not None or not spec.positional else spec.q_offset
+    return _attend(
+        *plans, query, key, value, spec.bias, spec.mask, q_offset, spec.kv_lengths,
+        spec.q_segment_ids, spec.kv_segment_ids,
+    )  # fmt: skip
+
+
+def kernel_plans(spec: AttentionSpec, forward_tiles=None, backward_tiles=None) -> tuple[Plan, Plan]:
+    """The (forward, backward) plans of a call: its static sizes and rules, and the
+    tiles of each pass (``forward_tiles``/``backward_tiles``, else :func:`fit_tiles`).
+    Only the flags of ``spec``'s arrays are read (whether there are lengths, a mask,
+    segment ids), so the ring (:mod:`nanoattn.parallel`) plans its blocks with it."""
     static_offset = spec.static_q_offset
     shared = Plan(
         B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H, block_q=0, block_k=0,
@@ -432,11 +473,7 @@ def flash_attention(
         plans.append(dataclasses.replace(
             shared, block_q=min(block_q, spec.T), block_k=min(block_k, spec.S), lanes=lanes
         ))  # fmt: skip
-    q_offset = None if static_offset is not None or not spec.positional else spec.q_offset
-    return _attend(
-        *plans, query, key, value, spec.bias, spec.mask, q_offset, spec.kv_lengths,
-        spec.q_segment_ids, spec.kv_segment_ids,
-    )  # fmt: skip
+    return plans[0], plans[1]
 
 
 def fit_tiles(tiles, budget: int, spec: AttentionSpec) -> tuple[int, int, int]:

@@ -1,0 +1,279 @@
+r"""Sequence-parallel ring attention over a mesh axis (Ring Attention, Liu et al. 2023).
+
+Each of the P devices on ``axis_name`` holds a shard of the sequence: its
+queries stay, and the key/value shards travel around the ring with
+``lax.ppermute`` (device r sends to r + 1), so after P - 1 hops every device
+has seen every key. Each block is the flash kernel at its global positions
+(:mod:`nanoattn.parallel._blocks`); the partial outputs merge exactly through
+their log-sum-exp:
+
+.. math::
+
+   \ell = \log(e^{\ell_1} + e^{\ell_2}), \qquad
+   o = e^{\ell_1 - \ell} o_1 + e^{\ell_2 - \ell} o_2 .
+
+The backward pass (a ``jax.custom_vjp``) sends the key/value shards around
+again, together with their gradient accumulators, which arrive back at their
+owner after P hops; no device ever holds more than two key/value shards, so
+memory per device is O(T / P). The next shard's ``ppermute`` is issued before
+the current shard's compute, so the transfer can overlap it.
+
+Axis letters (docs/conventions.md): B batch, T query time, S key time, N query
+heads, K key/value heads, G = N / K, H head width; C the chunk length.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from .. import _flash
+from .._reference import compute_dtype
+from .._spec import attention_spec
+from .._validate import expect_shape
+from . import _blocks, _zigzag
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """Everything static about one ring call (hashable: a custom_vjp argument)."""
+
+    axis_name: str
+    steps: _blocks.StepPlans
+
+    @property
+    def P(self) -> int:
+        return self.steps.P
+
+    def shift(self, x):
+        """Sends ``x`` (a pytree) one hop along the ring: device r to device r + 1."""
+        perm = [(i, (i + 1) % self.P) for i in range(self.P)]
+        return jax.tree.map(lambda a: jax.lax.ppermute(a, self.axis_name, perm), x)
+
+
+def _walk(ring: Ring, state, kv, compute, after=None):
+    """Runs ``compute(state, kv, step, first)`` on the key/value shard that is at this
+    device after ``step`` hops, for step = 0 .. P-1, with exactly P - 1 hops of
+    ``kv``: the next hop is issued before the current compute, so the transfer
+    can overlap it. Steps 1 .. P-2 are one ``lax.scan`` (the program's size does
+    not grow with P). ``after(state)`` runs after every step (the backward pass
+    sends its gradient accumulators on with it)."""
+    after = after or (lambda state: state)
+    if ring.P == 1:
+        return after(compute(state, kv, 0, True))
+    arriving = ring.shift(kv)
+    state = after(compute(state, kv, 0, True))
+    if ring.P > 2:
+
+        def body(carry, step):
+            state, kv = carry
+            arriving = ring.shift(kv)
+            return (after(compute(state, kv, step, False)), arriving), None
+
+        (state, arriving), _ = jax.lax.scan(body, (state, arriving), jnp.arange(1, ring.P - 1))
+    return after(compute(state, arriving, ring.P - 1, False))
+
+
+def _ring_forward(ring: Ring, q, k, v, kv_lengths, q_ids, kv_ids):
+    """(out (B, T, N, H) float32, lse (B, T, K, G) float32) of this device's queries."""
+    r = jax.lax.axis_index(ring.axis_name)
+    acc = compute_dtype(q.dtype, k.dtype, v.dtype)
+    q32 = q.astype(acc)
+
+    def compute(state, kv, step, first):
+        (k, v), kv_ids = kv
+        source = (r - step) % ring.P  # the device whose keys arrived after `step` hops
+        block = _blocks.step_forward(
+            ring.steps, first, r, source, q32, k.astype(acc), v.astype(acc), kv_lengths,
+            q_ids, kv_ids,
+        )  # fmt: skip
+        return block if state is None else _blocks.merge(state, block)
+
+    # keys and values travel as one array: one transfer per hop
+    return _walk(ring, None, (jnp.stack([k, v]), kv_ids), compute)
+
+
+def _ring_backward(ring: Ring, residuals, d_out):
+    q, k, v, kv_lengths, q_ids, kv_ids, out, lse = residuals
+    r = jax.lax.axis_index(ring.axis_name)
+    acc = lse.dtype
+    q32, d_out = q.astype(acc), d_out.astype(acc)
+
+    def compute(state, kv, step, first):
+        dq, d_kv = state
+        (k, v), kv_ids = kv
+        source = (r - step) % ring.P
+        dq_s, dk, dv = _blocks.step_backward(
+            ring.steps, first, r, source, q32, k.astype(acc), v.astype(acc), kv_lengths,
+            q_ids, kv_ids, out, lse, d_out,
+        )  # fmt: skip
+        return dq + dq_s, d_kv + jnp.stack([dk, dv])
+
+    def after(state):  # the accumulators travel with their keys; after P hops they are home
+        dq, d_kv = state
+        return dq, ring.shift(d_kv)
+
+    kv = jnp.stack([k, v])
+    state = _flash.varying_like((jnp.zeros_like(q32), jnp.zeros(kv.shape, acc)), q, k, v)
+    dq, d_kv = _walk(ring, state, (kv, kv_ids), compute, after)
+    return dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype), None, None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attend(ring, q, k, v, kv_lengths, q_ids, kv_ids):
+    return _ring_forward(ring, q, k, v, kv_lengths, q_ids, kv_ids)[0].astype(q.dtype)
+
+
+def _ring_attend_fwd(ring, q, k, v, kv_lengths, q_ids, kv_ids):
+    out, lse = _ring_forward(ring, q, k, v, kv_lengths, q_ids, kv_ids)
+    return out.astype(q.dtype), (q, k, v, kv_lengths, q_ids, kv_ids, out, lse)
+
+
+_ring_attend.defvjp(_ring_attend_fwd, _ring_backward)
+
+
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    axis_name,
+    is_causal=False,
+    kv_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    window=None,
+    logit_soft_cap=None,
+    scale=None,
+    layout="zigzag",
+    mesh=None,
+    forward_tiles=None,
+    backward_tiles=None,
+):
+    r"""Self-attention over a sequence sharded on the mesh axis ``axis_name``.
+
+    .. math::
+
+       \mathrm{out}_{tn} = \sum_{s \in \mathrm{allowed}(t)}
+           \mathrm{softmax}_s(\mathrm{scale}\; q_{tn} \cdot k_{s,n/G})\, v_{s,n/G}
+
+    exactly as ``nanoattn.dot_product_attention`` on the whole sequence (same
+    masks, zero rows, float32 statistics; docs/conventions.md), computed with
+    the sequence split over the P devices of ``axis_name``: queries stay,
+    key/value shards go around the ring (P - 1 hops forward; the backward pass
+    sends them and their gradients around again). Memory per device is
+    O(T / P); the sequence is never gathered.
+
+    Call it inside ``jax.shard_map`` with the sequence axis (axis 1) of q, k,
+    v and the segment ids sharded over ``axis_name``, and ``kv_lengths``
+    replicated; or pass ``mesh=`` to have it wrap itself in ``shard_map``
+    with exactly those specs. Positions are global: with
+    ``layout="contiguous"`` device r holds tokens ``r T/P .. (r+1) T/P - 1``;
+    with ``layout="zigzag"`` (the default; see :func:`to_zigzag`) it holds
+    chunks r and 2P-1-r of 2P, so causal work is balanced. The arrays are
+    then in zigzag order along T, inputs and output alike.
+
+    Args:
+      query: (B, T, N, H) (per device: (B, T/P, N, H)).
+      key, value: (B, T, K, H), K dividing N (grouped-query heads, contiguous groups).
+      axis_name: the mesh axis the sequence is sharded over.
+      is_causal: query at global position p sees keys at positions <= p.
+      kv_lengths: int (B,): key positions >= kv_lengths[b] are hidden (global,
+        replicated on every device).
+      q_segment_ids, kv_segment_ids: int (B, T), both or neither.
+      window: int w or (left, right): position p sees keys p-left .. p+right.
+      logit_soft_cap: c > 0: logits become c tanh(logits / c).
+      scale: a Python float; default 1 / sqrt(H).
+      layout: "zigzag" or "contiguous".
+      mesh: a ``jax.sharding.Mesh``: wrap in ``jax.shard_map`` over it
+        (arguments are then the global arrays).
+      forward_tiles, backward_tiles: the kernel's ``(block_q, block_k, lanes)``
+        per pass (default: sized per chunk, as ``nanoattn.flash_attention``).
+
+    Returns:
+      (B, T, N, H) in the query's dtype, sharded like the query.
+
+    Raises:
+      ValueError: T not divisible into the layout's chunks (2P for zigzag,
+        P for contiguous), shapes that disagree, a traced scale.
+
+    Example (8 devices; ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
+
+        mesh = jax.make_mesh((8,), ("sp",))
+        q, k, v = (to_zigzag(x, 8) for x in (q, k, v))  # (B, T, ., H), T % 16 == 0
+        out = ring_attention(q, k, v, axis_name="sp", is_causal=True, mesh=mesh)
+        out = from_zigzag(out, 8)  # == nanoattn.dot_product_attention(..., is_causal=True)
+    """
+    options = dict(
+        is_causal=is_causal, window=window, logit_soft_cap=logit_soft_cap, scale=scale,
+        layout=layout, forward_tiles=forward_tiles, backward_tiles=backward_tiles,
+    )  # fmt: skip
+    if mesh is not None:
+        return _on_mesh(
+            mesh, axis_name, query, key, value, kv_lengths, q_segment_ids, kv_segment_ids, options
+        )
+    return _ring_call(
+        query, key, value, kv_lengths, q_segment_ids, kv_segment_ids, axis_name, **options
+    )
+
+
+def _ring_call(
+    query, key, value, kv_lengths, q_ids, kv_ids, axis_name, *, is_causal, window,
+    logit_soft_cap, scale, layout, forward_tiles, backward_tiles,
+):  # fmt: skip
+    """The per-device call (inside shard_map): validation, then the ring."""
+    _zigzag.check_layout(layout)
+    P = jax.lax.axis_size(axis_name)
+    expect_shape("query", jnp.shape(query), "B T N H", (None,) * 4)
+    T = jnp.shape(query)[1]
+    B = jnp.shape(query)[0]
+    expect_shape("key", jnp.shape(key), "B S K H", (B, T, None, jnp.shape(query)[3]))
+    C = _zigzag.check_divisible(T * P, P, layout)
+    if kv_lengths is not None:
+        kv_lengths = jnp.asarray(kv_lengths)
+        expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
+    spec = attention_spec(
+        query, key, value, is_causal=is_causal, window=window, logit_soft_cap=logit_soft_cap,
+        scale=scale, kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+    )  # fmt: skip
+    if not spec.static_scale:
+        raise ValueError(f"ring_attention needs a Python number for scale, got {type(scale)}")
+    del C
+    ring = Ring(axis_name, _blocks.step_plans(spec, layout, P, (forward_tiles, backward_tiles)))
+    return _ring_attend(ring, query, key, value, spec.kv_lengths, q_ids, kv_ids)
+
+
+def _on_mesh(mesh, axis_name, query, key, value, kv_lengths, q_ids, kv_ids, options):
+    """``ring_attention`` wrapped in ``jax.shard_map`` over ``mesh``: the sequence
+    axis sharded over ``axis_name``, everything else replicated."""
+    if axis_name not in mesh.shape:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are "
+            f"{tuple(mesh.shape)}"
+        )
+    P = mesh.shape[axis_name]
+    expect_shape("query", jnp.shape(query), "B T N H", (None,) * 4)
+    _zigzag.check_divisible(jnp.shape(query)[1], P, options["layout"])
+    seq = PartitionSpec(None, axis_name)
+    ids = None if q_ids is None else seq
+
+    def call(q, k, v, lengths, q_ids, kv_ids):
+        return _ring_call(q, k, v, lengths, q_ids, kv_ids, axis_name, **options)
+
+    lengths = None if kv_lengths is None else PartitionSpec()
+    specs = (seq, seq, seq, lengths, ids, ids)
+    args = [
+        _place(x, mesh, spec)
+        for x, spec in zip((query, key, value, kv_lengths, q_ids, kv_ids), specs, strict=True)
+    ]
+    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=seq)(*args)
+
+
+def _place(x, mesh, spec):
+    """``x`` resharded to ``spec`` on a mesh with explicit axes (where shard_map
+    does not reshard by itself); unchanged on an automatic mesh."""
+    if x is None or AxisType.Explicit not in mesh.axis_types:
+        return x
+    return jax.reshard(x, NamedSharding(mesh, spec))
