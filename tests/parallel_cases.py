@@ -1,0 +1,271 @@
+"""Multi-device cases of nanoattn.parallel, run in one process on 8 simulated CPU
+devices and reported as JSON (tests/test_parallel.py starts it once).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/parallel_cases.py [--slow]
+
+Each case prints one line ``{"case": name, ...measures}``; the test asserts on
+them. A case that raises reports ``{"case": name, "error": ...}``. Axis sizes
+are distinct (B=2, N=6, K=3, H=8, T a multiple of 2P) so a swapped axis fails.
+"""
+
+import json
+import os
+import re
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+import nanoattn
+from nanoattn.parallel import from_zigzag, ring_attention, to_zigzag
+
+B, N, K, H = 2, 6, 3, 8
+
+
+def mesh_of(P: int, name: str = "sp") -> Mesh:
+    return Mesh(np.array(jax.devices()[:P]), (name,))
+
+
+def inputs(T: int, dtype=jnp.float32, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (B, T, N, H), dtype)
+    k = jax.random.normal(keys[1], (B, T, K, H), dtype)
+    v = jax.random.normal(keys[2], (B, T, K, H), dtype)
+    probe = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)  # d(out) of the vjp
+    return q, k, v, probe
+
+
+def segments(T: int):
+    """Two packed documents per row, split at different places, crossing shards."""
+    cut = np.array([[T // 3], [T - 5]])
+    return jnp.asarray((np.arange(T)[None] >= cut).astype(np.int32))
+
+
+def to_layout(x, P: int, layout: str):
+    """A natural-order (B, T, ...) array in the layout's order, permuted on the host
+    (as a data loader would), so the compiled program holds only the ring."""
+    return x if x is None or layout == "contiguous" else np.asarray(to_zigzag(x, P))
+
+
+def from_layout(x, P: int, layout: str):
+    return x if layout == "contiguous" else np.asarray(from_zigzag(x, P))
+
+
+def ring_vjp(P, layout, mesh, **options):
+    """Jitted (out, gradients of sum(out * probe)) of the ring: one program."""
+
+    def run(q, k, v, probe, kv_lengths, ids):
+        def fn(q, k, v):
+            return ring_attention(
+                q, k, v, axis_name="sp", mesh=mesh, layout=layout, kv_lengths=kv_lengths,
+                q_segment_ids=ids, kv_segment_ids=ids, **options,
+            )  # fmt: skip
+
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(probe.astype(out.dtype))
+
+    return jax.jit(run)
+
+
+def reference(q, k, v, probe, kv_lengths=None, ids=None, **options):
+    """The one-device reference, eagerly (its small ops compile once per shape)."""
+
+    def fn(q, k, v):
+        return nanoattn.dot_product_attention(
+            q, k, v, implementation="xla", kv_lengths=kv_lengths, q_segment_ids=ids,
+            kv_segment_ids=ids, **options,
+        )  # fmt: skip
+
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(probe.astype(out.dtype))
+
+
+def compare(name, P, layout, *, T=None, dtype=jnp.float32, lengths=False, ids=False, **options):
+    T = T or 4 * P
+    q, k, v, probe = inputs(T, dtype)
+    kv_lengths = jnp.array([T - 3, T // 2 + 1], jnp.int32) if lengths else None
+    ids = segments(T) if ids else None
+    start = time.perf_counter()
+    placed = [to_layout(x, P, layout) for x in (q, k, v, probe, ids)]
+    out, grads = ring_vjp(P, layout, mesh_of(P), **options)(*placed[:4], kv_lengths, placed[4])
+    out, grads = from_layout(out, P, layout), [from_layout(g, P, layout) for g in grads]
+    seconds = time.perf_counter() - start
+    ref_out, ref_grads = reference(q, k, v, probe, kv_lengths, ids, **options)
+
+    def err(a, b):
+        return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+    return {
+        "case": name, "P": P, "layout": layout, "dtype": jnp.dtype(dtype).name,
+        "out_err": err(out, ref_out), "grad_err": max(map(err, grads, ref_grads)),
+        "out_scale": float(jnp.max(jnp.abs(ref_out.astype(jnp.float32)))),
+        "seconds": seconds,
+    }  # fmt: skip
+
+
+def hlo_counts(name, P, layout, **options):
+    """Collective-permutes the compiled forward pass executes (each op times the
+    trip count of the loop it sits in) and all-gathers anywhere."""
+    q, k, v, _ = inputs(4 * P)
+    mesh = mesh_of(P)
+
+    def fn(q, k, v):
+        return ring_attention(q, k, v, axis_name="sp", mesh=mesh, layout=layout, **options)
+
+    text = jax.jit(fn).lower(q, k, v).compile().as_text()
+    return {
+        "case": name, "P": P,
+        "permutes": executed(text, "collective-permute("),
+        "all_gathers": text.count("all-gather("),
+    }  # fmt: skip
+
+
+CALLEE = r"(?:body|to_apply|calls|branch_computations)=\{?%?([\w.\-]+)"
+
+
+def executed(text: str, op: str) -> int:
+    """How often ``op`` runs: its count in each computation, times the known trip
+    count of the while loops that call that computation (nested loops multiply)."""
+    comps, name = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and "{" in line and "(" in line:
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            name = name.lstrip("%")
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+
+    def runs(comp: str, seen=()) -> int:
+        total = 0
+        for line in comps.get(comp, []):
+            total += line.count(op)
+            for callee in re.findall(
+                r"(?:body|to_apply|calls|branch_computations)=\{?%?([\w.\-]+)", line
+            ):
+                if callee in seen:
+                    continue
+                trips = 1
+                if " while(" in line and "known_trip_count" in line:
+                    trips = int(re.search(r'"known_trip_count":\{"n":"(\d+)"', line).group(1))
+                total += trips * runs(callee, (*seen, comp))
+        return total
+
+    entry = next(n for n in comps if n.startswith("main") or "ENTRY" in n) if comps else None
+    for line in text.splitlines():
+        if line.startswith("ENTRY"):
+            entry = line.split()[1].lstrip("%")
+    return runs(entry)
+
+
+def memory(name, P: int, T: int, layout: str = "zigzag", heads=(4, 2), H: int = 64):
+    """Per-device temporary bytes of the compiled forward+backward (compiled, not
+    run): the ring on P devices against the one-device flash kernel, causal."""
+    N_, K_ = heads
+    q = jax.ShapeDtypeStruct((1, T, N_, H), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, T, K_, H), jnp.float32)
+
+    def grads(attend):
+        def loss(q, k, v):
+            return jnp.sum(attend(q, k, v) ** 2)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    mesh = mesh_of(P)
+    ring = grads(lambda q, k, v: ring_attention(
+        q, k, v, axis_name="sp", mesh=mesh, layout=layout, is_causal=True))  # fmt: skip
+    flash = grads(lambda q, k, v: nanoattn.flash_attention(q, k, v, is_causal=True))
+    sizes = {}
+    for label, fn in (("ring", ring), ("flash", flash)):
+        analysis = fn.lower(q, k, k).compile().memory_analysis()
+        sizes[label] = int(analysis.temp_size_in_bytes)
+        sizes[label + "_args"] = int(analysis.argument_size_in_bytes)
+    return {"case": name, "P": P, "T": T, **sizes}
+
+
+def leak(name, P: int = 4, planted: bool = False):
+    """nanoattn.verify.check_causality on the ring (zigzag, causal) as a layer of
+    x (B, T, D): queries, keys and values are slices of x. ``planted`` makes every
+    other device's keys count as earlier, a leak across shard boundaries."""
+    from nanoattn.parallel import _blocks
+    from nanoattn.verify import check_causality
+
+    mesh = mesh_of(P)
+
+    def layer(x):  # x (B, T, D) with D = (N + 2K) H, natural order
+        B_, T, _ = x.shape
+        q, k, v = jnp.split(x, [N * H, (N + K) * H], axis=-1)
+        q, k, v = (a.reshape(B_, T, -1, H) for a in (q, k, v))
+        q, k, v = (to_zigzag(a, P) for a in (q, k, v))
+        out = ring_attention(q, k, v, axis_name="sp", mesh=mesh, is_causal=True)
+        return from_zigzag(out, P).reshape(B_, T, N * H)
+
+    honest = _blocks.earlier
+    if planted:
+        _blocks.earlier = lambda source, r: source != r
+    try:
+        compiled = jax.jit(layer)
+        # Returned as numpy: the check then calls the compiled ring as given (once per
+        # probe, no retracing) and skips its gradient and eager sweeps, which would
+        # recompile the ring per mode.
+        report = check_causality(
+            lambda x: np.asarray(compiled(x)), d_model=(N + 2 * K) * H, seq_lens=(4 * P,)
+        )
+    finally:
+        _blocks.earlier = honest
+    return {"case": name, "passed": bool(report.passed), "report": str(report)[-600:]}
+
+
+CASES = [
+    lambda: compare("p8-zigzag-causal-lengths-segments", 8, "zigzag", is_causal=True,
+                    lengths=True, ids=True),
+    lambda: compare("p4-contiguous-full-lengths-segments", 4, "contiguous", lengths=True,
+                    ids=True),
+    lambda: compare("p2-contiguous-causal-window", 2, "contiguous", T=16, is_causal=True,
+                    window=(5, 0)),
+    lambda: compare("p4-zigzag-causal-bf16", 4, "zigzag", dtype=jnp.bfloat16, is_causal=True),
+    lambda: hlo_counts("hlo-p8-zigzag-causal", 8, "zigzag", is_causal=True),
+    lambda: leak("leak-honest"),
+    lambda: leak("leak-planted", planted=True),
+    lambda: memory("memory-p8-t65536", 8, 65536),
+]  # fmt: skip
+
+
+def _grid_case(P: int, layout: str, causal: bool):
+    name = f"grid-p{P}-{layout}-{'causal' if causal else 'full'}"
+    return lambda: compare(name, P, layout, is_causal=causal)
+
+
+SLOW_CASES = [
+    _grid_case(P, layout, causal)
+    for P in (2, 4, 8)
+    for layout in ("zigzag", "contiguous")
+    for causal in (True, False)
+] + [
+    lambda: compare("p2-zigzag-window-two-sided", 2, "zigzag", T=16, window=(3, 6)),
+    lambda: compare(
+        "p4-zigzag-soft-cap-lengths", 4, "zigzag", is_causal=True, logit_soft_cap=2.0, lengths=True
+    ),
+]
+
+
+def main(argv):
+    cases = SLOW_CASES if "--slow" in argv else CASES
+    only = [a for a in argv if not a.startswith("--")]
+    for case in cases:
+        try:
+            result = case()
+        except Exception:
+            result = {"case": "?", "error": traceback.format_exc()}
+        if only and result["case"] not in only:
+            continue
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

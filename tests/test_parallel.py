@@ -1,0 +1,127 @@
+"""nanoattn.parallel: ring attention on 8 simulated CPU devices.
+
+The multi-device cases run in ONE subprocess (tests/parallel_cases.py) with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``, so the rest of the
+suite keeps one device and the cases share one process start; each test here
+asserts on one case's JSON line. One-device checks (the zigzag permutation,
+the error messages) run in-process.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nanoattn.parallel import from_zigzag, ring_attention, to_zigzag
+
+SCRIPT = pathlib.Path(__file__).with_name("parallel_cases.py")
+
+
+def _run_cases(*args, timeout=900):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    return {r["case"]: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return _run_cases()
+
+
+RING_CASES = [
+    "p8-zigzag-causal-lengths-segments",
+    "p4-contiguous-full-lengths-segments",
+    "p2-contiguous-causal-window",
+]
+
+
+@pytest.mark.parametrize("name", RING_CASES)
+def test_ring_equals_the_one_device_reference(cases, name):
+    case = cases[name]
+    assert case["out_err"] <= 1e-5 and case["grad_err"] <= 1e-4, case
+    assert case["out_scale"] > 0.5  # a real output, not zeros everywhere
+
+
+def test_ring_in_bfloat16_within_bfloat16_rounding(cases):
+    case = cases["p4-zigzag-causal-bf16"]
+    # the reference in bfloat16 rounds its output too: a few ulps of 2**-8 at |out| ~ 2
+    assert case["out_err"] <= 2 * 2**-8 * case["out_scale"], case
+    assert case["grad_err"] <= 5e-2, case
+
+
+def test_forward_sends_p_minus_1_hops_and_gathers_nothing(cases):
+    case = cases["hlo-p8-zigzag-causal"]
+    assert case["permutes"] == case["P"] - 1, case
+    assert case["all_gathers"] == 0, case
+
+
+def test_check_causality_passes_the_ring_and_catches_a_planted_leak(cases):
+    assert cases["leak-honest"]["passed"], cases["leak-honest"]["report"]
+    assert not cases["leak-planted"]["passed"], cases["leak-planted"]["report"]
+
+
+def test_ring_memory_per_device_is_at_most_a_quarter_of_one_device_flash(cases):
+    case = cases["memory-p8-t65536"]
+    assert case["ring"] * 4 <= case["flash"], case
+    assert case["ring_args"] * case["P"] == case["flash_args"], case  # T/P of q, k, v each
+
+
+@pytest.mark.slow
+def test_ring_grid_p_layout_causality_window_soft_cap():
+    """P = 2, 4, 8 x zigzag/contiguous x causal/not, a two-sided window on the
+    zigzag pairs, soft-capping: every case against the reference."""
+    results = _run_cases("--slow")
+    grid = {
+        k: v for k, v in results.items() if k.startswith(("grid", "p2-zigzag", "p4-zigzag-soft"))
+    }
+    assert len(grid) == 14
+    for case in grid.values():
+        assert case["out_err"] <= 1e-5 and case["grad_err"] <= 1e-4, case
+
+
+def test_zigzag_round_trip_and_chunk_order():
+    x = jnp.arange(2 * 24).reshape(2, 24)
+    z = to_zigzag(x, 3)
+    chunks = np.asarray(z[0]).reshape(6, 4)[:, 0] // 4  # which chunk sits where
+    assert chunks.tolist() == [0, 5, 1, 4, 2, 3]
+    assert (from_zigzag(z, 3) == x).all()
+    y = jnp.arange(2 * 8 * 3).reshape(2, 8, 3)
+    assert (from_zigzag(to_zigzag(y, 2, axis=1), 2, axis=1) == y).all()
+
+
+def test_zigzag_needs_t_divisible_by_2p():
+    with pytest.raises(ValueError, match=r"P=4 devices .* 8 equal chunks, but T=20 is not"):
+        to_zigzag(jnp.zeros((1, 20)), 4)
+
+
+def _mesh1():
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sp",))
+
+
+def test_ring_errors_name_the_sizes():
+    q = jnp.zeros((1, 6, 2, 4))
+    with pytest.raises(ValueError, match=r"layout must be one of 'zigzag', 'contiguous'"):
+        ring_attention(q, q, q, axis_name="sp", mesh=_mesh1(), layout="ring")
+    with pytest.raises(ValueError, match=r"axis_name='model' is not an axis of the mesh"):
+        ring_attention(q, q, q, axis_name="model", mesh=_mesh1())
+    odd = jnp.zeros((1, 5, 2, 4))
+    with pytest.raises(ValueError, match=r"2 equal chunks, but T=5 is not a multiple of 2"):
+        ring_attention(odd, odd, odd, axis_name="sp", mesh=_mesh1())
+    with pytest.raises(ValueError, match=r"key must have shape \(B, S, K, H\)"):
+        ring_attention(q, q[:, :4], q[:, :4], axis_name="sp", mesh=_mesh1(), layout="contiguous")
