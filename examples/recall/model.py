@@ -1,0 +1,166 @@
+"""The decoder: token embedding, pre-norm blocks (RMSNorm, nanoattn's causal
+self-attention with RoPE and grouped-query heads, RMSNorm, MLP), a final RMSNorm and
+the unembedding, in Flax NNX.
+
+Axis letters (docs/conventions.md): B batch, T time, D model width, V vocabulary.
+
+The model decodes through nanoattn's KV cache: ``model.init_cache(batch, max_len)``
+gives every attention layer its cache, and ``model(chunk, decode=True, lengths=...)``
+threads a right-padded chunk through all of them, each row at its own position. That
+is the protocol of ``nanoattn.verify.decoders.nnx``, so the whole model is checked
+with one line.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import nanoattn
+from nanoattn.nnx import AttentionConfig, CausalSelfAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the decoder.
+
+    Attributes:
+      vocab: V, the vocabulary size.
+      d_model: D, the model width.
+      n_heads, n_kv_heads: query heads and key/value heads (grouped-query attention).
+      n_layers: the number of blocks.
+      mlp_ratio: the MLP's hidden width is ``mlp_ratio * d_model``.
+      dropout: the rate of dropout on the attention weights and on each block's two
+        residual branches; only in training (``deterministic=False``).
+      rope_base: the RoPE frequency base.
+      qk_norm: RMS-normalise every query and key head (a learned scale) before RoPE.
+      local_window: None, or w: blocks 0, 2, 4, ... (never the last) attend only to
+        the w tokens before each token and itself, as Gemma's local layers; the
+        others attend to the whole context. A local first block finds the previous
+        token at once, the first step of looking a key up.
+    """
+
+    vocab: int
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    n_layers: int = 2
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    rope_base: float = 10000.0
+    qk_norm: bool = True
+    local_window: int | None = 1
+
+    def attention(self, layer: int) -> AttentionConfig:
+        """The attention of block ``layer``: local in the even blocks but the last."""
+        local = self.local_window is not None and layer % 2 == 0 and layer < self.n_layers - 1
+        return AttentionConfig(
+            window=(self.local_window, 0) if local else None,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            rope_base=self.rope_base,
+            dropout=self.dropout,
+            qk_norm=self.qk_norm,
+        )
+
+
+class MLP(nnx.Module):
+    """``down(gelu(up(x)))``: (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs):
+        self.up = nnx.Linear(d_model, hidden, rngs=rngs)
+        self.down = nnx.Linear(hidden, d_model, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class Block(nnx.Module):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``, each branch with dropout."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        D = config.d_model
+        self.attn_norm = nnx.RMSNorm(D, rngs=rngs)
+        self.attn = CausalSelfAttention(config.attention(layer), deterministic=True, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(D, rngs=rngs)
+        self.mlp = MLP(D, config.mlp_ratio * D, rngs=rngs)
+        self.dropout = nnx.Dropout(config.dropout)
+
+    def __call__(self, x, *, mask, decode, lengths, deterministic, rngs):
+        h = self.attn(
+            self.attn_norm(x),
+            mask=mask,
+            decode=decode,
+            lengths=lengths,
+            deterministic=deterministic,
+            rngs=rngs,
+        )
+        x = x + self.dropout(h, deterministic=deterministic, rngs=rngs)
+        h = self.mlp(self.mlp_norm(x))
+        return x + self.dropout(h, deterministic=deterministic, rngs=rngs)
+
+
+class Decoder(nnx.Module):
+    """A decoder-only transformer: token ids (B, T) -> logits (B, T, V).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> model = Decoder(ModelConfig(vocab=11, d_model=32, n_layers=1), rngs=nnx.Rngs(0))
+      >>> model(jnp.zeros((2, 5), jnp.int32)).shape
+      (2, 5, 11)
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab, config.d_model, rngs=rngs)
+        self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.n_layers)])
+        self.norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+
+    def init_cache(self, batch: int, max_len: int) -> None:
+        """An empty KV cache of ``max_len`` tokens for ``batch`` rows in every layer."""
+        for block in self.blocks:
+            block.attn.init_cache(batch, max_len)
+
+    def __call__(
+        self,
+        tokens,
+        *,
+        valid=None,
+        decode: bool = False,
+        lengths=None,
+        deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:
+        """The logits of the next token at every position.
+
+        Args:
+          tokens: int (B, T); with ``decode=True`` the next chunk of every row.
+          valid: optional bool (B, T), True at real tokens: no token attends to a
+            padded one (left or right padding). Not with ``decode=True``.
+          decode: write the chunk into every layer's cache (``init_cache`` first)
+            and attend over everything cached.
+          lengths: only with ``decode=True``: optional int (B,), the real tokens of
+            each row of a right-padded chunk.
+          deterministic: False in training: dropout on, drawn from ``rngs``.
+          rngs: ``nnx.Rngs(dropout=key)``, needed when dropout is on.
+
+        Returns:
+          float32 logits (B, T, V).
+        """
+        if decode and valid is not None:
+            raise ValueError("valid is for a full forward; when decoding, pass lengths")
+        mask = None if valid is None else nanoattn.padding_mask(jnp.asarray(valid, bool))
+        x = self.embed(tokens)  # (B, T, D)
+        for block in self.blocks:
+            x = block(
+                x,
+                mask=mask,
+                decode=decode,
+                lengths=lengths,
+                deterministic=deterministic,
+                rngs=rngs,
+            )
+        return self.embed.attend(self.norm(x))  # (B, T, V): the embedding, transposed
