@@ -219,7 +219,8 @@ def test_cached_step_computes_what_recomputing_computes():
     # The benchmark compares two ways of producing the same output: token C + 1's.
     x = _generation.tokens(1, C + 2, D, "float32")
     layer = _generation.nanoattn_layer(D, N)
-    params = layer.init(jax.random.key(0), x[:, :1], True)["params"]
+    # Under jit: one program instead of one per operation of the initialisers.
+    params = jax.jit(lambda key, x: layer.init(key, x, True))(KEY, x[:, :1])["params"]
     decoder, run_prefill = _generation.nanoattn_decoder(layer, params, x, C, C + 2)
     run_prefill()
     assert int(decoder.cache["position"][0]) == C

@@ -1,5 +1,7 @@
 """The checklist of the textbook chapter (shared/seed/001_*.txt), item by item."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,8 +52,10 @@ def test_cross_attention_scores_are_query_length_by_key_length():
     assert shapes["output"] == (2, 3, 64)  # the output keeps the query length
     module = CrossAttention(config)
     x, ctx = jnp.ones((2, 3, 64)), jnp.ones((2, 11, 64))
-    params = module.init(jax.random.key(0), x, ctx, deterministic=True)
-    assert module.apply(params, x, ctx, deterministic=True).shape == (2, 3, 64)
+    # Under jit: one program each instead of one per operation (some thirty).
+    params = jax.jit(functools.partial(module.init, deterministic=True))(jax.random.key(0), x, ctx)
+    out = jax.jit(functools.partial(module.apply, deterministic=True))(params, x, ctx)
+    assert out.shape == (2, 3, 64)
 
 
 def test_tiny_mask_first_row_sees_itself_last_row_sees_all():
@@ -74,15 +78,24 @@ def test_row_with_both_kinds_of_blocked_cell_still_sums_to_one():
     assert (w[0, :, 3, 3:] == 0).all()
 
 
+SOWING = CausalSelfAttention(AttentionConfig(12, 3), sow_weights=True)
+sown_weights = jax.jit(
+    lambda p, x: SOWING.apply(p, x, deterministic=True, mutable="intermediates")[1]
+)
+
+
+@functools.cache
+def sowing_params():
+    """The parameters do not depend on the length: initialised once, under jit
+    (eagerly, the initialisers compile some forty small programs)."""
+    init = jax.jit(functools.partial(SOWING.init, deterministic=True))
+    return init(jax.random.key(0), jnp.zeros((2, 1, 12)))
+
+
 @pytest.mark.parametrize("L", LENGTHS + PRODUCT_LENGTHS)
 def test_module_weights_are_causal_at_many_lengths(L):
-    module = CausalSelfAttention(AttentionConfig(12, 3), sow_weights=True)
     x = jnp.asarray(randn(L, 2, L, 12))
-    params = module.init(jax.random.key(0), x, deterministic=True)
-    _, state = jax.jit(
-        lambda p, x: module.apply(p, x, deterministic=True, mutable="intermediates")
-    )(params, x)
-    (w,) = state["intermediates"]["attention_weights"]
+    (w,) = sown_weights(sowing_params(), x)["intermediates"]["attention_weights"]
     w = np.asarray(w)
     assert w.shape == (2, 3, L, L)
     assert (w[:, :, ~np.tril(np.ones((L, L), bool))] == 0).all()

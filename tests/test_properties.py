@@ -62,15 +62,23 @@ def attention_case(draw, extended=False):
     return q, k, v, kwargs, allowed
 
 
+# Magnitudes up to 1e15 make logits near 1e30: under jit this once gave NaN in about
+# one run of three, depending on the examples drawn (test_nonfinite.py pins it). The
+# derandomised CI profile keeps the outcome fixed; the dev profile keeps hunting.
+# Both checks draw from one case: the scaled inputs keep the shapes and the static
+# arguments, so they run the program compiled for the reference check instead of a
+# program of their own (the compiling dominates the run time).
 @settings(max_examples=40, deadline=None)
-@given(attention_case(extended=True))
-def test_matches_reference(case):
+@given(attention_case(extended=True), st.floats(1e-3, 1e15))
+def test_matches_reference_and_finite_for_any_finite_scale_of_inputs(case, magnitude):
     q, k, v, kwargs, allowed = case
     got = np.asarray(dot_product_attention(q, k, v, **kwargs))
     want = np_attention(
         q, k, v, allowed=allowed, bias=kwargs.get("bias"), soft_cap=kwargs.get("logit_soft_cap")
     )
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    scaled = np.asarray(dot_product_attention(q * magnitude, k * magnitude, v, **kwargs))
+    assert np.isfinite(scaled).all()
 
 
 @settings(max_examples=40, deadline=None)
@@ -84,14 +92,3 @@ def test_rows_sum_to_one_or_zero(case):
     has_key = allowed.any(-1)
     np.testing.assert_allclose(sums[has_key], 1.0, atol=1e-5)
     assert (sums[~has_key] == 0).all()
-
-
-# Magnitudes up to 1e15 make logits near 1e30: under jit this once gave NaN in about
-# one run of three, depending on the examples drawn (test_nonfinite.py pins it). The
-# derandomised CI profile keeps the outcome fixed; the dev profile keeps hunting.
-@settings(max_examples=25, deadline=None)
-@given(attention_case(extended=True), st.floats(1e-3, 1e15))
-def test_finite_for_any_finite_scale_of_inputs(case, magnitude):
-    q, k, v, kwargs, _ = case
-    out = np.asarray(dot_product_attention(q * magnitude, k * magnitude, v, **kwargs))
-    assert np.isfinite(out).all()
