@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 
-from . import _dispatch, _flash, _reference
+from . import _dispatch, _flash, _native, _reference
 from ._spec import attention_spec
 
 
@@ -93,6 +93,8 @@ def dot_product_attention(
       dropout_rng: a ``jax.random`` key, needed when ``dropout_rate > 0``.
       implementation: ``"xla"`` (the reference: full score tensor, every
         feature), ``"flash"`` (blockwise kernel, O(T) memory, no dropout),
+        ``"native"`` (C++ CPU kernel, float32, O(T) memory, no dense mask,
+        bias or dropout; built on first use),
         ``"cudnn"`` (NVIDIA GPUs, half precision), or None to choose the
         fastest one that can serve the call (docs/performance.md). A named
         implementation that cannot serve the call raises ValueError.
@@ -126,6 +128,8 @@ def dot_product_attention(
     match _dispatch.choose(implementation, spec, query.dtype, dropout_rate):
         case "flash":
             return _flash.flash_attention(query, key, value, spec)
+        case "native":
+            return _native.native_attention(query, key, value, spec).astype(query.dtype)
         case "cudnn":
             return _dispatch.cudnn_attention(query, key, value, spec)
         case _:

@@ -4,6 +4,8 @@
   defines the output contract.
 * ``"flash"``: the blockwise kernel (:mod:`nanoattn._flash`), pure JAX, O(T)
   memory, any platform.
+* ``"native"``: the C++ CPU kernel (:mod:`nanoattn._native`), called through
+  XLA's FFI; float32, no dense mask or bias, built on first use.
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``,
   NVIDIA GPUs only, half precision only.
 
@@ -17,16 +19,18 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from . import _flash
+from . import _flash, _native
 from ._reference import allowed_mask
 from ._spec import AttentionSpec
 
-Implementation = Literal["xla", "flash", "cudnn"]
-IMPLEMENTATIONS: tuple[str, ...] = ("xla", "flash", "cudnn")
+Implementation = Literal["xla", "flash", "native", "cudnn"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "flash", "native", "cudnn")
 
 # On CPU the kernel beats the reference from about this many score cells per
 # batch row and head (T * S); measured with `nanoattn bench` (docs/performance.md).
 CPU_FLASH_MIN_CELLS = 256 * 256
+# The native kernel, where it can serve the call, from this many (measured the same way).
+CPU_NATIVE_MIN_CELLS = 64 * 64
 # Off CPU (unmeasured here): above this many bytes of scores the kernel's
 # O(T) memory wins when cuDNN cannot serve the call.
 ACCELERATOR_FLASH_MIN_SCORE_BYTES = 2**30
@@ -51,6 +55,19 @@ def cudnn_unsupported(spec: AttentionSpec, dtype, dropout_rate: float) -> str | 
     return None
 
 
+def unsupported(name: str, spec: AttentionSpec, dtype, dropout_rate: float) -> str | None:
+    """Why backend ``name`` cannot serve this call, or None when it can."""
+    match name:
+        case "flash":
+            return _flash.unsupported(spec, dropout_rate)
+        case "native":
+            return _native.unsupported(spec, dtype, dropout_rate)
+        case "cudnn":
+            return cudnn_unsupported(spec, dtype, dropout_rate)
+        case _:
+            return None
+
+
 def choose(requested: str | None, spec: AttentionSpec, dtype, dropout_rate: float) -> str:
     """The backend that serves this call.
 
@@ -62,25 +79,21 @@ def choose(requested: str | None, spec: AttentionSpec, dtype, dropout_rate: floa
             f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))} or None, "
             f"got {requested!r}"
         )
-    reasons = {
-        "xla": None,
-        "flash": _flash.unsupported(spec, dropout_rate),
-        "cudnn": cudnn_unsupported(spec, dtype, dropout_rate),
-    }
     if requested is not None:
-        if reasons[requested] is not None:
-            raise ValueError(
-                f"implementation={requested!r} cannot serve this call: {reasons[requested]}"
-            )
+        reason = unsupported(requested, spec, dtype, dropout_rate)
+        if reason is not None:
+            raise ValueError(f"implementation={requested!r} cannot serve this call: {reason}")
         return requested
-    if reasons["cudnn"] is None:
+    if unsupported("cudnn", spec, dtype, dropout_rate) is None:
         return "cudnn"
-    if reasons["flash"] is None:
-        cells = spec.T * spec.S
-        if jax.default_backend() == "cpu":
-            if cells >= CPU_FLASH_MIN_CELLS:
-                return "flash"
-        elif spec.B * spec.N * cells * 4 >= ACCELERATOR_FLASH_MIN_SCORE_BYTES:
+    cells = spec.T * spec.S
+    if jax.default_backend() == "cpu":
+        # Sizes first: the native kernel is built on the first call it may serve.
+        for name, min_cells in (("native", CPU_NATIVE_MIN_CELLS), ("flash", CPU_FLASH_MIN_CELLS)):
+            if cells >= min_cells and unsupported(name, spec, dtype, dropout_rate) is None:
+                return name
+    elif spec.B * spec.N * cells * 4 >= ACCELERATOR_FLASH_MIN_SCORE_BYTES:
+        if unsupported("flash", spec, dtype, dropout_rate) is None:
             return "flash"
     return "xla"
 

@@ -63,6 +63,12 @@ PEERS = {
         nanoattn_backend("flash"),
         False,
     ),
+    "native": Peer(
+        "native",
+        "nanoattn, implementation='native' (C++ CPU kernel through XLA's FFI)",
+        nanoattn_backend("native"),
+        False,
+    ),
     "xla": Peer("xla", "nanoattn, implementation='xla' (reference)", nanoattn_backend("xla"), True),
     "cudnn": Peer(
         "cudnn", "nanoattn, implementation='cudnn' (GPU only)", nanoattn_backend("cudnn"), False

@@ -55,7 +55,9 @@ class BenchConfig:
 
 def default_implementations() -> tuple[str, ...]:
     names = ("flash", "xla", "seed", "flax", "jax.nn", "torch")
-    return (*names, "cudnn") if jax.default_backend() == "gpu" else names
+    if jax.default_backend() == "gpu":
+        return (*names, "cudnn")
+    return ("native", *names) if jax.default_backend() == "cpu" else names
 
 
 def machine() -> dict:

@@ -1,0 +1,122 @@
+"""Building and loading the native kernel: one compiler call, cached on disk.
+
+The kernel (``attention.cc`` beside this file) is compiled on first use, with
+the machine's own instruction set (``-march=native``), against the FFI headers
+of the installed jaxlib, into ``$NANOATTN_CACHE_DIR`` (default
+``~/.cache/nanoattn``). The file name carries a hash of the source, the flags,
+the compiler and the jaxlib version, so a change to any of them builds anew;
+a file lock keeps parallel processes (pytest-xdist workers) from building it
+twice. Where no C++ compiler is found, or the build fails, nanoattn says so
+once and the dispatcher serves every call with the pure-JAX kernels.
+
+Environment:
+  CXX: the compiler (default: ``c++``, then ``g++``, then ``clang++`` on PATH).
+  NANOATTN_CACHE_DIR: where the built library goes.
+  NANOATTN_NATIVE=0: do not build or use the native kernel.
+  NANOATTN_NATIVE_SANITIZE: e.g. ``address,undefined``: build with those
+    sanitizers (the process must preload their runtimes; see docs/testing.md).
+"""
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import jax
+import jaxlib
+
+SOURCE = pathlib.Path(__file__).with_name("attention.cc")
+FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-ffp-contract=fast",  # fused multiply-adds in the block products
+    "-fno-math-errno",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+)
+SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
+TARGETS = {"nanoattn_forward": "NanoattnForward", "nanoattn_backward": "NanoattnBackward"}
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use, or None."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"])
+    return next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
+
+
+def cache_dir() -> pathlib.Path:
+    if os.environ.get("NANOATTN_CACHE_DIR"):
+        return pathlib.Path(os.environ["NANOATTN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "nanoattn"
+
+
+def flags() -> list[str]:
+    """The compiler flags of this build (machine, sanitizers and headers included)."""
+    sanitize = os.environ.get("NANOATTN_NATIVE_SANITIZE", "")
+    extra = [f"-fsanitize={sanitize}", *SANITIZE_FLAGS] if sanitize else ["-march=native"]
+    return [*FLAGS, *extra, "-isystem", jax.ffi.include_dir()]
+
+
+def _build(cxx: str) -> pathlib.Path:
+    """Compiles the kernel unless the cache already has this exact build."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(flags()).encode(), version.encode(),
+                 jaxlib.__version__.encode()):  # fmt: skip
+        digest.update(part)
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"attention-{digest.hexdigest()[:16]}.so"
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it now
+        if not target.exists():
+            with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                out = pathlib.Path(tmp) / target.name
+                done = subprocess.run(
+                    [cxx, *flags(), str(SOURCE), "-o", str(out)], capture_output=True, text=True
+                )
+                if done.returncode:
+                    raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+                os.replace(out, target)
+    return target
+
+
+@functools.cache
+def load() -> tuple[ctypes.CDLL | None, str | None]:
+    """Builds (once per machine) and registers the kernel with XLA.
+
+    Returns:
+      ``(library, None)``, or ``(None, why)`` when the kernel is not available;
+      the first such answer is also a warning, so that it is said once.
+    """
+    if os.environ.get("NANOATTN_NATIVE", "1") == "0":
+        return None, "NANOATTN_NATIVE=0 turns it off"
+    cxx = compiler()
+    if cxx is None:
+        reason = "no C++ compiler was found (set CXX, or install g++ or clang++)"
+    else:
+        try:
+            library = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+        except (OSError, RuntimeError) as error:
+            reason = f"building it failed: {error}"
+        else:
+            for name, symbol in TARGETS.items():
+                capsule = jax.ffi.pycapsule(getattr(library, symbol))
+                jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+            return library, None
+    warnings.warn(
+        f"nanoattn: the native CPU kernel is not available ({reason}); "
+        "the pure-JAX kernels serve every call",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return None, reason

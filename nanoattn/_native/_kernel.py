@@ -1,0 +1,121 @@
+"""The native kernel as a JAX function: ``ffi_call`` forward and backward under
+a ``custom_vjp``.
+
+The C++ side (``attention.cc``) takes float32 q (B, T, N, H), k and v
+(B, S, K, H), per-row ``q_offset`` and ``kv_lengths`` (B,), segment ids
+(B, T) and (B, S) (or empty), and the rules as attributes: ``scale``,
+``soft_cap`` (0: none) and the positional band ``left``/``right`` (-1:
+unbounded). It returns the output and the per-row log-sum-exp (B, T, N) that
+the backward pass recomputes the weights from. Under ``vmap`` every operand
+gains the mapped axis in front, which the kernel folds into B.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._spec import AttentionSpec
+from . import _build
+
+_F32 = jnp.dtype(jnp.float32)
+_SERVED = {_F32, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+
+
+def unsupported(spec: AttentionSpec, dtype, dropout_rate: float) -> str | None:
+    """Why the native kernel cannot serve this call, or None when it can.
+
+    Cheap checks come first; only a call it could serve builds the kernel.
+    """
+    if jax.default_backend() != "cpu":
+        return f"it runs on CPU only, and the default backend is {jax.default_backend()!r}"
+    if dropout_rate > 0:
+        return "dropout is only implemented by the reference (implementation='xla')"
+    if jnp.dtype(dtype) != _F32:
+        return f"it supports float32 inputs only, got {jnp.dtype(dtype)}"
+    if spec.mask is not None or spec.bias is not None:
+        return "a dense mask or a bias is served by 'xla' and 'flash' only"
+    if not spec.static_scale:
+        return "it needs a Python number for scale, not a traced array"
+    _, reason = _build.load()
+    if reason is not None:
+        return f"the kernel is not available: {reason}"
+    return None
+
+
+def native_attention(query, key, value, spec: AttentionSpec):
+    """Attention by the native kernel, with the reference's output contract.
+
+    Args:
+      query: (B, T, N, H) float32; key, value: (B, S, K, H), float32 or a
+        narrower float (computed in float32); ``spec`` from
+        :func:`nanoattn._spec.attention_spec`, which :func:`unsupported` accepts.
+
+    Returns:
+      (B, T, N, H) float32.
+    """
+    B, S = spec.B, spec.S
+    left, right = spec.band if spec.band is not None else (None, None)
+    rules = (
+        float(spec.scale),
+        float(spec.logit_soft_cap or 0.0),
+        -1 if left is None else int(left),
+        -1 if right is None else int(right),
+    )
+    offset = spec.q_offset if spec.band is not None else 0
+    offsets = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (B,))
+    lengths = jnp.full((B,), S, jnp.int32) if spec.kv_lengths is None else spec.kv_lengths
+    if spec.q_segment_ids is None:
+        q_seg, kv_seg = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.int32)
+    else:
+        q_seg, kv_seg = spec.q_segment_ids, spec.kv_segment_ids
+    ints = (offsets, lengths.astype(jnp.int32), q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32))
+    key, value = key.astype(_F32), value.astype(_F32)
+    return _attend(query, key, value, *ints, rules)
+
+
+def _attributes(rules):
+    scale, soft_cap, left, right = rules
+    return dict(
+        scale=np.float32(scale), soft_cap=np.float32(soft_cap),
+        left=np.int64(left), right=np.int64(right),
+    )  # fmt: skip
+
+
+def _forward(q, k, v, offsets, lengths, q_seg, kv_seg, rules):
+    B, T, N, _ = q.shape
+    call = jax.ffi.ffi_call(
+        "nanoattn_forward",
+        (jax.ShapeDtypeStruct(q.shape, _F32), jax.ShapeDtypeStruct((B, T, N), _F32)),
+        vmap_method="broadcast_all",
+    )
+    return call(q, k, v, offsets, lengths, q_seg, kv_seg, **_attributes(rules))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attend(q, k, v, offsets, lengths, q_seg, kv_seg, rules):
+    out, _ = _forward(q, k, v, offsets, lengths, q_seg, kv_seg, rules)
+    return out
+
+
+def _attend_fwd(q, k, v, offsets, lengths, q_seg, kv_seg, rules):
+    out, lse = _forward(q, k, v, offsets, lengths, q_seg, kv_seg, rules)
+    return out, (q, k, v, out, lse, offsets, lengths, q_seg, kv_seg)
+
+
+def _attend_bwd(rules, residuals, dout):
+    q, k, v, out, lse, offsets, lengths, q_seg, kv_seg = residuals
+    call = jax.ffi.ffi_call(
+        "nanoattn_backward",
+        tuple(jax.ShapeDtypeStruct(x.shape, _F32) for x in (q, k, v)),
+        vmap_method="broadcast_all",
+    )
+    dq, dk, dv = call(
+        q, k, v, out, lse, dout.astype(_F32), offsets, lengths, q_seg, kv_seg,
+        **_attributes(rules),
+    )  # fmt: skip
+    return dq, dk, dv, None, None, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -1,0 +1,707 @@
+// nanoattn's native CPU attention kernel, called from JAX through XLA's FFI.
+//
+// Forward: online softmax over key blocks (FlashAttention-2), one task per
+// (batch row b, query head n, query block). Backward: one task per (b, key/value
+// head, key block) accumulates dK and dV for every query head of its group; dQ
+// goes to one buffer per worker, summed at the end. Nothing of size T x S exists.
+//
+// Axis legend (docs/conventions.md): B batch, T queries, S keys, N query heads,
+// K key/value heads, G = N / K query heads per key/value head (contiguous
+// groups), H head width. Inputs are float32, row-major: q (B, T, N, H),
+// k and v (B, S, K, H); leading axes before the last three are flattened into B
+// (that is how a vmapped call arrives).
+//
+// Visibility, the contract of the other backends: query i (position
+// p = q_offset[b] + i) sees key j when p - left <= j <= p + right (a side of -1 is
+// unbounded; causality is right = 0), j < kv_lengths[b], and, with segment ids,
+// q_segment_ids[b, i] == kv_segment_ids[b, j]. A query that sees no key gives zeros
+// and zero gradients; a key that no query of its row sees is never read, so NaN or
+// inf there cannot reach any result.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// SIMD: GCC/Clang vector extensions, as wide as the target's registers.
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+inline void store(float* p, vf x) { *reinterpret_cast<vf_unaligned*>(p) = x; }
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// exp(x) to about 1 ulp (Cephes' polynomial on x - n ln 2); 0 below -87.3, which
+// covers -inf. Inputs here are logits minus a running maximum: never above 0 by
+// more than rounding.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.3f), hi = splat(88.0f);
+  vf xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf t = xc * 1.44269504088896341f + magic;
+  vf n = t - magic;
+  vi ni = __builtin_bit_cast(vi, t) - 0x4B400000;
+  vf r = xc - n * 0.693359375f - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi bits = (ni + 127) << 23;
+  vf y = p * __builtin_bit_cast(vf, bits);
+  return x < lo ? vf{} : y;
+}
+
+// ---------------------------------------------------------------------------
+// GEMM: C[M x N] (+)= A[M x L] B[L x N], with A read at any strides (it is
+// broadcast one scalar at a time), B and C row-major with N contiguous.
+// M is a multiple of MR and N of VW: callers pad their blocks.
+
+constexpr int MR = 4;
+
+template <int NV>
+inline void micro(int L, const float* A, long a_row, long a_col, const float* B, long ldb,
+                  float* C, long ldc, bool accumulate) {
+  vf c[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = accumulate ? load(C + r * ldc + v * VW) : vf{};
+  for (int l = 0; l < L; ++l) {
+    vf b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load(B + l * ldb + v * VW);
+    for (int r = 0; r < MR; ++r) {
+      vf a = splat(A[r * a_row + l * a_col]);
+      for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * VW, c[r][v]);
+}
+
+void gemm(int M, int N, int L, const float* A, long a_row, long a_col, const float* B, long ldb,
+          float* C, long ldc, bool accumulate) {
+  for (int i = 0; i < M; i += MR) {
+    const float* a = A + i * a_row;
+    float* c = C + i * ldc;
+    int j = 0;
+    for (; j + 3 * VW <= N; j += 3 * VW) micro<3>(L, a, a_row, a_col, B + j, ldb, c + j, ldc, accumulate);
+    for (; j + 2 * VW <= N; j += 2 * VW) micro<2>(L, a, a_row, a_col, B + j, ldb, c + j, ldc, accumulate);
+    for (; j < N; j += VW) micro<1>(L, a, a_row, a_col, B + j, ldb, c + j, ldc, accumulate);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Work sharing on XLA's CPU thread pool. The caller works too; a helper that
+// starts after every task is taken returns without touching the caller's state,
+// so the caller only waits for tasks, never for helpers.
+
+struct Job {
+  explicit Job(int64_t total) : total(total) {}
+  const int64_t total;
+  std::atomic<int64_t> next{0};
+  std::atomic<int> workers{0};
+  int64_t done = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+int max_threads(ffi::ThreadPool& pool) {
+  int n = static_cast<int>(pool.num_threads()) + 1;
+  if (const char* env = std::getenv("NANOATTN_NUM_THREADS")) {
+    int cap = std::atoi(env);
+    if (cap > 0) n = std::min(n, cap);
+  }
+  return std::max(n, 1);
+}
+
+// Runs body(task, worker) for task in [0, total); worker < threads.
+template <class Body>
+void parallel_for(ffi::ThreadPool& pool, int threads, int64_t total, const Body& body) {
+  if (total <= 0) return;
+  auto job = std::make_shared<Job>(total);
+  const Body* fn = &body;
+  auto work = [job, fn]() {
+    int worker = job->workers.fetch_add(1);
+    int64_t mine = 0;
+    for (int64_t t; (t = job->next.fetch_add(1)) < job->total; ++mine) (*fn)(t, worker);
+    if (mine) {
+      std::lock_guard<std::mutex> lock(job->mu);
+      job->done += mine;
+      if (job->done == job->total) job->cv.notify_all();
+    }
+  };
+  int helpers = static_cast<int>(std::min<int64_t>(threads, total)) - 1;
+  for (int i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->cv.wait(lock, [&] { return job->done == job->total; });
+}
+
+// ---------------------------------------------------------------------------
+// The problem and who sees what.
+
+constexpr int BQ = 64;  // query rows per block
+constexpr int BK = 64;  // keys per block
+
+struct Problem {
+  int64_t B, T, S, N, K, G, H, Hp;
+  float scale, soft_cap;  // soft_cap 0: none
+  int64_t left, right;    // -1: unbounded
+  const int32_t* q_offset;  // (B,)
+  const int32_t* kv_lengths;  // (B,)
+  const int32_t* q_seg;  // (B, T) or null
+  const int32_t* kv_seg;  // (B, S) or null
+  int64_t n_q() const { return (T + BQ - 1) / BQ; }
+  int64_t n_k() const { return (S + BK - 1) / BK; }
+};
+
+// Per batch row: query i sees keys in [lo[i], hi[i]] (empty when lo > hi), those
+// of its segment only with segment ids; q_sees[i] and k_seen[j] say whether a
+// query sees any key and whether any query sees a key. lo and hi never decrease
+// with i, so the queries that may see key j are a contiguous range.
+struct Geometry {
+  std::vector<int64_t> lo, hi;
+  std::vector<uint8_t> q_sees, k_seen;
+};
+
+// Whether some index in [first, last] of the sorted (id, index) pairs has this id.
+bool has_id_in(const std::vector<std::pair<int32_t, int64_t>>& sorted, int32_t id, int64_t first,
+               int64_t last) {
+  if (first > last) return false;
+  auto it = std::lower_bound(sorted.begin(), sorted.end(), std::make_pair(id, first));
+  return it != sorted.end() && it->first == id && it->second <= last;
+}
+
+Geometry geometry(const Problem& p, int64_t b) {
+  Geometry g;
+  const int64_t T = p.T, S = p.S;
+  const int64_t len = std::clamp<int64_t>(p.kv_lengths[b], 0, S);
+  g.lo.resize(T);
+  g.hi.resize(T);
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t pos = static_cast<int64_t>(p.q_offset[b]) + i;
+    g.lo[i] = p.left < 0 ? 0 : std::max<int64_t>(0, pos - p.left);
+    g.hi[i] = std::min(p.right < 0 ? S - 1 : pos + p.right, len - 1);
+  }
+  g.q_sees.assign(T, 0);
+  g.k_seen.assign(S, 0);
+  if (!p.q_seg) {
+    std::vector<int64_t> cover(S + 1, 0);  // a difference array of the intervals
+    for (int64_t i = 0; i < T; ++i) {
+      if (g.lo[i] > g.hi[i]) continue;
+      g.q_sees[i] = 1;
+      cover[g.lo[i]] += 1;
+      cover[g.hi[i] + 1] -= 1;
+    }
+    for (int64_t j = 0, c = 0; j < S; ++j) g.k_seen[j] = (c += cover[j]) > 0;
+    return g;
+  }
+  const int32_t* qs = p.q_seg + b * T;
+  const int32_t* ks = p.kv_seg + b * S;
+  std::vector<std::pair<int32_t, int64_t>> queries(T), keys(S);
+  for (int64_t i = 0; i < T; ++i) queries[i] = {qs[i], i};
+  for (int64_t j = 0; j < S; ++j) keys[j] = {ks[j], j};
+  std::sort(queries.begin(), queries.end());
+  std::sort(keys.begin(), keys.end());
+  for (int64_t i = 0; i < T; ++i) g.q_sees[i] = has_id_in(keys, qs[i], g.lo[i], g.hi[i]);
+  for (int64_t j = 0; j < S; ++j) {
+    // Queries with hi >= j start at `first`; those with lo <= j end before `end`.
+    int64_t first = std::lower_bound(g.hi.begin(), g.hi.end(), j) - g.hi.begin();
+    int64_t end = std::upper_bound(g.lo.begin(), g.lo.end(), j) - g.lo.begin();
+    g.k_seen[j] = has_id_in(queries, ks[j], first, end - 1);
+  }
+  return g;
+}
+
+enum class Block { kSkip, kFull, kPartial };
+
+// How rows [i0, i1) meet keys [j0, j1): none may see any (skip), all see all, or
+// cell by cell.
+Block classify(const Problem& p, const Geometry& g, int64_t i0, int64_t i1, int64_t j0,
+               int64_t j1) {
+  if (g.hi[i1 - 1] < j0 || g.lo[i0] > j1 - 1) return Block::kSkip;
+  if (!p.q_seg && g.lo[i1 - 1] <= j0 && g.hi[i0] >= j1 - 1) return Block::kFull;
+  return Block::kPartial;
+}
+
+inline bool visible(const Problem& p, const Geometry& g, int64_t b, int64_t i, int64_t j) {
+  if (j < g.lo[i] || j > g.hi[i]) return false;
+  return !p.q_seg || p.q_seg[b * p.T + i] == p.kv_seg[b * p.S + j];
+}
+
+// The key blocks rows [i0, i1) may see: [first, last] (empty when first > last).
+std::pair<int64_t, int64_t> key_blocks(const Problem& p, const Geometry& g, int64_t i0, int64_t i1) {
+  int64_t lo = g.lo[i0], hi = g.hi[i1 - 1];
+  if (hi < 0 || lo > hi) return {0, -1};
+  return {lo / BK, std::min(hi / BK, p.n_k() - 1)};
+}
+
+// The query blocks that may see keys [j0, j1).
+std::pair<int64_t, int64_t> query_blocks(const Problem& p, const Geometry& g, int64_t j0, int64_t j1) {
+  int64_t first = std::lower_bound(g.hi.begin(), g.hi.end(), j0) - g.hi.begin();
+  int64_t end = std::upper_bound(g.lo.begin(), g.lo.end(), j1 - 1) - g.lo.begin();
+  if (first >= end) return {0, -1};
+  return {first / BQ, (end - 1) / BQ};
+}
+
+// ---------------------------------------------------------------------------
+// Packing blocks into padded, contiguous scratch.
+
+struct Aligned {
+  float* data = nullptr;
+  explicit Aligned(size_t n) {
+    data = static_cast<float*>(std::aligned_alloc(64, ((n * 4 + 63) / 64) * 64));
+  }
+  ~Aligned() { std::free(data); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+};
+
+// rows [i0, i0 + BQ) of head n, times `factor`, as (BQ, Hp); rows past T or blind are 0.
+void pack_rows(const Problem& p, const float* x, const Geometry& g, int64_t b, int64_t n,
+               int64_t i0, float factor, float* out) {
+  for (int64_t r = 0; r < BQ; ++r) {
+    float* dst = out + r * p.Hp;
+    const int64_t i = i0 + r;
+    if (i < p.T && g.q_sees[i]) {
+      const float* src = x + ((b * p.T + i) * p.N + n) * p.H;
+      for (int64_t h = 0; h < p.H; ++h) dst[h] = src[h] * factor;
+      std::fill(dst + p.H, dst + p.Hp, 0.0f);
+    } else {
+      std::fill(dst, dst + p.Hp, 0.0f);
+    }
+  }
+}
+
+// keys [j0, j0 + BK) of head kh as (BK, Hp) rows, or transposed as (Hp, BK); keys
+// past S or unseen are 0.
+void pack_keys(const Problem& p, const float* x, const Geometry& g, int64_t b, int64_t kh,
+               int64_t j0, float* rows, float* cols) {
+  if (cols) std::fill(cols, cols + p.Hp * BK, 0.0f);
+  for (int64_t c = 0; c < BK; ++c) {
+    const int64_t j = j0 + c;
+    const bool real = j < p.S && g.k_seen[j];
+    const float* src = real ? x + ((b * p.S + j) * p.K + kh) * p.H : nullptr;
+    if (rows) {
+      float* dst = rows + c * p.Hp;
+      std::fill(dst, dst + p.Hp, 0.0f);
+      if (real) std::memcpy(dst, src, p.H * sizeof(float));
+    }
+    if (cols && real)
+      for (int64_t h = 0; h < p.H; ++h) cols[h * BK + c] = src[h];
+  }
+}
+
+// Soft-capping and the mask on one row of logits (BK wide), in place. `tanh_out`
+// keeps tanh(logit / cap) for the backward pass.
+void cap_and_mask(const Problem& p, const Geometry& g, int64_t b, int64_t i, int64_t j0,
+                  Block kind, float* row, float* tanh_out) {
+  if (p.soft_cap > 0) {
+    for (int c = 0; c < BK; ++c) {
+      float t = std::tanh(row[c] / p.soft_cap);
+      if (tanh_out) tanh_out[c] = t;
+      row[c] = p.soft_cap * t;
+    }
+  }
+  for (int c = 0; c < BK; ++c) {
+    const int64_t j = j0 + c;
+    if (j >= p.S || (kind == Block::kPartial && !visible(p, g, b, i, j))) row[c] = -kInf;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward.
+
+struct ForwardOut {
+  float* out;  // (B, T, N, H)
+  float* lse;  // (B, T, N): log-sum-exp of the visible logits; +inf for a blind row
+};
+
+void forward_task(const Problem& p, const std::vector<Geometry>& geo, const float* q,
+                  const float* k, const float* v, ForwardOut res, int64_t task) {
+  const int64_t qb = task % p.n_q(), n = (task / p.n_q()) % p.N, b = task / (p.n_q() * p.N);
+  const int64_t kh = n / p.G, i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
+  const Geometry& g = geo[b];
+  const int64_t Hp = p.Hp;
+  Aligned qs(BQ * Hp), kt(Hp * BK), vs(BK * Hp), s(BQ * BK), o(BQ * Hp);
+  float m[BQ], l[BQ];
+  std::fill(m, m + BQ, -kInf);
+  std::fill(l, l + BQ, 0.0f);
+  std::fill(o.data, o.data + BQ * Hp, 0.0f);
+  pack_rows(p, q, g, b, n, i0, p.scale, qs.data);
+  auto [first, last] = key_blocks(p, g, i0, i1);
+  for (int64_t kb = first; kb <= last; ++kb) {
+    const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
+    const Block kind = classify(p, g, i0, i1, j0, j1);
+    if (kind == Block::kSkip) continue;
+    pack_keys(p, k, g, b, kh, j0, nullptr, kt.data);
+    gemm(BQ, BK, Hp, qs.data, Hp, 1, kt.data, BK, s.data, BK, false);
+    for (int64_t r = 0; r < BQ; ++r) {
+      float* row = s.data + r * BK;
+      if (r >= rows || !g.q_sees[i0 + r]) {
+        std::fill(row, row + BK, 0.0f);
+        continue;
+      }
+      cap_and_mask(p, g, b, i0 + r, j0, kind, row, nullptr);
+      vf mx = splat(-kInf);
+      for (int c = 0; c < BK; c += VW) {
+        vf x = load(row + c);
+        mx = x > mx ? x : mx;
+      }
+      float block_max = -kInf;
+      for (int c = 0; c < VW; ++c) block_max = std::max(block_max, mx[c]);
+      const float m_new = std::max(m[r], block_max);
+      if (m_new == -kInf) {  // nothing visible in this row so far
+        std::fill(row, row + BK, 0.0f);
+        continue;
+      }
+      const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
+      vf sum = vf{};
+      const vf shift = splat(m_new);
+      for (int c = 0; c < BK; c += VW) {
+        vf e = vexp(load(row + c) - shift);
+        store(row + c, e);
+        sum += e;
+      }
+      float total = 0.0f;
+      for (int c = 0; c < VW; ++c) total += sum[c];
+      l[r] = l[r] * alpha + total;
+      m[r] = m_new;
+      if (alpha != 1.0f) {
+        float* orow = o.data + r * Hp;
+        const vf a = splat(alpha);
+        for (int64_t h = 0; h < Hp; h += VW) store(orow + h, load(orow + h) * a);
+      }
+    }
+    pack_keys(p, v, g, b, kh, j0, vs.data, nullptr);
+    gemm(BQ, Hp, BK, s.data, BK, 1, vs.data, Hp, o.data, Hp, true);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r;
+    float* dst = res.out + ((b * p.T + i) * p.N + n) * p.H;
+    float* lse = res.lse + (b * p.T + i) * p.N + n;
+    if (l[r] > 0) {
+      const float inv = 1.0f / l[r];
+      for (int64_t h = 0; h < p.H; ++h) dst[h] = o.data[r * Hp + h] * inv;
+      *lse = m[r] + std::log(l[r]);
+    } else {
+      std::fill(dst, dst + p.H, 0.0f);
+      *lse = kInf;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backward.
+
+struct BackwardIn {
+  const float *q, *k, *v, *out, *lse, *dout;
+};
+
+struct BackwardOut {
+  float *dk, *dv;                       // (B, S, K, H)
+  std::vector<std::unique_ptr<Aligned>>* dq_parts;  // per worker: (B, Tp, N, Hp)
+  int64_t Tp;
+  const float* delta;  // (B, T, N): rowsum(dout * out)
+};
+
+void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn& in,
+                   const BackwardOut& res, int64_t task, int worker) {
+  const int64_t kb = task % p.n_k(), kh = (task / p.n_k()) % p.K, b = task / (p.n_k() * p.K);
+  const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), Hp = p.Hp;
+  const Geometry& g = geo[b];
+  auto [first, last] = query_blocks(p, g, j0, j1);
+  if (first <= last) {
+    std::unique_ptr<Aligned>& part = (*res.dq_parts)[worker];
+    if (!part) {
+      const size_t size = p.B * res.Tp * p.N * Hp;
+      part = std::make_unique<Aligned>(size);
+      std::fill(part->data, part->data + size, 0.0f);
+    }
+  }
+  Aligned ks(BK * Hp), kt(Hp * BK), vt(Hp * BK), dk(BK * Hp), dv(BK * Hp);
+  Aligned qs(BQ * Hp), dos(BQ * Hp), ps(BQ * BK), ds(BQ * BK), th(BQ * BK);
+  std::fill(dk.data, dk.data + BK * Hp, 0.0f);
+  std::fill(dv.data, dv.data + BK * Hp, 0.0f);
+  if (first <= last) {
+    pack_keys(p, in.k, g, b, kh, j0, ks.data, kt.data);
+    pack_keys(p, in.v, g, b, kh, j0, nullptr, vt.data);
+  }
+  const bool capped = p.soft_cap > 0;
+  for (int64_t n = kh * p.G; n < (kh + 1) * p.G && first <= last; ++n) {
+    for (int64_t qb = first; qb <= last; ++qb) {
+      const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
+      const Block kind = classify(p, g, i0, i1, j0, j1);
+      if (kind == Block::kSkip) continue;
+      pack_rows(p, in.q, g, b, n, i0, p.scale, qs.data);
+      pack_rows(p, in.dout, g, b, n, i0, 1.0f, dos.data);
+      gemm(BQ, BK, Hp, qs.data, Hp, 1, kt.data, BK, ps.data, BK, false);
+      for (int64_t r = 0; r < BQ; ++r) {
+        float* row = ps.data + r * BK;
+        const int64_t i = i0 + r;
+        if (r >= rows || !g.q_sees[i]) {
+          std::fill(row, row + BK, 0.0f);
+          if (capped) std::fill(th.data + r * BK, th.data + (r + 1) * BK, 0.0f);
+          continue;
+        }
+        cap_and_mask(p, g, b, i, j0, kind, row, capped ? th.data + r * BK : nullptr);
+        const vf shift = splat(in.lse[(b * p.T + i) * p.N + n]);
+        for (int c = 0; c < BK; c += VW) store(row + c, vexp(load(row + c) - shift));
+      }
+      // dV += P^T dO
+      gemm(BK, Hp, BQ, ps.data, 1, BK, dos.data, Hp, dv.data, Hp, true);
+      // dP = dO V^T, then dS = P (dP - delta), through the cap's tanh
+      gemm(BQ, BK, Hp, dos.data, Hp, 1, vt.data, BK, ds.data, BK, false);
+      for (int64_t r = 0; r < BQ; ++r) {
+        float* drow = ds.data + r * BK;
+        const float* prow = ps.data + r * BK;
+        const float delta = r < rows ? res.delta[(b * p.T + i0 + r) * p.N + n] : 0.0f;
+        const vf d = splat(delta);
+        for (int c = 0; c < BK; c += VW) {
+          vf x = load(prow + c) * (load(drow + c) - d);
+          if (capped) {
+            vf t = load(th.data + r * BK + c);
+            x = x * (1.0f - t * t);
+          }
+          store(drow + c, x);
+        }
+      }
+      // dK += dS^T (scale q); dQ += dS K (times scale at the end)
+      gemm(BK, Hp, BQ, ds.data, 1, BK, qs.data, Hp, dk.data, Hp, true);
+      float* dq = (*res.dq_parts)[worker]->data + ((b * res.Tp + i0) * p.N + n) * Hp;
+      gemm(BQ, Hp, BK, ds.data, BK, 1, ks.data, Hp, dq, p.N * Hp, true);
+    }
+  }
+  for (int64_t c = 0; c < BK && j0 + c < p.S; ++c) {
+    const int64_t off = ((b * p.S + j0 + c) * p.K + kh) * p.H;
+    std::memcpy(res.dk + off, dk.data + c * Hp, p.H * sizeof(float));
+    std::memcpy(res.dv + off, dv.data + c * Hp, p.H * sizeof(float));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The FFI boundary: shapes, then the passes.
+
+ffi::Error make_problem(ffi::AnyBuffer::Dimensions qd, ffi::AnyBuffer::Dimensions kd,
+                        ffi::AnyBuffer::Dimensions vd, size_t offsets, size_t lengths,
+                        size_t q_seg, size_t kv_seg, Problem& p) {
+  const size_t rank = qd.size();
+  if (rank < 4 || kd.size() != rank || vd.size() != rank)
+    return ffi::Error::InvalidArgument("nanoattn native: q, k, v need the same rank >= 4");
+  int64_t B = 1;
+  for (size_t a = 0; a + 3 < rank; ++a) {
+    if (qd[a] != kd[a] || qd[a] != vd[a])
+      return ffi::Error::InvalidArgument("nanoattn native: q, k, v batch axes differ");
+    B *= qd[a];
+  }
+  p.B = B;
+  p.T = qd[rank - 3];
+  p.N = qd[rank - 2];
+  p.H = qd[rank - 1];
+  p.S = kd[rank - 3];
+  p.K = kd[rank - 2];
+  for (size_t a = rank - 3; a < rank; ++a)
+    if (kd[a] != vd[a]) return ffi::Error::InvalidArgument("nanoattn native: k and v differ");
+  if (kd[rank - 1] != p.H || p.K == 0 || p.N % p.K)
+    return ffi::Error::InvalidArgument("nanoattn native: bad head counts or widths");
+  p.G = p.N / p.K;
+  p.Hp = (p.H + VW - 1) / VW * VW;
+  if (static_cast<int64_t>(offsets) != B || static_cast<int64_t>(lengths) != B)
+    return ffi::Error::InvalidArgument("nanoattn native: q_offset and kv_lengths need B values");
+  const bool segments = q_seg > 0;
+  if (segments && (static_cast<int64_t>(q_seg) != B * p.T ||
+                   static_cast<int64_t>(kv_seg) != B * p.S))
+    return ffi::Error::InvalidArgument("nanoattn native: segment ids need (B, T) and (B, S)");
+  return ffi::Error::Success();
+}
+
+void set_rules(Problem& p, float scale, float soft_cap, int64_t left, int64_t right) {
+  p.scale = scale;
+  p.soft_cap = soft_cap;
+  p.left = left;
+  p.right = right;
+}
+
+std::vector<Geometry> all_geometry(ffi::ThreadPool& pool, int threads, const Problem& p) {
+  std::vector<Geometry> geo(p.B);
+  parallel_for(pool, threads, p.B, [&](int64_t b, int) { geo[b] = geometry(p, b); });
+  return geo;
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_offset,
+                   ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> q_seg,
+                   ffi::Buffer<ffi::S32> kv_seg, float scale, float soft_cap, int64_t left,
+                   int64_t right, ffi::ResultBuffer<ffi::F32> out,
+                   ffi::ResultBuffer<ffi::F32> lse) {
+  Problem p;
+  ffi::Error err = make_problem(q.dimensions(), k.dimensions(), v.dimensions(),
+                                q_offset.element_count(), kv_lengths.element_count(),
+                                q_seg.element_count(), kv_seg.element_count(), p);
+  if (err.failure()) return err;
+  set_rules(p, scale, soft_cap, left, right);
+  p.q_offset = q_offset.typed_data();
+  p.kv_lengths = kv_lengths.typed_data();
+  p.q_seg = q_seg.element_count() ? q_seg.typed_data() : nullptr;
+  p.kv_seg = p.q_seg ? kv_seg.typed_data() : nullptr;
+  if (p.B * p.T * p.N == 0) return ffi::Error::Success();
+  const int threads = max_threads(pool);
+  const std::vector<Geometry> geo = all_geometry(pool, threads, p);
+  // Costliest tasks first (the number of key blocks each may see), so that the
+  // last ones to start are short: causal work balances without a static split.
+  const int64_t total = p.B * p.N * p.n_q();
+  std::vector<int64_t> cost(total), order(total);
+  for (int64_t t = 0; t < total; ++t) {
+    const int64_t qb = t % p.n_q(), b = t / (p.n_q() * p.N);
+    auto [first, last] = key_blocks(p, geo[b], qb * BQ, std::min((qb + 1) * BQ, p.T));
+    cost[t] = last - first + 1;
+  }
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cost[a] > cost[c]; });
+  ForwardOut res{out->typed_data(), lse->typed_data()};
+  parallel_for(pool, threads, total, [&](int64_t t, int) {
+    forward_task(p, geo, q.typed_data(), k.typed_data(), v.typed_data(), res, order[t]);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::S32> q_offset,
+                    ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> q_seg,
+                    ffi::Buffer<ffi::S32> kv_seg, float scale, float soft_cap, int64_t left,
+                    int64_t right, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                    ffi::ResultBuffer<ffi::F32> dv) {
+  Problem p;
+  ffi::Error err = make_problem(q.dimensions(), k.dimensions(), v.dimensions(),
+                                q_offset.element_count(), kv_lengths.element_count(),
+                                q_seg.element_count(), kv_seg.element_count(), p);
+  if (err.failure()) return err;
+  if (out.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
+      static_cast<int64_t>(lse.element_count()) != p.B * p.T * p.N)
+    return ffi::Error::InvalidArgument("nanoattn native: out, dout or lse has the wrong size");
+  set_rules(p, scale, soft_cap, left, right);
+  p.q_offset = q_offset.typed_data();
+  p.kv_lengths = kv_lengths.typed_data();
+  p.q_seg = q_seg.element_count() ? q_seg.typed_data() : nullptr;
+  p.kv_seg = p.q_seg ? kv_seg.typed_data() : nullptr;
+  float* dq_out = dq->typed_data();
+  std::fill(dq_out, dq_out + q.element_count(), 0.0f);
+  if (p.B * p.S * p.K == 0) return ffi::Error::Success();
+  if (p.B * p.T * p.N == 0) {
+    std::fill(dk->typed_data(), dk->typed_data() + k.element_count(), 0.0f);
+    std::fill(dv->typed_data(), dv->typed_data() + v.element_count(), 0.0f);
+    return ffi::Error::Success();
+  }
+  const int threads = max_threads(pool);
+  const std::vector<Geometry> geo = all_geometry(pool, threads, p);
+  // delta = rowsum(dout * out), per (b, i, n)
+  std::vector<float> delta(p.B * p.T * p.N);
+  const float* o = out.typed_data();
+  const float* dO = dout.typed_data();
+  parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
+    for (int64_t n = 0; n < p.N; ++n) {
+      const int64_t at = (bt * p.N + n) * p.H;
+      float acc = 0.0f;
+      for (int64_t h = 0; h < p.H; ++h) acc += o[at + h] * dO[at + h];
+      delta[bt * p.N + n] = acc;
+    }
+  });
+  const int64_t total = p.B * p.K * p.n_k();
+  std::vector<int64_t> cost(total), order(total);
+  for (int64_t t = 0; t < total; ++t) {
+    const int64_t kb = t % p.n_k(), b = t / (p.n_k() * p.K);
+    auto [first, last] = query_blocks(p, geo[b], kb * BK, std::min((kb + 1) * BK, p.S));
+    cost[t] = last - first + 1;
+  }
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cost[a] > cost[c]; });
+  std::vector<std::unique_ptr<Aligned>> parts(threads);
+  const int64_t Tp = p.n_q() * BQ;
+  BackwardIn in{q.typed_data(), k.typed_data(), v.typed_data(), o, lse.typed_data(), dO};
+  BackwardOut res{dk->typed_data(), dv->typed_data(), &parts, Tp, delta.data()};
+  parallel_for(pool, threads, total,
+               [&](int64_t t, int worker) { backward_task(p, geo, in, res, order[t], worker); });
+  // dq = scale * the sum of the workers' parts
+  parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
+    const int64_t b = bt / p.T, i = bt % p.T;
+    for (const auto& part : parts) {
+      if (!part) continue;
+      for (int64_t n = 0; n < p.N; ++n) {
+        const float* src = part->data + ((b * Tp + i) * p.N + n) * p.Hp;
+        float* dst = dq_out + (bt * p.N + n) * p.H;
+        for (int64_t h = 0; h < p.H; ++h) dst[h] += src[h];
+      }
+    }
+    float* row = dq_out + bt * p.N * p.H;
+    for (int64_t x = 0; x < p.N * p.H; ++x) row[x] *= p.scale;
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_offset
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_segment_ids
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_segment_ids
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("left")
+                                  .Attr<int64_t>("right")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dout
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_offset
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_segment_ids
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_segment_ids
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("left")
+                                  .Attr<int64_t>("right")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dk
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dv

@@ -1,0 +1,234 @@
+"""The native C++ kernel against the float64 reference: outputs, gradients, masked
+content, transformations, dispatch, memory and the build without a compiler."""
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_combined import CASES
+from test_nonfinite import BAD, blocked_places, dirty_inputs
+
+import nanoattn
+from nanoattn import _native
+
+from conftest import (
+    Case,
+    assert_cases_match,
+    np_attention_vjp,
+    np_causal,
+    np_lengths,
+    np_segments,
+    np_window,
+    randn,
+    run_cases,
+)
+
+pytestmark = pytest.mark.skipif(
+    _native.load()[0] is None, reason="the native kernel could not be built here"
+)
+
+
+def np_allowed(kwargs, B, T, S):
+    """(B, 1, T, S): what the positional band, key lengths and segments let through."""
+    allowed = np.ones((B, 1, T, S), bool)
+    offsets = np.broadcast_to(np.asarray(kwargs.get("q_offset", 0)), (B,))
+    for b, off in enumerate(offsets):
+        if kwargs.get("is_causal"):
+            allowed[b, 0] &= np_causal(T, S, int(off))
+        if "window" in kwargs:
+            w = kwargs["window"]
+            left, right = (w, w) if isinstance(w, int) else w
+            allowed[b, 0] &= np_window(T, S, int(off), left, right)
+    if "kv_lengths" in kwargs:
+        allowed &= np_lengths(kwargs["kv_lengths"], S)
+    if "q_segment_ids" in kwargs:
+        allowed &= np_segments(kwargs["q_segment_ids"], kwargs["kv_segment_ids"])
+    return allowed
+
+
+def without_mask_and_bias(case: Case) -> Case:
+    """The case with its dense mask and bias taken out, as the native kernel serves it."""
+    kwargs = {k: v for k, v in case.kwargs.items() if k != "mask"}
+    B, T, _, _ = case.q.shape
+    allowed = np_allowed(kwargs, B, T, case.k.shape[1])
+    return dataclasses.replace(case, name=f"{case.name}, no mask", allowed=allowed, bias=None,
+                               kwargs=kwargs)  # fmt: skip
+
+
+NATIVE_CASES = [without_mask_and_bias(c) for c in CASES]
+
+
+def test_every_argument_at_once_matches_the_reference():
+    # Causality at a static offset, traced per-row offsets, windows, key lengths,
+    # segments, soft-capping, RoPE, GQA and MQA; rows that see nothing, keys no one sees.
+    for case in NATIVE_CASES[:2]:
+        B, T, N, _ = case.q.shape
+        allowed = np.broadcast_to(case.allowed, (B, N, T, case.k.shape[1]))
+        assert (~allowed.any(-1)).any() and (~allowed.any(axis=(1, 2))).any(), case.name
+    assert_cases_match(NATIVE_CASES, implementations=("native",), atol=1e-5)
+
+
+def test_nan_and_inf_where_nothing_looks_change_nothing():
+    # Keys and values no query of their row sees, and queries that see no key.
+    for case in NATIVE_CASES[:2]:
+        assert all(place.any() for place in blocked_places(case)[::2]), case.name
+    clean = run_cases(NATIVE_CASES, "native")
+    for name, bad in BAD.items():
+        inputs = []
+        for c in NATIVE_CASES:
+            q, k, v, _, cot = dirty_inputs(c, ("keys", "values", "queries"), bad)
+            inputs.append((q, k, v, None, cot))  # no bias
+        dirty = run_cases(NATIVE_CASES, "native", inputs=inputs)
+        for case, (out, grads), (ref_out, ref_grads) in zip(NATIVE_CASES, dirty, clean):
+            np.testing.assert_array_equal(out, ref_out, err_msg=f"{name}, {case.name}")
+            for g, r in zip(grads[:3], ref_grads[:3]):
+                np.testing.assert_array_equal(g, r, err_msg=f"{name}, {case.name}")
+
+
+def run_and_truth(q, k, v, **kwargs):
+    """The native kernel's output and (dq, dk, dv) under jit, and the float64 truth."""
+    B, T, _, _ = q.shape
+    cot = randn(99, *q.shape)
+
+    @jax.jit
+    def forward_backward(q, k, v, cot):
+        out, vjp = jax.vjp(
+            lambda q, k, v: nanoattn.dot_product_attention(
+                q, k, v, implementation="native", **kwargs
+            ),
+            q, k, v,
+        )  # fmt: skip
+        return out, vjp(cot)
+
+    got = forward_backward(q, k, v, cot)
+    allowed = np_allowed(kwargs, B, T, k.shape[1])
+    want, (dq, dk, dv, _) = np_attention_vjp(
+        q, k, v, cot, allowed, None, kwargs.get("scale"), kwargs.get("logit_soft_cap")
+    )
+    return got, (want, (dq, dk, dv))
+
+
+def assert_close(got, truth):
+    (out, grads), (want, want_grads) = got, truth
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("T", [1, 7, 129, 1000])
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_lengths_across_block_edges(T, is_causal):
+    N, K, H = (4, 1, 16) if T == 1000 else (6, 2, 5)
+    B = 1 if T == 1000 else 3
+    q, k, v = randn(T, B, T, N, H), randn(T + 1, B, T, K, H), randn(T + 2, B, T, K, H)
+    assert_close(*run_and_truth(q, k, v, is_causal=is_causal))
+
+
+def test_ragged_per_row_offsets_and_lengths():
+    # Decoding-style: each row's queries sit at its own position; some rows see nothing.
+    B, T, S, N, K, H = 4, 70, 150, 6, 3, 24
+    q, k, v = randn(1, B, T, N, H), randn(2, B, S, K, H), randn(3, B, S, K, H)
+    offsets = jnp.asarray([80, 0, -75, 140], jnp.int32)
+    lengths = jnp.asarray([150, 65, 150, 0], jnp.int32)
+    got, truth = run_and_truth(q, k, v, is_causal=True, q_offset=offsets, kv_lengths=lengths)
+    assert_close(got, truth)
+    assert (np.asarray(got[0][3]) == 0).all()  # a row with no keys gives zeros
+
+
+def test_vmap_over_an_extra_axis_equals_a_loop():
+    q, k, v = randn(1, 3, 2, 40, 4, 8), randn(2, 3, 2, 40, 2, 8), randn(3, 3, 2, 40, 2, 8)
+
+    def attend(q, k, v):
+        return nanoattn.dot_product_attention(q, k, v, is_causal=True, implementation="native")
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(jax.vmap(attend)(q, k, v)))
+
+    out = jax.jit(jax.vmap(attend))(q, k, v)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for i in range(3):
+        np.testing.assert_allclose(out[i], attend(q[i], k[i], v[i]), atol=1e-6)
+        one = jax.grad(lambda *a: jnp.sum(jnp.sin(attend(*a))), argnums=(0, 1, 2))
+        for g, r in zip(grads, one(q[i], k[i], v[i])):
+            np.testing.assert_allclose(g[i], r, atol=1e-6)
+
+
+def test_automatic_choice_takes_it_where_it_serves():
+    from nanoattn._dispatch import CPU_NATIVE_MIN_CELLS, choose
+    from nanoattn._spec import attention_spec
+
+    side = int(np.ceil(np.sqrt(CPU_NATIVE_MIN_CELLS)))
+    z = jnp.zeros((1, side, 2, 8))
+    assert choose(None, attention_spec(z, z, z, is_causal=True), jnp.float32, 0.0) == "native"
+    spec = attention_spec(z, z, z, bias=jnp.zeros((1, 1, side, side)))
+    assert choose(None, spec, jnp.float32, 0.0) != "native"
+    assert choose(None, attention_spec(z, z, z), jnp.bfloat16, 0.0) != "native"
+
+
+@pytest.mark.parametrize(
+    "kwargs, dtype, says",
+    [
+        (dict(bias=jnp.zeros((1, 1, 9, 9))), jnp.float32, "a dense mask or a bias"),
+        (dict(mask=jnp.ones((9, 9), bool)), jnp.float32, "a dense mask or a bias"),
+        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), jnp.float32, "dropout"),
+        ({}, jnp.bfloat16, "float32 inputs only, got bfloat16"),
+    ],
+)
+def test_a_call_it_cannot_serve_by_name_raises_one_line(kwargs, dtype, says):
+    z = jnp.zeros((1, 9, 2, 8), dtype)
+    with pytest.raises(ValueError, match="implementation='native' cannot serve") as info:
+        nanoattn.dot_product_attention(z, z, z, implementation="native", **kwargs)
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def fwd_bwd_temp_bytes(T):
+    shape = jax.ShapeDtypeStruct((1, T, 4, 32), jnp.float32)
+
+    def loss(q, k, v):
+        out = nanoattn.dot_product_attention(q, k, v, is_causal=True, implementation="native")
+        return jnp.sum(out)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_memory_is_linear_in_sequence_length():
+    # XLA's buffers around the kernel (the kernel's own scratch is per block, plus one
+    # dq accumulator per worker: O(T) too, by construction in attention.cc).
+    at_8k, at_16k = fwd_bwd_temp_bytes(8192), fwd_bwd_temp_bytes(16384)
+    assert at_16k <= 32 * 2**20, at_16k
+    assert at_16k / at_8k <= 2.1, (at_8k, at_16k)
+
+
+def test_without_a_compiler_it_says_so_once_and_the_pure_jax_kernels_serve(tmp_path):
+    script = (
+        "import warnings, jax.numpy as jnp, nanoattn\n"
+        "from nanoattn import _native\n"
+        "from nanoattn._dispatch import choose\n"
+        "from nanoattn._spec import attention_spec\n"
+        "z = jnp.ones((1, 300, 2, 8))\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(choose(None, attention_spec(z, z, z, is_causal=True), z.dtype, 0.0))\n"
+        "    choose(None, attention_spec(z, z, z, is_causal=True), z.dtype, 0.0)\n"
+        "    out = nanoattn.dot_product_attention(z[:, :9], z[:, :9], z[:, :9], is_causal=True)\n"
+        "print(len(caught), caught[0].message)\n"
+        "print(float(out.sum()))\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"),
+               NANOATTN_CACHE_DIR=str(tmp_path / "cache"))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    choice, warning, total = done.stdout.strip().splitlines()
+    assert choice == "flash"
+    assert warning.startswith("1 nanoattn: the native CPU kernel is not available (no C++")
+    assert float(total) == pytest.approx(9 * 2 * 8)
+    assert not any(pathlib.Path(tmp_path / "cache").glob("*.so"))
