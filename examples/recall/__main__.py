@@ -14,7 +14,11 @@ def _optional_int(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
 
-_TYPES = {int: int, float: float, int | None: _optional_int}
+def _optional_str(text: str) -> str | None:
+    return None if text.lower() == "none" else text
+
+
+_TYPES = {int: int, float: float, int | None: _optional_int, str | None: _optional_str}
 
 
 def _add_dataclass_options(parser, cls, skip=()):

@@ -1,26 +1,31 @@
 """The synthetic tasks, generated on the fly: multi-query associative recall and copy.
 
-Both are solved by looking back over the whole context (an induction head: find the
-earlier occurrence of the current token, read the token after it), so only attention
-can solve them. Every batch is a pure function of ``(seed, step)``: a resumed run sees
-exactly the batches the uninterrupted run would have seen, in the same order. The
-held-out sequences come from a stream no training step draws from.
+Both are solved by one lookup over the whole context: find the earlier occurrence of
+the current token and read the token just before it. Only attention can do that (a
+local first layer brings each token its predecessor, a global second layer finds
+the match), and the one lookup serves both tasks.
+
+Every batch is a pure function of ``(seed, step)``: a resumed run sees exactly the
+batches the uninterrupted run would have seen, in the same order. The held-out
+sequences come from a stream no training step draws from.
 
 Vocabulary (V = 4 + n_keys + n_values)::
 
     0 PAD   1 SEP   2 RECALL   3 COPY   4 .. 4+n_keys-1 keys   then the values
 
-Associative recall (P pairs, then Q = (T - 2 - 2P) / 2 queries: every key once in a
-random order, then again in another order, and so on until the sequence is full)::
+Associative recall (P pairs, each value written just before its key, then
+Q = (T - 2 - 2P) / 2 queries: every key once in a random order, then again in another
+order, and so on until the sequence is full)::
 
-    RECALL k1 v1 k2 v2 ... kP vP SEP q1 a1 q2 a2 ... qQ aQ        a_i = value of key q_i
+    RECALL v1 k1 v2 k2 ... vP kP SEP q1 a1 q2 a2 ... qQ aQ        a_i = value of key q_i
 
-Copy (n distinct symbols from keys and values, 1 <= n <= (T - 3) // 2; right-padded)::
+Copy, backwards (n distinct symbols from keys and values, 1 <= n <= (T - 3) // 2;
+right-padded): the sequence written again from its last symbol to its first::
 
-    COPY s1 s2 ... sn COPY s1 s2 ... sn COPY PAD ...
+    COPY s1 s2 ... sn COPY sn ... s2 s1 COPY PAD ...
 
 The targets (``answers``, True where a token is to be predicted from the tokens before
-it) are the a_i, and the second s1 .. sn with the closing COPY (the stop token).
+it) are the a_i, and the copy sn .. s1 with the closing COPY (the stop token).
 """
 
 import dataclasses
@@ -119,7 +124,8 @@ def copy(rng: np.random.Generator, task: TaskConfig, rows: int, lengths=None):
     tokens = np.full((rows, T), PAD, np.int32)
     is_answer = np.zeros((rows, T), bool)
     for row, n in enumerate(lengths):
-        tokens[row, : 2 * n + 3] = [COPY, *source[row, :n], COPY, *source[row, :n], COPY]
+        symbols = source[row, :n].tolist()
+        tokens[row, : 2 * n + 3] = [COPY, *symbols, COPY, *symbols[::-1], COPY]
         is_answer[row, n + 2 : 2 * n + 3] = True
     return tokens, is_answer
 

@@ -44,10 +44,10 @@ class TrainConfig:
     """
 
     seed: int = 0
-    steps: int = 1500
-    batch: int = 64
+    steps: int = 2000
+    batch: int = 32
     lr: float = 3e-3
-    warmup: int = 100
+    warmup: int = 50
     weight_decay: float = 0.01
     eval_every: int = 100
     eval_recall: int = 1000
@@ -104,9 +104,14 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def build(run: Run) -> tuple[Decoder, nnx.Optimizer]:
-    """The model and optimizer at step 0 of ``run``."""
-    model = Decoder(run.model, rngs=nnx.Rngs(run.train.seed))
-    return model, nnx.Optimizer(model, optimizer(run.train), wrt=nnx.Param)
+    """The model and optimizer at step 0 of ``run`` (initialised in one compiled call)."""
+
+    @nnx.jit
+    def create():
+        model = Decoder(run.model, rngs=nnx.Rngs(run.train.seed))
+        return model, nnx.Optimizer(model, optimizer(run.train), wrt=nnx.Param)
+
+    return create()
 
 
 def answer_loss(logits, tokens, answers):
@@ -123,9 +128,10 @@ def step_function(graphdef, seed: int):
     @jax.jit
     def train_step(state, tokens, answers, step):
         model, opt = nnx.merge(graphdef, state)
-        rngs = nnx.Rngs(dropout=jax.random.fold_in(jax.random.key(seed), step))
+        key = jax.random.fold_in(jax.random.key(seed), step)
 
         def loss_fn(model):
+            rngs = nnx.Rngs(dropout=key)
             logits = model(tokens[:, :-1], deterministic=False, rngs=rngs)
             return answer_loss(logits, tokens, answers)
 
@@ -153,12 +159,16 @@ def evaluate(model: Decoder, held_out: dict) -> dict:
     every answer is the model's top token given the tokens before it. For both tasks
     that is also what greedy generation gets right: every answer follows its query
     (recall), or the previous answers, which are then right too (copy)."""
-    out = {}
-    for task, (tokens, answers) in held_out.items():
-        exact, right = _correct(model, tokens, answers, chunk=250)
-        out[task] = float(exact.mean())
+    tokens = np.concatenate([t for t, _ in held_out.values()])  # one compiled call
+    answers = np.concatenate([a for _, a in held_out.values()])
+    exact, right = jax.device_get(_correct(model, tokens, answers, chunk=250))
+    out, start = {}, 0
+    for task, (t, a) in held_out.items():
+        rows = slice(start, start + len(t))
+        out[task] = float(exact[rows].mean())
         if task == "recall":
-            out["recall_answers"] = float(right.sum() / answers.sum())
+            out["recall_answers"] = float(right[rows].sum() / a[:, 1:].sum())
+        start += len(t)
     return out
 
 
@@ -187,7 +197,7 @@ def train(
         shutil.rmtree(ckpt_dir)
     model, opt = build(run)
     graphdef, state = nnx.split((model, opt))
-    start = checkpoint.latest(ckpt_dir) or 0
+    start, pending = checkpoint.latest(ckpt_dir) or 0, []
     if start:
         saved = Run.from_json(checkpoint.load_meta(ckpt_dir, start))
         if saved.to_json() | {"history": []} != run.to_json() | {"history": []}:
@@ -196,6 +206,7 @@ def train(
                 "replace it, or choose another --out"
             )
         run.history = saved.history
+        pending = [np.float32(x) for x in checkpoint.load_meta(ckpt_dir, start)["pending"]]
         restored = checkpoint.load_state(ckpt_dir, start, state.to_pure_dict())
         nnx.replace_by_pure_dict(state, restored)
         log(f"resuming from the checkpoint at step {start} in {ckpt_dir}")
@@ -208,30 +219,31 @@ def train(
     bar = tqdm(
         total=cfg.steps, initial=start, desc="train", unit="step", disable=not progress, ncols=110
     )
-    losses, last_eval = [], {}
+    losses, last_eval = pending, {}  # the losses of the steps since the last record
     window_start, window_tokens = time.perf_counter(), 0
 
     def save(step):
-        checkpoint.save(mngr, step, nnx.state((model, opt)).to_pure_dict(), run.to_json())
+        meta = run.to_json() | {"pending": [float(x) for x in jax.device_get(losses)]}
+        checkpoint.save(mngr, step, nnx.state((model, opt)).to_pure_dict(), meta)
 
-    step = start
+    done = start  # the last step whose update is in `state` and whose loss is in `losses`
     try:
         for step in range(start + 1, stop + 1):
             tokens, answers = data.train_batch(cfg.seed, step, run.task, cfg.batch)
-            state, loss = train_step(state, tokens, answers, step)
-            losses.append(loss)
+            new_state, loss = train_step(state, tokens, answers, step)
+            state, losses, done = new_state, [*losses, loss], step
             window_tokens += tokens_per_step
             bar.update()
-            if step % cfg.log_every == 0 or step == stop:
-                mean = float(np.mean(jax.device_get(losses)))
+            if step % cfg.log_every == 0:
+                mean = float(np.mean(np.asarray(jax.device_get(losses), np.float32)))
                 run.history.append({"step": step, "loss": mean})
-                now = time.perf_counter()
+                losses, now = [], time.perf_counter()
                 bar.set_postfix_str(
                     f"loss {mean:.4f}, {window_tokens / (now - window_start):,.0f} tok/s"
                     + (f", recall {last_eval['recall']:.1%}" if last_eval else ""),
                     refresh=False,
                 )
-                losses, window_start, window_tokens = [], now, 0
+                window_start, window_tokens = now, 0
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 nnx.update((model, opt), state)
                 last_eval = evaluate(model, held_out)
@@ -248,12 +260,10 @@ def train(
                 save(step)
                 window_start = time.perf_counter()
     except KeyboardInterrupt:
-        step -= 1  # the step in flight may not have finished: keep the last whole one
-        bar.write(f"interrupted: saving step {step}")
-        losses = []
-        if step > start:
+        bar.write(f"interrupted: saving step {done}")
+        if done > start:
             nnx.update((model, opt), state)
-            save(step)
+            save(done)
         raise
     finally:
         bar.close()
