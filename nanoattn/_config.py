@@ -62,6 +62,19 @@ class AttentionConfig:
       dtype: the compute dtype of projections and attention, and the dtype of
         the KV cache; None means the input's dtype.
       param_dtype: the dtype of the parameters.
+      head_axis: None, or the mesh axis that shards the heads (tensor
+        parallelism, e.g. ``"model"``): the parameters carry logical axis
+        names (``nanoattn.parallel.logical_rules``) and q, k, v and the
+        attention output are sharded over heads; the output projection
+        reduces once. Needs ``jax.set_mesh``; the axis size must divide K.
+      sequence_axis: None, or the mesh axis that shards the sequence
+        (e.g. ``"sp"``): self-attention runs ``nanoattn.parallel.ring_attention``
+        over it (causal, no dense mask, no dropout, no KV cache). The layer's
+        input and output are then in ``sequence_layout`` order along T, and
+        the default RoPE positions follow it.
+      sequence_layout: ``"zigzag"`` (the default) or ``"contiguous"``, the
+        layout of the sequence over ``sequence_axis``
+        (``nanoattn.parallel.to_zigzag``).
 
     Example:
       >>> config = AttentionConfig(d_model=128, n_heads=4, n_kv_heads=2, window=16)
@@ -81,6 +94,9 @@ class AttentionConfig:
     use_bias: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    head_axis: str | None = None
+    sequence_axis: str | None = None
+    sequence_layout: str = "zigzag"
 
     def __post_init__(self):
         if self.n_heads < 1:
@@ -102,6 +118,7 @@ class AttentionConfig:
             )
         self._check_kv_heads()
         self._check_rope()
+        self._check_mesh_axes()
         object.__setattr__(self, "window", normalize_window(self.window))
         object.__setattr__(self, "logit_soft_cap", check_soft_cap(self.logit_soft_cap))
         for name in ("qk_norm", "use_bias"):
@@ -124,6 +141,21 @@ class AttentionConfig:
                 f"n_kv_heads={K} does not divide n_heads={self.n_heads}, so the query heads "
                 f"cannot share key/value heads in equal groups; key/value head counts that "
                 f"divide {self.n_heads}: {_divisors(self.n_heads)}"
+            )
+
+    def _check_mesh_axes(self) -> None:
+        for name in ("head_axis", "sequence_axis"):
+            axis = getattr(self, name)
+            if axis is not None and not isinstance(axis, str):
+                raise TypeError(f"{name} must be a mesh axis name (str) or None, got {axis!r}")
+        if self.head_axis is not None and self.head_axis == self.sequence_axis:
+            raise ValueError(
+                f"head_axis and sequence_axis must be different mesh axes, got "
+                f"{self.head_axis!r} for both"
+            )
+        if self.sequence_layout not in ("zigzag", "contiguous"):
+            raise ValueError(
+                f"sequence_layout must be 'zigzag' or 'contiguous', got {self.sequence_layout!r}"
             )
 
     def _check_rope(self) -> None:

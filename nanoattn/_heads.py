@@ -89,9 +89,19 @@ def attend(
     B, T, _, _ = q.shape
     rate = 0.0 if deterministic else cfg.dropout
     rng = params.dropout_rng() if rate > 0.0 else None
-    out = dot_product_attention(
-        q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=cfg.implementation, **mask_args
-    )
+    if cfg.head_axis is None and cfg.sequence_axis is None:
+        out = dot_product_attention(
+            q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=cfg.implementation,
+            **mask_args,
+        )  # fmt: skip
+    else:  # sharded over a mesh: nanoattn.parallel
+        from .parallel._layers import attend_sharded
+
+        if rng is not None:
+            mask_args = {**mask_args, "dropout_rng": rng}
+        out = attend_sharded(
+            cfg, q, k, v, dropout_rate=rate, implementation=cfg.implementation, **mask_args
+        )
     params.sow_weights(lambda: attention_weights(q, k, **mask_args))
     merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)
     check_shape(

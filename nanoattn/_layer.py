@@ -25,6 +25,7 @@ from ._heads import (
 from ._masks import padding_mask
 from ._trace import check_shape
 from ._validate import expect_bool, expect_integer, expect_shape
+from .parallel._layers import default_positions
 
 
 def _int_per_token(name: str, value, axes: str, dims) -> jnp.ndarray:
@@ -89,7 +90,7 @@ def self_attention(
     dtype = compute_dtype(cfg, x)
     options = core_options(cfg, positional=True)
     if positions is None:
-        positions = jnp.arange(T)
+        positions = jnp.arange(T) if cfg.sequence_axis is None else default_positions(cfg, T)
     elif jnp.ndim(positions) == 1:
         positions = _int_per_token("positions", positions, "T", (T,))
     else:

@@ -20,7 +20,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 import nanoattn
 from nanoattn.parallel import from_zigzag, ring_attention, to_zigzag
@@ -229,6 +229,70 @@ def leak(name, P: int = 4, planted: bool = False):
     }  # fmt: skip
 
 
+def layer_case(name, shape, names, framework="linen", **axes):
+    """A layer whose config names mesh axes, on a mesh of ``shape``, against the
+    same layer and parameters on one device; its compiled program's all-gathers
+    and all-reduces. With ``sequence_axis`` the input is in zigzag order."""
+    import flax.linen as nn
+    from flax import nnx
+    from jax.sharding import AxisType
+
+    from nanoattn import linen as nl
+    from nanoattn import nnx as nanonnx
+    from nanoattn.parallel import logical_rules
+
+    sizes = dict(d_model=48, n_heads=6, n_kv_heads=2, rope_base=10000.0)
+    x = jax.random.normal(jax.random.key(1), (B, 16, 48))
+    plain = nl.CausalSelfAttention(nl.AttentionConfig(**sizes))
+    params = plain.init(jax.random.key(0), x, deterministic=True)
+    expected = plain.apply(params, x, deterministic=True)
+    devices = jax.devices()[: int(np.prod(shape))]
+    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
+    cfg = nl.AttentionConfig(**sizes, **axes)
+    P = mesh.shape.get(axes.get("sequence_axis"), 1)
+    x_in = to_layout(x, P, "zigzag") if "sequence_axis" in axes else x
+    with jax.set_mesh(mesh):
+        if framework == "linen":
+            layer = nl.CausalSelfAttention(cfg)
+            boxed = jax.eval_shape(lambda: layer.init(jax.random.key(0), x, deterministic=True))
+            specs = nn.get_partition_spec(boxed)
+            shardings = nn.logical_to_mesh_sharding(specs, mesh, logical_rules("model"))
+            placed = jax.device_put(params, shardings)
+
+            def apply(p, x):
+                return layer.apply(p, x, deterministic=True)
+        else:
+            model = nanonnx.from_linen(cfg, params, rngs=nnx.Rngs(0))
+            graph, state = nnx.split(model)
+            logical = nnx.get_partition_spec(state)  # the parameters' logical names
+
+            def is_spec(s):
+                return isinstance(s, jax.sharding.PartitionSpec)
+
+            specs = jax.tree.map(
+                lambda s: nn.logical_to_mesh_axes(tuple(s), logical_rules("model")),
+                logical,
+                is_leaf=is_spec,
+            )
+            shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+            placed = jax.device_put(state, shardings)
+
+            def apply(state, x):
+                return nnx.merge(graph, state)(x, deterministic=True)
+
+        compiled = jax.jit(apply).lower(placed, x_in).compile()
+        y = np.asarray(compiled(placed, x_in))
+    if "sequence_axis" in axes:
+        y = from_layout(y, P, "zigzag")
+    text = compiled.as_text()
+    return {
+        "case": name, "err": float(np.max(np.abs(y - np.asarray(expected)))),
+        "all_gathers": text.count("all-gather("), "all_reduces": text.count("all-reduce("),
+        "out_kernel": str(jax.tree.leaves(
+            specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))[1]),
+    }  # fmt: skip
+
+
 CASES = [
     lambda: compare("p8-zigzag-causal-lengths-segments", 8, "zigzag", is_causal=True,
                     lengths=True, ids=True),
@@ -238,6 +302,7 @@ CASES = [
                     window=(5, 0)),
     lambda: leak("leak-honest"),
     lambda: leak("leak-planted", planted=True),
+    lambda: layer_case("layer-heads-linen", (2,), ("model",), head_axis="model"),
 ]  # fmt: skip
 
 

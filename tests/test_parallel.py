@@ -69,6 +69,14 @@ def test_check_causality_passes_the_ring_and_catches_a_planted_leak(cases):
     assert not cases["leak-planted"]["passed"], cases["leak-planted"]["report"]
 
 
+def test_head_parallel_layer_equals_one_device_and_gathers_nothing(cases):
+    case = cases["layer-heads-linen"]
+    assert case["err"] <= 1e-5, case
+    # q, k, v stay sharded over heads; the output projection reduces once
+    assert case["all_gathers"] == 0 and case["all_reduces"] == 1, case
+    assert case["out_kernel"] == "P('joined_heads', 'embed')", case
+
+
 @pytest.fixture(scope="module")
 def slow_cases():
     return _run_cases("--slow")
@@ -89,6 +97,14 @@ def test_ring_grid_equals_the_reference(slow_cases, name):
     zigzag chunk pairs, soft-capping with lengths."""
     case = slow_cases[name]
     assert case["out_err"] <= 1e-5 and case["grad_err"] <= 1e-4, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["layer-2d-linen", "layer-heads-nnx"])
+def test_2d_and_nnx_layers_equal_one_device_and_gather_nothing(slow_cases, name):
+    case = slow_cases[name]
+    assert case["err"] <= 1e-5, case
+    assert case["all_gathers"] == 0 and case["all_reduces"] == 1, case
 
 
 @pytest.mark.slow
@@ -144,3 +160,33 @@ def test_ring_errors_name_the_sizes():
         ring_attention(odd, odd, odd, axis_name="sp", mesh=_mesh1())
     with pytest.raises(ValueError, match=r"key must have shape \(B, S, K, H\)"):
         ring_attention(q, q[:, :4], q[:, :4], axis_name="sp", mesh=_mesh1(), layout="contiguous")
+
+
+def test_config_mesh_axes_are_checked_and_default_to_none():
+    from nanoattn.linen import AttentionConfig
+
+    cfg = AttentionConfig()
+    assert (cfg.head_axis, cfg.sequence_axis, cfg.sequence_layout) == (None, None, "zigzag")
+    with pytest.raises(ValueError, match=r"different mesh axes, got 'x' for both"):
+        AttentionConfig(head_axis="x", sequence_axis="x")
+    with pytest.raises(ValueError, match=r"sequence_layout must be 'zigzag' or 'contiguous'"):
+        AttentionConfig(sequence_layout="ring")
+    with pytest.raises(TypeError, match=r"head_axis must be a mesh axis name"):
+        AttentionConfig(head_axis=2)
+
+
+def test_layer_without_a_mesh_computes_as_one_device():
+    from nanoattn.linen import AttentionConfig, CausalSelfAttention
+
+    x = jax.random.normal(jax.random.key(1), (2, 8, 32))
+    plain = CausalSelfAttention(AttentionConfig(d_model=32, n_heads=4))
+    params = plain.init(jax.random.key(0), x, deterministic=True)
+    sharded = CausalSelfAttention(AttentionConfig(d_model=32, n_heads=4, head_axis="model"))
+    boxed = sharded.init(jax.random.key(0), x, deterministic=True)
+    import flax.linen as nn
+
+    assert nn.get_partition_spec(boxed)["params"]["out"]["kernel"] == jax.sharding.PartitionSpec(
+        "joined_heads", "embed"
+    )
+    y = sharded.apply(params, x, deterministic=True)
+    assert jnp.array_equal(y, plain.apply(params, x, deterministic=True))

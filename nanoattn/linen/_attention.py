@@ -12,6 +12,7 @@ import flax.linen as nn
 from .. import _kv_cache, _layer
 from .._config import AttentionConfig
 from .._heads import compute_dtype
+from ..parallel._layers import parameter_axes
 from ._norm import HeadRMSNorm
 
 # The "cache" collection: {"key": (B, S, K, H), "value": (B, S, K, H), "position": (B,)}.
@@ -30,9 +31,19 @@ class _Parameters:
 
     def dense(self, name, x, features, dtype):
         cfg = self.cfg
+        inits = {}
+        if cfg.head_axis is not None:  # logical axis names (nanoattn.parallel.logical_rules)
+            kernel_axes, bias_axes = parameter_axes(name)
+            inits = {
+                "kernel_init": nn.with_logical_partitioning(
+                    nn.linear.default_kernel_init, kernel_axes
+                ),
+                "bias_init": nn.with_logical_partitioning(nn.initializers.zeros_init(), bias_axes),
+            }
         layer = nn.Dense(
-            features, use_bias=cfg.use_bias, dtype=dtype, param_dtype=cfg.param_dtype, name=name
-        )
+            features, use_bias=cfg.use_bias, dtype=dtype, param_dtype=cfg.param_dtype, name=name,
+            **inits,
+        )  # fmt: skip
         return layer(x)
 
     def norm(self, name, x, dtype):

@@ -14,6 +14,7 @@ from flax import nnx
 
 from .. import _kv_cache, _layer
 from .._config import AttentionConfig, _float_dtype
+from ..parallel._layers import parameter_axes
 from ._parameters import HeadRMSNorm, Parameters
 
 _OVERFLOW_HINT = "create a larger cache with module.init_cache(batch, max_len)"
@@ -50,7 +51,7 @@ class _Attention(nnx.Module):
         cfg = AttentionConfig.from_config(config)
         self.config = cfg
         D, H = cfg.d_model, cfg.head_dim
-        self.out = self._linear(D, D, rngs)
+        self.out = self._linear(D, D, rngs, "out")
         if cfg.qk_norm:
             self.q_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
             self.k_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
@@ -58,11 +59,19 @@ class _Attention(nnx.Module):
         self.deterministic = deterministic
         self.rngs = nnx.data(rngs.dropout.fork() if cfg.dropout > 0 else None)
 
-    def _linear(self, d_in: int, features: int, rngs: nnx.Rngs) -> nnx.Linear:
+    def _linear(self, d_in: int, features: int, rngs: nnx.Rngs, name: str) -> nnx.Linear:
         cfg = self.config
+        metadata = {}
+        if cfg.head_axis is not None:  # logical axis names (nanoattn.parallel.logical_rules)
+            kernel_axes, bias_axes = parameter_axes(name)
+            metadata = {
+                "kernel_metadata": {"sharding_names": kernel_axes, "eager_sharding": False},
+                "bias_metadata": {"sharding_names": bias_axes, "eager_sharding": False},
+            }
         return nnx.Linear(
-            d_in, features, use_bias=cfg.use_bias, param_dtype=cfg.param_dtype, rngs=rngs
-        )
+            d_in, features, use_bias=cfg.use_bias, param_dtype=cfg.param_dtype, rngs=rngs,
+            **metadata,
+        )  # fmt: skip
 
     def _deterministic(self, deterministic: bool | None) -> bool:
         return self.deterministic if deterministic is None else deterministic
@@ -142,7 +151,7 @@ class CausalSelfAttention(_Attention):
         super().__init__(config, sow_weights=sow_weights, deterministic=deterministic, rngs=rngs)
         cfg = self.config
         width = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim  # (N + 2K) H
-        self.qkv = self._linear(cfg.d_model, width, rngs)
+        self.qkv = self._linear(cfg.d_model, width, rngs, "qkv")
         self.cache = nnx.data(None)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
@@ -266,8 +275,8 @@ class CrossAttention(_Attention):
     ):
         super().__init__(config, sow_weights=sow_weights, deterministic=deterministic, rngs=rngs)
         cfg = self.config
-        self.q = self._linear(cfg.d_model, cfg.d_model, rngs)
-        self.kv = self._linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, rngs)
+        self.q = self._linear(cfg.d_model, cfg.d_model, rngs, "q")
+        self.kv = self._linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, rngs, "kv")
 
     def __call__(
         self,

@@ -1,8 +1,10 @@
 """Parallel attention on a ``jax.sharding.Mesh``: sequence-parallel ring attention
 (:func:`ring_attention`) and the layouts of its shards (:func:`to_zigzag`,
-:func:`from_zigzag`). docs/parallel.md shows the mesh setup and what the tests
+:func:`from_zigzag`), and the default rules from the layers' logical parameter
+axes to mesh axes (:func:`logical_rules`). docs/parallel.md shows the mesh setup and what the tests
 prove."""
 
+from ._layers import logical_rules as logical_rules
 from ._ring import ring_attention as ring_attention
 from ._zigzag import from_zigzag as from_zigzag
 from ._zigzag import to_zigzag as to_zigzag
