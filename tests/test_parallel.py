@@ -190,3 +190,42 @@ def test_layer_without_a_mesh_computes_as_one_device():
     )
     y = sharded.apply(params, x, deterministic=True)
     assert jnp.array_equal(y, plain.apply(params, x, deterministic=True))
+
+
+@pytest.mark.slow
+def test_ring_across_two_processes_equals_one_process(tmp_path):
+    """Two processes on 127.0.0.1 (jax.distributed, gloo), 4 CPU devices each:
+    the ring over the 8 global devices equals the one-device reference."""
+    import socket
+
+    import nanoattn
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from parallel_multiprocess import inputs
+
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.npy"
+    worker = SCRIPT.with_name("parallel_multiprocess.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(port), str(i), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [log[1][-2000:] for log in logs]
+    q, k, v = inputs()
+    expected = nanoattn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    got = from_zigzag(np.load(out), 8)
+    assert float(jnp.max(jnp.abs(got - expected))) <= 1e-5
