@@ -23,7 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 import nanoattn
-from nanoattn.parallel import from_zigzag, ring_attention, to_zigzag
+from nanoattn.parallel import ring_attention
+from nanoattn.parallel._zigzag import zigzag_order
 
 B, N, K, H = 2, 6, 3, 8
 
@@ -33,12 +34,11 @@ def mesh_of(P: int, name: str = "sp") -> Mesh:
 
 
 def inputs(T: int, dtype=jnp.float32, seed: int = 0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (B, T, N, H), dtype)
-    k = jax.random.normal(keys[1], (B, T, K, H), dtype)
-    v = jax.random.normal(keys[2], (B, T, K, H), dtype)
-    probe = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)  # d(out) of the vjp
-    return q, k, v, probe
+    """q (B, T, N, H), k, v (B, T, K, H) and the probe (d out), from numpy (no compile)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((B, T, heads, H), np.float32) for heads in (N, K, K))
+    probe = rng.standard_normal((B, T, N, H), np.float32)
+    return (*(jnp.asarray(x, dtype) for x in (q, k, v)), probe)
 
 
 def segments(T: int):
@@ -47,14 +47,23 @@ def segments(T: int):
     return jnp.asarray((np.arange(T)[None] >= cut).astype(np.int32))
 
 
+def _permute(x, P: int, order):
+    x = np.asarray(x)
+    chunks = x.reshape(x.shape[0], 2 * P, -1, *x.shape[2:])  # (B, 2P, C, ...)
+    return np.take(chunks, order, axis=1).reshape(x.shape)
+
+
 def to_layout(x, P: int, layout: str):
     """A natural-order (B, T, ...) array in the layout's order, permuted on the host
-    (as a data loader would), so the compiled program holds only the ring."""
-    return x if x is None or layout == "contiguous" else np.asarray(to_zigzag(x, P))
+    with numpy (as a data loader would; ``to_zigzag`` is tested in-process), so
+    the compiled program holds only the ring."""
+    if x is None or layout == "contiguous":
+        return x
+    return _permute(x, P, zigzag_order(P))
 
 
 def from_layout(x, P: int, layout: str):
-    return x if layout == "contiguous" else np.asarray(from_zigzag(x, P))
+    return x if layout == "contiguous" else _permute(x, P, np.argsort(zigzag_order(P)))
 
 
 def ring_vjp(P, layout, mesh, **options):
@@ -73,17 +82,47 @@ def ring_vjp(P, layout, mesh, **options):
     return jax.jit(run)
 
 
-def reference(q, k, v, probe, kv_lengths=None, ids=None, **options):
-    """The one-device reference, eagerly (its small ops compile once per shape)."""
+def reference(q, k, v, probe, kv_lengths=None, ids=None, *, is_causal=False, window=None,
+              logit_soft_cap=None):  # fmt: skip
+    """An independent float64 numpy reference: the output and the gradients of
+    sum(out * probe), by hand. Query i sees key j iff every rule allows it
+    (docs/conventions.md); a row that sees nothing is zero, with zero gradients."""
+    q, k, v, probe = (np.asarray(x, np.float64) for x in (q, k, v, probe))
+    T, S, G = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)  # head n uses kv head n // G
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    allowed = np.ones((B, 1, T, S), bool)
+    if is_causal:
+        allowed &= j <= i
+    if window is not None:
+        left, right = window
+        allowed &= (j >= i - left) & (j <= i + right)
+    if kv_lengths is not None:
+        allowed &= j < np.asarray(kv_lengths)[:, None, None, None]
+    if ids is not None:
+        ids = np.asarray(ids)
+        allowed &= (ids[:, :, None] == ids[:, None, :])[:, None]
+    scale = 1 / np.sqrt(q.shape[-1])
+    raw = np.einsum("BTNH,BSNH->BNTS", q, k) * scale
+    logits = raw if logit_soft_cap is None else logit_soft_cap * np.tanh(raw / logit_soft_cap)
+    logits = np.where(allowed, logits, -np.inf)
+    top = np.max(logits, -1, keepdims=True)
+    e = np.where(allowed, np.exp(logits - np.where(np.isfinite(top), top, 0)), 0)
+    total = e.sum(-1, keepdims=True)
+    p = np.where(total > 0, e / np.where(total > 0, total, 1), 0)  # (B, N, T, S)
+    out = np.einsum("BNTS,BSNH->BTNH", p, v)
+    dv = np.einsum("BNTS,BTNH->BSNH", p, probe)
+    dp = np.einsum("BTNH,BSNH->BNTS", probe, v)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    if logit_soft_cap is not None:
+        ds = ds * (1 - np.tanh(raw / logit_soft_cap) ** 2)
+    dq = np.einsum("BNTS,BSNH->BTNH", ds, k) * scale
+    dk = np.einsum("BNTS,BTNH->BSNH", ds, q) * scale
 
-    def fn(q, k, v):
-        return nanoattn.dot_product_attention(
-            q, k, v, implementation="xla", kv_lengths=kv_lengths, q_segment_ids=ids,
-            kv_segment_ids=ids, **options,
-        )  # fmt: skip
+    def per_kv_head(x):  # (B, S, N, H) -> (B, S, K, H): sum each group
+        return x.reshape(x.shape[0], x.shape[1], -1, G, x.shape[3]).sum(3)
 
-    out, vjp = jax.vjp(fn, q, k, v)
-    return out, vjp(probe.astype(out.dtype))
+    return out, (dq, per_kv_head(dk), per_kv_head(dv))
 
 
 def compare(name, P, layout, *, T=None, dtype=jnp.float32, lengths=False, ids=False, **options):
@@ -104,7 +143,7 @@ def compare(name, P, layout, *, T=None, dtype=jnp.float32, lengths=False, ids=Fa
     return {
         "case": name, "P": P, "layout": layout, "dtype": jnp.dtype(dtype).name,
         "out_err": err(out, ref_out), "grad_err": max(map(err, grads, ref_grads)),
-        "out_scale": float(jnp.max(jnp.abs(ref_out.astype(jnp.float32)))),
+        "out_scale": float(np.max(np.abs(ref_out))),
         "seconds": seconds,
     }  # fmt: skip
 
@@ -242,10 +281,10 @@ def layer_case(name, shape, names, framework="linen", **axes):
     from nanoattn.parallel import logical_rules
 
     sizes = dict(d_model=48, n_heads=6, n_kv_heads=2, rope_base=10000.0)
-    x = jax.random.normal(jax.random.key(1), (B, 16, 48))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((B, 16, 48), np.float32))
     plain = nl.CausalSelfAttention(nl.AttentionConfig(**sizes))
-    params = plain.init(jax.random.key(0), x, deterministic=True)
-    expected = plain.apply(params, x, deterministic=True)
+    params = jax.jit(lambda key: plain.init(key, x, deterministic=True))(jax.random.key(0))
+    expected = jax.jit(lambda p, x: plain.apply(p, x, deterministic=True))(params, x)
     devices = jax.devices()[: int(np.prod(shape))]
     mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
     cfg = nl.AttentionConfig(**sizes, **axes)
@@ -341,8 +380,10 @@ def main(argv):
     cases = SLOW_CASES if "--slow" in argv else CASES
     only = [a for a in argv if not a.startswith("--")]
     for case in cases:
+        start = time.perf_counter()
         try:
             result = case()
+            result["wall"] = round(time.perf_counter() - start, 2)
         except Exception:
             result = {"case": "?", "error": traceback.format_exc()}
         if only and result["case"] not in only:
