@@ -93,6 +93,7 @@ class Run:
         return [h for h in self.history if "recall" in h]
 
 
+@functools.cache  # one object per config: equal graph definitions, one compiled step
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr / 10
@@ -105,13 +106,17 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 def build(run: Run) -> tuple[Decoder, nnx.Optimizer]:
     """The model and optimizer at step 0 of ``run`` (initialised in one compiled call)."""
+    return _initialiser(run.model, run.train)()
 
+
+@functools.cache  # compiled once per configuration
+def _initialiser(model: ModelConfig, cfg: TrainConfig):
     @nnx.jit
     def create():
-        model = Decoder(run.model, rngs=nnx.Rngs(run.train.seed))
-        return model, nnx.Optimizer(model, optimizer(run.train), wrt=nnx.Param)
+        decoder = Decoder(model, rngs=nnx.Rngs(cfg.seed))
+        return decoder, nnx.Optimizer(decoder, optimizer(cfg), wrt=nnx.Param)
 
-    return create()
+    return create
 
 
 def answer_loss(logits, tokens, answers):
@@ -197,6 +202,8 @@ def train(
         shutil.rmtree(ckpt_dir)
     model, opt = build(run)
     graphdef, state = nnx.split((model, opt))
+    # Committed to the device, as restored arrays are: the same compiled step either way.
+    state = jax.device_put(state, jax.devices()[0])
     start, pending = checkpoint.latest(ckpt_dir) or 0, []
     if start:
         saved = Run.from_json(checkpoint.load_meta(ckpt_dir, start))
