@@ -13,6 +13,8 @@ Environment:
   CXX: the compiler (default: ``c++``, then ``g++``, then ``clang++`` on PATH).
   NANOATTN_CACHE_DIR: where the built library goes.
   NANOATTN_NATIVE=0: do not build or use the native kernel.
+  NANOATTN_NATIVE_CFLAGS: extra compiler flags, space-separated (for example
+    ``-DNANOATTN_BQ=128 -DNANOATTN_BK=64`` to try other block sizes).
   NANOATTN_NATIVE_SANITIZE: e.g. ``address,undefined``: build with those
     sanitizers (the process must preload their runtimes; see docs/testing.md).
 """
@@ -63,6 +65,7 @@ def flags() -> list[str]:
     """The compiler flags of this build (machine, sanitizers and headers included)."""
     sanitize = os.environ.get("NANOATTN_NATIVE_SANITIZE", "")
     extra = [f"-fsanitize={sanitize}", *SANITIZE_FLAGS] if sanitize else ["-march=native"]
+    extra += os.environ.get("NANOATTN_NATIVE_CFLAGS", "").split()
     return [*FLAGS, *extra, "-isystem", jax.ffi.include_dir()]
 
 

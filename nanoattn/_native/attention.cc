@@ -111,8 +111,12 @@ void gemm(int M, int N, int L, const float* A, long a_row, long a_col, const flo
     const float* a = A + i * a_row;
     float* c = C + i * ldc;
     int j = 0;
-    for (; j + 3 * VW <= N; j += 3 * VW) micro<3>(L, a, a_row, a_col, B + j, ldb, c + j, ldc, accumulate);
-    for (; j + 2 * VW <= N; j += 2 * VW) micro<2>(L, a, a_row, a_col, B + j, ldb, c + j, ldc, accumulate);
+    // Widest tiles first, but never leave a lone single-vector tile when two
+    // double-vector tiles fit (N = 32 with 8-wide vectors: 16 + 16, not 24 + 8).
+    for (; j + 3 * VW <= N && N - j != 4 * VW; j += 3 * VW)
+      micro<3>(L, a, a_row, a_col, B + j, ldb, c + j, ldc, accumulate);
+    for (; j + 2 * VW <= N; j += 2 * VW)
+      micro<2>(L, a, a_row, a_col, B + j, ldb, c + j, ldc, accumulate);
     for (; j < N; j += VW) micro<1>(L, a, a_row, a_col, B + j, ldb, c + j, ldc, accumulate);
   }
 }
@@ -167,8 +171,12 @@ void parallel_for(ffi::ThreadPool& pool, int threads, int64_t total, const Body&
 // ---------------------------------------------------------------------------
 // The problem and who sees what.
 
-constexpr int BQ = 64;  // query rows per block
-constexpr int BK = 64;  // keys per block
+#ifndef NANOATTN_BQ
+#define NANOATTN_BQ 64
+#define NANOATTN_BK 64
+#endif
+constexpr int BQ = NANOATTN_BQ;  // query rows per block
+constexpr int BK = NANOATTN_BK;  // keys per block
 
 struct Problem {
   int64_t B, T, S, N, K, G, H, Hp;
@@ -330,6 +338,7 @@ void cap_and_mask(const Problem& p, const Geometry& g, int64_t b, int64_t i, int
       row[c] = p.soft_cap * t;
     }
   }
+  if (kind == Block::kFull && j0 + BK <= p.S) return;
   for (int c = 0; c < BK; ++c) {
     const int64_t j = j0 + c;
     if (j >= p.S || (kind == Block::kPartial && !visible(p, g, b, i, j))) row[c] = -kInf;

@@ -3,6 +3,8 @@
 import json
 import pathlib
 
+from ._native import native_markdown
+
 
 def _cell_map(results: dict) -> dict:
     return {(c["impl"], c["shape"], c["T"], c["pass"]): c for c in results["cells"]}
@@ -88,10 +90,11 @@ def markdown(results: dict) -> str:
             lines.append(f"| {T} | " + " | ".join(row) + " |")
     lines += generation_markdown(results.get("generation") or [])
     lines += window_markdown(results.get("window"))
+    lines += native_markdown(results.get("native") or [])
     if results["targets"]:
         lines += [
             "",
-            "### Targets (f32, causal, batch 1, 4 heads of width 32)",
+            "### Targets (f32, causal; batch 1 and 4 heads of width 32 unless named)",
             "",
             "| target | measured | met |",
             "| --- | --- | --- |",

@@ -36,6 +36,8 @@ class BenchConfig:
       generation: context lengths of the generation benchmark (time per
         token with the KV cache, by recomputing, and flax's cached step;
         :mod:`nanoattn.bench._generation`); empty to skip it.
+      native_lengths: T of the native kernel's targets against torch
+        (:mod:`nanoattn.bench._native`); empty to skip them.
       window_length: T of the sliding-window benchmark (causal
         ``window=(512, 0)`` against full causal, :mod:`nanoattn.bench._window`);
         0 to skip it.
@@ -51,6 +53,7 @@ class BenchConfig:
     grid: bool = True
     generation: tuple[int, ...] = (1024, 4096)
     window_length: int = 16384
+    native_lengths: tuple[int, ...] = ()
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -140,6 +143,7 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
     ``progress(done, total, label)`` is called before each cell.
     """
     from ._generation import generation_targets, measure_generation
+    from ._native import measure_native, native_targets
     from ._targets import measure_targets
     from ._window import measure_window, window_targets
 
@@ -175,6 +179,10 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
             progress(0, 1, f"window: fwd+bwd T={config.window_length}")
         window = measure_window(config.window_length)
         targets += window_targets(window)
+    native = []
+    if config.native_lengths:
+        native = measure_native(config.native_lengths, config.shapes, peak, progress)
+        targets += native_targets(native)
     return {
         "machine": machine() | {"matmul_peak_gflops": peak},
         "config": dataclasses.asdict(config),
@@ -182,4 +190,5 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         "targets": targets,
         "generation": generation,
         "window": window,
+        "native": native,
     }

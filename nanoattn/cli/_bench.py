@@ -6,6 +6,7 @@ import sys
 
 from ..bench import BenchConfig, run_bench, write
 from ..bench._generation import CONTEXTS
+from ..bench._native import LENGTHS as NATIVE_LENGTHS
 from ..bench._peers import PEERS
 from ..bench._run import FULL_LENGTHS, QUICK_LENGTHS, SHAPES, default_implementations
 from ..bench._window import LENGTH, WINDOW
@@ -102,7 +103,7 @@ def add_parser(commands) -> None:
     bench.set_defaults(run=run)
 
 
-PARTS = ("grid", "targets", "generation", "window")
+PARTS = ("grid", "targets", "generation", "window", "native")
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -153,6 +154,7 @@ def config_from_args(args) -> BenchConfig:
         grid="grid" in parts,
         generation=tuple(contexts) if "generation" in parts else (),
         window_length=args.window_length if "window" in parts else 0,
+        native_lengths=(tuple(args.lengths or NATIVE_LENGTHS) if "native" in parts else ()),
     )
 
 
