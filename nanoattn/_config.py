@@ -43,7 +43,7 @@ class AttentionConfig:
       n_heads: N, the number of query heads; must divide ``d_model``.
       dropout: dropout rate on the attention weights, in [0, 1).
       implementation: the attention backend, ``"xla"``, ``"flash"``,
-        ``"cudnn"`` or None for the automatic choice (see
+        ``"native"``, ``"cudnn"`` or None for the automatic choice (see
         ``nanoattn.dot_product_attention``). Training with dropout uses the
         reference under the automatic choice.
       n_kv_heads: K, the number of key/value heads; must divide ``n_heads``.

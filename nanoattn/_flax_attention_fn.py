@@ -126,7 +126,7 @@ def flax_attention_fn(
       einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum:
         linen's overrides; any of them hands the call over.
       is_causal: query t may see key s only when ``s <= t`` (T = 1: every key).
-      implementation: ``"xla"``, ``"flash"``, ``"cudnn"`` or None (automatic).
+      implementation: ``"xla"``, ``"flash"``, ``"native"``, ``"cudnn"`` or None (automatic).
 
     Returns:
       [batch..., T, N, H], in ``dtype`` (the promoted inputs' dtype when None;
