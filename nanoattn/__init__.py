@@ -4,6 +4,7 @@ Conventions (axis letters, mask polarity, positional causality, zero rows) are
 in docs/conventions.md.
 """
 
+from . import parallel as parallel
 from ._attention import attention_weights as attention_weights
 from ._attention import dot_product_attention as dot_product_attention
 from ._attention import flash_attention as flash_attention

@@ -230,7 +230,7 @@ def _ring_call(
     T = jnp.shape(query)[1]
     B = jnp.shape(query)[0]
     expect_shape("key", jnp.shape(key), "B S K H", (B, T, None, jnp.shape(query)[3]))
-    C = _zigzag.check_divisible(T * P, P, layout)
+    _zigzag.check_divisible(T * P, P, layout)  # T here is this device's T / P
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths)
         expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
@@ -240,7 +240,6 @@ def _ring_call(
     )  # fmt: skip
     if not spec.static_scale:
         raise ValueError(f"ring_attention needs a Python number for scale, got {type(scale)}")
-    del C
     ring = Ring(axis_name, _blocks.step_plans(spec, layout, P, (forward_tiles, backward_tiles)))
     return _ring_attend(ring, query, key, value, spec.kv_lengths, q_ids, kv_ids)
 
