@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test test-all flax-tests lint bench clean
+.PHONY: run test test-all flax-tests sanitize lint bench clean
 
 run: $(VENV)/.installed
 	$(BIN)/nanoattn audit
@@ -20,6 +20,14 @@ test-all: $(VENV)/.installed-test
 # flax's layers (downloads flax's sdist into .cache/flax-sdist once; about 3 minutes).
 flax-tests: $(VENV)/.installed-test
 	$(BIN)/python tests/flax_upstream/run.py
+
+# The native kernel built with AddressSanitizer and UndefinedBehaviorSanitizer, and its
+# tests run under them (one process, about 4 minutes); the sanitized build has its own cache.
+SANITIZER_RUNTIMES = $$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)
+sanitize: $(VENV)/.installed-test
+	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
+	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
+	$(BIN)/python -m pytest -p no:xdist -q tests/test_native.py -k "not without_a_compiler"
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
