@@ -355,6 +355,10 @@ SLOW_CASES = (
         lambda: compare("p4-zigzag-causal-bf16", 4, "zigzag", dtype=jnp.bfloat16, is_causal=True),
         lambda: hlo_counts("hlo-p8-zigzag-causal", 8, "zigzag", is_causal=True),
         lambda: memory("memory-p8-t65536", 8, 65536),
+        lambda: layer_case(
+            "layer-2d-linen", (2, 2), ("sp", "model"), head_axis="model", sequence_axis="sp"
+        ),
+        lambda: layer_case("layer-heads-nnx", (2,), ("model",), "nnx", head_axis="model"),
     ]
     + [
         _grid_case(P, layout, causal)
