@@ -11,6 +11,7 @@ of the uninterrupted run, bit for bit.
 
 import dataclasses
 import functools
+import hashlib
 import shutil
 import time
 from pathlib import Path
@@ -281,7 +282,16 @@ def train(
         f"steps {start + 1}-{stop} in {_format_time(wall)} wall, {_format_time(cpu)} CPU "
         f"({cpu / max(wall, 1e-9):.2f} cores busy on average)"
     )
+    log(f"parameters at step {stop}: sha256 {fingerprint(model)[:16]}")
     return model, run
+
+
+def fingerprint(model: Decoder) -> str:
+    """The SHA-256 of every parameter's bytes, in a fixed order: equal digests, equal bits."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        digest.update(np.asarray(leaf).tobytes())
+    return digest.hexdigest()
 
 
 def plot(run: Run, path: Path) -> None:
