@@ -177,6 +177,7 @@ void parallel_for(ffi::ThreadPool& pool, int threads, int64_t total, const Body&
 #endif
 constexpr int BQ = NANOATTN_BQ;  // query rows per block
 constexpr int BK = NANOATTN_BK;  // keys per block
+static_assert(BQ % MR == 0 && BK % VW == 0 && VW % MR == 0, "blocks must tile the products");
 
 struct Problem {
   int64_t B, T, S, N, K, G, H, Hp;
@@ -247,6 +248,10 @@ Geometry geometry(const Problem& p, int64_t b) {
   }
   return g;
 }
+
+// n rounded up to a multiple of m: the rows and columns a block's products cover
+// (a decode step's single query row is not padded to a whole block).
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 enum class Block { kSkip, kFull, kPartial };
 
@@ -327,19 +332,19 @@ void pack_keys(const Problem& p, const float* x, const Geometry& g, int64_t b, i
   }
 }
 
-// Soft-capping and the mask on one row of logits (BK wide), in place. `tanh_out`
-// keeps tanh(logit / cap) for the backward pass.
+// Soft-capping and the mask on the first `width` logits of one row, in place.
+// `tanh_out` keeps tanh(logit / cap) for the backward pass.
 void cap_and_mask(const Problem& p, const Geometry& g, int64_t b, int64_t i, int64_t j0,
-                  Block kind, float* row, float* tanh_out) {
+                  int64_t width, Block kind, float* row, float* tanh_out) {
   if (p.soft_cap > 0) {
-    for (int c = 0; c < BK; ++c) {
+    for (int c = 0; c < width; ++c) {
       float t = std::tanh(row[c] / p.soft_cap);
       if (tanh_out) tanh_out[c] = t;
       row[c] = p.soft_cap * t;
     }
   }
-  if (kind == Block::kFull && j0 + BK <= p.S) return;
-  for (int c = 0; c < BK; ++c) {
+  if (kind == Block::kFull && j0 + width <= p.S) return;
+  for (int c = 0; c < width; ++c) {
     const int64_t j = j0 + c;
     if (j >= p.S || (kind == Block::kPartial && !visible(p, g, b, i, j))) row[c] = -kInf;
   }
@@ -357,6 +362,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const floa
                   const float* k, const float* v, ForwardOut res, int64_t task) {
   const int64_t qb = task % p.n_q(), n = (task / p.n_q()) % p.N, b = task / (p.n_q() * p.N);
   const int64_t kh = n / p.G, i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
+  const int64_t mr = round_up(rows, MR);
   const Geometry& g = geo[b];
   const int64_t Hp = p.Hp;
   Aligned qs(BQ * Hp), kt(Hp * BK), vs(BK * Hp), s(BQ * BK), o(BQ * Hp);
@@ -367,20 +373,20 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const floa
   pack_rows(p, q, g, b, n, i0, p.scale, qs.data);
   auto [first, last] = key_blocks(p, g, i0, i1);
   for (int64_t kb = first; kb <= last; ++kb) {
-    const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
+    const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kc = round_up(j1 - j0, VW);
     const Block kind = classify(p, g, i0, i1, j0, j1);
     if (kind == Block::kSkip) continue;
     pack_keys(p, k, g, b, kh, j0, nullptr, kt.data);
-    gemm(BQ, BK, Hp, qs.data, Hp, 1, kt.data, BK, s.data, BK, false);
-    for (int64_t r = 0; r < BQ; ++r) {
+    gemm(mr, kc, Hp, qs.data, Hp, 1, kt.data, BK, s.data, BK, false);
+    for (int64_t r = 0; r < mr; ++r) {
       float* row = s.data + r * BK;
       if (r >= rows || !g.q_sees[i0 + r]) {
-        std::fill(row, row + BK, 0.0f);
+        std::fill(row, row + kc, 0.0f);
         continue;
       }
-      cap_and_mask(p, g, b, i0 + r, j0, kind, row, nullptr);
+      cap_and_mask(p, g, b, i0 + r, j0, kc, kind, row, nullptr);
       vf mx = splat(-kInf);
-      for (int c = 0; c < BK; c += VW) {
+      for (int c = 0; c < kc; c += VW) {
         vf x = load(row + c);
         mx = x > mx ? x : mx;
       }
@@ -388,13 +394,13 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const floa
       for (int c = 0; c < VW; ++c) block_max = std::max(block_max, mx[c]);
       const float m_new = std::max(m[r], block_max);
       if (m_new == -kInf) {  // nothing visible in this row so far
-        std::fill(row, row + BK, 0.0f);
+        std::fill(row, row + kc, 0.0f);
         continue;
       }
       const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
       vf sum = vf{};
       const vf shift = splat(m_new);
-      for (int c = 0; c < BK; c += VW) {
+      for (int c = 0; c < kc; c += VW) {
         vf e = vexp(load(row + c) - shift);
         store(row + c, e);
         sum += e;
@@ -410,7 +416,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const floa
       }
     }
     pack_keys(p, v, g, b, kh, j0, vs.data, nullptr);
-    gemm(BQ, Hp, BK, s.data, BK, 1, vs.data, Hp, o.data, Hp, true);
+    gemm(mr, Hp, kc, s.data, BK, 1, vs.data, Hp, o.data, Hp, true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r;
@@ -444,7 +450,7 @@ struct BackwardOut {
 void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn& in,
                    const BackwardOut& res, int64_t task, int worker) {
   const int64_t kb = task % p.n_k(), kh = (task / p.n_k()) % p.K, b = task / (p.n_k() * p.K);
-  const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), Hp = p.Hp;
+  const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kc = round_up(j1 - j0, VW), Hp = p.Hp;
   const Geometry& g = geo[b];
   auto [first, last] = query_blocks(p, g, j0, j1);
   if (first <= last) {
@@ -467,33 +473,34 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
   for (int64_t n = kh * p.G; n < (kh + 1) * p.G && first <= last; ++n) {
     for (int64_t qb = first; qb <= last; ++qb) {
       const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
+      const int64_t mr = round_up(rows, MR);
       const Block kind = classify(p, g, i0, i1, j0, j1);
       if (kind == Block::kSkip) continue;
       pack_rows(p, in.q, g, b, n, i0, p.scale, qs.data);
       pack_rows(p, in.dout, g, b, n, i0, 1.0f, dos.data);
-      gemm(BQ, BK, Hp, qs.data, Hp, 1, kt.data, BK, ps.data, BK, false);
-      for (int64_t r = 0; r < BQ; ++r) {
+      gemm(mr, kc, Hp, qs.data, Hp, 1, kt.data, BK, ps.data, BK, false);
+      for (int64_t r = 0; r < mr; ++r) {
         float* row = ps.data + r * BK;
         const int64_t i = i0 + r;
         if (r >= rows || !g.q_sees[i]) {
-          std::fill(row, row + BK, 0.0f);
-          if (capped) std::fill(th.data + r * BK, th.data + (r + 1) * BK, 0.0f);
+          std::fill(row, row + kc, 0.0f);
+          if (capped) std::fill(th.data + r * BK, th.data + r * BK + kc, 0.0f);
           continue;
         }
-        cap_and_mask(p, g, b, i, j0, kind, row, capped ? th.data + r * BK : nullptr);
+        cap_and_mask(p, g, b, i, j0, kc, kind, row, capped ? th.data + r * BK : nullptr);
         const vf shift = splat(in.lse[(b * p.T + i) * p.N + n]);
-        for (int c = 0; c < BK; c += VW) store(row + c, vexp(load(row + c) - shift));
+        for (int c = 0; c < kc; c += VW) store(row + c, vexp(load(row + c) - shift));
       }
       // dV += P^T dO
-      gemm(BK, Hp, BQ, ps.data, 1, BK, dos.data, Hp, dv.data, Hp, true);
+      gemm(kc, Hp, mr, ps.data, 1, BK, dos.data, Hp, dv.data, Hp, true);
       // dP = dO V^T, then dS = P (dP - delta), through the cap's tanh
-      gemm(BQ, BK, Hp, dos.data, Hp, 1, vt.data, BK, ds.data, BK, false);
-      for (int64_t r = 0; r < BQ; ++r) {
+      gemm(mr, kc, Hp, dos.data, Hp, 1, vt.data, BK, ds.data, BK, false);
+      for (int64_t r = 0; r < mr; ++r) {
         float* drow = ds.data + r * BK;
         const float* prow = ps.data + r * BK;
         const float delta = r < rows ? res.delta[(b * p.T + i0 + r) * p.N + n] : 0.0f;
         const vf d = splat(delta);
-        for (int c = 0; c < BK; c += VW) {
+        for (int c = 0; c < kc; c += VW) {
           vf x = load(prow + c) * (load(drow + c) - d);
           if (capped) {
             vf t = load(th.data + r * BK + c);
@@ -503,9 +510,9 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
         }
       }
       // dK += dS^T (scale q); dQ += dS K (times scale at the end)
-      gemm(BK, Hp, BQ, ds.data, 1, BK, qs.data, Hp, dk.data, Hp, true);
+      gemm(kc, Hp, mr, ds.data, 1, BK, qs.data, Hp, dk.data, Hp, true);
       float* dq = (*res.dq_parts)[worker]->data + ((b * res.Tp + i0) * p.N + n) * Hp;
-      gemm(BQ, Hp, BK, ds.data, BK, 1, ks.data, Hp, dq, p.N * Hp, true);
+      gemm(mr, Hp, kc, ds.data, BK, 1, ks.data, Hp, dq, p.N * Hp, true);
     }
   }
   for (int64_t c = 0; c < BK && j0 + c < p.S; ++c) {
