@@ -23,7 +23,7 @@ def test_unknown_implementation():
     with pytest.raises(
         ValueError,
         match=r"implementation must be one of 'xla', 'flash', "
-        r"'cudnn' or None, got 'triton'",
+        r"'native', 'cudnn' or None, got 'triton'",
     ):
         _dispatch.choose("triton", spec_for(4), jnp.float32, 0.0)
 
@@ -49,10 +49,20 @@ def test_named_backends_that_cannot_serve_raise():
 
 
 def test_automatic_choice_on_cpu():
+    from nanoattn import _native
+
     big = int(np.sqrt(_dispatch.CPU_FLASH_MIN_CELLS))
-    assert _dispatch.choose(None, spec_for(big), jnp.float32, 0.0) == "flash"
-    assert _dispatch.choose(None, spec_for(big - 1), jnp.float32, 0.0) == "xla"
-    assert _dispatch.choose(None, spec_for(big), jnp.float32, 0.1) == "xla"  # dropout
+    small = int(np.sqrt(_dispatch.CPU_NATIVE_MIN_CELLS))
+    built = _native.load()[0] is not None
+    choose = _dispatch.choose
+    # float32 goes to the native kernel where it was built, from its own threshold on.
+    assert choose(None, spec_for(big), jnp.float32, 0.0) == ("native" if built else "flash")
+    assert choose(None, spec_for(small), jnp.float32, 0.0) == ("native" if built else "xla")
+    assert choose(None, spec_for(small - 1), jnp.float32, 0.0) == "xla"
+    # The native kernel is float32 only: bfloat16 takes the pure-JAX kernel.
+    assert choose(None, spec_for(big), jnp.bfloat16, 0.0) == "flash"
+    assert choose(None, spec_for(big - 1), jnp.bfloat16, 0.0) == "xla"
+    assert choose(None, spec_for(big), jnp.float32, 0.1) == "xla"  # dropout
 
 
 def test_explicit_flash_with_dropout_raises_and_auto_falls_back():
