@@ -11,7 +11,9 @@ output to OUT.npy; the test compares it with the one-device reference.
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
 
 import jax
 import jax.numpy as jnp

@@ -24,7 +24,9 @@ SCRIPT = pathlib.Path(__file__).with_name("parallel_cases.py")
 
 
 def _run_cases(*args, timeout=900):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    # 8 simulated devices, on top of the suite's own XLA flags (conftest.py's level)
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "XLA_FLAGS": flags.strip()}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         env=env,
@@ -208,7 +210,7 @@ def test_ring_across_two_processes_equals_one_process(tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "out.npy"
     worker = SCRIPT.with_name("parallel_multiprocess.py")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # the worker adds its 4 devices to the suite's XLA flags
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker), str(port), str(i), str(out)],
