@@ -123,9 +123,13 @@ def _train(args) -> int:
     sizes = _options(args, model.ModelConfig, skip=("vocab",), vocab=task.vocab)
     run = train.Run(sizes, task, _options(args, train.TrainConfig))
     print(f"model {run.model}\ntask {run.task}\ntrain {run.train}")
-    _, run = train.train(
-        run, args.run, stop_at=args.stop_at, restart=args.restart, progress=not args.no_progress
-    )
+    try:
+        _, run = train.train(
+            run, args.run, stop_at=args.stop_at, restart=args.restart, progress=not args.no_progress
+        )
+    except KeyboardInterrupt:
+        print("interrupted: run the same command to resume from the saved step")
+        return 130
     curve = args.run / "curve.png"
     train.plot(run, curve)
     last = run.evals()[-1] if run.evals() else None

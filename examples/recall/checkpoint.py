@@ -15,7 +15,7 @@ def manager(directory: Path, keep: int = 2) -> ocp.CheckpointManager:
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: dict, meta: dict) -> None:
-    """Saves ``state`` (a pytree of arrays, e.g. ``nnx.State.to_pure_dict()``) and
+    """Saves ``state`` (a pytree of arrays, e.g. ``nnx.to_pure_dict(state)``) and
     ``meta`` (JSON) as checkpoint ``step``, replacing one already there."""
     if step in mngr.all_steps():
         mngr.delete(step)

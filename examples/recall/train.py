@@ -215,7 +215,7 @@ def train(
             )
         run.history = saved.history
         pending = [np.float32(x) for x in checkpoint.load_meta(ckpt_dir, start)["pending"]]
-        restored = checkpoint.load_state(ckpt_dir, start, state.to_pure_dict())
+        restored = checkpoint.load_state(ckpt_dir, start, nnx.to_pure_dict(state))
         nnx.replace_by_pure_dict(state, restored)
         log(f"resuming from the checkpoint at step {start} in {ckpt_dir}")
     stop = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
@@ -232,7 +232,7 @@ def train(
 
     def save(step):
         meta = run.to_json() | {"pending": [float(x) for x in jax.device_get(losses)]}
-        checkpoint.save(mngr, step, nnx.state((model, opt)).to_pure_dict(), meta)
+        checkpoint.save(mngr, step, nnx.to_pure_dict(nnx.state((model, opt))), meta)
 
     done = start  # the last step whose update is in `state` and whose loss is in `losses`
     try:
@@ -334,6 +334,6 @@ def restore(directory: Path, step: int | None = None) -> tuple[Decoder, Run, int
     run = Run.from_json(checkpoint.load_meta(directory, step))
     model, opt = build(run)
     state = nnx.state((model, opt))
-    nnx.replace_by_pure_dict(state, checkpoint.load_state(directory, step, state.to_pure_dict()))
+    nnx.replace_by_pure_dict(state, checkpoint.load_state(directory, step, nnx.to_pure_dict(state)))
     nnx.update((model, opt), state)
     return model, run, step
