@@ -29,8 +29,9 @@ IMPLEMENTATIONS: tuple[str, ...] = ("xla", "flash", "native", "cudnn")
 # On CPU the kernel beats the reference from about this many score cells per
 # batch row and head (T * S); measured with `nanoattn bench` (docs/performance.md).
 CPU_FLASH_MIN_CELLS = 256 * 256
-# The native kernel, where it can serve the call, from this many (measured the same way).
-CPU_NATIVE_MIN_CELLS = 64 * 64
+# The native kernel, where it can serve the call, from this many: it beat the reference
+# on forward and forward+backward from T = 32 on at B * T = 8192 (docs/performance.md).
+CPU_NATIVE_MIN_CELLS = 32 * 32
 # Off CPU (unmeasured here): above this many bytes of scores the kernel's
 # O(T) memory wins when cuDNN cannot serve the call.
 ACCELERATOR_FLASH_MIN_SCORE_BYTES = 2**30
