@@ -208,7 +208,7 @@ def test_memory_is_linear_in_sequence_length():
 
 def test_without_a_compiler_it_says_so_once_and_the_pure_jax_kernels_serve(tmp_path):
     script = (
-        "import warnings, jax.numpy as jnp, nanoattn\n"
+        "import warnings, jax, jax.numpy as jnp, nanoattn\n"
         "from nanoattn import _native\n"
         "from nanoattn._dispatch import choose\n"
         "from nanoattn._spec import attention_spec\n"
@@ -217,7 +217,8 @@ def test_without_a_compiler_it_says_so_once_and_the_pure_jax_kernels_serve(tmp_p
         "    warnings.simplefilter('always')\n"
         "    print(choose(None, attention_spec(z, z, z, is_causal=True), z.dtype, 0.0))\n"
         "    choose(None, attention_spec(z, z, z, is_causal=True), z.dtype, 0.0)\n"
-        "    out = nanoattn.dot_product_attention(z[:, :9], z[:, :9], z[:, :9], is_causal=True)\n"
+        "    attend = jax.jit(lambda z: nanoattn.dot_product_attention(z, z, z, is_causal=True))\n"
+        "    out = attend(z[:, :9])\n"
         "print(len(caught), caught[0].message)\n"
         "print(float(out.sum()))\n"
     )
