@@ -92,6 +92,13 @@ def step_plans(spec: AttentionSpec, layout: str, P: int, tiles=(None, None)) -> 
     return StepPlans(layout, P, C, True, band, tuple(sorted(plans.items())), PAIR_KINDS)
 
 
+def _select(index, branches, operands):
+    """The branch ``index`` picks (``lax.switch``), or the only one, applied to ``operands``."""
+    if len(branches) == 1:
+        return branches[0](*operands)
+    return jax.lax.switch(index, branches, *operands)
+
+
 def _split(x, n: int):
     """(B, n*C, ...) -> n arrays (B, C, ...); None stays None."""
     return [None] * n if x is None else jnp.split(x, n, axis=1)
@@ -200,10 +207,7 @@ def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, 
 
             return branch
 
-        branches = [run(calls) for calls in alternatives]
-        if len(branches) == 1:
-            return branches[0](*operands)
-        return jax.lax.switch(index, branches, *operands)
+        return _select(index, [run(calls) for calls in alternatives], operands)
 
     n = 2 if plans.layout == "zigzag" else 1
     qs, ks, vs = _split(q, n), _split(k, n), _split(v, n)
@@ -271,10 +275,7 @@ def step_backward(
 
             return branch
 
-        branches = [run(calls) for calls in alternatives]
-        if len(branches) == 1:
-            return branches[0](*operands)
-        return jax.lax.switch(index, branches, *operands)
+        return _select(index, [run(calls) for calls in alternatives], operands)
 
     n = 2 if plans.layout == "zigzag" else 1
     qs, ks, vs = _split(q, n), _split(k, n), _split(v, n)
