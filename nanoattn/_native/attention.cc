@@ -323,18 +323,22 @@ void pack_rows(const Problem& p, const float* x, const Geometry& g, int64_t b, i
 // past S or unseen are 0.
 void pack_keys(const Problem& p, const float* x, const Geometry& g, int64_t b, int64_t kh,
                int64_t j0, float* rows, float* cols) {
-  if (cols) std::fill(cols, cols + p.Hp * BK, 0.0f);
+  if (cols && p.Hp > p.H) std::fill(cols + p.H * BK, cols + p.Hp * BK, 0.0f);  // padded widths
   for (int64_t c = 0; c < BK; ++c) {
     const int64_t j = j0 + c;
     const bool real = j < p.S && g.k_seen[j];
     const float* src = real ? x + ((b * p.S + j) * p.K + kh) * p.H : nullptr;
     if (rows) {
       float* dst = rows + c * p.Hp;
-      std::fill(dst, dst + p.Hp, 0.0f);
       if (real) std::memcpy(dst, src, p.H * sizeof(float));
+      std::fill(dst + (real ? p.H : 0), dst + p.Hp, 0.0f);
     }
-    if (cols && real)
-      for (int64_t h = 0; h < p.H; ++h) cols[h * BK + c] = src[h];
+    if (cols) {
+      if (real)
+        for (int64_t h = 0; h < p.H; ++h) cols[h * BK + c] = src[h];
+      else
+        for (int64_t h = 0; h < p.H; ++h) cols[h * BK + c] = 0.0f;
+    }
   }
 }
 
