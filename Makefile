@@ -22,7 +22,7 @@ flax-tests: $(VENV)/.installed-test
 	$(BIN)/python tests/flax_upstream/run.py
 
 # The native kernel built with AddressSanitizer and UndefinedBehaviorSanitizer, and its
-# tests run under them (one process, about 4 minutes); the sanitized build has its own cache.
+# tests run under them (one process, about a minute); the sanitized build has its own cache.
 SANITIZER_RUNTIMES = $$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)
 sanitize: $(VENV)/.installed-test
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
