@@ -20,7 +20,6 @@ from .._spec import AttentionSpec
 from . import _build
 
 _F32 = jnp.dtype(jnp.float32)
-_SERVED = {_F32, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
 
 
 def unsupported(spec: AttentionSpec, dtype, dropout_rate: float) -> str | None:

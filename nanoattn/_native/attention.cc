@@ -535,9 +535,13 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
 // ---------------------------------------------------------------------------
 // The FFI boundary: shapes, then the passes.
 
-ffi::Error make_problem(ffi::AnyBuffer::Dimensions qd, ffi::AnyBuffer::Dimensions kd,
-                        ffi::AnyBuffer::Dimensions vd, size_t offsets, size_t lengths,
-                        size_t q_seg, size_t kv_seg, Problem& p) {
+// The sizes, rules and per-row inputs of a call, checked against each other.
+ffi::Error make_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
+                        const ffi::Buffer<ffi::F32>& v, const ffi::Buffer<ffi::S32>& q_offset,
+                        const ffi::Buffer<ffi::S32>& kv_lengths,
+                        const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& kv_seg,
+                        float scale, float soft_cap, int64_t left, int64_t right, Problem& p) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const size_t rank = qd.size();
   if (rank < 4 || kd.size() != rank || vd.size() != rank)
     return ffi::Error::InvalidArgument("nanoattn native: q, k, v need the same rank >= 4");
@@ -559,20 +563,34 @@ ffi::Error make_problem(ffi::AnyBuffer::Dimensions qd, ffi::AnyBuffer::Dimension
     return ffi::Error::InvalidArgument("nanoattn native: bad head counts or widths");
   p.G = p.N / p.K;
   p.Hp = (p.H + VW - 1) / VW * VW;
-  if (static_cast<int64_t>(offsets) != B || static_cast<int64_t>(lengths) != B)
+  if (static_cast<int64_t>(q_offset.element_count()) != B ||
+      static_cast<int64_t>(kv_lengths.element_count()) != B)
     return ffi::Error::InvalidArgument("nanoattn native: q_offset and kv_lengths need B values");
-  const bool segments = q_seg > 0;
-  if (segments && (static_cast<int64_t>(q_seg) != B * p.T ||
-                   static_cast<int64_t>(kv_seg) != B * p.S))
+  const bool segments = q_seg.element_count() > 0;
+  if (segments && (static_cast<int64_t>(q_seg.element_count()) != B * p.T ||
+                   static_cast<int64_t>(kv_seg.element_count()) != B * p.S))
     return ffi::Error::InvalidArgument("nanoattn native: segment ids need (B, T) and (B, S)");
-  return ffi::Error::Success();
-}
-
-void set_rules(Problem& p, float scale, float soft_cap, int64_t left, int64_t right) {
   p.scale = scale;
   p.soft_cap = soft_cap;
   p.left = left;
   p.right = right;
+  p.q_offset = q_offset.typed_data();
+  p.kv_lengths = kv_lengths.typed_data();
+  p.q_seg = segments ? q_seg.typed_data() : nullptr;
+  p.kv_seg = segments ? kv_seg.typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
+// Task indices [0, total) by decreasing cost(task), ties in index order: the
+// costliest start first, so the last ones to start are short.
+template <class Cost>
+std::vector<int64_t> costliest_first(int64_t total, const Cost& cost) {
+  std::vector<int64_t> costs(total), order(total);
+  for (int64_t t = 0; t < total; ++t) costs[t] = cost(t);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t c) { return costs[a] > costs[c]; });
+  return order;
 }
 
 std::vector<Geometry> all_geometry(ffi::ThreadPool& pool, int threads, const Problem& p) {
@@ -588,29 +606,20 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
                    int64_t right, ffi::ResultBuffer<ffi::F32> out,
                    ffi::ResultBuffer<ffi::F32> lse) {
   Problem p;
-  ffi::Error err = make_problem(q.dimensions(), k.dimensions(), v.dimensions(),
-                                q_offset.element_count(), kv_lengths.element_count(),
-                                q_seg.element_count(), kv_seg.element_count(), p);
+  ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, scale, soft_cap,
+                                left, right, p);
   if (err.failure()) return err;
-  set_rules(p, scale, soft_cap, left, right);
-  p.q_offset = q_offset.typed_data();
-  p.kv_lengths = kv_lengths.typed_data();
-  p.q_seg = q_seg.element_count() ? q_seg.typed_data() : nullptr;
-  p.kv_seg = p.q_seg ? kv_seg.typed_data() : nullptr;
   if (p.B * p.T * p.N == 0) return ffi::Error::Success();
   const int threads = max_threads(pool);
   const std::vector<Geometry> geo = all_geometry(pool, threads, p);
-  // Costliest tasks first (the number of key blocks each may see), so that the
-  // last ones to start are short: causal work balances without a static split.
+  // A task's cost is the number of key blocks it may see: causal work balances
+  // without a static split.
   const int64_t total = p.B * p.N * p.n_q();
-  std::vector<int64_t> cost(total), order(total);
-  for (int64_t t = 0; t < total; ++t) {
+  const std::vector<int64_t> order = costliest_first(total, [&](int64_t t) {
     const int64_t qb = t % p.n_q(), b = t / (p.n_q() * p.N);
     auto [first, last] = key_blocks(p, geo[b], qb * BQ, std::min((qb + 1) * BQ, p.T));
-    cost[t] = last - first + 1;
-  }
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cost[a] > cost[c]; });
+    return last - first + 1;
+  });
   ForwardOut res{out->typed_data(), lse->typed_data()};
   parallel_for(pool, threads, total, [&](int64_t t, int) {
     forward_task(p, geo, q.typed_data(), k.typed_data(), v.typed_data(), res, order[t]);
@@ -626,18 +635,12 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                     int64_t right, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                     ffi::ResultBuffer<ffi::F32> dv) {
   Problem p;
-  ffi::Error err = make_problem(q.dimensions(), k.dimensions(), v.dimensions(),
-                                q_offset.element_count(), kv_lengths.element_count(),
-                                q_seg.element_count(), kv_seg.element_count(), p);
+  ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, scale, soft_cap,
+                                left, right, p);
   if (err.failure()) return err;
   if (out.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
       static_cast<int64_t>(lse.element_count()) != p.B * p.T * p.N)
     return ffi::Error::InvalidArgument("nanoattn native: out, dout or lse has the wrong size");
-  set_rules(p, scale, soft_cap, left, right);
-  p.q_offset = q_offset.typed_data();
-  p.kv_lengths = kv_lengths.typed_data();
-  p.q_seg = q_seg.element_count() ? q_seg.typed_data() : nullptr;
-  p.kv_seg = p.q_seg ? kv_seg.typed_data() : nullptr;
   float* dq_out = dq->typed_data();
   std::fill(dq_out, dq_out + q.element_count(), 0.0f);
   if (p.B * p.S * p.K == 0) return ffi::Error::Success();
@@ -661,14 +664,11 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
     }
   });
   const int64_t total = p.B * p.K * p.n_k();
-  std::vector<int64_t> cost(total), order(total);
-  for (int64_t t = 0; t < total; ++t) {
+  const std::vector<int64_t> order = costliest_first(total, [&](int64_t t) {
     const int64_t kb = t % p.n_k(), b = t / (p.n_k() * p.K);
     auto [first, last] = query_blocks(p, geo[b], kb * BK, std::min((kb + 1) * BK, p.S));
-    cost[t] = last - first + 1;
-  }
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cost[a] > cost[c]; });
+    return last - first + 1;
+  });
   std::vector<std::unique_ptr<Aligned>> parts(threads);
   const int64_t Tp = p.n_q() * BQ;
   BackwardIn in{q.typed_data(), k.typed_data(), v.typed_data(), o, lse.typed_data(), dO};
