@@ -1,18 +1,37 @@
 """The public functional API: ``dot_product_attention`` and ``attention_weights``."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _dispatch, _flash, _native, _reference
 from ._spec import attention_spec
+from ._validate import check_scale, check_tiles, expect_real
+
+
+def _is_key(rng) -> bool:
+    """A ``jax.random.key`` (scalar, typed) or a raw ``jax.random.PRNGKey`` (uint32)."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return jnp.ndim(rng) == 0
+    return dtype == np.uint32 and jnp.ndim(rng) == 1
 
 
 def _check_dropout(dropout_rate: float, dropout_rng) -> None:
+    expect_real("dropout_rate", dropout_rate, "a float in [0, 1)")
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     if dropout_rate > 0.0 and dropout_rng is None:
         raise ValueError(
             f"dropout_rate={dropout_rate} needs dropout_rng (a jax.random key); "
             "pass dropout_rate=0.0 for evaluation"
+        )
+    if dropout_rate > 0.0 and not _is_key(dropout_rng):
+        raise TypeError(
+            f"dropout_rng must be a jax.random key (jax.random.key(0) or "
+            f"jax.random.PRNGKey(0)), got {dropout_rng!r}"
         )
 
 
@@ -109,6 +128,7 @@ def dot_product_attention(
       (2, 5, 4, 32)
     """
     _check_dropout(dropout_rate, dropout_rng)
+    scale = check_scale(scale)
     spec = attention_spec(
         query,
         key,
@@ -174,6 +194,7 @@ def attention_weights(
        [0.5        0.5        0.        ]
        [0.33333334 0.33333334 0.33333334]]
     """
+    scale = check_scale(scale)
     spec = attention_spec(
         query,
         key,
@@ -225,6 +246,9 @@ def flash_attention(
       >>> flash_attention(q, k, v, is_causal=True, forward_tiles=(64, 128, 2)).shape
       (1, 300, 2, 16)
     """
+    forward_tiles = check_tiles("forward_tiles", forward_tiles)
+    backward_tiles = check_tiles("backward_tiles", backward_tiles)
+    scale = check_scale(scale)
     spec = attention_spec(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
         kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,

@@ -9,6 +9,7 @@ import numpy as np
 
 from ._dispatch import IMPLEMENTATIONS
 from ._spec import check_soft_cap, normalize_window
+from ._validate import expect_real, float_dtype
 
 
 def _divisors(n: int) -> str:
@@ -19,15 +20,7 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _float_dtype(name: str, dtype):
-    """``dtype`` as a floating numpy dtype, or a one-line TypeError."""
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"{name} must be a floating dtype such as jnp.float32, got {dtype!r}")
-    return dt
+_float_dtype = float_dtype  # ``dtype`` as a floating numpy dtype, or a one-line TypeError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +92,10 @@ class AttentionConfig:
     sequence_layout: str = "zigzag"
 
     def __post_init__(self):
+        for name in ("d_model", "n_heads"):
+            if not _is_int(getattr(self, name)):
+                raise TypeError(f"{name} must be an int >= 1, got {name}={getattr(self, name)!r}")
+        expect_real("dropout", self.dropout, "a float in [0, 1)")
         if self.n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got n_heads={self.n_heads}")
         if self.d_model < 1:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._spec import normalize_window
-from ._validate import expect_bool, expect_integer, expect_shape
+from ._validate import expect_bool, expect_integer, expect_shape, expect_size
 
 
 def causal_mask(q_len: int, kv_len: int | None = None, *, q_offset=0) -> jnp.ndarray:
@@ -58,6 +58,10 @@ def window_mask(q_len: int, kv_len: int | None = None, *, window, q_offset=0) ->
              [0, 1, 1, 0],
              [0, 0, 1, 1]])
     """
+    if window is None:
+        raise TypeError(
+            "window must be an int w (meaning (w, w)) or a pair (left, right), got None"
+        )
     left, right = normalize_window(window)
     return band_mask(q_len, kv_len, left, right, q_offset=q_offset)
 
@@ -65,9 +69,8 @@ def window_mask(q_len: int, kv_len: int | None = None, *, window, q_offset=0) ->
 def band_mask(q_len: int, kv_len: int | None, left, right, *, q_offset=0) -> jnp.ndarray:
     """Query i (at ``p = q_offset + i``) may see key j iff ``p - left <= j <= p + right``;
     ``left`` or ``right`` None leaves that side unbounded. Shape (T, S) or (B, T, S)."""
-    kv_len = q_len if kv_len is None else kv_len
-    if q_len < 0 or kv_len < 0:
-        raise ValueError(f"mask lengths must be >= 0, got q_len={q_len}, kv_len={kv_len}")
+    q_len = expect_size("q_len", q_len)
+    kv_len = q_len if kv_len is None else expect_size("kv_len", kv_len)
     offset = jnp.asarray(q_offset)
     expect_integer("q_offset", offset.dtype)
     if offset.ndim > 1:
@@ -128,7 +131,7 @@ def lengths_to_valid(lengths, max_len: int) -> jnp.ndarray:
     lengths = jnp.asarray(lengths)
     expect_integer("lengths", lengths.dtype)
     expect_shape("lengths", lengths.shape, "B", (None,))
-    return jnp.arange(max_len) < lengths[:, None]
+    return jnp.arange(expect_size("max_len", max_len)) < lengths[:, None]
 
 
 def padding_mask(kv_valid, q_valid=None) -> jnp.ndarray:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from ._masks import band_mask, combine_masks, lengths_to_valid, segment_mask
 from ._spec import AttentionSpec
 from ._trace import record
+from ._validate import float_dtype
 
 
 def large_negative(dtype) -> float:
@@ -19,7 +20,7 @@ def large_negative(dtype) -> float:
     0.7 of the largest float leaves headroom, so subtracting a row maximum or
     adding a bias cannot overflow it into -inf either.
     """
-    return -0.7 * float(jnp.finfo(dtype).max)
+    return -0.7 * float(jnp.finfo(float_dtype("dtype", dtype)).max)
 
 
 def compute_dtype(*dtypes):

@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 
-from ._validate import expect_integer, expect_shape
+from ._validate import expect_floating, expect_integer, expect_real, expect_shape
 
 
 def apply_rope(x, positions, *, base: float = 10000.0):
@@ -48,9 +48,11 @@ def apply_rope(x, positions, *, base: float = 10000.0):
     x = jnp.asarray(x)
     positions = jnp.asarray(positions)
     expect_shape("x", x.shape, "B L N H", (None,) * 4)
+    expect_floating("x", x.dtype)
     B, L, _, H = x.shape
     if H % 2:
         raise ValueError(f"apply_rope needs an even head width H, got x of shape {x.shape}")
+    expect_real("base", base, "a float > 0")
     if not base > 0:
         raise ValueError(f"base must be > 0, got {base}")
     expect_integer("positions", positions.dtype)

@@ -6,6 +6,8 @@ wrong. Nothing here uses ``assert``: user input is always checked, also under
 ``python -O``.
 """
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -69,6 +71,102 @@ def expect_floating(name: str, dtype) -> None:
 
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+
+
+def expect_size(name: str, value) -> int:
+    """``value`` as an int >= 0 (a length such as T or S), or a one-line error.
+
+    Raises:
+      TypeError: not an int (a bool or a float such as 4.0 is not one).
+      ValueError: a negative int.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 0, got {name}={value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {name}={value!r}")
+    return int(value)
+
+
+def float_dtype(name: str, dtype):
+    """``dtype`` as a floating numpy dtype (bfloat16 included), or a one-line TypeError."""
+    import jax.numpy as jnp
+
+    try:
+        dt = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype such as jnp.float32, got {dtype!r}")
+    return dt
+
+
+def expect_real(name: str, value, what: str) -> None:
+    """Raises TypeError, saying ``name`` must be ``what``, unless ``value`` is a real
+    number or a numeric scalar array (not a bool, a string or None)."""
+    if isinstance(value, bool):
+        ok = False
+    elif isinstance(value, numbers.Real):
+        ok = True
+    else:
+        dtype = getattr(value, "dtype", None)
+        ok = (
+            dtype is not None
+            and dtype != np.bool_
+            and np.issubdtype(np.dtype(dtype), np.number)
+            and np.shape(value) == ()
+        )
+    if not ok:
+        raise TypeError(f"{name} must be {what}, got {name}={value!r}")
+
+
+def check_scale(scale):
+    """A ``scale`` argument: None, a finite real number, or a scalar numeric array
+    (which may be traced under ``jit``).
+
+    Raises:
+      TypeError: a string, a bool or an array that is not numeric.
+      ValueError: a non-finite number, or an array that is not a scalar.
+    """
+    if scale is None:
+        return None
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got scale={scale!r}")
+        return scale
+    import jax.numpy as jnp
+
+    dtype = getattr(scale, "dtype", None)
+    numeric = dtype is not None and (
+        jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    )
+    if not numeric:
+        raise TypeError(f"scale must be a real number or a scalar array, got {scale!r}")
+    if np.shape(scale) != ():
+        raise ValueError(f"scale must be a scalar, got an array of shape {np.shape(scale)}")
+    return scale
+
+
+def check_tiles(name: str, tiles):
+    """A ``forward_tiles``/``backward_tiles`` argument: None, or ``(block_q, block_k,
+    lanes)``, three ints >= 1, returned as a tuple of ints.
+
+    Raises:
+      TypeError: not a sequence of ints.
+      ValueError: not three of them, or one below 1.
+    """
+    if tiles is None:
+        return None
+    what = f"{name} must be (block_q, block_k, lanes), three ints >= 1"
+    if isinstance(tiles, str) or not isinstance(tiles, Sequence):
+        raise TypeError(f"{what}, got {tiles!r}")
+    if len(tiles) != 3:
+        raise ValueError(f"{what}, got {tiles!r}")
+    for t in tiles:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{what}, got {tiles!r}")
+    if min(tiles) < 1:
+        raise ValueError(f"{what} (block sizes and lanes must be >= 1), got {tiles!r}")
+    return tuple(int(t) for t in tiles)
 
 
 def describe(error: BaseException) -> str:
