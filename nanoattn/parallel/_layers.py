@@ -41,6 +41,9 @@ def logical_rules(head_axis: str = "model") -> tuple[tuple[str, str | None], ...
     """The default rules from the parameters' logical axes to mesh axes, for
     ``flax.linen.logical_axis_rules`` / ``nn.logical_to_mesh_sharding``: the heads
     of the output (and cross-attention query) projection over ``head_axis``."""
+    if not isinstance(head_axis, str) or not head_axis:
+        error = ValueError if isinstance(head_axis, str) else TypeError
+        raise error(f"head_axis must be a mesh axis name (a non-empty str), got {head_axis!r}")
     return (("embed", None), ("joined_heads", head_axis), ("qkv", None), ("kv", None))
 
 

@@ -32,7 +32,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from .. import _flash
 from .._reference import compute_dtype
 from .._spec import attention_spec
-from .._validate import expect_shape
+from .._validate import check_scale, check_tiles, expect_shape
 from . import _blocks, _zigzag
 
 
@@ -225,7 +225,13 @@ def _ring_call(
 ):  # fmt: skip
     """The per-device call (inside shard_map): validation, then the ring."""
     _zigzag.check_layout(layout)
-    P = jax.lax.axis_size(axis_name)
+    try:
+        P = jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not bound here: call ring_attention inside "
+            "jax.shard_map over a mesh with that axis, or pass mesh="
+        ) from None
     expect_shape("query", jnp.shape(query), "B T N H", (None,) * 4)
     T = jnp.shape(query)[1]
     B = jnp.shape(query)[0]
@@ -234,19 +240,26 @@ def _ring_call(
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths)
         expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
+    scale = check_scale(scale)
+    tiles = (
+        check_tiles("forward_tiles", forward_tiles),
+        check_tiles("backward_tiles", backward_tiles),
+    )
     spec = attention_spec(
         query, key, value, is_causal=is_causal, window=window, logit_soft_cap=logit_soft_cap,
         scale=scale, kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
     )  # fmt: skip
     if not spec.static_scale:
         raise ValueError(f"ring_attention needs a Python number for scale, got {type(scale)}")
-    ring = Ring(axis_name, _blocks.step_plans(spec, layout, P, (forward_tiles, backward_tiles)))
+    ring = Ring(axis_name, _blocks.step_plans(spec, layout, P, tiles))
     return _ring_attend(ring, query, key, value, spec.kv_lengths, q_ids, kv_ids)
 
 
 def _on_mesh(mesh, axis_name, query, key, value, kv_lengths, q_ids, kv_ids, options):
     """``ring_attention`` wrapped in ``jax.shard_map`` over ``mesh``: the sequence
     axis sharded over ``axis_name``, everything else replicated."""
+    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {mesh!r}")
     if axis_name not in mesh.shape:
         raise ValueError(
             f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are "

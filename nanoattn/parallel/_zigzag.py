@@ -16,6 +16,8 @@ sharding ``P(None, "sp")`` gives each device its two chunks) and
 :func:`from_zigzag` undoes it.
 """
 
+import numbers
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,8 +53,20 @@ def zigzag_order(P: int) -> np.ndarray:
     return np.array([c for r in range(P) for c in (r, 2 * P - 1 - r)])
 
 
+def _check_devices(P) -> int:
+    if isinstance(P, bool) or not isinstance(P, numbers.Integral):
+        raise TypeError(f"P must be an int >= 1 (the devices on the ring), got P={P!r}")
+    if P < 1:
+        raise ValueError(f"P must be an int >= 1 (the devices on the ring), got P={P!r}")
+    return int(P)
+
+
 def _permute(x, P: int, axis: int, order: np.ndarray):
     x = jnp.asarray(x)
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"axis must be an int, got axis={axis!r}")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
     axis = axis % x.ndim
     C = check_divisible(x.shape[axis], P, "zigzag")
     chunks = x.reshape(*x.shape[:axis], 2 * P, C, *x.shape[axis + 1 :])  # (..., 2P, C, ...)
@@ -76,9 +90,11 @@ def to_zigzag(x, P: int, axis: int = 1):
       >>> to_zigzag(jnp.arange(8), 2, axis=0)
       Array([0, 1, 6, 7, 2, 3, 4, 5], dtype=int32)
     """
+    P = _check_devices(P)
     return _permute(x, P, axis, zigzag_order(P))
 
 
 def from_zigzag(x, P: int, axis: int = 1):
     """Undoes :func:`to_zigzag`: the sequence axis back in order 0 .. T - 1."""
+    P = _check_devices(P)
     return _permute(x, P, axis, np.argsort(zigzag_order(P)))
