@@ -184,6 +184,8 @@ def flax_attention_fn(
         jnp.dtype(jnp.float32) if force_fp32_for_softmax and dtype != jnp.float32 else dtype
     )
     out_dtype = jnp.promote_types(weights_dtype, dtype)
+    if not deterministic and dropout_rate < 0.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     dropout = not deterministic and dropout_rate > 0.0
     if dropout:
         if dropout_rate >= 1.0:

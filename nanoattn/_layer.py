@@ -24,7 +24,7 @@ from ._heads import (
 )
 from ._masks import padding_mask
 from ._trace import check_shape
-from ._validate import expect_bool, expect_integer, expect_shape
+from ._validate import expect_bool, expect_floating, expect_integer, expect_shape
 from .parallel._layers import default_positions
 
 
@@ -33,6 +33,12 @@ def _int_per_token(name: str, value, axes: str, dims) -> jnp.ndarray:
     expect_integer(name, value.dtype)
     expect_shape(name, value.shape, axes, dims)
     return value
+
+
+def _expect_input_dtype(cfg: AttentionConfig, name: str, x) -> None:
+    """Without a ``config.dtype`` the input's dtype is the compute dtype: a float one."""
+    if cfg.dtype is None:
+        expect_floating(name, jnp.result_type(x))
 
 
 def _project_qkv(params: Parameters, cfg: AttentionConfig, x, dtype):
@@ -56,6 +62,7 @@ def _project_qkv(params: Parameters, cfg: AttentionConfig, x, dtype):
 def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids, lengths):
     """Validates a self-attention call's input and its arguments for the mode."""
     expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
+    _expect_input_dtype(cfg, "x", x)
     check_shape(x, "input", "B T D", x.shape, op="input")
     if decode:
         for name, value in (("positions", positions), ("segment_ids", segment_ids)):
@@ -176,6 +183,8 @@ def cross_attention(
     B, T, _ = x.shape
     expect_shape("context", jnp.shape(context), "B S D", (B, None, D))
     S = context.shape[1]
+    _expect_input_dtype(cfg, "x", x)
+    _expect_input_dtype(cfg, "context", context)
     mask = context_mask
     if mask is not None and jnp.ndim(mask) == 2:
         expect_bool("context_mask", jnp.result_type(mask))

@@ -7,6 +7,7 @@ cache capacity when decoding), N query heads, K key/value heads, G = N / K,
 H head width, D model width.
 """
 
+import flax.errors
 import flax.linen as nn
 
 from .. import _kv_cache, _layer
@@ -50,7 +51,13 @@ class _Parameters:
         return HeadRMSNorm(dtype=dtype, param_dtype=self.cfg.param_dtype, name=name)(x)
 
     def dropout_rng(self):
-        return self.module.make_rng("dropout")
+        try:
+            return self.module.make_rng("dropout")
+        except flax.errors.InvalidRngError:
+            raise ValueError(
+                f"dropout={self.cfg.dropout} with deterministic=False needs a 'dropout' rng: "
+                "apply(..., rngs={'dropout': key}), or pass deterministic=True"
+            ) from None
 
     def sow_weights(self, weights):
         module = self.module

@@ -26,6 +26,11 @@ class KVCache(nnx.Module):
     tokens each row holds). Slots at and past ``position[b]`` are never read."""
 
     def __init__(self, cache: _kv_cache.KVCache):
+        if not isinstance(cache, _kv_cache.KVCache):
+            raise TypeError(
+                "cache must be a KVCache of key, value (B, S, K, H) and position (B,), "
+                f"got {type(cache).__name__}; create one with module.init_cache(batch, max_len)"
+            )
         self.key = nnx.Cache(cache.key)
         self.value = nnx.Cache(cache.value)
         self.position = nnx.Cache(cache.position)
@@ -43,12 +48,24 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
+def _dropout_stream(rngs: nnx.Rngs, cfg: AttentionConfig):
+    try:
+        return rngs.dropout.fork()
+    except AttributeError:
+        raise ValueError(
+            f"dropout={cfg.dropout} needs a dropout stream, and rngs has no 'dropout' stream "
+            "(nor a default one): pass nnx.Rngs(0) or nnx.Rngs(params=0, dropout=1)"
+        ) from None
+
+
 class _Attention(nnx.Module):
     """What both NNX modules share: config, output projection, QK norms, dropout
     stream and the train/eval flag."""
 
     def __init__(self, config, *, sow_weights: bool, deterministic: bool, rngs: nnx.Rngs):
         cfg = AttentionConfig.from_config(config)
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, e.g. nnx.Rngs(0), got {rngs!r}")
         self.config = cfg
         D, H = cfg.d_model, cfg.head_dim
         self.out = self._linear(D, D, rngs, "out")
@@ -57,7 +74,7 @@ class _Attention(nnx.Module):
             self.k_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
         self.sow_weights = sow_weights
         self.deterministic = deterministic
-        self.rngs = nnx.data(rngs.dropout.fork() if cfg.dropout > 0 else None)
+        self.rngs = nnx.data(_dropout_stream(rngs, cfg) if cfg.dropout > 0 else None)
 
     def _linear(self, d_in: int, features: int, rngs: nnx.Rngs, name: str) -> nnx.Linear:
         cfg = self.config

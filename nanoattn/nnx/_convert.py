@@ -6,6 +6,8 @@ NNX module holds the same arrays as ``nnx.Param`` attributes of the same
 names, so conversion is a check of names and shapes and a copy.
 """
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,6 +30,11 @@ def to_linen(module: CausalSelfAttention | CrossAttention) -> dict:
     ``linen_layer.apply({"params": to_linen(module)}, x, deterministic=True)``
     gives the NNX module's output.
     """
+    if not isinstance(module, CausalSelfAttention | CrossAttention):
+        raise TypeError(
+            "module must be a nanoattn.nnx CausalSelfAttention or CrossAttention, "
+            f"got {type(module).__name__}"
+        )
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
@@ -45,6 +52,10 @@ def from_linen(config, linen_params, *, rngs: nnx.Rngs, **kwargs):
     Raises:
       ValueError: a missing, extra or differently shaped or typed parameter.
     """
+    if not isinstance(linen_params, Mapping):
+        raise TypeError(
+            f"linen_params must be a dict of parameters, got {type(linen_params).__name__}"
+        )
     params = dict(linen_params)
     if set(params) == {"params"}:
         params = dict(params["params"])
