@@ -138,6 +138,8 @@ def config_from_args(args) -> BenchConfig:
     contexts = args.contexts or ((1024,) if args.quick else CONTEXTS)
     if min(contexts) < 1:
         raise UsageError(f"--contexts must be >= 1, got {contexts}")
+    if not args.max_score_gib >= 0:
+        raise UsageError(f"--max-score-gib must be >= 0, got {args.max_score_gib}")
     if args.window_length < 1:
         raise UsageError(f"--window-length must be >= 1, got {args.window_length}")
     parts = args.only or (("grid", "generation") if args.quick else PARTS)

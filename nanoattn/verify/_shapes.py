@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 from .._trace import Stage, record_shapes
 from ..linen import AttentionConfig, CausalSelfAttention, CrossAttention
+from ._inputs import _int_at_least
 from ._report import CheckResult, Report
 
 
@@ -114,6 +115,10 @@ def check_shapes(
       (True, 'qkv', [2, 5, 384])
     """
     config = AttentionConfig.from_config(config)
+    _int_at_least("batch", batch, 1)
+    _int_at_least("seq_len", seq_len, 1)
+    if kv_len is not None:
+        _int_at_least("kv_len", kv_len, 1)
     stages = trace_stages(config, batch, seq_len, kv_len)
     module = "CausalSelfAttention" if kv_len is None else "CrossAttention"
     return shape_report(stages, axis_sizes(config, batch, seq_len, kv_len), f"shapes of {module}")

@@ -42,6 +42,8 @@ def check_row_sums(weights, allowed, *, atol: float = 1e-5) -> Report:
       >>> check_row_sums(w, np.tril(np.ones((2, 2), bool))).passed
       True
     """
+    if not atol >= 0:
+        raise ValueError(f"atol must be >= 0, got {atol}")
     w = np.asarray(weights, np.float64)
     allowed = np.asarray(allowed)
     expect_bool("allowed", allowed.dtype)
