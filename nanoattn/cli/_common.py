@@ -1,6 +1,7 @@
 """Pieces shared by the subcommands: one-line usage errors and list parsing."""
 
 import argparse
+import re
 
 
 class UsageError(Exception):
@@ -13,6 +14,14 @@ class UsageError(Exception):
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line, raised as UsageError."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse takes a word that starts with a dash for an option unless it is a plain
+        # negative number ("-1", "-.5"), so `--lengths -1,5` and `--atol -1e-3` said
+        # "expected one argument" instead of what is wrong with the value. No option here
+        # starts with a dash and a digit, so such a word is always a value.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message):
         raise UsageError(message, self.prog)
