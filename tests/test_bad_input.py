@@ -408,11 +408,14 @@ X, CONTEXT = f32(B, T, D), f32(B, S, D)
 
 @functools.cache
 def linen_variables(kind: str):
-    if kind == "cross":
-        return linen.CrossAttention(CONFIG).init(jax.random.key(0), X, CONTEXT, True)
-    decode = kind == "decode"
-    x = f32(B, 4, D) if decode else X
-    return linen.CausalSelfAttention(CONFIG).init(jax.random.key(0), x, True, decode=decode)
+    """The linen modules' variables, from the NNX twins (same parameters; no linen init to
+    trace); with ``kind="decode"`` also an empty cache of capacity 4."""
+    layer = nanoattn_nnx.CrossAttention if kind == "cross" else nanoattn_nnx.CausalSelfAttention
+    variables = {"params": nanoattn_nnx.to_linen(layer(CONFIG, rngs=nnx.Rngs(0)))}
+    if kind == "decode":
+        kv = jnp.zeros((B, 4, 2, 4))  # (B, S, K, H): capacity 4, K = 2 heads of width 4
+        variables["cache"] = {"key": kv, "value": kv, "position": jnp.zeros(B, jnp.int32)}
+    return variables
 
 
 def linen_self(x, config=CONFIG, deterministic=True, **kwargs):
