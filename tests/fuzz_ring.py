@@ -1,0 +1,138 @@
+"""Differential fuzzing of ``nanoattn.parallel.ring_attention`` on 4 simulated CPU
+devices, run in its own process by tests/test_fuzz.py:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/fuzz_ring.py N
+
+Hypothesis draws N ring calls (P of 1, 2 or 4 devices, both layouts, T = S a
+multiple of the layout's chunks, small tiles, float32/bfloat16/float16,
+causality, windows, key lengths, segment ids, soft-cap, scale), with NaN or inf
+where no query may look, and checks the output and dq, dk, dv against the
+float64 reference with the criterion of tests/test_fuzz.py. It prints one JSON
+summary line and exits 1 when a call failed.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import functools
+
+import jax
+import numpy as np
+import test_fuzz
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+from test_fuzz import DTYPES, Call, Program, Record, Statics
+
+from nanoattn.parallel import ring_attention
+from nanoattn.parallel._zigzag import zigzag_order
+
+DEVICES = 4
+
+
+@st.composite
+def ring_programs(draw):
+    """(P, layout, Program): a self-attention program the ring can serve."""
+    P = draw(st.sampled_from((1, 2, 4)))
+    layout = draw(st.sampled_from(("zigzag", "contiguous")))
+    chunks = P * (2 if layout == "zigzag" else 1)
+    T = chunks * draw(st.sampled_from((1, 2, 3, 5, 9)))
+    B, K, G = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    N, H = K * G, draw(st.sampled_from((1, 3, 8, 9)))
+    dtype = draw(st.sampled_from(tuple(DTYPES)))
+    features = [dtype, f"ring-P{P}", f"ring-{layout}"]
+    is_causal = draw(st.booleans())
+    window = None
+    if draw(st.booleans()):
+        side = st.one_of(st.sampled_from((0, 1)), st.integers(0, T + 1))
+        window = draw(st.one_of(side, st.tuples(side, side)))
+        features.append("window")
+    features += ["causal"] * is_causal
+    lengths, segments = draw(st.booleans()), draw(st.booleans())
+    features += ["lengths"] * lengths + ["segments"] * segments
+    soft_cap = draw(st.sampled_from(test_fuzz.SOFT_CAPS))
+    scale = draw(st.sampled_from(test_fuzz.SCALES))
+    tile = st.tuples(st.sampled_from((1, 3, 8)), st.sampled_from((1, 5, 8)), st.integers(1, 2))
+    tiles = draw(st.one_of(st.none(), st.tuples(tile, tile)))
+    statics = Statics(is_causal, "none", None, window, soft_cap, scale, tiles)
+    program = Program(B, T, T, N, K, H, dtype, statics, None, lengths, segments, None, None,
+                      tuple(features))  # fmt: skip
+    return P, layout, program
+
+
+@st.composite
+def ring_calls(draw):
+    P, layout, program = draw(ring_programs())
+    return P, layout, [draw(test_fuzz.inputs(program)) for _ in range(test_fuzz.VARIANTS)]
+
+
+def _order(P, layout, T):
+    """Natural position of each slot of the layout's order, and its inverse."""
+    if layout == "contiguous":
+        return np.arange(T), np.arange(T)
+    chunks = np.arange(T).reshape(2 * P, -1)[zigzag_order(P)].reshape(-1)
+    return chunks, np.argsort(chunks)
+
+
+@functools.partial(jax.jit, static_argnames=("P", "layout", "statics"))
+def _ring_vjp(P, layout, statics, q, k, v, d_out, kv_lengths, q_ids, kv_ids):
+    mesh = Mesh(np.array(jax.devices()[:P]), ("sp",))
+    tiles = statics.tiles or (None, None)
+
+    def f(q, k, v):
+        return ring_attention(
+            q, k, v, axis_name="sp", mesh=mesh, layout=layout, is_causal=statics.is_causal,
+            window=statics.window, kv_lengths=kv_lengths, q_segment_ids=q_ids,
+            kv_segment_ids=kv_ids, logit_soft_cap=statics.soft_cap, scale=statics.scale,
+            forward_tiles=tiles[0], backward_tiles=tiles[1],
+        )  # fmt: skip
+
+    out, pull = jax.vjp(f, q, k, v)
+    return out, pull(d_out)
+
+
+def run_ring(P, layout, call: Call):
+    q, k, v, _ = call.dirty()
+    order, back = _order(P, layout, q.shape[1])
+
+    def to(x):
+        return None if x is None else x[:, order]
+
+    out, grads = _ring_vjp(
+        P, layout, call.statics, to(q), to(k), to(v), to(call.d_out), call.kv_lengths,
+        to(call.q_ids), to(call.kv_ids),
+    )  # fmt: skip
+    return [np.asarray(x, np.float64)[:, back] for x in (out, *grads)] + [None]
+
+
+FAILED = []
+RECORD = None  # set in __main__, once the program cache exists
+
+
+@test_fuzz.budget(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
+@given(ring_calls())
+def fuzz_ring(case):
+    P, layout, calls = case
+    start = time.perf_counter()
+    verdicts = [test_fuzz.check(c, results={"ring": run_ring(P, layout, c)}) for c in calls]
+    RECORD.add_program(time.perf_counter() - start)
+    for call, verdict in zip(calls, verdicts):
+        RECORD.add(call, verdict, "ring")
+        if verdict.failures:
+            FAILED.append(f"P={P} {layout}; {call.describe()}: {verdict.failures}")
+            if not test_fuzz.KEEP_GOING:
+                raise AssertionError(FAILED[-1])
+
+
+if __name__ == "__main__":
+    assert len(jax.devices()) >= DEVICES, jax.devices()
+    RECORD = Record(program_cache=_ring_vjp)
+    try:
+        fuzz_ring()
+    finally:
+        print(json.dumps(RECORD.summary()))
+    sys.exit(1 if FAILED else 0)
