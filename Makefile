@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test test-all flax-tests sanitize lint bench clean
+.PHONY: run test test-all flax-tests sanitize fuzz lint bench clean
 
 run: $(VENV)/.installed
 	$(BIN)/nanoattn audit
@@ -24,10 +24,28 @@ flax-tests: $(VENV)/.installed-test
 # The native kernel built with AddressSanitizer and UndefinedBehaviorSanitizer, and its
 # tests run under them (one process, about a minute); the sanitized build has its own cache.
 SANITIZER_RUNTIMES = $$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)
+SANITIZE_FUZZ_EXAMPLES ?= 200
 sanitize: $(VENV)/.installed-test
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
 	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
 	$(BIN)/python -m pytest -p no:xdist -q tests/test_native.py -k "not without_a_compiler"
+	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
+	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
+	NANOATTN_FUZZ_NATIVE_EXAMPLES=$(SANITIZE_FUZZ_EXAMPLES) \
+	$(BIN)/python -m pytest -p no:xdist -q tests/test_fuzz.py -k native
+
+# A long differential-fuzzing campaign (tests/test_fuzz.py, docs/testing.md) in one
+# process: fresh examples from FUZZ_SEED, a failure is recorded and the campaign goes
+# on, and the summary is printed at the end and written to FUZZ_SUMMARY.
+# `make fuzz FUZZ_EXAMPLES=500` for a short one.
+FUZZ_EXAMPLES ?= 10000
+FUZZ_SEED ?= 0
+FUZZ_SUMMARY ?= .hypothesis/fuzz-summary.json
+fuzz: $(VENV)/.installed-test
+	mkdir -p $(dir $(FUZZ_SUMMARY))
+	NANOATTN_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) NANOATTN_FUZZ_SEED=$(FUZZ_SEED) \
+	NANOATTN_FUZZ_KEEP_GOING=1 NANOATTN_FUZZ_SUMMARY=$(FUZZ_SUMMARY) \
+	$(BIN)/python -m pytest -p no:xdist -q -s tests/test_fuzz.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
