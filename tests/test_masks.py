@@ -4,9 +4,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nanoattn import causal_mask, combine_masks, lengths_to_valid, padding_mask
+from nanoattn import (
+    causal_mask,
+    combine_masks,
+    lengths_to_valid,
+    padding_mask,
+    segment_mask,
+    window_mask,
+)
 
-from conftest import np_causal
+from conftest import np_causal, np_segments, np_window
 
 # Short, boundary (2^k - 1, 2^k, 2^k + 1) and product (a * b) lengths.
 LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 65, 127, 128, 129]
@@ -55,6 +62,38 @@ def test_causal_mask_at_many_lengths(L):
 @pytest.mark.parametrize("T,S,off", [(3, 5, 0), (3, 5, 2), (5, 3, 0), (4, 4, 3), (2, 6, -1)])
 def test_causal_mask_matches_positional_rule(T, S, off):
     np.testing.assert_array_equal(causal_mask(T, S, q_offset=off), np_causal(T, S, off))
+
+
+@pytest.mark.parametrize(
+    "T,S,off,window,left,right",
+    [
+        (4, 4, 0, (1, 0), 1, 0),
+        (3, 7, 2, 1, 1, 1),
+        (5, 3, -1, (0, 2), 0, 2),
+        (6, 9, 3, (4, 3), 4, 3),
+    ],
+)
+def test_window_mask_matches_positional_rule(T, S, off, window, left, right):
+    np.testing.assert_array_equal(
+        window_mask(T, S, window=window, q_offset=off), np_window(T, S, off, left, right)
+    )
+
+
+def test_window_mask_square_default_and_batched_offsets():
+    np.testing.assert_array_equal(window_mask(5, window=(2, 0)), np_window(5, 5, 0, 2, 0))
+    got = window_mask(2, 6, window=(1, 1), q_offset=jnp.array([0, 3]))
+    assert got.shape == (2, 2, 6)
+    np.testing.assert_array_equal(got[0], np_window(2, 6, 0, 1, 1))
+    np.testing.assert_array_equal(got[1], np_window(2, 6, 3, 1, 1))
+
+
+def test_segment_mask_self_and_cross():
+    q_ids = np.array([[0, 0, 1], [2, 2, 2]], np.int32)
+    kv_ids = np.array([[1, 0, 0, 1], [2, 3, 2, 3]], np.int32)
+    got = segment_mask(q_ids)  # self-attention: the keys' ids default to the queries'
+    assert got.shape == (2, 1, 3, 3)
+    np.testing.assert_array_equal(got, np_segments(q_ids, q_ids))
+    np.testing.assert_array_equal(segment_mask(q_ids, kv_ids), np_segments(q_ids, kv_ids))
 
 
 def test_lengths_to_valid_literal():
