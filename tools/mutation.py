@@ -1,0 +1,207 @@
+"""`make mutation`: mutation testing of the files issue #13 names, with mutmut.
+
+Each target (one source file or package) is mutated in its own scratch copy of the
+tree under ``.cache/mutation/<target>/`` against the test files that exercise it, so
+a surviving mutant reruns a few test files rather than the whole suite. mutmut forks
+each mutant's pytest from a server that has imported jax but not started its backend
+(XLA's threads do not survive ``fork``).
+
+    python tools/mutation.py                 # every target
+    python tools/mutation.py masks flash     # some of them
+    python tools/mutation.py --report        # the scores of the last runs, no run
+
+A mutant counts as killed when a test fails, times out or crashes; "no tests" and
+"survived" count against the score. The score per target must reach 90%.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".cache" / "mutation"
+THRESHOLD = 0.90
+
+# target -> (mutated files, relative to the root; the test files that exercise them)
+TARGETS = {
+    "masks": (
+        ["nanoattn/_masks.py"],
+        ["test_masks.py", "test_window.py", "test_segments.py", "test_bad_input.py"],
+    ),
+    "reference": (
+        ["nanoattn/_reference.py"],
+        [
+            "test_functional.py",
+            "test_soft_cap.py",
+            "test_nonfinite.py",
+            "test_masks.py",
+            "test_bad_input.py",
+        ],
+    ),
+    "spec": (
+        ["nanoattn/_spec.py"],
+        [
+            "test_functional.py",
+            "test_dispatch.py",
+            "test_window.py",
+            "test_segments.py",
+            "test_bad_input.py",
+        ],
+    ),
+    "schedule": (["nanoattn/_schedule.py"], ["test_flash.py", "test_flash_gaps.py"]),
+    "flash": (
+        ["nanoattn/_flash.py"],
+        ["test_flash.py", "test_flash_gaps.py", "test_nonfinite.py", "test_soft_cap.py"],
+    ),
+    "native": (["nanoattn/_native/_kernel.py"], ["test_native.py", "test_bad_input.py"]),
+    "verify": (
+        ["nanoattn/verify/*"],
+        ["test_verify.py", "test_verify_decoding.py", "test_bad_input.py"],
+    ),
+}
+
+# Imported by mutmut's fork server before it forks a mutant: everything heavy except
+# nanoattn itself (each mutant imports its own mutated copy) and jax's backend.
+# Appended to the scratch copy's tests/conftest.py: a mutant's tests run fastest first
+# (by the durations of mutmut's clean run), so with ``-x`` a killed mutant dies early.
+ORDER_HOOK = """
+
+def pytest_collection_modifyitems(config, items):  # added by tools/mutation.py
+    import json, pathlib
+
+    stats = pathlib.Path("mutmut-stats.json")
+    if stats.exists():
+        took = json.loads(stats.read_text()).get("duration_by_test", {})
+        items.sort(key=lambda item: took.get(item.nodeid, 0.0))
+"""
+
+PRELOAD = ["numpy", "jax", "jax.numpy", "flax", "flax.linen", "flax.nnx", "hypothesis", "pytest"]
+
+# mutmut's exit codes (mutmut/stats.py) that mean a test noticed the mutant.
+KILLED = {1: "killed", 3: "killed", -11: "segfault", -9: "killed", -24: "timeout", 24: "timeout"}
+NOT_KILLED = {0: "survived", 33: "no tests", 5: "no tests"}
+
+
+def _setup_cfg(files: list[str], tests: list[str]) -> str:
+    lines = [
+        "[mutmut]",
+        "source_paths = nanoattn/",
+        "only_mutate =",
+        *[f"    {f}" for f in files],
+        "pytest_add_cli_args =",
+        "    -p",
+        "    no:xdist",
+        "    -p",
+        "    no:cacheprovider",
+        "pytest_add_cli_args_test_selection =",
+        *[f"    tests/{t}" for t in tests],
+        "process_isolation = forkserver",
+        "forkserver_warmup = import",
+        "preload_modules_file = preload.txt",
+        "timeout_multiplier = 4.0",
+        "timeout_constant = 30.0",
+        "use_git_change_detection = false",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _prepare(name: str) -> Path:
+    files, tests = TARGETS[name]
+    work = WORK / name
+    for sub in ("nanoattn", "tests"):
+        shutil.rmtree(work / sub, ignore_errors=True)
+        shutil.copytree(ROOT / sub, work / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(work / "tests" / "conftest.py", "a") as conftest:
+        conftest.write(ORDER_HOOK)
+    shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
+    (work / "setup.cfg").write_text(_setup_cfg(files, tests))
+    (work / "preload.txt").write_text("\n".join(PRELOAD) + "\n")
+    shutil.rmtree(work / "mutants", ignore_errors=True)
+    return work
+
+
+def _results(name: str) -> dict:
+    counts: dict[str, int] = {}
+    survivors = []
+    for meta in sorted((WORK / name / "mutants").rglob("*.meta")):
+        for mutant, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            if code in KILLED:
+                kind = KILLED[code]
+            elif code in NOT_KILLED:
+                kind = NOT_KILLED[code]
+                survivors.append(mutant)
+            else:
+                kind = f"exit {code}"  # unknown or not run: counts against the score
+                survivors.append(mutant)
+            counts[kind] = counts.get(kind, 0) + 1
+    total = sum(counts.values())
+    killed = sum(v for k, v in counts.items() if k in KILLED.values())
+    return dict(total=total, killed=killed, counts=counts, survivors=survivors)
+
+
+def _diff(name: str, mutant: str) -> str:
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "mutmut"), "show", mutant],
+        cwd=WORK / name,
+        capture_output=True,
+        text=True,
+    )
+    return run.stdout.strip()
+
+
+def _report(names: list[str]) -> bool:
+    ok = True
+    print(f"{'target':<10} {'mutants':>8} {'killed':>7} {'score':>7}  other")
+    for name in names:
+        r = _results(name)
+        if not r["total"]:
+            print(f"{name:<10} (not run)")
+            ok = False
+            continue
+        score = r["killed"] / r["total"]
+        ok &= score >= THRESHOLD
+        other = ", ".join(f"{k} {v}" for k, v in sorted(r["counts"].items()) if k != "killed")
+        print(f"{name:<10} {r['total']:>8} {r['killed']:>7} {score:>7.1%}  {other}")
+    for name in names:
+        for mutant in _results(name)["survivors"]:
+            print(f"\n--- {mutant}\n{_diff(name, mutant)}")
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", choices=[[], *TARGETS], default=[])
+    parser.add_argument("--report", action="store_true", help="print the last runs' scores")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    args = parser.parse_args()
+    names = args.targets or list(TARGETS)
+    if not args.report:
+        for name in names:
+            work = _prepare(name)
+            print(f"== {name}: mutmut run in {work.relative_to(ROOT)}", flush=True)
+            mutmut = str(Path(sys.executable).parent / "mutmut")
+            # Mutants that leave a program unchanged reuse its compiled form from the
+            # persistent cache (keyed by the program and XLA's flags, so never stale).
+            env = dict(
+                os.environ,
+                JAX_COMPILATION_CACHE_DIR=str(WORK / "jax-cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            )
+            with open(work / "mutmut.log", "w") as log:
+                subprocess.run(
+                    [mutmut, "run", "--max-children", str(args.max_children)],
+                    cwd=work,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    check=False,
+                )
+    return 0 if _report(names) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
