@@ -7,7 +7,7 @@ import pytest
 
 from nanoattn import dot_product_attention
 from nanoattn._flash import flash_attention
-from nanoattn._schedule import block_schedules
+from nanoattn._schedule import block_schedules, pack
 from nanoattn._spec import attention_spec
 
 from conftest import np_attention, np_causal, randn
@@ -179,6 +179,25 @@ def test_schedule_balances_the_lanes():
     assert full.steps == 15  # 120 items over 8 lanes: no lane idles
     none, everything = block_schedules(64, 64, 16, 16, 2, None, True)
     assert everything.items == 0 and none.items == 16
+
+
+def test_pack_uses_no_more_lanes_than_query_blocks_with_work():
+    # One query block with two key blocks, one without any: one lane, two steps, and
+    # int32 indices (the kernel gathers with them); a second lane would be all idle.
+    one = pack([[0, 1], []], lanes=4)
+    assert one.q_block.shape == (2, 1) and one.q_block.dtype == np.int32
+    np.testing.assert_array_equal(one.q_block[:, 0], [0, 0])
+    np.testing.assert_array_equal(one.k_block[:, 0], [0, 1])
+    # Longest first, each to the least loaded lane: block 2 (3 items) fills lane A,
+    # blocks 1 and 0 (2 + 1) share lane B: three steps, no idle slot.
+    three = pack([[0], [0, 1], [0, 1, 2]], lanes=2)
+    assert three.steps == 3 and three.items == 6 and three.k_block.dtype == np.int32
+    assert sorted(map(sorted, three.q_block.T.tolist())) == [[0, 1, 1], [2, 2, 2]]
+    # Unequal lanes: the short lane's idle slots point at the dummy block n = 2.
+    idle = pack([[0], [0, 1, 2]], lanes=2)
+    assert sorted(map(sorted, idle.q_block.T.tolist())) == [[0, 2, 2], [1, 1, 1]]
+    assert idle.items == 4
+    assert pack([[], []], lanes=3).steps == 0
 
 
 def fwd_bwd_temp_bytes(T, implementation, N=4, H=32):
