@@ -141,6 +141,16 @@ def test_ragged_per_row_offsets_and_lengths():
     assert (np.asarray(got[0][3]) == 0).all()  # a row with no keys gives zeros
 
 
+def test_under_x64_its_operands_stay_32_bit(x64):
+    # With jax_enable_x64 JAX's default ints and floats widen to 64 bits; the kernel's
+    # offsets, lengths, empty segment ids, keys and values must still reach it as 32.
+    B, T, S, N, K, H = 2, 9, 13, 4, 2, 8
+    q, k, v = randn(11, B, T, N, H), randn(12, B, S, K, H), randn(13, B, S, K, H)
+    assert_close(*run_and_truth(q, k, v))
+    lengths = np.array([13, 6], np.int64)
+    assert_close(*run_and_truth(q, k, v, is_causal=True, q_offset=4, kv_lengths=lengths))
+
+
 def test_vmap_over_an_extra_axis_equals_a_loop():
     q, k, v = randn(1, 3, 2, 40, 4, 8), randn(2, 3, 2, 40, 2, 8), randn(3, 3, 2, 40, 2, 8)
 

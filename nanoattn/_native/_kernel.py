@@ -64,9 +64,9 @@ def native_attention(query, key, value, spec: AttentionSpec):
     )
     offset = spec.q_offset if spec.band is not None else 0
     offsets = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (B,))
-    lengths = jnp.full((B,), S, jnp.int32) if spec.kv_lengths is None else spec.kv_lengths
+    lengths = jnp.full((B,), S) if spec.kv_lengths is None else spec.kv_lengths
     if spec.q_segment_ids is None:
-        q_seg, kv_seg = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.int32)
+        q_seg = kv_seg = jnp.zeros((B, 0))  # empty: no segment rule
     else:
         q_seg, kv_seg = spec.q_segment_ids, spec.kv_segment_ids
     ints = (offsets, lengths.astype(jnp.int32), q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32))
