@@ -64,7 +64,7 @@ def pack(rows: list[list[int]], lanes: int) -> Schedule:
         b = load.index(min(load))
         bins[b].append(i)
         load[b] += len(rows[i])
-    steps = max(load, default=0)
+    steps = max(load)  # lanes >= 1, so load is never empty
     q_block = np.full((steps, lanes), n, np.int32)
     k_block = np.zeros((steps, lanes), np.int32)
     for lane, members in enumerate(bins):
