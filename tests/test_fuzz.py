@@ -28,7 +28,7 @@ Budget, from the environment:
   calls compile nothing);
   ``NANOATTN_FUZZ_NATIVE_EXAMPLES`` (default 6 times as many: its programs
   compile in a tenth of the time) of the native-only test and
-  ``NANOATTN_FUZZ_RING_EXAMPLES`` (default a twentieth, at least 2) of the ring.
+  ``NANOATTN_FUZZ_RING_EXAMPLES`` (default a twentieth, at least 1) of the ring.
 * ``NANOATTN_FUZZ_SEED``: draw from this seed instead of the derandomised
   (fixed) examples.
 * ``NANOATTN_FUZZ_KEEP_GOING=1``: record failures and keep drawing (the long
@@ -63,7 +63,7 @@ from nanoattn import _native
 
 from conftest import np_attention_vjp, np_causal, np_lengths, np_segments, np_window, sum_to_shape
 
-EXAMPLES = int(os.environ.get("NANOATTN_FUZZ_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("NANOATTN_FUZZ_EXAMPLES", "6"))
 NATIVE_EXAMPLES = int(os.environ.get("NANOATTN_FUZZ_NATIVE_EXAMPLES", 6 * EXAMPLES))
 SEED = os.environ.get("NANOATTN_FUZZ_SEED")
 KEEP_GOING = os.environ.get("NANOATTN_FUZZ_KEEP_GOING") == "1"
@@ -849,7 +849,7 @@ def test_invalid_calls_raise_a_one_line_error(name, sizes):
 # The ring, on 4 simulated devices in its own process (the suite keeps one device).
 
 RING_SCRIPT = pathlib.Path(__file__).with_name("fuzz_ring.py")
-RING_EXAMPLES = int(os.environ.get("NANOATTN_FUZZ_RING_EXAMPLES", max(2, EXAMPLES // 20)))
+RING_EXAMPLES = int(os.environ.get("NANOATTN_FUZZ_RING_EXAMPLES", max(1, EXAMPLES // 20)))
 
 
 def test_ring_attention_agrees_with_the_float64_reference():
@@ -887,7 +887,7 @@ def test_fuzz_regression_flash_half_precision_gradients(dtype):
     # its backward pass took the row term rowsum(dO * O) from the output rounded to
     # the dtype. It now keeps the output in float32 for the backward pass.
     call = concrete_call(2, 5, 65, 4, 2, 1, dtype, seed=1)  # before: dq 4.4x, dk 5.2x (bf16)
-    verdict = check(call, backends=("xla", "flash"))
+    verdict = check(call, backends=("flash",))
     assert not verdict.failures, verdict.failures
 
 
@@ -911,5 +911,5 @@ def test_flash_blocks_wholly_inside_a_wide_window_at_small_tiles():
         static_offset=3,
         tiles=((8, 5, 2), (3, 8, 1)),
     )
-    verdict = check(call, backends=("xla", "flash"))
+    verdict = check(call, backends=("flash",))
     assert not verdict.failures, verdict.failures
