@@ -22,7 +22,8 @@ flax-tests: $(VENV)/.installed-test
 	$(BIN)/python tests/flax_upstream/run.py
 
 # The native kernel built with AddressSanitizer and UndefinedBehaviorSanitizer, and its
-# tests run under them (one process, about a minute); the sanitized build has its own cache.
+# tests and 200 fuzzed native programs (600 calls, tests/test_fuzz.py) run under them (one
+# process at a time, about 2 minutes); the sanitized build has its own cache.
 SANITIZER_RUNTIMES = $$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)
 SANITIZE_FUZZ_EXAMPLES ?= 200
 sanitize: $(VENV)/.installed-test
