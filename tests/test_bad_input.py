@@ -61,6 +61,10 @@ ATTENTION = {
 }
 
 
+class Whole(str):
+    """A row's match that must be the whole message, not just a part of it."""
+
+
 def row(id, fn, *args, raises, match, **kwargs):
     return pytest.param(fn, args, kwargs, raises, match, id=id)
 
@@ -91,7 +95,8 @@ SHARED = [
      "is_causal=True with T=3 queries and S=5 keys needs q_offset"),
     ("window-T!=S-without-q_offset", Q, KV, KV, {"window": 1}, ValueError, "needs q_offset"),
     ("q_offset-without-rule", Q, KV, KV, {"q_offset": 2}, ValueError,
-     "q_offset only applies to causal or windowed attention"),
+     Whole("q_offset only applies to causal or windowed attention; "
+           "pass is_causal=True or a window")),
     ("float-q_offset", Q, KV, KV, {"is_causal": True, "q_offset": np.float32(2)}, TypeError,
      "q_offset must be an integer array, got dtype float32"),
     ("bool-q_offset", Q, KV, KV, {"is_causal": True, "q_offset": True}, TypeError,
@@ -144,6 +149,8 @@ ROWS = [
 
 dpa, flash = nanoattn.dot_product_attention, nanoattn.flash_attention
 ROWS += [
+    row("dot_product_attention-int-value", dpa, Q, KV, KV.astype(np.int32), raises=TypeError,
+        match="value must be a floating-point array, got dtype int32"),
     row("dot_product_attention-value-shape", dpa, Q, KV, f32(B, S, K, 4), raises=ValueError,
         match="value must have shape (B, S, K, H) = (2, 5, 2, 8), got (2, 5, 2, 4)"),
     row("dot_product_attention-dropout-1", dpa, Q, KV, KV, dropout_rate=1.0,
@@ -623,7 +630,7 @@ def test_bad_input_raises_one_line_error(fn, args, kwargs, raises, match):
     message = str(error)
     assert type(error) is raises, f"{type(error).__module__}.{type(error).__name__}: {message}"
     assert message and "\n" not in message, repr(message)
-    assert match in message, message
+    assert message == match if isinstance(match, Whole) else match in message, message
 
 
 # The command line: (id, argv, substring of the one line on stderr).
