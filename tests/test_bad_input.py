@@ -118,7 +118,8 @@ SHARED = [
     ("kv_lengths-scalar", Q, KV, KV, {"kv_lengths": np.int32(3)}, ValueError,
      "kv_lengths must have shape (B,)"),
     ("q_segment_ids-alone", Q, KV, KV, {"q_segment_ids": i32(B, T)}, ValueError,
-     "q_segment_ids and kv_segment_ids go together"),
+     Whole("q_segment_ids and kv_segment_ids go together: pass both (for self-attention "
+           "over packed sequences, the same ids twice) or neither")),
     ("float-segment-ids", Q, KV, KV,
      {"q_segment_ids": f32(B, T), "kv_segment_ids": i32(B, S)}, TypeError,
      "q_segment_ids must be an integer array, got dtype float32"),

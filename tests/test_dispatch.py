@@ -19,6 +19,13 @@ def spec_for(T, S=None, **kwargs):
     return attention_spec(jnp.zeros((1, T, 2, 8)), jnp.zeros((1, S, 2, 8)), **kwargs)
 
 
+def test_a_spec_without_rules_has_none():
+    # No causality, window, lengths, segments, mask or bias unless asked for.
+    for spec in (spec_for(4), spec_for(3, 5)):
+        assert spec.band is None and spec.q_offset is None and spec.kv_lengths is None
+        assert spec.q_segment_ids is None and spec.mask is None and spec.bias is None
+
+
 def test_unknown_implementation():
     with pytest.raises(
         ValueError,
