@@ -10,6 +10,7 @@ each mutant's pytest from a server that has imported jax but not started its bac
     python tools/mutation.py masks flash     # some of them
     python tools/mutation.py --report        # the scores of the last runs, no run
     python tools/mutation.py --sample 300 verify   # a seeded random 300 of its mutants
+    python tools/mutation.py --survivors spec      # rerun the last run's survivors only
 
 A mutant counts as killed when a test fails, times out or crashes; "no tests" and
 "survived" count against the score. The score per target must reach 90%. With
@@ -113,14 +114,21 @@ def _setup_cfg(files: list[str], tests: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _copy_tests(work: Path) -> None:
+    shutil.rmtree(work / "tests", ignore_errors=True)
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(work / "tests" / "conftest.py", "a") as conftest:
+        conftest.write(ORDER_HOOK)
+
+
 def _prepare(name: str) -> Path:
     files, tests = TARGETS[name]
     work = WORK / name
-    for sub in ("nanoattn", "tests"):
-        shutil.rmtree(work / sub, ignore_errors=True)
-        shutil.copytree(ROOT / sub, work / sub, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(work / "tests" / "conftest.py", "a") as conftest:
-        conftest.write(ORDER_HOOK)
+    shutil.rmtree(work / "nanoattn", ignore_errors=True)
+    shutil.copytree(
+        ROOT / "nanoattn", work / "nanoattn", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    _copy_tests(work)
     shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
     (work / "setup.cfg").write_text(_setup_cfg(files, tests))
     (work / "preload.txt").write_text("\n".join(PRELOAD) + "\n")
@@ -151,6 +159,24 @@ def _sample(name: str, size: int, seed: int) -> list[str]:
     subprocess.run([sys.executable, "-c", GENERATE], cwd=work, check=True, capture_output=True)
     names = sorted(_exit_codes(name))
     return sorted(random.Random(seed).sample(names, size)) if size < len(names) else []
+
+
+def _survivors(name: str) -> tuple[Path, list[str]]:
+    """The last run's survivors, with the work copy's tests refreshed."""
+    work = WORK / name
+    for pattern in TARGETS[name][0]:
+        for source in ROOT.glob(pattern):
+            copy = work / source.relative_to(ROOT)
+            if not copy.exists() or copy.read_bytes() != source.read_bytes():
+                raise SystemExit(
+                    f"{source.relative_to(ROOT)} changed since the last run of "
+                    f"{name}: run the whole target"
+                )
+    if (work / "setup.cfg").read_text() != _setup_cfg(*TARGETS[name]):
+        # mutmut drops every verdict when the test selection changes
+        raise SystemExit(f"the test files of {name} changed since its last run: run it whole")
+    _copy_tests(work)
+    return work, sorted(_results(name)["survivors"])
 
 
 def _results(name: str) -> dict:
@@ -211,12 +237,23 @@ def main() -> int:
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--sample", type=int, help="run a random this many mutants per target")
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
+    parser.add_argument(
+        "--survivors",
+        action="store_true",
+        help="rerun only the last run's survivors against the current tests (the source "
+        "must be unchanged since that run)",
+    )
     args = parser.parse_args()
     names = args.targets or list(TARGETS)
     if not args.report:
         for name in names:
-            work = _prepare(name)
-            chosen = _sample(name, args.sample, args.seed) if args.sample else []
+            if args.survivors:
+                work, chosen = _survivors(name)
+                if not chosen:
+                    continue
+            else:
+                work = _prepare(name)
+                chosen = _sample(name, args.sample, args.seed) if args.sample else []
             print(f"== {name}: mutmut run in {work.relative_to(ROOT)}", flush=True)
             mutmut = str(Path(sys.executable).parent / "mutmut")
             # Mutants that leave a program unchanged reuse its compiled form from the
