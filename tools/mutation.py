@@ -87,7 +87,8 @@ def pytest_collection_modifyitems(config, items):  # added by tools/mutation.py
 PRELOAD = ["numpy", "jax", "jax.numpy", "flax", "flax.linen", "flax.nnx", "hypothesis", "pytest"]
 
 # mutmut's exit codes (mutmut/stats.py) that mean a test noticed the mutant.
-KILLED = {1: "killed", 3: "killed", -11: "segfault", -9: "killed", -24: "timeout", 24: "timeout"}
+KILLED = {1: "killed", 3: "killed", -11: "segfault", -9: "segfault"}
+KILLED |= {code: "timeout" for code in (36, -24, 24, 152, 255)}
 NOT_KILLED = {0: "survived", 33: "no tests", 5: "no tests"}
 
 
