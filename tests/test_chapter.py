@@ -36,6 +36,19 @@ def test_worked_example_shapes_of_the_seed_configuration():
     assert shapes["output"] == (2, 5, 128)
 
 
+def test_the_reference_records_its_stages_with_axes_and_ops():
+    stages = {s.name: s for s in trace_stages(AttentionConfig(128, 4), batch=2, seq_len=5)}
+    got = [(stages[n].shape, stages[n].axes, stages[n].op) for n in REFERENCE_STAGES]
+    assert got == [
+        ((2, 4, 5, 5), ("B", "N", "T", "S"), "einsum"),
+        ((2, 4, 5, 5), ("B", "N", "T", "S"), "softmax"),
+        ((2, 5, 4, 32), ("B", "T", "N", "H"), "einsum"),
+    ]
+
+
+REFERENCE_STAGES = ("scores", "weights", "per-head output")
+
+
 def test_element_counts_are_kept_through_every_reshape():
     config = AttentionConfig(96, 6)
     report = check_shapes(config, batch=3, seq_len=7)

@@ -177,6 +177,65 @@ def test_float64_stays_float64(x64):
     np.testing.assert_allclose(out, np_attention(q, k, v, allowed=np_causal(T, S, 1)), atol=1e-12)
 
 
+def test_float32_under_x64_never_widens(x64):
+    # jax_enable_x64 widens JAX's defaults; float32 operands must still compute in float32
+    # (key lengths and segment ids bring in the code that zeroes unseen keys and queries).
+    q, k, v = qkv(18)
+    ids = np.repeat(np.array([[0, 0, 1, 1, 2, 2, 2]], np.int32), B, 0)
+    kwargs = dict(kv_lengths=np.array([S, 3]), q_segment_ids=ids[:, :T], kv_segment_ids=ids)
+    jaxpr = jax.make_jaxpr(lambda *a: dot_product_attention(*a, implementation="xla", **kwargs))
+    widened = [
+        e.primitive.name
+        for e in jaxpr(q, k, v).jaxpr.eqns
+        for x in e.outvars
+        if getattr(x.aval, "dtype", None) == jnp.float64
+    ]
+    assert not widened, widened
+
+
+def test_mixed_float64_operands_compute_in_float64(x64):
+    # The compute dtype is the widest of the operands: one float64 operand is enough.
+    q, k, v = qkv(19, dtype=np.float64)
+    f32 = np.float32
+    for args in ((q, k.astype(f32), v.astype(f32)), (q, k, v.astype(f32))):
+        want = np_attention(*(np.asarray(a, np.float64) for a in args))
+        out = dot_product_attention(*args, implementation="xla")
+        np.testing.assert_allclose(out, want, atol=1e-12)
+
+    # A float32 query with a float64 key: weights come back in float32, but the key's
+    # gradient is float64 and as exact as with a float64 query.
+    def loss(q, k):
+        return jnp.sum(attention_weights(q, k).astype(jnp.float64) * np.arange(S))  # exact in f32
+
+    dk = jax.grad(loss, argnums=1)(q.astype(f32), k)
+    want = jax.grad(loss, argnums=1)(q.astype(f32).astype(np.float64), k)
+    assert dk.dtype == jnp.float64
+    np.testing.assert_allclose(dk, want, atol=1e-12)
+
+    # A float64 value with float32 query and key: the weights are float32, and the
+    # value's gradient is their exact float64 product with the output's cotangent.
+    q32, k32 = q.astype(f32), k.astype(f32)
+    cot = np.broadcast_to(np.arange(H, dtype=np.float64), (B, T, N, H))  # exact in f32
+
+    def loss_v(v):
+        out = dot_product_attention(q32, k32, v, implementation="xla")
+        return jnp.sum(out.astype(jnp.float64) * cot)
+
+    p = np.asarray(attention_weights(q32, k32), np.float64).reshape(B, K, N // K, T, S)
+    want_dv = np.einsum("BKGTS,BTKGH->BSKH", p, cot.reshape(B, T, K, N // K, H))
+    np.testing.assert_allclose(jax.grad(loss_v)(v), want_dv, atol=1e-12)
+
+
+def test_rows_far_apart_are_each_normalized():
+    # A per-row constant added to the logits changes nothing, however large: each row
+    # is shifted by its own maximum, never by one shared across rows.
+    q, k, v = qkv(20)
+    shift = np.where(np.arange(T) % 2 == 0, 150.0, -150.0).astype(np.float32)
+    bias = np.broadcast_to(shift[:, None], (B, N, T, S))
+    got = dot_product_attention(q, k, v, bias=bias, implementation="xla")
+    np.testing.assert_allclose(got, np_attention(q, k, v), atol=1e-5)
+
+
 @pytest.mark.slow
 def test_check_grads_float64(x64):
     q, k, v = qkv(15, dtype=np.float64)
