@@ -43,6 +43,7 @@ TARGETS = {
             "test_soft_cap.py",
             "test_nonfinite.py",
             "test_masks.py",
+            "test_chapter.py",
             "test_bad_input.py",
         ],
     ),
