@@ -442,8 +442,11 @@ def flash_attention(
         step. By default :func:`fit_tiles` sizes them for the call.
 
     Returns:
-      (B, T, N, H) in the query's dtype.
+      (B, T, N, H) in the query's dtype; zeros when T or S is 0 (no query, or no key
+      to see), as every backend gives.
     """
+    if spec.T == 0 or spec.S == 0:
+        return jnp.zeros(query.shape, query.dtype)
     plans = kernel_plans(spec, forward_tiles, backward_tiles)
     static_offset = spec.static_q_offset
     q_offset = None if static_offset is not None or not spec.positional else spec.q_offset

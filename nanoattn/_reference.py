@@ -59,7 +59,7 @@ def masked_softmax(logits, allowed):
         logits = jnp.where(allowed, logits, neg)
     # The softmax is invariant to the subtracted maxima, so no gradient flows through them.
     shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=neg))
-    shifted = shifted - jax.lax.stop_gradient(jnp.max(shifted, axis=-1, keepdims=True))
+    shifted = shifted - jax.lax.stop_gradient(jnp.max(shifted, axis=-1, keepdims=True, initial=neg))
     unnormalized = jnp.exp(shifted)
     if allowed is not None:
         unnormalized = jnp.where(allowed, unnormalized, 0)

@@ -226,6 +226,24 @@ def test_mixed_float64_operands_compute_in_float64(x64):
     np.testing.assert_allclose(jax.grad(loss_v)(v), want_dv, atol=1e-12)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
+@pytest.mark.parametrize("t, s", [(3, 0), (0, 5), (0, 0)])
+def test_no_keys_or_no_queries_give_zeros_on_every_backend(implementation, t, s):
+    # No key to see: every row sees nothing, so zeros, and zero gradients (found by
+    # mutation testing: the reference raised numpy's "zero-size array", flash divided
+    # by zero, native gave zeros).
+    q, k, v = qkv(21, t=t, s=s)
+
+    def loss(q, k, v):
+        return dot_product_attention(q, k, v, implementation=implementation).sum()
+
+    out = dot_product_attention(q, k, v, implementation=implementation)
+    assert out.shape == (B, t, N, H) and not np.asarray(out).any()
+    for g, x in zip(jax.grad(loss, argnums=(0, 1, 2))(q, k, v), (q, k, v)):
+        assert g.shape == x.shape and not np.asarray(g).any()
+    assert attention_weights(q, k).shape == (B, N, t, s)
+
+
 def test_rows_far_apart_are_each_normalized():
     # A per-row constant added to the logits changes nothing, however large: each row
     # is shifted by its own maximum, never by one shared across rows.
