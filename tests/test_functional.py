@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+import nanoattn
 from nanoattn import attention_weights, dot_product_attention, padding_mask
 
 from conftest import np_attention, np_causal, randn
@@ -183,6 +184,7 @@ def test_float32_under_x64_never_widens(x64):
     q, k, v = qkv(18)
     ids = np.repeat(np.array([[0, 0, 1, 1, 2, 2, 2]], np.int32), B, 0)
     kwargs = dict(kv_lengths=np.array([S, 3]), q_segment_ids=ids[:, :T], kv_segment_ids=ids)
+    kwargs["bias"] = randn(22, B, N, T, S)
     jaxpr = jax.make_jaxpr(lambda *a: dot_product_attention(*a, implementation="xla", **kwargs))
     widened = [
         e.primitive.name
@@ -242,6 +244,15 @@ def test_no_keys_or_no_queries_give_zeros_on_every_backend(implementation, t, s)
     for g, x in zip(jax.grad(loss, argnums=(0, 1, 2))(q, k, v), (q, k, v)):
         assert g.shape == x.shape and not np.asarray(g).any()
     assert attention_weights(q, k).shape == (B, N, t, s)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64])
+def test_large_negative_is_finite_with_headroom(dtype):
+    # It stands in for -inf at blocked logits: finite in the dtype, and far enough from
+    # its edge that subtracting a row maximum or adding a bias cannot overflow it.
+    x = np.asarray(nanoattn.large_negative(dtype), dtype)
+    edge = float(jnp.finfo(dtype).max)
+    assert np.isfinite(x) and -0.8 * edge < float(x) < -0.5 * edge
 
 
 def test_rows_far_apart_are_each_normalized():

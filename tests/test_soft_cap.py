@@ -2,6 +2,7 @@
 cap * tanh(s / cap) before masking and the softmax; gradients are exact."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
@@ -137,3 +138,25 @@ def test_invalid_cap(function, cap, error, pattern):
     q, k, v = qkv(5, 7, seed=60)
     with pytest.raises(error, match=pattern):
         FUNCTIONS[function](q, k, v, logit_soft_cap=cap)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "flash"])
+def test_nan_and_inf_bias_where_blocked_reach_no_gradient(implementation):
+    # tanh(NaN) is NaN and its derivative too: blocked cells are set to 0 before the
+    # cap, so a NaN or inf bias there changes no output and no gradient.
+    q, k, v = randn(31, 1, 4, 2, 8), randn(32, 1, 4, 2, 8), randn(33, 1, 4, 2, 8)
+    mask = np.ones((4, 4), bool)
+    mask[:, 2:] = False
+    clean = randn(34, 1, 2, 4, 4)
+    dirty = clean.copy()
+    dirty[..., 2], dirty[..., 3] = np.inf, np.nan
+
+    def loss(q, k, v, bias):
+        out = dot_product_attention(
+            q, k, v, bias=bias, mask=mask, logit_soft_cap=2.0, implementation=implementation
+        )
+        return jnp.sum(out * np.arange(8))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    for got, want in zip(grad(q, k, v, dirty), grad(q, k, v, clean)):
+        np.testing.assert_array_equal(got, want)
