@@ -171,7 +171,13 @@ ROWS += [
         match="implementation='native' cannot serve this call"),
     row("dot_product_attention-flash-with-dropout", dpa, Q, KV, KV, dropout_rate=0.5,
         dropout_rng=jax.random.key(0), implementation="flash", raises=ValueError,
-        match="implementation='flash' cannot serve this call"),
+        match=Whole("implementation='flash' cannot serve this call: dropout is only "
+                    "implemented by the reference (implementation='xla')")),
+    row("dot_product_attention-flash-traced-scale", jax.jit(
+        lambda q, k, v, s: dpa(q, k, v, scale=s, implementation="flash")), Q, KV, KV, 0.5,
+        raises=ValueError, match=Whole("implementation='flash' cannot serve this call: the "
+                                       "kernel needs a Python number for scale, not a traced "
+                                       "array")),
     row("dot_product_attention-cudnn-on-cpu", dpa, Q, KV, KV, implementation="cudnn",
         raises=ValueError, match="implementation='cudnn' cannot serve this call"),
     row("flash_attention-value-shape", flash, Q, KV, f32(B, 4, K, H), raises=ValueError,
