@@ -234,6 +234,7 @@ def _report(names: list[str]) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # [] among the choices: argparse before 3.12 checks the empty default against them
     parser.add_argument("targets", nargs="*", choices=[[], *TARGETS], default=[])
     parser.add_argument("--report", action="store_true", help="print the last runs' scores")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
