@@ -110,6 +110,14 @@ def varying_like(tree, *inputs):
     return jax.tree.map(cast, tree)
 
 
+def sum_to_varying(grad, primal):
+    """``grad`` summed over the manual mesh axes it varies over and ``primal`` does
+    not: inside ``jax.shard_map``, a replicated input used by per-device work gets
+    the sum of every device's gradient (the transpose of its implicit broadcast)."""
+    extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+    return jax.lax.psum(grad, extra) if extra else grad
+
+
 def _pad(x, axis: int, size: int, value=0):
     extra = size - x.shape[axis]
     if extra == 0:
@@ -422,7 +430,8 @@ def _attend_fwd(plan, backward_plan, q, k, v, bias, mask, q_offset, kv_lengths, 
 
 
 def _attend_bwd(plan, backward_plan, residuals, d_out):
-    return _backward(backward_plan, residuals, d_out)
+    grads = _backward(backward_plan, residuals, d_out)
+    return tuple(g if g is None else sum_to_varying(g, x) for g, x in zip(grads, residuals))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

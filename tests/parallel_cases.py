@@ -332,6 +332,41 @@ def layer_case(name, shape, names, framework="linen", **axes):
     }  # fmt: skip
 
 
+def replicated_kv(name, P: int = 2):
+    """The kernel (not the ring) inside shard_map over P devices: queries split over
+    the batch, keys, values and a bias replicated. Their gradients must be the sum
+    of every device's part (the transpose of the implicit broadcast), as jax's own
+    autodiff of the reference gives."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as Spec
+
+    mesh = jax.make_mesh((P,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2 * P, 9, N, H), np.float32)
+    k, v = (rng.standard_normal((2, 9, K, H), np.float32) for _ in range(2))
+    bias = rng.standard_normal((1, N, 9, 9), np.float32)
+
+    def grads(implementation):
+        def loss(q, k, v, bias):
+            out = nanoattn.dot_product_attention(
+                q, k, v, bias=bias, is_causal=True, implementation=implementation
+            )
+            return jnp.sum(out * out)
+
+        def per_device(q, k, v, bias):
+            return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+        specs = (Spec("x"), Spec(), Spec(), Spec())
+        return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=specs))(
+            q, k, v, bias
+        )
+
+    flash, xla = grads("flash"), grads("xla")
+    errs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(flash, xla)]
+    return {"case": name, "P": P, "grad_errs": errs,
+            "grad_scales": [float(np.max(np.abs(np.asarray(b)))) for b in xla]}  # fmt: skip
+
+
 CASES = [
     lambda: compare("p8-zigzag-causal-lengths-segments", 8, "zigzag", is_causal=True,
                     lengths=True, ids=True),
@@ -342,6 +377,7 @@ CASES = [
     lambda: leak("leak-honest"),
     lambda: leak("leak-planted", planted=True),
     lambda: layer_case("layer-heads-linen", (2,), ("model",), head_axis="model"),
+    lambda: replicated_kv("flash-replicated-kv"),
 ]  # fmt: skip
 
 

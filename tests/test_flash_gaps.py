@@ -7,7 +7,9 @@ sizes was never exercised, so a block wrongly classified as fully visible
 survived; sweeping the offset over two key blocks catches it, on the schedule
 alone and end to end. Last, a sliding window makes the kernel's work grow
 linearly in T, shown by counting scheduled block pairs (never by timing), and
-its compiled memory stays O(T).
+its compiled memory stays O(T). (c) Inside ``jax.shard_map`` only the ring's
+subprocess tests ran the kernel, always with every input varying over the mesh;
+one varying input at a time, on a one-device mesh, reaches each input's part.
 """
 
 import jax
@@ -200,3 +202,53 @@ def test_window_memory_is_at_most_linear_in_sequence_length():
     at_16k = fwd_bwd_temp_bytes(16384, window=(512, 0))
     assert at_16k <= 2.5 * at_8k, (at_8k, at_16k)
     assert at_16k <= 64 * 2**20, at_16k / 2**20
+
+
+# (c) inside jax.shard_map, inputs that vary over the mesh and inputs that do not
+
+VARYING = ["q", "k", "v", "bias", "q_ids", "kv_ids", "kv_lengths", "q_offset", "d_out"]
+
+
+@pytest.mark.parametrize("which", VARYING)
+def test_under_shard_map_any_one_varying_input(which):
+    # On a one-device mesh, so in-process: shard_map types each value as varying
+    # over the mesh axis or not. The kernel's scan carries start as zeros and must be
+    # typed like the inputs (or the scan refuses its carry), and the gradient of an
+    # input that does not vary is summed over the axis (or the custom VJP refuses
+    # it; tests/parallel_cases.py checks that sum on two devices). Outputs and
+    # gradients must equal those outside shard_map.
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as Spec
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
+    q, k, v = qkv(9, 9, N=4, K=2, H=8, seed=7)
+    args = dict(
+        q=q, k=k, v=v,
+        bias=jnp.asarray(randn(8, 2, 4, 9, 9)),
+        q_ids=jnp.asarray([[0] * 5 + [1] * 4, [0] * 9], jnp.int32),
+        kv_ids=jnp.asarray([[0] * 5 + [1] * 4, [0] * 9], jnp.int32),
+        kv_lengths=jnp.asarray([9, 6], jnp.int32),
+        q_offset=jnp.asarray([0, 2], jnp.int32),
+        d_out=jnp.asarray(randn(9, 2, 9, 4, 8)),
+    )  # fmt: skip
+
+    def run(q, k, v, bias, q_ids, kv_ids, kv_lengths, q_offset, d_out):
+        def attend(q, k, v, bias):
+            return nanoattn.flash_attention(
+                q, k, v, bias=bias, is_causal=True, q_offset=q_offset,
+                q_segment_ids=q_ids, kv_segment_ids=kv_ids, kv_lengths=kv_lengths,
+                forward_tiles=(4, 4, 2), backward_tiles=(4, 4, 2),
+            )  # fmt: skip
+
+        def loss(q, k, v, bias):
+            return jnp.sum(attend(q, k, v, bias) * d_out)
+
+        return attend(q, k, v, bias), jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    specs = tuple(Spec("x") if name == which else Spec() for name in VARYING)
+    outside = jax.jit(run)(**args)
+    out_specs = (Spec("x"), (Spec("x"),) * 4)
+    inside = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=out_specs))
+    inside = inside(*args.values())
+    for got, want in zip(jax.tree.leaves(inside), jax.tree.leaves(outside)):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)

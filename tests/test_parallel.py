@@ -71,6 +71,13 @@ def test_check_causality_passes_the_ring_and_catches_a_planted_leak(cases):
     assert not cases["leak-planted"]["passed"], cases["leak-planted"]["report"]
 
 
+def test_flash_inside_shard_map_sums_gradients_of_replicated_inputs(cases):
+    # dk, dv and dbias of inputs every device holds whole: the sum over devices
+    case = cases["flash-replicated-kv"]
+    assert max(case["grad_errs"]) <= 1e-4, case
+    assert min(case["grad_scales"]) > 0.1, case
+
+
 def test_head_parallel_layer_equals_one_device_and_gathers_nothing(cases):
     case = cases["layer-heads-linen"]
     assert case["err"] <= 1e-5, case
