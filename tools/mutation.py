@@ -19,6 +19,7 @@ A mutant counts as killed when a test fails, times out or crashes; "no tests" an
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -112,6 +113,8 @@ def _setup_cfg(files: list[str], tests: list[str]) -> str:
         "timeout_multiplier = 4.0",
         "timeout_constant = 30.0",
         "use_git_change_detection = false",
+        "also_copy =",
+        "    docs/",
     ]
     return "\n".join(lines) + "\n"
 
@@ -132,6 +135,8 @@ def _prepare(name: str) -> Path:
     )
     _copy_tests(work)
     shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
+    shutil.rmtree(work / "docs", ignore_errors=True)
+    shutil.copytree(ROOT / "docs", work / "docs")  # tests read the docs
     (work / "setup.cfg").write_text(_setup_cfg(files, tests))
     (work / "preload.txt").write_text("\n".join(PRELOAD) + "\n")
     shutil.rmtree(work / "mutants", ignore_errors=True)
@@ -149,18 +154,26 @@ copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(2)
 """
 
 
-def _exit_codes(name: str) -> dict:
-    codes = {}
-    for meta in sorted((WORK / name / "mutants").rglob("*.meta")):
-        codes.update(json.loads(meta.read_text())["exit_code_by_key"])
-    return codes
+def _exit_codes(name: str) -> dict[str, dict]:
+    """Each mutated file's mutants and their exit codes (None: not run)."""
+    work = WORK / name / "mutants"
+    return {
+        str(meta.relative_to(work)).removesuffix(".meta"): json.loads(meta.read_text())[
+            "exit_code_by_key"
+        ]
+        for meta in sorted(work.rglob("*.meta"))
+    }
 
 
 def _sample(name: str, size: int, seed: int) -> list[str]:
+    """A seeded random `size` mutants of each mutated file (all of a smaller file)."""
     work = WORK / name
     subprocess.run([sys.executable, "-c", GENERATE], cwd=work, check=True, capture_output=True)
-    names = sorted(_exit_codes(name))
-    return sorted(random.Random(seed).sample(names, size)) if size < len(names) else []
+    chosen = []
+    for codes in _exit_codes(name).values():
+        names = sorted(codes)
+        chosen += random.Random(seed).sample(names, size) if size < len(names) else names
+    return sorted(chosen)
 
 
 def _survivors(name: str) -> tuple[Path, list[str]]:
@@ -178,13 +191,17 @@ def _survivors(name: str) -> tuple[Path, list[str]]:
         # mutmut drops every verdict when the test selection changes
         raise SystemExit(f"the test files of {name} changed since its last run: run it whole")
     _copy_tests(work)
-    return work, sorted(_results(name)["survivors"])
+    shutil.rmtree(work / "docs", ignore_errors=True)
+    shutil.copytree(ROOT / "docs", work / "docs")
+    return work, sorted(
+        m for codes in _exit_codes(name).values() for m in _results(codes)["survivors"]
+    )
 
 
-def _results(name: str) -> dict:
+def _results(codes: dict) -> dict:
+    """One file's tally: how many mutants ran, were killed, and which survived."""
     counts: dict[str, int] = {}
     survivors = []
-    codes = _exit_codes(name)
     for mutant, code in codes.items():
         if code is None:
             continue  # not run (outside the sample)
@@ -194,12 +211,20 @@ def _results(name: str) -> dict:
             kind = NOT_KILLED[code]
             survivors.append(mutant)
         else:
-            kind = f"exit {code}"  # unknown or not run: counts against the score
+            kind = f"exit {code}"  # unknown: counts against the score
             survivors.append(mutant)
         counts[kind] = counts.get(kind, 0) + 1
     total = sum(counts.values())
     killed = sum(v for k, v in counts.items() if k in KILLED.values())
     return dict(total=total, of=len(codes), killed=killed, counts=counts, survivors=survivors)
+
+
+def _lower_bound(killed: int, total: int, z: float = 1.96) -> float:
+    """Wilson's 95% lower bound on the whole file's score, given a sample's."""
+    p = killed / total
+    centre = p + z * z / (2 * total)
+    spread = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total))
+    return (centre - spread) / (1 + z * z / total)
 
 
 def _diff(name: str, mutant: str) -> str:
@@ -213,22 +238,37 @@ def _diff(name: str, mutant: str) -> str:
 
 
 def _report(names: list[str]) -> bool:
+    """Print the score of each mutated file; True when every one reaches the bar.
+
+    A sampled file passes when its sample's score does; the report adds the 95% lower
+    bound on the whole file's score, to show how far a sample can be trusted.
+    """
     ok = True
-    print(f"{'target':<10} {'mutants':>8} {'killed':>7} {'score':>7}  other")
+    print(f"{'file':<34} {'mutants':>8} {'killed':>7} {'score':>7}  other")
+    survivors = []
     for name in names:
-        r = _results(name)
-        if not r["total"]:
-            print(f"{name:<10} (not run)")
+        files = _exit_codes(name)
+        if not files:
+            print(f"{name:<34} (not run)")
             ok = False
-            continue
-        score = r["killed"] / r["total"]
-        ok &= score >= THRESHOLD
-        other = ", ".join(f"{k} {v}" for k, v in sorted(r["counts"].items()) if k != "killed")
-        ran = "" if r["total"] == r["of"] else f"  (ran {r['total']} of {r['of']})"
-        print(f"{name:<10} {r['total']:>8} {r['killed']:>7} {score:>7.1%}  {other}{ran}")
-    for name in names:
-        for mutant in _results(name)["survivors"]:
-            print(f"\n--- {mutant}\n{_diff(name, mutant)}")
+        for file, codes in files.items():
+            r = _results(codes)
+            if not r["of"]:
+                continue  # a file with nothing to mutate (an __init__)
+            if not r["total"]:
+                print(f"{file:<34} (not run, {r['of']} mutants)")
+                ok = False
+                continue
+            score = r["killed"] / r["total"]
+            ok &= score >= THRESHOLD
+            other = ", ".join(f"{k} {v}" for k, v in sorted(r["counts"].items()) if k != "killed")
+            if r["total"] < r["of"]:
+                bound = _lower_bound(r["killed"], r["total"])
+                other += f"  (sample of {r['total']} of {r['of']}; whole file >= {bound:.1%})"
+            print(f"{file:<34} {r['total']:>8} {r['killed']:>7} {score:>7.1%}  {other}")
+            survivors += [(name, mutant) for mutant in r["survivors"]]
+    for name, mutant in survivors:
+        print(f"\n--- {mutant}\n{_diff(name, mutant)}")
     return ok
 
 
@@ -238,7 +278,9 @@ def main() -> int:
     parser.add_argument("targets", nargs="*", choices=[[], *TARGETS], default=[])
     parser.add_argument("--report", action="store_true", help="print the last runs' scores")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
-    parser.add_argument("--sample", type=int, help="run a random this many mutants per target")
+    parser.add_argument(
+        "--sample", type=int, help="run a seeded random this many mutants of each file"
+    )
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
     parser.add_argument(
         "--survivors",
