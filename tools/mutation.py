@@ -62,7 +62,15 @@ TARGETS = {
     "schedule": (["nanoattn/_schedule.py"], ["test_flash.py", "test_flash_gaps.py"]),
     "flash": (
         ["nanoattn/_flash.py"],
-        ["test_flash.py", "test_flash_gaps.py", "test_nonfinite.py", "test_soft_cap.py"],
+        [
+            "test_flash.py",
+            "test_flash_gaps.py",
+            "test_nonfinite.py",
+            "test_soft_cap.py",
+            "test_combined.py",
+            "test_segments.py",
+            "test_window.py",
+        ],
     ),
     "native": (["nanoattn/_native/_kernel.py"], ["test_native.py", "test_bad_input.py"]),
     "verify": (
@@ -85,6 +93,9 @@ def pytest_collection_modifyitems(config, items):  # added by tools/mutation.py
         took = json.loads(stats.read_text()).get("duration_by_test", {})
         items.sort(key=lambda item: took.get(item.nodeid, 0.0))
 """
+
+# Read by tests (docs' examples, the verify demo's decoders).
+ALSO_COPY = ["docs", "examples"]
 
 PRELOAD = ["numpy", "jax", "jax.numpy", "flax", "flax.linen", "flax.nnx", "hypothesis", "pytest"]
 
@@ -114,9 +125,15 @@ def _setup_cfg(files: list[str], tests: list[str]) -> str:
         "timeout_constant = 30.0",
         "use_git_change_detection = false",
         "also_copy =",
-        "    docs/",
+        *[f"    {d}/" for d in ALSO_COPY],
     ]
     return "\n".join(lines) + "\n"
+
+
+def _copy_also(work: Path) -> None:
+    for folder in ALSO_COPY:
+        shutil.rmtree(work / folder, ignore_errors=True)
+        shutil.copytree(ROOT / folder, work / folder, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def _copy_tests(work: Path) -> None:
@@ -135,8 +152,7 @@ def _prepare(name: str) -> Path:
     )
     _copy_tests(work)
     shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
-    shutil.rmtree(work / "docs", ignore_errors=True)
-    shutil.copytree(ROOT / "docs", work / "docs")  # tests read the docs
+    _copy_also(work)
     (work / "setup.cfg").write_text(_setup_cfg(files, tests))
     (work / "preload.txt").write_text("\n".join(PRELOAD) + "\n")
     shutil.rmtree(work / "mutants", ignore_errors=True)
@@ -191,8 +207,7 @@ def _survivors(name: str) -> tuple[Path, list[str]]:
         # mutmut drops every verdict when the test selection changes
         raise SystemExit(f"the test files of {name} changed since its last run: run it whole")
     _copy_tests(work)
-    shutil.rmtree(work / "docs", ignore_errors=True)
-    shutil.copytree(ROOT / "docs", work / "docs")
+    _copy_also(work)
     return work, sorted(
         m for codes in _exit_codes(name).values() for m in _results(codes)["survivors"]
     )
