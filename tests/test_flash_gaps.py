@@ -252,3 +252,57 @@ def test_under_shard_map_any_one_varying_input(which):
     inside = inside(*args.values())
     for got, want in zip(jax.tree.leaves(inside), jax.tree.leaves(outside)):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
+# (d) dtypes, plans and tiles that the cases above do not pin
+
+
+def test_float32_under_x64_computes_in_float32_only(x64):
+    # Under jax_enable_x64 a missing dtype means float64: every intermediate of the
+    # forward and backward pass must stay float32 for float32 inputs, gradients too.
+    q, k, v = qkv(11, 11, seed=21)
+    bias = jnp.asarray(randn(24, 1, 4, 11, 11))
+    mask = jnp.asarray(np.random.default_rng(25).random((2, 1, 11, 11)) > 0.2)
+
+    def loss(q, k, v, bias):
+        out = nanoattn.flash_attention(
+            q, k, v, bias=bias, mask=mask, is_causal=True, logit_soft_cap=3.0,
+            forward_tiles=(4, 4, 2), backward_tiles=(4, 4, 2),
+        )  # fmt: skip
+        return out.sum()
+
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    floats = {
+        var.aval.dtype
+        for eqn in _equations(closed.jaxpr)
+        for var in eqn.outvars
+        if jnp.issubdtype(var.aval.dtype, jnp.floating)
+    }
+    assert floats == {jnp.dtype(jnp.float32)}, floats
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(closed.out_avals))
+
+
+def test_kernel_plans_are_forward_then_backward():
+    from nanoattn._flash import BACKWARD_TILES, FORWARD_TILES, kernel_plans
+    from nanoattn._spec import attention_spec
+
+    q, k, v = qkv(300, 200)
+    spec = attention_spec(q, k, v, is_causal=True, q_offset=0)
+    forward, backward = kernel_plans(spec, (16, 32, 3), (8, 16, 5))
+    assert (forward.block_q, forward.block_k, forward.lanes) == (16, 32, 3)
+    assert (backward.block_q, backward.block_k, backward.lanes) == (8, 16, 5)
+    forward, backward = kernel_plans(spec)  # fitted from each pass's own defaults
+    assert FORWARD_TILES != BACKWARD_TILES
+    assert forward.block_q == min(FORWARD_TILES[0], 300)
+    assert backward.block_q == min(BACKWARD_TILES[0], 300)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 7, 5), (1, 1, 7, 1), (2, 1, 1, 5)])
+def test_bias_gradient_with_blocks_of_two_rows(bias_shape):
+    # Blocks of 2 query rows (and 3 keys): each row of a per-query bias gets its own
+    # gradient, not the block's sum.
+    q, k, v = qkv(7, 5, seed=26)
+    bias = randn(27, *bias_shape)
+    case = Case(f"bias {bias_shape}", q, k, v, bias=bias)
+    tiles = dict(forward_tiles=(2, 3, 2), backward_tiles=(2, 3, 2))
+    assert_cases_match([case], implementations=["flash"], tiles=tiles)
