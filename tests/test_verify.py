@@ -603,3 +603,154 @@ def test_padding_on_token_ids():
 def test_input_kind_errors(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         check_causality(lambda x: x, **kwargs)
+
+
+# Details a mutation audit found unpinned: report text, boundaries, non-finite outputs
+
+
+def test_report_table_exactly():
+    report = Report("demo", [CheckResult("a", True, "fine", 0.0), CheckResult("bb", False)])
+    assert str(report) == (
+        "demo: FAIL\n"
+        "  check  result  worst  where  detail\n"
+        "  a      PASS    0             fine\n"
+        "  bb     FAIL"
+    )
+    assert list(report.to_dict()) == ["title", "passed", "checks"]
+    assert report.to_dict()["title"] == "demo"
+
+
+def test_padding_report_exactly():
+    # x * valid is exact: no rounding in the numbers, so the whole table is pinned.
+    report = check_padding(lambda x, valid: x * valid[..., None], d_model=4)
+    assert report.to_dict()["title"] == "padding"
+    moved = by_name(report)["positive control"].worst
+    assert str(report) == "\n".join(
+        [
+            "padding: PASS",
+            "  check                                      result  worst  where  detail",
+            *[
+                f"  {f'padded content is ignored ({side} padding)':<41}  PASS    0             "
+                "content at 3 padded positions set to +-1e+06, 15 valid outputs compared, "
+                "tolerance 1e-05"
+                for side in ("right", "left")
+            ],
+            f"  positive control                           PASS    {moved:.3g}          "
+            f"changing the first token moved valid outputs by at least {moved:.3g} (must "
+            "exceed 0.0001)",
+        ]
+    )
+    right = by_name(report)["padded content is ignored (right padding)"]
+    assert right.where is None and right.worst == 0.0
+
+
+def test_padding_failure_names_the_row_and_its_huge_content():
+    def sums_everything(x, valid):
+        return jnp.broadcast_to((x * x).sum(1, keepdims=True), x.shape)
+
+    check = by_name(check_padding(sums_everything, d_model=4))[
+        "padded content is ignored (right padding)"
+    ]
+    assert check.where == {"batch": 1, "position": 0}
+    assert check.detail == (
+        f"output at valid position 0 of batch row 1 changed by {check.worst:.3g} when only "
+        "padded content changed"
+    )
+
+
+def test_padding_non_finite_output_is_an_infinite_change():
+    # +-1e30 overflows x * x: the output turns NaN, which must fail as an inf change.
+    def nan_when_padding_is_huge(x, valid):
+        return x + 0 * (x * x).sum(1, keepdims=True)
+
+    report = check_padding(nan_when_padding_is_huge, d_model=4, huge=1e30)
+    check = by_name(report)["padded content is ignored (right padding)"]
+    assert not check.passed and check.worst == np.inf
+    assert (
+        "set to +-1e+30"
+        in by_name(check_padding(causal_sum_valid, d_model=4, huge=1e30))[
+            "padded content is ignored (right padding)"
+        ].detail
+    )
+
+
+def causal_sum_valid(x, valid):
+    return jnp.cumsum(x * valid[..., None], axis=1)
+
+
+def test_padding_positive_control_failure_names_the_valid_outputs():
+    control = by_name(check_padding(lambda x, v: jnp.zeros_like(x), d_model=4))["positive control"]
+    assert control.detail.startswith(
+        "insensitive: changing the first token moved valid outputs by only 0 "
+    )
+
+
+def test_causality_nan_output_is_an_infinite_leak():
+    def nan_first(x):
+        return jnp.cumsum(x, axis=1).at[:, 0].set(jnp.nan)
+
+    report = check_causality(nan_first, d_model=D, seq_lens=(5,))
+    check = by_name(report)["prefix invariance"]
+    assert check.passed is False and check.worst == np.inf
+    assert check.data["first"]["position"] == 0
+
+
+def test_positive_control_must_exceed_its_threshold_strictly():
+    from nanoattn.verify._leaks import SENSITIVITY, positive_control
+
+    assert not positive_control(SENSITIVITY * 1e-5, 1e-5, "outputs").passed
+    assert positive_control(SENSITIVITY * 1e-5 * 1.01, 1e-5, "outputs").passed
+    assert not positive_control(0.0, 0.0, "outputs").passed
+
+
+def test_smallest_valid_arguments_are_accepted():
+    # vocab 2, batch 1, one feature: the bounds of the argument checks are inclusive.
+    def causal_ids(ids):
+        return jnp.cumsum(ids, axis=1).astype(jnp.float32)[..., None]
+
+    assert check_causality(causal_ids, vocab=2, seq_lens=(3,), batch=1).passed
+    assert check_causality(causal_sum, d_model=1, seq_lens=(3,), batch=1).passed
+    assert check_padding(causal_sum_valid, d_model=1, batch=1).passed
+
+
+def test_token_output_of_the_wrong_length_names_both_shapes():
+    message = "fn must map an input of shape (B, T) = (2, 3) to (B, T, ...), got (2, 1)"
+    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+        check_causality(lambda ids: ids[:, :1], vocab=5, seq_lens=(3,))
+
+
+def test_long_sequences_are_probed_around_each_power_of_two():
+    marks = {31, 32, 33, 63, 64, 65, 127, 128, 129}
+    assert changed_positions(200) == sorted({1, 2, 100, 198, 199} | marks)
+    assert split_points(200) == [1, 32, 64, 100, 128, 199]
+
+
+def test_row_sums_details_and_five_axis_weights():
+    allowed = np.array([[True, True, False], [False, False, False]])
+    report = check_row_sums(np.array([[0.25, 0.75, 0.0], [0.0, 0.0, 0.0]]), allowed)
+    assert [c.detail for c in report.checks] == [
+        "1 rows with a permitted cell, tolerance 1e-05",
+        "4 blocked cells, must be exactly 0",
+        "1 rows with no permitted cell, must be all zeros",
+    ]
+    message = "allowed must be broadcastable to (..., T, S) = (1, 1, 1, 2, 3), got (3, 3)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_row_sums(np.zeros((1, 1, 1, 2, 3)), np.ones((3, 3), bool))
+
+
+def test_check_shapes_knows_every_axis_it_traces_and_runs_with_dropout():
+    from nanoattn.verify._shapes import axis_sizes, trace_stages
+
+    every = set()
+    for config, kv_len in [
+        (AttentionConfig(48, 6, n_kv_heads=2), None),
+        (AttentionConfig(64, 4), None),
+        (AttentionConfig(48, 6, n_kv_heads=2), 7),
+        (AttentionConfig(64, 4), 7),
+    ]:
+        sizes = axis_sizes(config, 2, 5, kv_len)
+        used = {axis for stage in trace_stages(config, 2, 5, kv_len) for axis in stage.axes}
+        assert used <= set(sizes), used - set(sizes)  # an unknown name would go unchecked
+        every |= used
+    assert {"H", "3D", "2KH"} <= every
+    assert check_shapes(AttentionConfig(64, 4, dropout=0.1), batch=2, seq_len=5).passed

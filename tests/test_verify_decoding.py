@@ -104,6 +104,8 @@ def test_planted_decoder_bug_is_caught_by_the_right_check(bug):
     first = checks[named].data["first"]
     assert first["position"] == position and first["deviation"] > 0.1
     assert words in checks[named].detail
+    if bug == "advance_by_chunk":  # the ragged run's where names its chunk width
+        assert first["width"] == 4 and checks[named].where["width"] == 4
     if bug == "ignore_cache":
         assert checks["positive control"].detail.startswith("insensitive")
         assert checks["positive control"].worst == 0.0
@@ -272,6 +274,7 @@ def test_one_token_decoders_and_decoders_without_lengths():
         full, init, one_token_no_lengths, d_model=12, chunked=False, ragged=False
     )
     assert by_name(report)["ragged rows"].detail == "skipped: ragged=False"
+    assert by_name(report)["ragged rows"].skipped and by_name(report)["ragged rows"].passed
     with pytest.raises(ValueError, match="no lengths"):  # asked for, the error is not hidden
         check_decoding(full, init, one_token_no_lengths, d_model=12, chunked=False, ragged=True)
     with pytest.raises(ValueError, match="one token per call"):
@@ -394,3 +397,20 @@ def test_cli_decode_errors_exit_2(capsys, argv, message):
     code, out, err = run(capsys, "verify", *argv)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "T, cycle",
+    [(13, [4, 1, 4, 1, 1, 1, 1]), (14, [4, 1, 4, 1, 4]), (10, [4, 1, 4, 1]), (3, [1, 1, 1])],
+)
+def test_chunkings_cycle_4_1_and_finish_one_by_one(T, cycle):
+    # The cycle goes on while its next chunk fits exactly too (T = 14 ends with a 4).
+    from nanoattn.verify._decoding import _chunkings
+
+    runs = _chunkings(T, chunked=True)
+    assert runs == {
+        "1 token per call": [1] * T,
+        f"all {T} in one call": [T],
+        "chunks " + ",".join(map(str, cycle)): cycle,
+    }
+    assert _chunkings(T, chunked=False) == {"1 token per call": [1] * T}
