@@ -92,6 +92,28 @@ def pytest_collection_modifyitems(config, items):  # added by tools/mutation.py
     if stats.exists():
         took = json.loads(stats.read_text()).get("duration_by_test", {})
         items.sort(key=lambda item: took.get(item.nodeid, 0.0))
+
+
+def pytest_runtest_setup(item):  # added by tools/mutation.py
+    # mutmut's stats run records the functions each test calls, and runs only those
+    # tests against a function's mutants; a program or result cached by an earlier
+    # test would hide the calls, so in that run every test starts with empty caches.
+    import os, sys
+
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats":
+        return
+    import jax
+
+    jax.clear_caches()
+    for module in list(sys.modules.values()):
+        if "/tests/" not in (getattr(module, "__file__", None) or ""):
+            continue
+        for value in list(vars(module).values()):
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+        programs = getattr(module, "_PROGRAMS", None)
+        if isinstance(programs, dict):
+            programs.clear()
 """
 
 # Read by tests (docs' examples, the verify demo's decoders).
