@@ -228,6 +228,7 @@ def test_fit_tiles_respects_the_step_budget(B, T, N):
 
     z = jnp.zeros((B, T, N, 8))
     block_q, block_k, lanes = fit_tiles(FORWARD_TILES, FORWARD_STEP_CELLS, attention_spec(z, z, z))
+    assert all(type(size) is int for size in (block_q, block_k, lanes))
     assert 1 <= lanes <= FORWARD_TILES[2]
     assert min(MIN_BLOCK, T) <= block_q <= min(FORWARD_TILES[0], T)
     assert min(MIN_BLOCK, T) <= block_k <= min(FORWARD_TILES[1], T)

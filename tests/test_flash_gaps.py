@@ -297,12 +297,22 @@ def test_kernel_plans_are_forward_then_backward():
     assert backward.block_q == min(BACKWARD_TILES[0], 300)
 
 
-@pytest.mark.parametrize("bias_shape", [(2, 4, 7, 5), (1, 1, 7, 1), (2, 1, 1, 5)])
-def test_bias_gradient_with_blocks_of_two_rows(bias_shape):
-    # Blocks of 2 query rows (and 3 keys): each row of a per-query bias gets its own
-    # gradient, not the block's sum.
-    q, k, v = qkv(7, 5, seed=26)
+@pytest.mark.parametrize(
+    "bias_shape, heads, tiles",
+    [
+        ((2, 4, 7, 5), (4, 2), (2, 3, 2)),
+        ((1, 1, 7, 1), (4, 2), (2, 3, 2)),
+        ((2, 1, 1, 5), (4, 2), (2, 3, 2)),
+        ((2, 2, 7, 5), (2, 1), (4, 1, 2)),
+    ],
+)
+def test_bias_gradient_with_small_blocks(bias_shape, heads, tiles):
+    # Blocks of 2 query rows (and 3 keys), or 2 query blocks of 4 and keys one by one,
+    # with a bias per head of 2 heads sharing one key head: each row, key and head of
+    # the bias gets its own gradient, not a block's or a group's sum.
+    N, K = heads
+    q, k, v = qkv(7, 5, N=N, K=K, seed=26)
     bias = randn(27, *bias_shape)
     case = Case(f"bias {bias_shape}", q, k, v, bias=bias)
-    tiles = dict(forward_tiles=(2, 3, 2), backward_tiles=(2, 3, 2))
+    tiles = dict(forward_tiles=tiles, backward_tiles=tiles)
     assert_cases_match([case], implementations=["flash"], tiles=tiles)
