@@ -295,6 +295,10 @@ def test_kernel_plans_are_forward_then_backward():
     assert FORWARD_TILES != BACKWARD_TILES
     assert forward.block_q == min(FORWARD_TILES[0], 300)
     assert backward.block_q == min(BACKWARD_TILES[0], 300)
+    # The public functions check tiles first; kernel_plans still refuses empty ones.
+    for tiles in [((0, 32, 1), None), (None, (8, 16, 0))]:
+        with pytest.raises(ValueError, match=r"^block sizes and lanes must be >= 1, got \("):
+            kernel_plans(spec, *tiles)
 
 
 @pytest.mark.parametrize(
