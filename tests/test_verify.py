@@ -754,3 +754,99 @@ def test_check_shapes_knows_every_axis_it_traces_and_runs_with_dropout():
         every |= used
     assert {"H", "3D", "2KH"} <= every
     assert check_shapes(AttentionConfig(64, 4, dropout=0.1), batch=2, seq_len=5).passed
+
+
+# A second mutation sample of nanoattn/verify (40 per file, seed 2) found these unpinned.
+
+
+def test_check_details_name_what_was_counted():
+    report = by_name(check_causality(causal_sum, d_model=4, seq_lens=(3,)))
+    assert report["prefix invariance"].detail.startswith("shared-prefix pairs: ")
+    assert report["future perturbation"].detail.startswith("single-token changes: ")
+    causal = token_model(lambda T: np.tril(np.ones((T, T), bool)))
+    field = by_name(check_causality(causal, vocab=V, seq_lens=(3,)))["receptive field"]
+    assert field.detail.endswith("; every output changes when every token does")
+
+
+def test_a_batch_leak_is_reported_with_its_size():
+    def mixes_batch(x):
+        return jnp.cumsum(x, axis=1) + jnp.cumsum(x[::-1], axis=1)
+
+    field = by_name(check_causality(mixes_batch, d_model=4, seq_lens=(3,)))["receptive field"]
+    assert re.search(
+        r"output \d of row \d has gradient [0-9.]+ from other batch rows \(T=3\)$", field.detail
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(d_model=4.0), "d_model must be an int >= 1, got d_model=4.0"),
+        (dict(d_model=True), "d_model must be an int >= 1, got d_model=True"),
+        (dict(vocab=5.0), "vocab must be an int >= 2, got vocab=5.0"),
+    ],
+)
+def test_sizes_must_be_ints_not_floats_or_bools(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+        check_causality(lambda x: x, **kwargs)
+
+
+@pytest.mark.parametrize("batch", [2.0, True])
+def test_padding_batch_must_be_an_int(batch):
+    message = f"batch must be an int >= 1, got batch={batch!r}"
+    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+        check_padding(causal_sum_valid, d_model=4, batch=batch)
+
+
+def test_padding_is_reproducible_from_its_seed():
+    def sums_everything(x, valid):
+        return jnp.broadcast_to((x * x).sum(1, keepdims=True), x.shape)
+
+    runs = [check_padding(sums_everything, d_model=4, seed=s).to_dict() for s in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_inputs_cover_the_vocabulary_and_keep_their_dtypes():
+    from nanoattn.verify._inputs import Inputs, as_features
+
+    rng = np.random.default_rng(0)
+    ids = Inputs.of(None, 2).random(rng, 4, 64)
+    assert ids.dtype == np.int32 and set(np.unique(ids)) == {0, 1}
+    tokens = Inputs.of(None, 1000)
+    x = tokens.random(rng, 4, 64)
+    other = tokens.changed(rng, x)
+    assert other.dtype == np.int32 and (other != x).all()
+    assert len(np.unique((other - x) % 1000)) > 100  # each token moved independently
+    floats = Inputs.of(3, None)
+    assert floats.random(rng, 2, 5).dtype == np.float32
+    assert floats.changed(rng, np.zeros((2, 5, 3), np.float32)).dtype == np.float32
+    features = as_features(np.ones((2, 5, 3, 4), np.float32), (2, 5, 7))
+    assert features.dtype == np.float64 and features.shape == (2, 5, 12)
+
+
+def test_check_shapes_titles_and_cross_attention_axes():
+    self_report = check_shapes(AttentionConfig(64, 4), batch=2, seq_len=5)
+    assert self_report.title == "shapes of CausalSelfAttention"
+    cross = check_shapes(AttentionConfig(64, 4), batch=2, seq_len=3, kv_len=7)
+    assert cross.title == "shapes of CrossAttention"
+    assert cross.passed, cross  # the kv projection is (B, S, 2D) when K = N
+    assert {c.name: c.data["axes"] for c in cross.checks}["kv"] == ["B", "S", "2D"]
+
+
+def test_row_sums_counts_places_and_empty_weights():
+    # 3 rows: 1 with permitted cells, 2 without, so the counts cannot be swapped.
+    allowed = np.array([[True, True, False], [False] * 3, [False] * 3])
+    w = np.array([[0.25, 0.75, 0.0], [0.0] * 3, [0.0] * 3])
+    report = check_row_sums(w, allowed)
+    assert report.passed
+    assert [c.detail for c in report.checks] == [
+        "1 rows with a permitted cell, tolerance 1e-05",
+        "7 blocked cells, must be exactly 0",
+        "2 rows with no permitted cell, must be all zeros",
+    ]
+    assert all(c.where is None and c.worst == 0.0 for c in report.checks)  # nothing to point at
+    empty = check_row_sums(np.zeros((0, 3)), np.ones((0, 3), bool))  # T = 0: no rows at all
+    assert empty.passed and all(c.worst == 0.0 for c in empty.checks)
+    message = "allowed must be broadcastable to (B, N, T, S) = (1, 2, 2, 3), got (3, 3)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_row_sums(np.zeros((1, 2, 2, 3)), np.ones((3, 3), bool))

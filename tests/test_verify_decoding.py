@@ -414,3 +414,52 @@ def test_chunkings_cycle_4_1_and_finish_one_by_one(T, cycle):
         "chunks " + ",".join(map(str, cycle)): cycle,
     }
     assert _chunkings(T, chunked=False) == {"1 token per call": [1] * T}
+
+
+# A second mutation sample of nanoattn/verify (40 per file, seed 2) found these unpinned.
+
+
+def test_an_explicit_atol_is_the_tolerance():
+    # The bfloat16 cache is off by about 1e-3: it fails the default tolerance (above) and
+    # passes a tolerance of 0.05 given as atol.
+    full, init, step = verify_decoders.tiny("bfloat16_cache")
+    report = check_decoding(full, init, step, d_model=verify_decoders.D, atol=0.05)
+    checks = by_name(report)
+    assert checks["cache equivalence"].passed and checks["ragged rows"].passed
+    assert checks["cache equivalence"].detail.endswith("tolerance 0.05")
+
+
+def test_a_nan_output_diverges_in_the_chunking_that_made_it():
+    full, init, step = verify_decoders.tiny()
+
+    def nan_one_by_one(state, chunk, lengths):
+        state, y = step(state, chunk, lengths)
+        return state, y * jnp.nan if chunk.shape[1] == 1 and lengths is None else y
+
+    report = check_decoding(full, init, nan_one_by_one, d_model=verify_decoders.D, ragged=False)
+    equivalence = by_name(report)["cache equivalence"]
+    assert not equivalence.passed and equivalence.worst == np.inf
+    assert equivalence.detail.endswith(
+        "; diverges: 1 token per call, chunks 4,1,4,1,1,1,1; matches: all 13 in one call"
+    )
+
+
+def test_a_future_leak_names_its_chunking_and_split():
+    check = by_name(tiny_report("future_in_chunk"))["no future in the cache"]
+    assert set(check.where) >= {"chunking", "split"}
+    assert check.where["split"] in (1, 6, 12)
+
+
+@pytest.mark.parametrize("module_dtype, chunk_dtype", [("bfloat16", "float32")])
+def test_flax_nnx_cache_takes_the_module_dtype(module_dtype, chunk_dtype):
+    mha = nnx.MultiHeadAttention(
+        num_heads=2, in_features=8, dtype=module_dtype, decode=False, rngs=nnx.Rngs(0)
+    )
+    _, init, step = decoders.flax_nnx(mha)
+    (_, cache), _ = step(init(2, 4), jnp.ones((2, 1, 8), chunk_dtype), None)
+    caches = {
+        str(path[-1]): leaf.dtype
+        for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(cache))[0]
+        if "cached" in str(path)
+    }
+    assert caches and set(caches.values()) == {jnp.dtype("bfloat16")}, caches
