@@ -66,7 +66,7 @@ def window_mask(q_len: int, kv_len: int | None = None, *, window, q_offset=0) ->
     return band_mask(q_len, kv_len, left, right, q_offset=q_offset)
 
 
-def band_mask(q_len: int, kv_len: int | None, left, right, *, q_offset=0) -> jnp.ndarray:
+def band_mask(q_len: int, kv_len: int | None, left, right, *, q_offset) -> jnp.ndarray:
     """Query i (at ``p = q_offset + i``) may see key j iff ``p - left <= j <= p + right``;
     ``left`` or ``right`` None leaves that side unbounded. Shape (T, S) or (B, T, S)."""
     q_len = expect_size("q_len", q_len)

@@ -236,7 +236,7 @@ ROWS += [
     row("window_mask-negative-window", nanoattn.window_mask, 3, window=-1, raises=ValueError,
         match="window sides must be >= 0"),
     row("window_mask-window-None", nanoattn.window_mask, 3, window=None, raises=TypeError,
-        match="window must be an int w"),
+        match=Whole("window must be an int w (meaning (w, w)) or a pair (left, right), got None")),
     row("window_mask-negative-kv_len", nanoattn.window_mask, 3, -2, window=1, raises=ValueError,
         match="kv_len must be an int >= 0"),
     row("segment_mask-float-ids", nanoattn.segment_mask, f32(B, T), raises=TypeError,
