@@ -450,10 +450,24 @@ def test_a_future_leak_names_its_chunking_and_split():
     assert check.where["split"] in (1, 6, 12)
 
 
-@pytest.mark.parametrize("module_dtype, chunk_dtype", [("bfloat16", "float32")])
-def test_flax_nnx_cache_takes_the_module_dtype(module_dtype, chunk_dtype):
+@pytest.mark.parametrize(
+    "module_dtype, param_dtype, chunk_dtype, cache_dtype",
+    [
+        ("bfloat16", "float32", "float32", "bfloat16"),
+        (None, "bfloat16", "bfloat16", "bfloat16"),
+        (None, "float32", "bfloat16", "float32"),  # flax computes keys in float32 here
+    ],
+)
+def test_flax_nnx_cache_takes_the_dtype_flax_computes_in(
+    module_dtype, param_dtype, chunk_dtype, cache_dtype
+):
     mha = nnx.MultiHeadAttention(
-        num_heads=2, in_features=8, dtype=module_dtype, decode=False, rngs=nnx.Rngs(0)
+        num_heads=2,
+        in_features=8,
+        dtype=module_dtype,
+        param_dtype=param_dtype,
+        decode=False,
+        rngs=nnx.Rngs(0),
     )
     _, init, step = decoders.flax_nnx(mha)
     (_, cache), _ = step(init(2, 4), jnp.ones((2, 1, 8), chunk_dtype), None)
@@ -462,4 +476,4 @@ def test_flax_nnx_cache_takes_the_module_dtype(module_dtype, chunk_dtype):
         for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(cache))[0]
         if "cached" in str(path)
     }
-    assert caches and set(caches.values()) == {jnp.dtype("bfloat16")}, caches
+    assert caches and set(caches.values()) == {jnp.dtype(cache_dtype)}, caches

@@ -49,9 +49,6 @@ class Inputs:
     def tokens(self) -> bool:
         return self.vocab is not None
 
-    def shape(self, batch: int, T: int) -> tuple[int, ...]:
-        return (batch, T) if self.tokens else (batch, T, self.d_model)
-
     def random(self, rng: np.random.Generator, *shape: int) -> np.ndarray:
         """Random tokens of shape (B, T): float32 (B, T, D) normal, or int32 ids in [0, V)."""
         if self.tokens:
@@ -80,4 +77,4 @@ def as_features(y, x_shape: tuple[int, ...], name: str = "fn") -> np.ndarray:
             f"{name} must map an input of shape {axes} = {tuple(x_shape)} to (B, T, ...), "
             f"got {y.shape}"
         )
-    return y.reshape(y.shape[0], y.shape[1], -1).astype(np.float64)
+    return np.asarray(y.reshape(y.shape[0], y.shape[1], -1), np.float64)

@@ -229,7 +229,8 @@ def flax_nnx(module: _nnx.Module, **call_kwargs):
 
     ``full(x) = module(x, decode=False, deterministic=True, **call_kwargs)``;
     ``init`` calls ``init_cache((batch, max_len, D))`` on a copy of the module at
-    the first chunk (the chunk's width and dtype, or the module's ``dtype``); flax
+    the first chunk (the chunk's width; the module's ``dtype``, else the dtype flax
+    computes in: the chunk's promoted with the parameters'); flax
     decodes one token per call, with one ``cache_index`` for the whole batch, so
     ``step`` feeds a chunk's tokens one call each (``decode=True``) and takes no
     ``lengths`` (ValueError).
@@ -265,7 +266,9 @@ def flax_nnx(module: _nnx.Module, **call_kwargs):
         _no_lengths("flax NNX's MultiHeadAttention", lengths)
         if isinstance(decoder_state, _Fresh):
             copy = _nnx.merge(graphdef, state)
-            dtype = getattr(module, "dtype", None) or chunk.dtype
+            # flax computes in the module's dtype, else in the inputs' and parameters'
+            params = jax.tree.leaves(_nnx.state(copy, _nnx.Param))
+            dtype = module.dtype or jnp.result_type(chunk.dtype, *params)
             copy.init_cache((*decoder_state, chunk.shape[-1]), dtype)
             decoder_state = _nnx.split(copy)
         graph, cache_state = decoder_state
