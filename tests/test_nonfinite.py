@@ -206,3 +206,19 @@ def test_huge_logits_under_jit_are_not_nan(implementation):
         for name, out in zip(HUGE_CALLS, run(q, k, v)):
             assert np.isfinite(out).all(), (seed, name)
             np.testing.assert_allclose(out, want, atol=1e-6, err_msg=f"seed {seed}, {name}")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "flash"])
+def test_huge_logits_in_many_rows_under_jit_are_each_shifted_by_their_own_maximum(
+    implementation,
+):
+    # The seeds' rows in one batch: each row's second shift must use its own maximum (a
+    # maximum over every row would leave the other rows' exponents thousands below 0).
+    q, k, v = (np.concatenate(parts) for parts in zip(*map(huge_inputs, HUGE_SEEDS)))
+    run = jax.jit(
+        functools.partial(nanoattn.dot_product_attention, implementation=implementation),
+        compiler_options=OPTIMIZED,
+    )
+    out = run(q, k, v)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np_attention(q, k, v), atol=1e-6)
