@@ -118,7 +118,7 @@ def dropout(probs, rate: float, rng):
     return jnp.where(keep, probs / (1.0 - rate), 0)
 
 
-def attend(query, key, value, spec: AttentionSpec, *, dropout_rate=0.0, dropout_rng=None):
+def attend(query, key, value, spec: AttentionSpec, *, dropout_rate, dropout_rng):
     """Attention output (B, T, N, H) in the query's dtype."""
     allowed = allowed_mask(spec)
     probs = _weights(query, key, spec, allowed)

@@ -169,6 +169,9 @@ def test_softmax_runs_in_float32(dtype):
     )
     exps = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "exp"]
     assert exps and all(e.outvars[0].aval.dtype == jnp.float32 for e in exps)
+    # The logits too: q k^T of half-precision operands is accumulated into float32.
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 2 and all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
 
 
 def test_float64_stays_float64(x64):
