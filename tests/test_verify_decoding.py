@@ -451,21 +451,30 @@ def test_a_future_leak_names_its_chunking_and_split():
 
 
 @pytest.mark.parametrize(
-    "module_dtype, param_dtype, chunk_dtype, cache_dtype",
+    "module_dtype, param_dtype, chunk_dtype, cache_dtype, dropout",
     [
-        ("bfloat16", "float32", "float32", "bfloat16"),
-        (None, "bfloat16", "bfloat16", "bfloat16"),
-        (None, "float32", "bfloat16", "float32"),  # flax computes keys in float32 here
+        ("bfloat16", "float32", "float32", "bfloat16", 0.0),
+        (None, "bfloat16", "bfloat16", "bfloat16", 0.0),
+        (None, "float32", "bfloat16", "float32", 0.0),  # flax computes keys in float32 here
+        (None, "bfloat16", "float32", "float32", 0.0),
+        (
+            None,
+            "float32",
+            "float32",
+            "float32",
+            0.1,
+        ),  # dropout: an rng in the state too  # dropout: rng state too
     ],
 )
 def test_flax_nnx_cache_takes_the_dtype_flax_computes_in(
-    module_dtype, param_dtype, chunk_dtype, cache_dtype
+    module_dtype, param_dtype, chunk_dtype, cache_dtype, dropout
 ):
     mha = nnx.MultiHeadAttention(
         num_heads=2,
         in_features=8,
         dtype=module_dtype,
         param_dtype=param_dtype,
+        dropout_rate=dropout,
         decode=False,
         rngs=nnx.Rngs(0),
     )
@@ -477,3 +486,22 @@ def test_flax_nnx_cache_takes_the_dtype_flax_computes_in(
         if "cached" in str(path)
     }
     assert caches and set(caches.values()) == {jnp.dtype(cache_dtype)}, caches
+
+
+# A third sample (60 per file, seed 3), run after the tests above, found these unpinned.
+
+
+def test_ragged_divergence_is_named_whole():
+    check = by_name(tiny_report("advance_by_chunk"))["ragged rows"]
+    first = check.data["first"]
+    assert check.detail.startswith(
+        f"first divergence: position 1 of row {first['batch']} (feature {first['feature']}) "
+        f"differs from its full "
+    )
+
+
+def test_a_linen_layer_with_dropout_decodes_deterministically():
+    layer = CausalSelfAttention(AttentionConfig(D, N, dropout=0.1))
+    params = layer.init(jax.random.key(0), jnp.ones((1, 2, D)), deterministic=True)
+    report = check_decoding(*decoders.linen(layer, params), d_model=D, seq_len=5, chunked=False)
+    assert report.passed, report
