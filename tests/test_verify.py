@@ -773,6 +773,7 @@ def test_a_batch_leak_is_reported_with_its_size():
         return jnp.cumsum(x, axis=1) + jnp.cumsum(x[::-1], axis=1)
 
     field = by_name(check_causality(mixes_batch, d_model=4, seq_lens=(3,)))["receptive field"]
+    assert f"{field.worst:.3g}" == re.search(r"has gradient ([0-9.]+) from", field.detail)[1]
     assert re.search(
         r"output \d of row \d has gradient [0-9.]+ from other batch rows \(T=3\)$", field.detail
     )

@@ -165,7 +165,12 @@ class _Field:
             problems.append(f"{dead} for {', '.join(self.dead)}")
         if self.batch_leak > 0:
             problems.append(self.batch_sentence)
-        return dataclasses.replace(result, passed=not problems, detail="; ".join(problems) or what)
+        return dataclasses.replace(
+            result,
+            passed=not problems,
+            detail="; ".join(problems) or what,
+            worst=max(result.worst, self.batch_leak),  # a leak across rows counts too
+        )
 
 
 def check_causality(
