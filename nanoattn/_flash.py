@@ -494,7 +494,7 @@ def kernel_plans(spec: AttentionSpec, forward_tiles=None, backward_tiles=None) -
 
 def fit_tiles(tiles, budget: int, spec: AttentionSpec) -> tuple[int, int, int]:
     """Shrinks ``tiles`` until one step holds at most ``budget`` score cells:
-    first fewer lanes, then smaller blocks (halving the larger one)."""
+    first fewer lanes, then smaller blocks (halving the larger one, keys at a tie)."""
     block_q, block_k, lanes = tiles
     block_q, block_k = min(block_q, spec.T), min(block_k, spec.S)
     per_lane = spec.B * spec.N * block_q * block_k

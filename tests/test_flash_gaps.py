@@ -320,3 +320,77 @@ def test_bias_gradient_with_small_blocks(bias_shape, heads, tiles):
     case = Case(f"bias {bias_shape}", q, k, v, bias=bias)
     tiles = dict(forward_tiles=tiles, backward_tiles=tiles)
     assert_cases_match([case], implementations=["flash"], tiles=tiles)
+
+
+# A second sample of _flash.py's mutants (300, seed 4) found these unpinned.
+
+
+def _scan_lengths(jaxpr) -> list[int]:
+    """The lengths of every scan in a jaxpr, sub-jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn.params["length"])
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                found += _scan_lengths(inner)
+    return found
+
+
+def test_the_tiles_given_are_the_tiles_run():
+    # Causal 64 x 64: blocks of 8 give 8 diagonal (masked) steps and 28 full ones forward;
+    # blocks of 16 give 4 and 6 backward.
+    q, k, v = qkv(64, 64)
+
+    def f(q, k, v):
+        return nanoattn.flash_attention(
+            q, k, v, is_causal=True, forward_tiles=(8, 8, 1), backward_tiles=(16, 16, 1)
+        )
+
+    assert sorted(_scan_lengths(jax.make_jaxpr(f)(q, k, v).jaxpr)) == [8, 28]
+    grad = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))
+    assert sorted(_scan_lengths(jax.make_jaxpr(grad)(q, k, v).jaxpr)) == [4, 6, 8, 28]
+
+
+def test_fit_tiles_shrinks_only_as_far_as_the_budget_needs():
+    from nanoattn._flash import FORWARD_STEP_CELLS, FORWARD_TILES, fit_tiles
+    from nanoattn._spec import attention_spec
+
+    def fit(B, T, S, N):
+        q, kv = jnp.zeros((B, T, N, 8)), jnp.zeros((B, S, N, 8))
+        return fit_tiles(FORWARD_TILES, FORWARD_STEP_CELLS, attention_spec(q, kv, kv))
+
+    assert fit(1, 1024, 1024, 16) == (256, 512, 1)  # exactly the budget: nothing halved
+    assert fit(1, 1024, 1024, 8) == (256, 512, 2)  # half of it: two lanes
+    assert fit(4, 1024, 100, 32) == (128, 100, 1)  # the larger block halved, once
+    assert fit(2, 512, 512, 32) == (256, 128, 1)  # keys 512 -> 256, then at a tie keys
+
+
+def test_a_float64_key_makes_flash_compute_in_float64(x64):
+    # The compute dtype is the widest of q, k and v, as in the reference.
+    q, k, v = (np.asarray(a) for a in qkv(9, 9))
+    jaxpr = jax.make_jaxpr(nanoattn.flash_attention)(q, k.astype(np.float64), v)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots += [e for e in _inner_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(e.outvars[0].aval.dtype == jnp.float64 for e in dots)
+
+
+def _inner_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from inner.eqns
+                yield from _inner_eqns(inner)
+
+
+def test_one_key_left_after_underflow_still_gets_its_row_gradients():
+    # Logits 200 apart: the smaller key's weight underflows to exactly 0, so the row's
+    # sum is exactly 1 and it sees one key. It is still a row that sees keys: dv goes to
+    # the larger key only, as in the reference.
+    q = np.array([[[[20.0]]]], np.float32)  # (1, 1, 1, 1)
+    k = np.array([[[[10.0]], [[0.0]]]], np.float32)  # (1, 2, 1, 1): logits 200 and 0
+    v = np.array([[[[1.0]], [[-2.0]]]], np.float32)
+    case = Case("one key after underflow", q, k, v)  # H = 1: scale 1
+    assert_cases_match([case], implementations=["flash"])

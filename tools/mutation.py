@@ -70,6 +70,7 @@ TARGETS = {
             "test_combined.py",
             "test_segments.py",
             "test_window.py",
+            "test_bad_input.py",
         ],
     ),
     "native": (["nanoattn/_native/_kernel.py"], ["test_native.py", "test_bad_input.py"]),
