@@ -326,16 +326,7 @@ def test_bias_gradient_with_small_blocks(bias_shape, heads, tiles):
 
 
 def _scan_lengths(jaxpr) -> list[int]:
-    """The lengths of every scan in a jaxpr, sub-jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            found.append(eqn.params["length"])
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                found += _scan_lengths(inner)
-    return found
+    return sorted(e.params["length"] for e in _equations(jaxpr) if e.primitive.name == "scan")
 
 
 def test_the_tiles_given_are_the_tiles_run():
@@ -348,9 +339,9 @@ def test_the_tiles_given_are_the_tiles_run():
             q, k, v, is_causal=True, forward_tiles=(8, 8, 1), backward_tiles=(16, 16, 1)
         )
 
-    assert sorted(_scan_lengths(jax.make_jaxpr(f)(q, k, v).jaxpr)) == [8, 28]
+    assert _scan_lengths(jax.make_jaxpr(f)(q, k, v).jaxpr) == [8, 28]
     grad = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))
-    assert sorted(_scan_lengths(jax.make_jaxpr(grad)(q, k, v).jaxpr)) == [4, 6, 8, 28]
+    assert _scan_lengths(jax.make_jaxpr(grad)(q, k, v).jaxpr) == [4, 6, 8, 28]
 
 
 def test_fit_tiles_shrinks_only_as_far_as_the_budget_needs():
@@ -371,18 +362,8 @@ def test_a_float64_key_makes_flash_compute_in_float64(x64):
     # The compute dtype is the widest of q, k and v, as in the reference.
     q, k, v = (np.asarray(a) for a in qkv(9, 9))
     jaxpr = jax.make_jaxpr(nanoattn.flash_attention)(q, k.astype(np.float64), v)
-    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
-    dots += [e for e in _inner_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    dots = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     assert dots and all(e.outvars[0].aval.dtype == jnp.float64 for e in dots)
-
-
-def _inner_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from inner.eqns
-                yield from _inner_eqns(inner)
 
 
 def test_one_key_left_after_underflow_still_gets_its_row_gradients():
