@@ -9,12 +9,13 @@ each mutant's pytest from a server that has imported jax but not started its bac
     python tools/mutation.py                 # every target
     python tools/mutation.py masks flash     # some of them
     python tools/mutation.py --report        # the scores of the last runs, no run
-    python tools/mutation.py --sample 300 verify   # a seeded random 300 of its mutants
+    python tools/mutation.py --sample 40 verify    # a seeded random 40 mutants of each file
     python tools/mutation.py --survivors spec      # rerun the last run's survivors only
 
 A mutant counts as killed when a test fails, times out or crashes; "no tests" and
-"survived" count against the score. The score per target must reach 90%. With
-``--sample`` the score is that of the sample, and the report says how many ran.
+"survived" count against the score. The score of each mutated file must reach 90%.
+With ``--sample`` the score is that of the sample; the report says how many ran and
+gives Wilson's 95% lower bound on the whole file's score.
 """
 
 import argparse
@@ -153,15 +154,19 @@ def _setup_cfg(files: list[str], tests: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _copy(folder: str, work: Path) -> None:
+    """``folder`` of the tree copied afresh into ``work``."""
+    shutil.rmtree(work / folder, ignore_errors=True)
+    shutil.copytree(ROOT / folder, work / folder, ignore=shutil.ignore_patterns("__pycache__"))
+
+
 def _copy_also(work: Path) -> None:
     for folder in ALSO_COPY:
-        shutil.rmtree(work / folder, ignore_errors=True)
-        shutil.copytree(ROOT / folder, work / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        _copy(folder, work)
 
 
 def _copy_tests(work: Path) -> None:
-    shutil.rmtree(work / "tests", ignore_errors=True)
-    shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    _copy("tests", work)
     with open(work / "tests" / "conftest.py", "a") as conftest:
         conftest.write(ORDER_HOOK)
 
@@ -169,10 +174,7 @@ def _copy_tests(work: Path) -> None:
 def _prepare(name: str) -> Path:
     files, tests = TARGETS[name]
     work = WORK / name
-    shutil.rmtree(work / "nanoattn", ignore_errors=True)
-    shutil.copytree(
-        ROOT / "nanoattn", work / "nanoattn", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    _copy("nanoattn", work)
     _copy_tests(work)
     shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
     _copy_also(work)
