@@ -1,38 +1,11 @@
 """The public functional API: ``dot_product_attention`` and ``attention_weights``."""
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _dispatch, _flash, _native, _reference
+from ._dropout import check_dropout
 from ._spec import attention_spec
-from ._validate import check_scale, check_tiles, expect_real
-
-
-def _is_key(rng) -> bool:
-    """A ``jax.random.key`` (scalar, typed) or a raw ``jax.random.PRNGKey`` (uint32)."""
-    dtype = getattr(rng, "dtype", None)
-    if dtype is None:
-        return False
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return jnp.ndim(rng) == 0
-    return dtype == np.uint32 and jnp.ndim(rng) == 1
-
-
-def _check_dropout(dropout_rate: float, dropout_rng) -> None:
-    expect_real("dropout_rate", dropout_rate, "a float in [0, 1)")
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-    if dropout_rate > 0.0 and dropout_rng is None:
-        raise ValueError(
-            f"dropout_rate={dropout_rate} needs dropout_rng (a jax.random key); "
-            "pass dropout_rate=0.0 for evaluation"
-        )
-    if dropout_rate > 0.0 and not _is_key(dropout_rng):
-        raise TypeError(
-            f"dropout_rng must be a jax.random key (jax.random.key(0) or "
-            f"jax.random.PRNGKey(0)), got {dropout_rng!r}"
-        )
+from ._validate import check_scale, check_tiles
 
 
 def dot_product_attention(
@@ -127,7 +100,7 @@ def dot_product_attention(
       >>> dot_product_attention(q, k, v, is_causal=True).shape
       (2, 5, 4, 32)
     """
-    _check_dropout(dropout_rate, dropout_rng)
+    check_dropout(dropout_rate, dropout_rng)
     scale = check_scale(scale)
     spec = attention_spec(
         query,

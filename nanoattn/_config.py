@@ -1,15 +1,15 @@
 """The attention configuration: a frozen dataclass validated on construction."""
 
 import dataclasses
-import math
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from ._dispatch import IMPLEMENTATIONS
+from ._dropout import check_rate
 from ._spec import check_soft_cap, normalize_window
-from ._validate import expect_real, float_dtype
+from ._validate import float_dtype, positive_number
 
 
 def _divisors(n: int) -> str:
@@ -95,7 +95,6 @@ class AttentionConfig:
         for name in ("d_model", "n_heads"):
             if not _is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int >= 1, got {name}={getattr(self, name)!r}")
-        expect_real("dropout", self.dropout, "a float in [0, 1)")
         if self.n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got n_heads={self.n_heads}")
         if self.d_model < 1:
@@ -106,8 +105,7 @@ class AttentionConfig:
                 f"heads cannot split it into equal widths; head counts that divide "
                 f"{self.d_model}: {_divisors(self.d_model)}"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got dropout={self.dropout}")
+        check_rate("dropout", self.dropout)
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))} or "
@@ -156,13 +154,8 @@ class AttentionConfig:
             )
 
     def _check_rope(self) -> None:
-        base = self.rope_base
-        if base is None:
+        if positive_number("rope_base", self.rope_base, optional=True) is None:
             return
-        if isinstance(base, bool) or not isinstance(base, (int, float, np.integer, np.floating)):
-            raise TypeError(f"rope_base must be a float > 0 or None, got {base!r}")
-        if not (math.isfinite(base) and base > 0):
-            raise ValueError(f"rope_base must be a finite float > 0, got rope_base={base!r}")
         if self.head_dim % 2:
             raise ValueError(
                 f"rope_base needs an even head width H, got H={self.head_dim} "

@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 
-from ._validate import expect_floating, expect_integer, expect_real, expect_shape
+from ._validate import expect_floating, expect_integer, expect_shape, positive_number
 
 
 def apply_rope(x, positions, *, base: float = 10000.0):
@@ -52,9 +52,7 @@ def apply_rope(x, positions, *, base: float = 10000.0):
     B, L, _, H = x.shape
     if H % 2:
         raise ValueError(f"apply_rope needs an even head width H, got x of shape {x.shape}")
-    expect_real("base", base, "a float > 0")
-    if not base > 0:
-        raise ValueError(f"base must be > 0, got {base}")
+    base = positive_number("base", base)
     expect_integer("positions", positions.dtype)
     if positions.ndim == 1:
         expect_shape("positions", positions.shape, "L", (L,))

@@ -20,6 +20,7 @@ from ._validate import (
     expect_floating,
     expect_integer,
     expect_shape,
+    positive_number,
 )
 
 SCORE_AXES = "B N T S"
@@ -57,19 +58,8 @@ def normalize_window(window) -> tuple[int, int] | None:
 
 
 def check_soft_cap(cap) -> float | None:
-    """A ``logit_soft_cap`` argument as a float > 0, or None.
-
-    Raises:
-      TypeError: not a real number.
-      ValueError: not finite and > 0.
-    """
-    if cap is None:
-        return None
-    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)):
-        raise TypeError(f"logit_soft_cap must be a float > 0 or None, got {cap!r}")
-    if not (math.isfinite(cap) and cap > 0):
-        raise ValueError(f"logit_soft_cap must be a finite float > 0, got {cap!r}")
-    return float(cap)
+    """A ``logit_soft_cap`` argument as a float > 0, or None (:func:`positive_number`)."""
+    return positive_number("logit_soft_cap", cap, optional=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,6 +119,23 @@ def expect_real(name: str, value, what: str) -> None:
         raise TypeError(f"{name} must be {what}, got {name}={value!r}")
 
 
+def positive_number(name: str, value, *, optional: bool = False) -> float | None:
+    """``value`` as a finite float > 0 (a cap, a frequency base), or None when
+    ``optional`` and ``value`` is None; otherwise a one-line error naming ``name``.
+
+    Raises:
+      TypeError: not a real number or a numeric scalar array (a bool, a string).
+      ValueError: zero, negative, infinite or NaN.
+    """
+    if value is None and optional:
+        return None
+    expect_real(name, value, "a float > 0 or None" if optional else "a float > 0")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite float > 0, got {name}={value!r}")
+    return value
+
+
 def check_scale(scale):
     """A ``scale`` argument: None, a finite real number, or a scalar numeric array
     (which may be traced under ``jit``).

@@ -157,7 +157,7 @@ ROWS += [
     row("dot_product_attention-dropout-1", dpa, Q, KV, KV, dropout_rate=1.0,
         dropout_rng=jax.random.key(0), raises=ValueError, match="dropout_rate must be in [0, 1)"),
     row("dot_product_attention-dropout-negative", dpa, Q, KV, KV, dropout_rate=-0.1,
-        raises=ValueError, match="dropout_rate must be in [0, 1), got -0.1"),
+        raises=ValueError, match="dropout_rate must be in [0, 1), got dropout_rate=-0.1"),
     row("dot_product_attention-dropout-string", dpa, Q, KV, KV, dropout_rate="0.1",
         raises=TypeError, match="dropout_rate must be a float"),
     row("dot_product_attention-dropout-without-rng", dpa, Q, KV, KV, dropout_rate=0.5,

@@ -138,5 +138,5 @@ def test_invalid_inputs(x_shape, positions, error, pattern):
 
 
 def test_base_must_be_positive():
-    with pytest.raises(ValueError, match=r"base must be > 0, got 0.0"):
+    with pytest.raises(ValueError, match=r"base must be a finite float > 0, got base=0.0"):
         apply_rope(np.ones((B, L, N, H), np.float32), np.arange(L), base=0.0)

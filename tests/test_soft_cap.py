@@ -126,12 +126,12 @@ FUNCTIONS = ENTRY_POINTS
 @pytest.mark.parametrize(
     "cap, error, pattern",
     [
-        (0.0, ValueError, r"logit_soft_cap must be a finite float > 0, got 0.0"),
-        (-1.0, ValueError, r"logit_soft_cap must be a finite float > 0, got -1.0"),
-        (float("inf"), ValueError, r"logit_soft_cap must be a finite float > 0, got inf"),
-        (float("nan"), ValueError, r"logit_soft_cap must be a finite float > 0, got nan"),
-        ("2", TypeError, r"logit_soft_cap must be a float > 0 or None, got '2'"),
-        (True, TypeError, r"logit_soft_cap must be a float > 0 or None, got True"),
+        (0.0, ValueError, r"logit_soft_cap must be a finite float > 0, got logit_soft_cap=0.0"),
+        (-1.0, ValueError, r"logit_soft_cap must be a finite float > 0, got logit_soft_cap=-1.0"),
+        (float("inf"), ValueError, r"logit_soft_cap must be a finite float > 0, got logit_soft_cap=inf"),
+        (float("nan"), ValueError, r"logit_soft_cap must be a finite float > 0, got logit_soft_cap=nan"),
+        ("2", TypeError, r"logit_soft_cap must be a float > 0 or None, got logit_soft_cap='2'"),
+        (True, TypeError, r"logit_soft_cap must be a float > 0 or None, got logit_soft_cap=True"),
     ],
 )
 def test_invalid_cap(function, cap, error, pattern):
