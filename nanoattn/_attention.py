@@ -2,8 +2,9 @@
 
 import jax.numpy as jnp
 
-from . import _dispatch, _flash, _native, _reference
+from . import _dispatch, _flash, _reference
 from ._dropout import check_dropout
+from ._registry import Implementation, get
 from ._spec import attention_spec
 from ._validate import check_scale, check_tiles
 
@@ -25,7 +26,7 @@ def dot_product_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
-    implementation: _dispatch.Implementation | None = None,
+    implementation: Implementation | None = None,
 ):
     r"""Multi-head scaled dot-product attention.
 
@@ -118,17 +119,8 @@ def dot_product_attention(
         scale=scale,
     )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    match _dispatch.choose(implementation, spec, query.dtype, dropout_rate):
-        case "flash":
-            return _flash.flash_attention(query, key, value, spec)
-        case "native":
-            return _native.native_attention(query, key, value, spec).astype(query.dtype)
-        case "cudnn":
-            return _dispatch.cudnn_attention(query, key, value, spec)
-        case _:
-            return _reference.attend(
-                query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng
-            )
+    backend = get(_dispatch.choose(implementation, spec, query.dtype, dropout_rate))
+    return backend(query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
 
 
 def attention_weights(

@@ -6,10 +6,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ._dispatch import IMPLEMENTATIONS
 from ._dropout import check_rate
+from ._registry import check_implementation
 from ._spec import check_soft_cap, normalize_window
 from ._validate import float_dtype, positive_number
+from ._zigzag import check_layout
 
 
 def _divisors(n: int) -> str:
@@ -106,11 +107,7 @@ class AttentionConfig:
                 f"{self.d_model}: {_divisors(self.d_model)}"
             )
         check_rate("dropout", self.dropout)
-        if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"implementation must be one of {', '.join(map(repr, IMPLEMENTATIONS))} or "
-                f"None, got {self.implementation!r}"
-            )
+        check_implementation(self.implementation)
         self._check_kv_heads()
         self._check_rope()
         self._check_mesh_axes()
@@ -148,10 +145,7 @@ class AttentionConfig:
                 f"head_axis and sequence_axis must be different mesh axes, got "
                 f"{self.head_axis!r} for both"
             )
-        if self.sequence_layout not in ("zigzag", "contiguous"):
-            raise ValueError(
-                f"sequence_layout must be 'zigzag' or 'contiguous', got {self.sequence_layout!r}"
-            )
+        check_layout(self.sequence_layout, "sequence_layout")
 
     def _check_rope(self) -> None:
         if positive_number("rope_base", self.rope_base, optional=True) is None:

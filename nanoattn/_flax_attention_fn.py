@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _dispatch, _reference
+from . import _reference, _registry
 from ._attention import dot_product_attention
 from ._spec import attention_spec
 
@@ -44,7 +44,7 @@ def flax_attention_fn(
     qk_attn_weights_einsum=None,
     attn_weights_value_einsum=None,
     is_causal: bool = False,
-    implementation: _dispatch.Implementation | None = None,
+    implementation: _registry.Implementation | None = None,
 ):
     r"""nanoattn with the calling convention of flax's ``dot_product_attention``.
 
@@ -154,11 +154,7 @@ def flax_attention_fn(
     """
     from flax.linen.dtypes import promote_dtype
 
-    if implementation is not None and implementation not in _dispatch.IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {', '.join(map(repr, _dispatch.IMPLEMENTATIONS))} "
-            f"or None, got {implementation!r}"
-        )
+    _registry.check_implementation(implementation)
     flax_args = dict(
         bias=bias, mask=mask, broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
         dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,

@@ -6,7 +6,8 @@ The C++ side (``attention.cc``) takes float32 q (B, T, N, H), k and v
 (B, T) and (B, S) (or empty), and the rules as attributes: ``scale``,
 ``soft_cap`` (0: none) and the positional band ``left``/``right`` (-1:
 unbounded). It returns the output and the per-row log-sum-exp (B, T, N) that
-the backward pass recomputes the weights from. Under ``vmap`` every operand
+the backward pass recomputes the weights from (``-inf`` for a row that sees no
+key). Under ``vmap`` every operand
 gains the mapped axis in front, which the kernel folds into B.
 """
 
@@ -17,30 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._spec import AttentionSpec
-from . import _build
 
 _F32 = jnp.dtype(jnp.float32)
-
-
-def unsupported(spec: AttentionSpec, dtype, dropout_rate: float) -> str | None:
-    """Why the native kernel cannot serve this call, or None when it can.
-
-    Cheap checks come first; only a call it could serve builds the kernel.
-    """
-    if jax.default_backend() != "cpu":
-        return f"it runs on CPU only, and the default backend is {jax.default_backend()!r}"
-    if dropout_rate > 0:
-        return "dropout is only implemented by the reference (implementation='xla')"
-    if jnp.dtype(dtype) != _F32:
-        return f"it supports float32 inputs only, got {jnp.dtype(dtype)}"
-    if spec.mask is not None or spec.bias is not None:
-        return "a dense mask or a bias is served by 'xla' and 'flash' only"
-    if not spec.static_scale:
-        return "it needs a Python number for scale, not a traced array"
-    _, reason = _build.load()
-    if reason is not None:
-        return f"the kernel is not available: {reason}"
-    return None
 
 
 def native_attention(query, key, value, spec: AttentionSpec):
@@ -49,11 +28,25 @@ def native_attention(query, key, value, spec: AttentionSpec):
     Args:
       query: (B, T, N, H) float32; key, value: (B, S, K, H), float32 or a
         narrower float (computed in float32); ``spec`` from
-        :func:`nanoattn._spec.attention_spec`, which :func:`unsupported` accepts.
+        :func:`nanoattn._spec.attention_spec` that the ``native`` backend
+        (:mod:`nanoattn._backends.native`) accepts.
 
     Returns:
       (B, T, N, H) float32.
     """
+    return _attend(*_operands(query, key, value, spec))
+
+
+def native_forward(query, key, value, spec: AttentionSpec):
+    """The forward pass alone: (out (B, T, N, H), lse (B, T, N)), float32; ``lse`` is
+    the log-sum-exp of each row's visible logits, ``-inf`` for a row that sees no key
+    (the convention of the flash kernel and of ``jax.nn``'s residuals)."""
+    return _forward(*_operands(query, key, value, spec))
+
+
+def _operands(query, key, value, spec: AttentionSpec):
+    """The kernel's operands: q, k, v in float32, per-row offsets and lengths (B,),
+    segment ids (B, T) and (B, S) (empty without them), and the static rules."""
     B, S = spec.B, spec.S
     left, right = spec.band if spec.band is not None else (None, None)
     rules = (
@@ -71,7 +64,7 @@ def native_attention(query, key, value, spec: AttentionSpec):
         q_seg, kv_seg = spec.q_segment_ids, spec.kv_segment_ids
     ints = (offsets, lengths.astype(jnp.int32), q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32))
     key, value = key.astype(_F32), value.astype(_F32)
-    return _attend(query, key, value, *ints, rules)
+    return (query, key, value, *ints, rules)
 
 
 def _attributes(rules):

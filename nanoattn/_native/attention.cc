@@ -365,7 +365,7 @@ void cap_and_mask(const Problem& p, const Geometry& g, int64_t b, int64_t i, int
 
 struct ForwardOut {
   float* out;  // (B, T, N, H)
-  float* lse;  // (B, T, N): log-sum-exp of the visible logits; +inf for a blind row
+  float* lse;  // (B, T, N): log-sum-exp of the visible logits; -inf for a blind row
 };
 
 void forward_task(const Problem& p, const std::vector<Geometry>& geo, const float* q,
@@ -438,7 +438,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const floa
       *lse = m[r] + std::log(l[r]);
     } else {
       std::fill(dst, dst + p.H, 0.0f);
-      *lse = kInf;
+      *lse = -kInf;  // the log-sum-exp of no logit, as in the flash kernel and jax.nn
     }
   }
 }

@@ -1,0 +1,24 @@
+"""``"xla"``: the reference (:mod:`nanoattn._reference`), plain einsums over the full
+score tensor. Always available, every feature (dropout included); it defines the
+output contract every other backend is tested against."""
+
+from .. import _reference
+
+
+class Xla:
+    name = "xla"
+    priority = 0  # the automatic choice's fallback: it serves every call
+
+    def unsupported(self, spec, dtype, dropout_rate: float) -> str | None:
+        return None
+
+    def pays_off(self, spec) -> bool:
+        return True
+
+    def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
+        return _reference.attend(
+            query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng
+        )
+
+
+BACKEND = Xla()
