@@ -19,103 +19,83 @@ dense boolean mask and an additive bias sliced per block, logit soft-capping,
 grouped-query heads, zeros (and zero gradients) for a row with no visible
 key, and softmax statistics in at least float32.
 Dropout is not supported here: the dispatcher sends it to the reference.
+
+The interface, also used by the ring (:mod:`nanoattn.parallel._blocks`): a
+call's arrays are a :class:`BlockInputs`, its static part a
+:class:`~nanoattn._flash_plan.Plan` per pass; :func:`forward_block` returns the
+output and the log-sum-exp, :func:`backward_block` takes them back as
+:class:`Residuals` and returns :class:`BlockGrads`.
 """
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from ._flash_plan import Plan, kernel_plans
 from ._reference import compute_dtype, large_negative
-from ._schedule import Schedule, block_schedules
+from ._schedule import Schedule
+from ._shard_map import sum_to_varying, varying_like
 from ._spec import AttentionSpec
-
-# (block_q, block_k, most lanes) per pass, and the most score cells one step may
-# hold (B * N * lanes * block_q * block_k); measured on a 2-core x86 CPU with
-# benchmarks/tune_tiles.py (docs/performance.md). A larger batch or more heads
-# get fewer lanes, then smaller blocks: the step's size sets the speed of XLA's
-# CPU kernels and the memory of the pass.
-FORWARD_TILES = (256, 512, 4)
-BACKWARD_TILES = (128, 128, 8)
-FORWARD_STEP_CELLS = 2**21
-BACKWARD_STEP_CELLS = 2**20
-MIN_BLOCK = 64
 
 _ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """Everything static about one kernel call (hashable: a custom_vjp argument)."""
+class BlockInputs:
+    """The arrays of one kernel call (a pytree), named; the rules that are static
+    (causality, window, soft-cap, scale, tiles) are in its :class:`Plan`.
 
-    B: int
-    T: int
-    S: int
-    K: int
-    G: int
-    H: int
-    block_q: int
-    block_k: int
-    lanes: int
-    scale: float
-    band: tuple[int | None, int | None] | None  # (left, right) of the positional rule, if any
-    static_offset: int | None  # a Python int offset: blocks outside the band can be skipped
-    has_lengths: bool
-    has_mask: bool
-    has_segments: bool
-    soft_cap: float | None
+    Attributes:
+      query: (B, T, N, H).
+      key, value: (B, S, K, H).
+      bias: float, rank 4, broadcastable to (B, N, T, S), or None.
+      mask: bool, rank 4, broadcastable to (B, N, T, S), or None.
+      q_offset: int () or (B,), the position of the first query when the plan's
+        offset is traced (``plan.static_offset`` None under a positional rule);
+        None otherwise.
+      kv_lengths: int (B,), or None.
+      q_segment_ids, kv_segment_ids: int (B, T) and (B, S), both or neither.
+    """
 
-    @property
-    def n_q(self) -> int:
-        return -(-self.T // self.block_q)
-
-    @property
-    def n_k(self) -> int:
-        return -(-self.S // self.block_k)
-
-    def schedules(self) -> tuple[Schedule, Schedule]:
-        """The (masked, full) schedules."""
-        traced_offset = self.band is not None and self.static_offset is None
-        all_masked = self.has_lengths or self.has_mask or self.has_segments or traced_offset
-        offset = self.static_offset if self.band is not None else None
-        return block_schedules(
-            self.T, self.S, self.block_q, self.block_k, self.lanes, offset, all_masked,
-            self.band or (None, None),
-        )  # fmt: skip
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None = None
+    mask: jax.Array | None = None
+    q_offset: jax.Array | None = None
+    kv_lengths: jax.Array | None = None
+    q_segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
 
 
-def _varying_axes(x) -> set:
-    """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (none outside)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9; older: aval.vma
-    return set(manual.varying) if manual is not None else set(getattr(aval, "vma", ()))
+class Residuals(NamedTuple):
+    """What the backward pass of a block needs from its forward pass.
+
+    Attributes:
+      inputs: the block's :class:`BlockInputs`.
+      out: (B, T, N, H), the output in the softmax's dtype (not rounded to the
+        query's: the row term of the gradient reads it).
+      lse: (B, T, N), the log-sum-exp of each row's visible logits; ``-inf`` for a
+        row that sees no key.
+    """
+
+    inputs: BlockInputs
+    out: jax.Array
+    lse: jax.Array
 
 
-def varying_like(tree, *inputs):
-    """``tree`` (fresh zeros) marked as varying over the manual mesh axes any of
-    ``inputs`` varies over, as a scan carry inside ``jax.shard_map`` must be
-    (the ring of :mod:`nanoattn.parallel`); unchanged outside shard_map."""
-    axes = set()
-    for x in jax.tree.leaves(inputs):
-        axes |= _varying_axes(x)
-    if not axes:
-        return tree
-    axes = tuple(sorted(axes))
+class BlockGrads(NamedTuple):
+    """Gradients of a block: dq (B, T, N, H), dk and dv (B, S, K, H) in the inputs'
+    dtypes, and dbias in the bias's shape and dtype (None without a bias)."""
 
-    def cast(x):
-        missing = tuple(a for a in axes if a not in _varying_axes(x))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def sum_to_varying(grad, primal):
-    """``grad`` summed over the manual mesh axes it varies over and ``primal`` does
-    not: inside ``jax.shard_map``, a replicated input used by per-device work gets
-    the sum of every device's gradient (the transpose of its implicit broadcast)."""
-    extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
-    return jax.lax.psum(grad, extra) if extra else grad
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None
 
 
 def _pad(x, axis: int, size: int, value=0):
@@ -276,7 +256,13 @@ def _segment_blocks(q_ids, kv_ids, plan: Plan):
     return q_ids, kv_ids
 
 
-def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids):
+def forward_block(plan: Plan, inputs: BlockInputs):
+    """The forward pass: (out (B, T, N, H), lse (B, T, N)), both in the softmax's
+    dtype (at least float32); ``lse`` is ``-inf`` for a row that sees no key (the
+    convention of ``jax.nn``'s residuals and of the log-sum-exp of an empty set)."""
+    q, k, v, bias, mask = inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask
+    q_offset, kv_lengths = inputs.q_offset, inputs.kv_lengths
+    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
     acc = compute_dtype(q.dtype, k.dtype, v.dtype)
     neg = large_negative(acc)
     qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
@@ -287,7 +273,7 @@ def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_id
     rows = (plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q)  # one spare row for idle slots
     values = (plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H)
     state = (jnp.full(rows, neg, acc), jnp.zeros(rows, acc), jnp.zeros(values, acc))
-    state = varying_like(state, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids)
+    state = varying_like(state, inputs)
 
     def run(state, schedule: Schedule, masked: bool):
         if schedule.steps == 0:
@@ -336,13 +322,19 @@ def _forward(plan: Plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_id
     out = o / jnp.einsum("BnKGq->BnqKG", jnp.where(seen, l, 1))[..., None]
     # log 0 = -inf marks a row that sees no key (the backward pass never reads its query).
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)  # (B, nQ, K, G, bq)
-    return _unblock_queries(out, plan), _unblock_rows(lse, plan)
+    lse = _unblock_rows(lse, plan).reshape(plan.B, plan.T, plan.K * plan.G)  # (B, T, N)
+    return _unblock_queries(out, plan), lse
 
 
-def _backward(plan: Plan, residuals, d_out):
-    q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids, out, lse = residuals
+def backward_block(plan: Plan, residuals: Residuals, d_out) -> BlockGrads:
+    """The backward pass for the cotangent ``d_out`` (B, T, N, H): the weights are
+    recomputed block by block from ``residuals.lse``."""
+    inputs, out, lse = residuals
+    q, k, v, bias, mask = inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask
+    q_offset, kv_lengths = inputs.q_offset, inputs.kv_lengths
+    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
     acc = lse.dtype
-    lse = _row_blocks(lse, plan)  # (B, nQ, K, G, bq)
+    lse = _row_blocks(lse.reshape(plan.B, plan.T, plan.K, plan.G), plan)  # (B, nQ, K, G, bq)
     seen = lse > -jnp.inf  # rows that see at least one key
     lse = jnp.where(seen, lse, 0)
     qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
@@ -362,7 +354,7 @@ def _backward(plan: Plan, residuals, d_out):
         jnp.zeros_like(vb),
         None if bias is None else jnp.zeros_like(bias_blocks),
     )
-    grads = varying_like(grads, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids, d_out)
+    grads = varying_like(grads, inputs, d_out)
 
     def run(grads, schedule: Schedule, masked: bool):
         if schedule.steps == 0:
@@ -412,26 +404,33 @@ def _backward(plan: Plan, residuals, d_out):
         xB, xN, xT, xS = bias.shape
         dbias = dbias.reshape(xB, xN, -1, dbias.shape[4] * dbias.shape[5])[:, :, :xT, :xS]
         dbias = dbias.astype(bias.dtype)
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None, None, None, None
+    return BlockGrads(dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(plan, backward_plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids):
-    out, _ = _forward(plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids)
-    return out.astype(q.dtype)
+def _attend(plan, backward_plan, inputs: BlockInputs):
+    out, _ = forward_block(plan, inputs)
+    return out.astype(inputs.query.dtype)
 
 
-def _attend_fwd(plan, backward_plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids):
-    out, lse = _forward(plan, q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids)
+def _attend_fwd(plan, backward_plan, inputs: BlockInputs):
+    out, lse = forward_block(plan, inputs)
     # The backward pass's row term rowsum(dO * O) reads the output in the softmax's
     # precision: rounded to bfloat16 or float16 first, it made dq and dk several
     # times less accurate than the reference's (tests/test_fuzz.py).
-    return out.astype(q.dtype), (q, k, v, bias, mask, q_offset, kv_lengths, q_ids, kv_ids, out, lse)
+    return out.astype(inputs.query.dtype), Residuals(inputs, out, lse)
 
 
-def _attend_bwd(plan, backward_plan, residuals, d_out):
-    grads = _backward(backward_plan, residuals, d_out)
-    return tuple(g if g is None else sum_to_varying(g, x) for g, x in zip(grads, residuals))
+def _attend_bwd(plan, backward_plan, residuals: Residuals, d_out):
+    grads = backward_block(backward_plan, residuals, d_out)
+    inputs = residuals.inputs
+    differentiable = dict(
+        query=sum_to_varying(grads.query, inputs.query),
+        key=sum_to_varying(grads.key, inputs.key),
+        value=sum_to_varying(grads.value, inputs.value),
+        bias=None if grads.bias is None else sum_to_varying(grads.bias, inputs.bias),
+    )
+    return (BlockInputs(**differentiable),)  # no gradient for the masks, offsets and ids
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -457,60 +456,10 @@ def flash_attention(
     if spec.T == 0 or spec.S == 0:
         return jnp.zeros(query.shape, query.dtype)
     plans = kernel_plans(spec, forward_tiles, backward_tiles)
-    static_offset = spec.static_q_offset
-    q_offset = None if static_offset is not None or not spec.positional else spec.q_offset
-    return _attend(
-        *plans, query, key, value, spec.bias, spec.mask, q_offset, spec.kv_lengths,
-        spec.q_segment_ids, spec.kv_segment_ids,
+    traced_offset = spec.positional and spec.static_q_offset is None
+    inputs = BlockInputs(
+        query=query, key=key, value=value, bias=spec.bias, mask=spec.mask,
+        q_offset=spec.q_offset if traced_offset else None, kv_lengths=spec.kv_lengths,
+        q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.kv_segment_ids,
     )  # fmt: skip
-
-
-def kernel_plans(spec: AttentionSpec, forward_tiles=None, backward_tiles=None) -> tuple[Plan, Plan]:
-    """The (forward, backward) plans of a call: its static sizes and rules, and the
-    tiles of each pass (``forward_tiles``/``backward_tiles``, else :func:`fit_tiles`).
-    Only the flags of ``spec``'s arrays are read (whether there are lengths, a mask,
-    segment ids), so the ring (:mod:`nanoattn.parallel`) plans its blocks with it."""
-    static_offset = spec.static_q_offset
-    shared = Plan(
-        B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H, block_q=0, block_k=0,
-        lanes=0, scale=float(spec.scale), band=spec.band, static_offset=static_offset,
-        has_lengths=spec.kv_lengths is not None, has_mask=spec.mask is not None,
-        has_segments=spec.q_segment_ids is not None, soft_cap=spec.logit_soft_cap,
-    )  # fmt: skip
-    plans = []
-    passes = (
-        (forward_tiles, FORWARD_TILES, FORWARD_STEP_CELLS),
-        (backward_tiles, BACKWARD_TILES, BACKWARD_STEP_CELLS),
-    )
-    for tiles, default, budget in passes:
-        if tiles is not None and min(tiles) < 1:
-            raise ValueError(f"block sizes and lanes must be >= 1, got {tiles}")
-        block_q, block_k, lanes = tiles or fit_tiles(default, budget, spec)
-        plans.append(dataclasses.replace(
-            shared, block_q=min(block_q, spec.T), block_k=min(block_k, spec.S), lanes=lanes
-        ))  # fmt: skip
-    return plans[0], plans[1]
-
-
-def fit_tiles(tiles, budget: int, spec: AttentionSpec) -> tuple[int, int, int]:
-    """Shrinks ``tiles`` until one step holds at most ``budget`` score cells:
-    first fewer lanes, then smaller blocks (halving the larger one, keys at a tie)."""
-    block_q, block_k, lanes = tiles
-    block_q, block_k = min(block_q, spec.T), min(block_k, spec.S)
-    per_lane = spec.B * spec.N * block_q * block_k
-    while per_lane > budget and max(block_q, block_k) > MIN_BLOCK:
-        if block_k >= block_q:
-            block_k = max(MIN_BLOCK, block_k // 2)
-        else:
-            block_q = max(MIN_BLOCK, block_q // 2)
-        per_lane = spec.B * spec.N * block_q * block_k
-    return block_q, block_k, max(1, min(lanes, budget // per_lane))
-
-
-def unsupported(spec: AttentionSpec, dropout_rate: float) -> str | None:
-    """Why the kernel cannot serve this call, or None when it can."""
-    if dropout_rate > 0:
-        return "dropout is only implemented by the reference (implementation='xla')"
-    if not spec.static_scale:
-        return "the kernel needs a Python number for scale, not a traced array"
-    return None
+    return _attend(*plans, inputs)

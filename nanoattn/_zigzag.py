@@ -24,10 +24,14 @@ import numpy as np
 LAYOUTS = ("zigzag", "contiguous")
 
 
-def check_layout(layout) -> int:
-    """The number of chunks per device of ``layout``: 2 for zigzag, 1 for contiguous."""
+def check_layout(layout, name: str = "layout") -> int:
+    """The number of chunks per device of ``layout``: 2 for zigzag, 1 for contiguous.
+
+    Raises:
+      ValueError: not one of :data:`LAYOUTS` (the message names the argument ``name``).
+    """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
     return 2 if layout == "zigzag" else 1
 
 

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 from test_fuzz import DTYPES, Call, Program, Record, Statics
 
+from nanoattn._zigzag import zigzag_order
 from nanoattn.parallel import ring_attention
-from nanoattn.parallel._zigzag import zigzag_order
 
 DEVICES = 4
 

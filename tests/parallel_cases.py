@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 import nanoattn
+from nanoattn._zigzag import zigzag_order
 from nanoattn.parallel import ring_attention
-from nanoattn.parallel._zigzag import zigzag_order
 
 B, N, K, H = 2, 6, 3, 8
 

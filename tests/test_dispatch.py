@@ -57,9 +57,10 @@ def test_named_backends_that_cannot_serve_raise():
 
 def test_automatic_choice_on_cpu():
     from nanoattn import _native
+    from nanoattn._backends import flash, native
 
-    big = int(np.sqrt(_dispatch.CPU_FLASH_MIN_CELLS))
-    small = int(np.sqrt(_dispatch.CPU_NATIVE_MIN_CELLS))
+    big = int(np.sqrt(flash.CPU_MIN_CELLS))
+    small = int(np.sqrt(native.CPU_MIN_CELLS))
     built = _native.load()[0] is not None
     choose = _dispatch.choose
     # float32 goes to the native kernel where it was built, from its own threshold on.

@@ -224,7 +224,7 @@ def test_memory_at_65536_tokens():
 
 @pytest.mark.parametrize("B,T,N", [(1, 4096, 4), (2, 4096, 4), (32, 256, 4), (1, 100, 12)])
 def test_fit_tiles_respects_the_step_budget(B, T, N):
-    from nanoattn._flash import FORWARD_STEP_CELLS, FORWARD_TILES, MIN_BLOCK, fit_tiles
+    from nanoattn._flash_plan import FORWARD_STEP_CELLS, FORWARD_TILES, MIN_BLOCK, fit_tiles
 
     z = jnp.zeros((B, T, N, 8))
     block_q, block_k, lanes = fit_tiles(FORWARD_TILES, FORWARD_STEP_CELLS, attention_spec(z, z, z))

@@ -283,7 +283,7 @@ def test_float32_under_x64_computes_in_float32_only(x64):
 
 
 def test_kernel_plans_are_forward_then_backward():
-    from nanoattn._flash import BACKWARD_TILES, FORWARD_TILES, kernel_plans
+    from nanoattn._flash_plan import BACKWARD_TILES, FORWARD_TILES, kernel_plans
     from nanoattn._spec import attention_spec
 
     q, k, v = qkv(300, 200)
@@ -345,7 +345,7 @@ def test_the_tiles_given_are_the_tiles_run():
 
 
 def test_fit_tiles_shrinks_only_as_far_as_the_budget_needs():
-    from nanoattn._flash import FORWARD_STEP_CELLS, FORWARD_TILES, fit_tiles
+    from nanoattn._flash_plan import FORWARD_STEP_CELLS, FORWARD_TILES, fit_tiles
     from nanoattn._spec import attention_spec
 
     def fit(B, T, S, N):

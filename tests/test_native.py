@@ -170,10 +170,11 @@ def test_vmap_over_an_extra_axis_equals_a_loop():
 
 
 def test_automatic_choice_takes_it_where_it_serves():
-    from nanoattn._dispatch import CPU_NATIVE_MIN_CELLS, choose
+    from nanoattn._backends.native import CPU_MIN_CELLS
+    from nanoattn._dispatch import choose
     from nanoattn._spec import attention_spec
 
-    side = int(np.ceil(np.sqrt(CPU_NATIVE_MIN_CELLS)))
+    side = int(np.ceil(np.sqrt(CPU_MIN_CELLS)))
     z = jnp.zeros((1, side, 2, 8))
     assert choose(None, attention_spec(z, z, z, is_causal=True), jnp.float32, 0.0) == "native"
     spec = attention_spec(z, z, z, bias=jnp.zeros((1, 1, side, side)))

@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _flash
+from .. import _zigzag
+from .._flash import BlockInputs, Residuals, backward_block, forward_block
+from .._flash_plan import Plans, kernel_plans
+from .._shard_map import varying_like
 from .._spec import AttentionSpec
-from . import _zigzag
 
 PAIR_KINDS = ("skip", "full", "general")
 
@@ -47,7 +49,7 @@ class StepPlans:
       layout, P, C: the layout, the ring size and the chunk length.
       pairs: True for the chunk-pair strategy (a window), else whole shards.
       band: ``(left, right)`` of the positional rule, or None.
-      plans: name -> (forward plan, backward plan), as a sorted tuple of pairs.
+      plans: name -> its :class:`~nanoattn._flash_plan.Plans`, as a sorted tuple of pairs.
       kinds: the kinds an off-diagonal chunk pair can take (pairs only).
     """
 
@@ -59,12 +61,12 @@ class StepPlans:
     plans: tuple
     kinds: tuple[str, ...] = ()
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Plans:
         return dict(self.plans)[name]
 
 
-def _plans(spec: AttentionSpec, T: int, S: int, tiles, **changes):
-    return _flash.kernel_plans(dataclasses.replace(spec, T=T, S=S, **changes), *tiles)
+def _plans(spec: AttentionSpec, T: int, S: int, tiles, **changes) -> Plans:
+    return kernel_plans(dataclasses.replace(spec, T=T, S=S, **changes), *tiles)
 
 
 def step_plans(spec: AttentionSpec, layout: str, P: int, tiles=(None, None)) -> StepPlans:
@@ -104,23 +106,21 @@ def _split(x, n: int):
     return [None] * n if x is None else jnp.split(x, n, axis=1)
 
 
-def _empty(q, K: int):
-    """The output (B, T, N, H) and log-sum-exp (B, T, K, G) of rows that see no key."""
-    B, T, N, H = q.shape
-    return jnp.zeros((B, T, N, H), q.dtype), jnp.full((B, T, K, N // K), -jnp.inf, q.dtype)
+def _empty(q):
+    """The output (B, T, N, H) and log-sum-exp (B, T, N) of rows that see no key."""
+    return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, q.dtype)
 
 
 def merge(a, b):
-    """Two partial (output (B, T, N, H), log-sum-exp (B, T, K, G)) of the same
+    """Two partial (output (B, T, N, H), log-sum-exp (B, T, N)) of the same
     queries over disjoint keys, as one: ``lse = log(e^lse1 + e^lse2)``,
     ``out = e^(lse1 - lse) out1 + e^(lse2 - lse) out2``. A -inf (no key) weighs 0."""
     (o1, l1), (o2, l2) = a, b
     lse = jnp.logaddexp(l1, l2)
     safe = jnp.where(jnp.isfinite(lse), lse, 0)
-    B, T, K, G = lse.shape
 
     def weigh(o, lse_part):
-        return o * jnp.exp(lse_part - safe).reshape(B, T, K * G, 1)  # query head n = k*G + g
+        return o * jnp.exp(lse_part - safe)[..., None]
 
     return weigh(o1, l1) + weigh(o2, l2), lse
 
@@ -182,10 +182,76 @@ def _pair_kind(plans: StepPlans, rel):
     return jnp.where(whole, 1, jnp.where(visible, 2, 0))
 
 
+def _slice(x, at):
+    """``x[:, at]``, or None for None."""
+    return None if x is None else x[:, at]
+
+
+def _whole_inputs(q, k, v, mask, q_ids, kv_ids, rows, cols) -> BlockInputs:
+    """The inputs of one whole-shard call: queries ``rows`` against keys ``cols``."""
+    return BlockInputs(
+        query=q[:, rows], key=k[:, cols], value=v[:, cols],
+        mask=None if mask is None else mask[..., cols],
+        q_segment_ids=_slice(q_ids, rows), kv_segment_ids=_slice(kv_ids, cols),
+    )  # fmt: skip
+
+
+def _chunks(plans: StepPlans, q, k, v, q_ids, kv_ids):
+    """q, k, v and the segment ids cut into the layout's chunks (lists of n)."""
+    n = 2 if plans.layout == "zigzag" else 1
+    return [_split(x, n) for x in (q, k, v, q_ids, kv_ids)]
+
+
+def _pair_inputs(plans: StepPlans, chunks, a: int, c: int, kc, kv_lengths) -> BlockInputs:
+    """The inputs of query chunk ``a`` against key chunk ``c`` (global chunk ``kc``):
+    the key lengths shifted to the chunk's own positions."""
+    qs, ks, vs, q_ids, kv_ids = chunks
+    lengths = None if kv_lengths is None else jnp.clip(kv_lengths - kc * plans.C, 0, plans.C)
+    return BlockInputs(
+        query=qs[a], key=ks[c], value=vs[c], kv_lengths=lengths,
+        q_segment_ids=q_ids[a], kv_segment_ids=kv_ids[c],
+    )  # fmt: skip
+
+
+def _pair_forward(plans: StepPlans, kind: str):
+    """The forward branch of an off-diagonal chunk pair of ``kind`` (:data:`PAIR_KINDS`),
+    for ``lax.switch``: (offset, inputs) -> (output, log-sum-exp)."""
+
+    def branch(offset, inputs: BlockInputs):
+        if kind == "skip":
+            result = _empty(inputs.query)
+        else:
+            inputs = dataclasses.replace(inputs, q_offset=offset if kind == "general" else None)
+            result = forward_block(plans[kind].forward, inputs)
+        return varying_like(result, offset, inputs)
+
+    return branch
+
+
+def _grads(plans: Plans, inputs: BlockInputs, out, lse, d_out):
+    """dq, dk, dv of one kernel call of a step, from the queries' final ``out`` and ``lse``."""
+    block = backward_block(plans.backward, Residuals(inputs, out, lse), d_out)
+    return block.query, block.key, block.value
+
+
+def _pair_backward(plans: StepPlans, kind: str):
+    """The backward branch of an off-diagonal chunk pair of ``kind``, for ``lax.switch``:
+    (offset, inputs, (out, lse, d_out)) -> (dq, dk, dv)."""
+
+    def branch(offset, inputs: BlockInputs, rows):
+        if kind == "skip":
+            result = tuple(jnp.zeros_like(x) for x in (inputs.query, inputs.key, inputs.value))
+        else:
+            inputs = dataclasses.replace(inputs, q_offset=offset if kind == "general" else None)
+            result = _grads(plans[kind], inputs, *rows)
+        return varying_like(result, offset, inputs, rows)
+
+    return branch
+
+
 def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, q_ids, kv_ids):
-    """(output (B, T, N, H), log-sum-exp (B, T, K, G)) of this device's queries over
+    """(output (B, T, N, H), log-sum-exp (B, T, N)) of this device's queries over
     the keys from ``source``; float32 ``q`` (B, T, N, H), ``k``, ``v`` (B, S, K, H)."""
-    K = k.shape[2]
     operands = (r, source, q, k, v, kv_lengths, q_ids, kv_ids)
     if not plans.pairs:
         index, alternatives = _whole_calls(plans, first, r, source)
@@ -194,49 +260,27 @@ def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, 
             def branch(*operands):
                 _, source, q, k, v, kv_lengths, q_ids, kv_ids = operands
                 mask = _key_mask(kv_lengths, _positions(plans, source))
-                result = _empty(q, K)
+                result = _empty(q)
                 for name, rows, cols in calls:
-                    o, lse = _flash._forward(
-                        plans[name][0], q[:, rows], k[:, cols], v[:, cols], None,
-                        None if mask is None else mask[..., cols], None, None,
-                        None if q_ids is None else q_ids[:, rows],
-                        None if kv_ids is None else kv_ids[:, cols],
-                    )  # fmt: skip
+                    inputs = _whole_inputs(q, k, v, mask, q_ids, kv_ids, rows, cols)
+                    o, lse = forward_block(plans[name].forward, inputs)
                     result = (result[0].at[:, rows].set(o), result[1].at[:, rows].set(lse))
-                return _flash.varying_like(result, *operands)  # every branch alike
+                return varying_like(result, *operands)  # every branch alike
 
             return branch
 
         return _select(index, [run(calls) for calls in alternatives], operands)
 
-    n = 2 if plans.layout == "zigzag" else 1
-    qs, ks, vs = _split(q, n), _split(k, n), _split(v, n)
-    q_id_chunks, kv_id_chunks = _split(q_ids, n), _split(kv_ids, n)
-    parts = [_empty(qs[0], K) for _ in range(n)]
+    chunks = _chunks(plans, q, k, v, q_ids, kv_ids)
+    parts = [_empty(x) for x in chunks[0]]
     for a, c, qc, kc, diagonal in _pair_calls(plans, first, r, source):
-        lengths = None if kv_lengths is None else jnp.clip(kv_lengths - kc * plans.C, 0, plans.C)
-        pair = (qs[a], ks[c], vs[c], lengths, q_id_chunks[a], kv_id_chunks[c])
+        pair = _pair_inputs(plans, chunks, a, c, kc, kv_lengths)
         if diagonal:
-            block = _flash._forward(plans["own"][0], *pair[:3], None, None, None, *pair[3:])
+            block = forward_block(plans["own"].forward, pair)
         else:
             rel = (qc - kc) * plans.C
-
-            def run(kind):
-                def branch(*operands):
-                    offset, q, k, v, lengths, q_ids, kv_ids = operands
-                    if kind == "skip":
-                        result = _empty(q, K)
-                    else:
-                        offset = offset if kind == "general" else None
-                        result = _flash._forward(
-                            plans[kind][0], q, k, v, None, None, offset, lengths, q_ids, kv_ids
-                        )
-                    return _flash.varying_like(result, *operands)
-
-                return branch
-
-            branches = [run(kind) for kind in PAIR_KINDS]
-            block = jax.lax.switch(_pair_kind(plans, rel), branches, rel, *pair)
+            branches = [_pair_forward(plans, kind) for kind in PAIR_KINDS]
+            block = jax.lax.switch(_pair_kind(plans, rel), branches, rel, pair)
         parts[a] = merge(parts[a], block)
     return tuple(jnp.concatenate(x, axis=1) for x in zip(*parts, strict=True))
 
@@ -249,10 +293,6 @@ def step_backward(
     it recomputes exactly this step's part of the softmax."""
     operands = (r, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse, d_out)
 
-    def grads(name, offset, q, k, v, mask, lengths, q_ids, kv_ids, out, lse, d_out):
-        residuals = (q, k, v, None, mask, offset, lengths, q_ids, kv_ids, out, lse)
-        return _flash._backward(plans[name][1], residuals, d_out)[:3]
-
     if not plans.pairs:
         index, alternatives = _whole_calls(plans, first, r, source)
 
@@ -262,48 +302,31 @@ def step_backward(
                 mask = _key_mask(kv_lengths, _positions(plans, source))
                 dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
                 for name, rows, cols in calls:
-                    dq_, dk_, dv_ = grads(
-                        name, None, q[:, rows], k[:, cols], v[:, cols],
-                        None if mask is None else mask[..., cols], None,
-                        None if q_ids is None else q_ids[:, rows],
-                        None if kv_ids is None else kv_ids[:, cols],
-                        out[:, rows], lse[:, rows], d_out[:, rows],
-                    )  # fmt: skip
+                    inputs = _whole_inputs(q, k, v, mask, q_ids, kv_ids, rows, cols)
+                    dq_, dk_, dv_ = _grads(
+                        plans[name], inputs, out[:, rows], lse[:, rows], d_out[:, rows]
+                    )
                     dq = dq.at[:, rows].add(dq_)
                     dk, dv = dk.at[:, cols].add(dk_), dv.at[:, cols].add(dv_)
-                return _flash.varying_like((dq, dk, dv), *operands)
+                return varying_like((dq, dk, dv), *operands)
 
             return branch
 
         return _select(index, [run(calls) for calls in alternatives], operands)
 
-    n = 2 if plans.layout == "zigzag" else 1
-    qs, ks, vs = _split(q, n), _split(k, n), _split(v, n)
-    q_id_chunks, kv_id_chunks = _split(q_ids, n), _split(kv_ids, n)
+    chunks = _chunks(plans, q, k, v, q_ids, kv_ids)
+    n = len(chunks[0])
     outs, lses, d_outs = _split(out, n), _split(lse, n), _split(d_out, n)
-    dq = [jnp.zeros_like(x) for x in qs]
-    dk, dv = [jnp.zeros_like(x) for x in ks], [jnp.zeros_like(x) for x in vs]
+    dq = [jnp.zeros_like(x) for x in chunks[0]]
+    dk, dv = [jnp.zeros_like(x) for x in chunks[1]], [jnp.zeros_like(x) for x in chunks[2]]
     for a, c, qc, kc, diagonal in _pair_calls(plans, first, r, source):
-        lengths = None if kv_lengths is None else jnp.clip(kv_lengths - kc * plans.C, 0, plans.C)
-        pair = (qs[a], ks[c], vs[c], None, lengths, q_id_chunks[a], kv_id_chunks[c])
+        pair = _pair_inputs(plans, chunks, a, c, kc, kv_lengths)
         rows = (outs[a], lses[a], d_outs[a])
         if diagonal:
-            dq_a, dk_c, dv_c = grads("own", None, *pair, *rows)
+            dq_a, dk_c, dv_c = _grads(plans["own"], pair, *rows)
         else:
             rel = (qc - kc) * plans.C
-
-            def run(kind):
-                def branch(*operands):
-                    if kind == "skip":
-                        result = tuple(jnp.zeros_like(x) for x in operands[1:4])
-                    else:
-                        offset = operands[0] if kind == "general" else None
-                        result = grads(kind, offset, *operands[1:])
-                    return _flash.varying_like(result, *operands)
-
-                return branch
-
-            branches = [run(kind) for kind in PAIR_KINDS]
-            dq_a, dk_c, dv_c = jax.lax.switch(_pair_kind(plans, rel), branches, rel, *pair, *rows)
+            branches = [_pair_backward(plans, kind) for kind in PAIR_KINDS]
+            dq_a, dk_c, dv_c = jax.lax.switch(_pair_kind(plans, rel), branches, rel, pair, rows)
         dq[a], dk[c], dv[c] = dq[a] + dq_a, dk[c] + dk_c, dv[c] + dv_c
     return tuple(jnp.concatenate(x, axis=1) for x in (dq, dk, dv))

@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from .._attention import dot_product_attention
+from .._zigzag import to_zigzag
 from ._ring import ring_attention
-from ._zigzag import to_zigzag
 
 PARAMETER_AXES = {
     "qkv": ("embed", "qkv"),
@@ -87,23 +88,19 @@ def _check_heads(cfg):
         )
 
 
-def attend_sharded(cfg, q, k, v, *, dropout_rate: float, implementation, **mask_args):
+def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_args):
     """The attention of a layer whose config names mesh axes: q (B, T, N, H) and
     k, v (B, S, K, H) sharded over heads (``head_axis``) and, with
     ``sequence_axis``, ring attention over the sequence. Returns (B, T, N, H)."""
-    from .._attention import dot_product_attention
-
+    dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    implementation = cfg.implementation
     if not has_mesh():
-        return dot_product_attention(
-            q, k, v, dropout_rate=dropout_rate, implementation=implementation, **mask_args
-        )
+        return dot_product_attention(q, k, v, implementation=implementation, **dropout, **mask_args)
     _check_heads(cfg)
     heads = PartitionSpec(None, None, cfg.head_axis, None)
     if cfg.sequence_axis is None:
         q, k, v = (jax.lax.with_sharding_constraint(x, heads) for x in (q, k, v))
-        out = dot_product_attention(
-            q, k, v, dropout_rate=dropout_rate, implementation=implementation, **mask_args
-        )
+        out = dot_product_attention(q, k, v, implementation=implementation, **dropout, **mask_args)
         return jax.lax.with_sharding_constraint(out, heads)
     unsupported = [
         name

@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from .. import _flash
+from .. import _zigzag
 from .._reference import compute_dtype
+from .._shard_map import varying_like
 from .._spec import attention_spec
 from .._validate import check_scale, check_tiles, expect_shape
-from . import _blocks, _zigzag
+from . import _blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ def _walk(ring: Ring, state, kv, compute, after=None):
 
 
 def _ring_forward(ring: Ring, q, k, v, kv_lengths, q_ids, kv_ids):
-    """(out (B, T, N, H) float32, lse (B, T, K, G) float32) of this device's queries."""
+    """(out (B, T, N, H) float32, lse (B, T, N) float32) of this device's queries."""
     r = jax.lax.axis_index(ring.axis_name)
     acc = compute_dtype(q.dtype, k.dtype, v.dtype)
     q32 = q.astype(acc)
@@ -116,7 +117,7 @@ def _ring_backward(ring: Ring, residuals, d_out):
         return dq, ring.shift(d_kv)
 
     kv = jnp.stack([k, v])
-    state = _flash.varying_like((jnp.zeros_like(q32), jnp.zeros(kv.shape, acc)), q, k, v)
+    state = varying_like((jnp.zeros_like(q32), jnp.zeros(kv.shape, acc)), q, k, v)
     dq, d_kv = _walk(ring, state, (kv, kv_ids), compute, after)
     return dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype), None, None, None
 
