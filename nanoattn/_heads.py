@@ -18,6 +18,7 @@ from ._attention import attention_weights, dot_product_attention
 from ._config import AttentionConfig
 from ._rope import apply_rope
 from ._trace import check_shape
+from .parallel._layers import attend_sharded
 
 
 class Parameters(Protocol):
@@ -95,13 +96,7 @@ def attend(
             **mask_args,
         )  # fmt: skip
     else:  # sharded over a mesh: nanoattn.parallel
-        from .parallel._layers import attend_sharded
-
-        if rng is not None:
-            mask_args = {**mask_args, "dropout_rng": rng}
-        out = attend_sharded(
-            cfg, q, k, v, dropout_rate=rate, implementation=cfg.implementation, **mask_args
-        )
+        out = attend_sharded(cfg, q, k, v, dropout_rate=rate, dropout_rng=rng, **mask_args)
     params.sow_weights(lambda: attention_weights(q, k, **mask_args))
     merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)
     check_shape(

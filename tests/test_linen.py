@@ -265,7 +265,8 @@ def test_config_options_are_validated_with_one_line_errors():
         (dict(rope_base=0.0), ValueError, r"^rope_base must be a finite float > 0, got "
          r"rope_base=0.0$"),
         (dict(rope_base=float("inf")), ValueError, "rope_base must be a finite float > 0"),
-        (dict(rope_base="1e4"), TypeError, r"^rope_base must be a float > 0 or None, got rope_base='1e4'$"),
+        (dict(rope_base="1e4"), TypeError, r"^rope_base must be a float > 0 or "
+         r"None, got rope_base='1e4'$"),
         (dict(d_model=30, rope_base=1e4), ValueError, r"^rope_base needs an even head width H, "
          r"got H=5 \(d_model=30 / n_heads=6\)$"),
         (dict(window=-1), ValueError, r"window sides must be >= 0"),

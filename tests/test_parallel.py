@@ -7,6 +7,7 @@ asserts on one case's JSON line. One-device checks (the zigzag permutation,
 the error messages) run in-process.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -178,7 +179,7 @@ def test_config_mesh_axes_are_checked_and_default_to_none():
     assert (cfg.head_axis, cfg.sequence_axis, cfg.sequence_layout) == (None, None, "zigzag")
     with pytest.raises(ValueError, match=r"different mesh axes, got 'x' for both"):
         AttentionConfig(head_axis="x", sequence_axis="x")
-    with pytest.raises(ValueError, match=r"sequence_layout must be 'zigzag' or 'contiguous'"):
+    with pytest.raises(ValueError, match=r"sequence_layout must be one of 'zigzag', 'contiguous'"):
         AttentionConfig(sequence_layout="ring")
     with pytest.raises(TypeError, match=r"head_axis must be a mesh axis name"):
         AttentionConfig(head_axis=2)
@@ -199,6 +200,40 @@ def test_layer_without_a_mesh_computes_as_one_device():
     )
     y = sharded.apply(params, x, deterministic=True)
     assert jnp.array_equal(y, plain.apply(params, x, deterministic=True))
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_head_parallel_layer_sows_weights_while_training_with_dropout(framework):
+    # The sharded path once added dropout_rng to the mask arguments that the sown
+    # weights are computed from, so sow_weights + head_axis + dropout raised TypeError.
+    from flax import nnx
+
+    from nanoattn import linen, nnx as nanoattn_nnx
+
+    x = jax.random.normal(jax.random.key(1), (2, 8, 32))
+    config = linen.AttentionConfig(d_model=32, n_heads=4, head_axis="model", dropout=0.5)
+    plain = linen.AttentionConfig(d_model=32, n_heads=4, dropout=0.5)
+    if framework == "linen":
+        params = linen.CausalSelfAttention(plain).init(jax.random.key(0), x, deterministic=True)
+
+        def train(cfg):
+            layer = linen.CausalSelfAttention(cfg, sow_weights=True)
+            rngs = {"dropout": jax.random.key(2)}
+            y, state = layer.apply(params, x, False, rngs=rngs, mutable=["intermediates"])
+            return y, state["intermediates"]["attention_weights"][0]
+    else:
+
+        def train(cfg):
+            layer = nanoattn_nnx.CausalSelfAttention(cfg, sow_weights=True, rngs=nnx.Rngs(0))
+            y, sown = nnx.capture(layer, nnx.Intermediate)(x, deterministic=False)
+            return y, sown["attention_weights"][0]
+
+    y, weights = train(config)
+    want_y, want_weights = train(plain)  # the same layer, unsharded: the same dropout bits
+    assert weights.shape == (2, 4, 8, 8)
+    np.testing.assert_array_equal(weights, want_weights)
+    np.testing.assert_array_equal(y, want_y)
+    assert not jnp.array_equal(y, train(dataclasses.replace(plain, dropout=0.0))[0])
 
 
 @pytest.mark.slow

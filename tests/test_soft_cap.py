@@ -126,10 +126,30 @@ FUNCTIONS = ENTRY_POINTS
 @pytest.mark.parametrize(
     "cap, error, pattern",
     [
-        (0.0, ValueError, r"logit_soft_cap must be a finite float > 0, got logit_soft_cap=0.0"),
-        (-1.0, ValueError, r"logit_soft_cap must be a finite float > 0, got logit_soft_cap=-1.0"),
-        (float("inf"), ValueError, r"logit_soft_cap must be a finite float > 0, got logit_soft_cap=inf"),
-        (float("nan"), ValueError, r"logit_soft_cap must be a finite float > 0, got logit_soft_cap=nan"),
+        (
+            0.0,
+            ValueError,
+            r"logit_soft_cap must be a finite float > 0, "
+            r"got logit_soft_cap=0.0",
+        ),
+        (
+            -1.0,
+            ValueError,
+            r"logit_soft_cap must be a finite float > 0, "
+            r"got logit_soft_cap=-1.0",
+        ),
+        (
+            float("inf"),
+            ValueError,
+            r"logit_soft_cap must be a finite float > 0, "
+            r"got logit_soft_cap=inf",
+        ),
+        (
+            float("nan"),
+            ValueError,
+            r"logit_soft_cap must be a finite float > 0, "
+            r"got logit_soft_cap=nan",
+        ),
         ("2", TypeError, r"logit_soft_cap must be a float > 0 or None, got logit_soft_cap='2'"),
         (True, TypeError, r"logit_soft_cap must be a float > 0 or None, got logit_soft_cap=True"),
     ],
