@@ -17,9 +17,9 @@ import jax
 
 from .._validate import describe
 from . import _torch
+from ._cell import inputs
 from ._measure import causal_flops, jax_pass, time_interleaved
 from ._peers import PEERS
-from ._run import inputs
 
 LENGTHS = (128, 256, 1024, 2048, 4096, 8192)
 SHORT = (128, 256)

@@ -8,10 +8,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from .._validate import describe
-from . import _torch
-from ._measure import causal_flops, jax_pass, matmul_peak_gflops, temp_bytes, time_runs
-from ._peers import PEERS
+from . import _generation, _native, _targets, _torch, _window
+from ._cell import measure_cell
+from ._measure import matmul_peak_gflops
 
 FULL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
 QUICK_LENGTHS = (256, 1024, 4096)
@@ -76,77 +75,12 @@ def machine() -> dict:
     }
 
 
-def inputs(B: int, T: int, N: int, H: int, dtype: str):
-    keys = jax.random.split(jax.random.key(0), 3)
-    return [jax.random.normal(key, (B, T, N, H), jnp.dtype(dtype)) for key in keys]
-
-
-def measure_cell(
-    name: str,
-    B: int,
-    T: int,
-    N: int,
-    H: int,
-    backward: bool,
-    dtype: str,
-    peak: float,
-    max_score_gib: float = float("inf"),
-) -> dict:
-    """One implementation at one size and pass: times, throughput and memory."""
-    cell = {
-        "impl": name,
-        "shape": f"{N}x{H}",
-        "B": B,
-        "T": T,
-        "N": N,
-        "H": H,
-        "pass": "fwd+bwd" if backward else "fwd",
-        "dtype": dtype,
-    }
-    peer = PEERS[name]
-    score_gib = B * N * T * T * 4 / 2**30
-    if peer.materializes and score_gib > max_score_gib:
-        return cell | {"status": f"skipped: its scores need {score_gib:.1f} GiB"}
-    try:
-        q, k, v = inputs(B, T, N, H, dtype)
-        if peer.fn is None:
-            reason = _torch.available()
-            if reason:
-                return cell | {"status": f"skipped: {reason}"}
-            run = _torch.make_run(q, k, v, backward, dtype)
-            memory = None
-        else:
-            fn = jax_pass(peer.fn, backward)
-            memory = temp_bytes(fn, q, k, v)
-
-            def run():
-                jax.block_until_ready(fn(q, k, v))
-
-        median, best = time_runs(run)
-    except Exception as e:  # an implementation that cannot run a size is reported, not fatal
-        return cell | {"status": f"error: {describe(e)[:200]}"}
-    gflops = causal_flops(B, T, N, H, backward) / median / 1e9
-    return cell | {
-        "status": "ok",
-        "median_ms": median * 1e3,
-        "min_ms": best * 1e3,
-        "gflops": gflops,
-        "pct_peak": 100 * gflops / peak,
-        "temp_bytes": memory,
-    }
-
-
 def run_bench(config: BenchConfig, progress=None) -> dict:
     """Runs the grid, the targets, the generation and the window benchmarks that
     ``config`` asks for, and returns every measurement as plain data.
 
     ``progress(done, total, label)`` is called before each cell.
     """
-    from ._generation import generation_targets, measure_generation
-    from ._native import measure_native, native_targets
-    from ._targets import measure_targets
-    from ._window import measure_window, window_targets
-
     peak = matmul_peak_gflops(dtype=jnp.dtype(config.dtype))
     jobs = [
         (name, N, H, T, backward)
@@ -166,23 +100,23 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         )
     if progress and jobs:
         progress(len(jobs), len(jobs), "grid done")
-    targets = measure_targets(peak, progress) if config.targets else []
+    targets = _targets.measure_targets(peak, progress) if config.targets else []
     generation = []
     for i, context in enumerate(config.generation):
         if progress:
             progress(i, len(config.generation), f"generation: context {context}")
-        generation.append(measure_generation(context))
-    targets += generation_targets(generation)
+        generation.append(_generation.measure_generation(context))
+    targets += _generation.generation_targets(generation)
     window = None
     if config.window_length:
         if progress:
             progress(0, 1, f"window: fwd+bwd T={config.window_length}")
-        window = measure_window(config.window_length)
-        targets += window_targets(window)
+        window = _window.measure_window(config.window_length)
+        targets += _window.window_targets(window)
     native = []
     if config.native_lengths:
-        native = measure_native(config.native_lengths, config.shapes, peak, progress)
-        targets += native_targets(native)
+        native = _native.measure_native(config.native_lengths, config.shapes, peak, progress)
+        targets += _native.native_targets(native)
     return {
         "machine": machine() | {"matmul_peak_gflops": peak},
         "config": dataclasses.asdict(config),

@@ -12,9 +12,9 @@ import time
 
 import jax
 
+from ._cell import inputs, measure_cell
 from ._measure import jax_pass, temp_bytes
 from ._peers import PEERS
-from ._run import inputs, measure_cell
 
 N, H = 4, 32
 

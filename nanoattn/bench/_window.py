@@ -12,8 +12,8 @@ import jax
 
 from .._attention import dot_product_attention
 from .._validate import describe
+from ._cell import inputs
 from ._measure import jax_pass, temp_bytes, time_interleaved
-from ._run import inputs
 
 LENGTH = 16384
 WINDOW = (512, 0)
