@@ -42,12 +42,6 @@ def compute_dtype(cfg: AttentionConfig, x):
     return jnp.dtype(x.dtype) if cfg.dtype is None else cfg.dtype
 
 
-def kv_letters(cfg: AttentionConfig) -> tuple[str, str]:
-    """Axis names of the key/value heads and their width: ("N", "D") when K = N, else
-    ("K", "KH"), so the audit of a multi-head layer keeps the seed's names."""
-    return ("N", "D") if cfg.kv_heads == cfg.n_heads else ("K", "KH")
-
-
 def split_heads(x, name: str, axes: str, heads: int, cfg: AttentionConfig):
     """(B, L, heads * H) -> (B, L, heads, H): heads are contiguous slices of width H."""
     B, L, _ = x.shape

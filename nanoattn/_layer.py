@@ -11,13 +11,13 @@ width, D model width.
 import jax.numpy as jnp
 
 from . import _kv_cache
+from ._axes import labels
 from ._config import AttentionConfig
 from ._heads import (
     Parameters,
     attend,
     compute_dtype,
     core_options,
-    kv_letters,
     normalize_qk,
     rotate_qk,
     split_heads,
@@ -45,17 +45,18 @@ def _project_qkv(params: Parameters, cfg: AttentionConfig, x, dtype):
     """x (B, T, D) -> query heads (B, T, N, H), key and value heads (B, T, K, H)."""
     B, T, D = x.shape
     N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    kv_axis, kv_width = kv_letters(cfg)
-    width = "3D" if K == N else "(N+2K)H"
+    label = labels(cfg)
     qkv = params.dense("qkv", x, (N + 2 * K) * H, dtype)
-    check_shape(qkv, "qkv", f"B T {width}", (B, T, (N + 2 * K) * H), op="project", source="input")
+    check_shape(
+        qkv, "qkv", f"B T {label.qkv}", (B, T, (N + 2 * K) * H), op="project", source="input"
+    )
     q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)  # [Q (N*H) | K (K*H) | V (K*H)]
     check_shape(q, "q", "B T D", (B, T, D), op="split", source="qkv")
     for name, part in (("k", k), ("v", v)):
-        check_shape(part, name, f"B S {kv_width}", (B, T, K * H), op="split", source="qkv")
+        check_shape(part, name, f"B S {label.kv_width}", (B, T, K * H), op="split", source="qkv")
     q = split_heads(q, "q", "B T N H", N, cfg)
-    k = split_heads(k, "k", f"B S {kv_axis} H", K, cfg)
-    v = split_heads(v, "v", f"B S {kv_axis} H", K, cfg)
+    k = split_heads(k, "k", f"B S {label.kv_heads} H", K, cfg)
+    v = split_heads(v, "v", f"B S {label.kv_heads} H", K, cfg)
     return (*normalize_qk(params, cfg, q, k, dtype), v)
 
 
@@ -192,19 +193,19 @@ def cross_attention(
         mask = padding_mask(mask)  # (B, 1, 1, S)
 
     dtype = compute_dtype(cfg, x)
-    kv_axis, kv_width = kv_letters(cfg)
+    label = labels(cfg)
     check_shape(x, "input", "B T D", (B, T, D), op="input")
     check_shape(context, "context", "B S D", (B, S, D), op="input")
     q = params.dense("q", x, N * H, dtype)
     check_shape(q, "q", "B T D", (B, T, D), op="project", source="input")
     kv = params.dense("kv", context, 2 * K * H, dtype)
-    check_shape(kv, "kv", f"B S 2{kv_width}", (B, S, 2 * K * H), op="project", source="context")
+    check_shape(kv, "kv", f"B S {label.kv_pair}", (B, S, 2 * K * H), op="project", source="context")
     k, v = jnp.split(kv, 2, axis=-1)  # 2 x (B, S, K*H), in the order [K | V]
     for name, part in (("k", k), ("v", v)):
-        check_shape(part, name, f"B S {kv_width}", (B, S, K * H), op="split", source="kv")
+        check_shape(part, name, f"B S {label.kv_width}", (B, S, K * H), op="split", source="kv")
     q = split_heads(q, "q", "B T N H", N, cfg)
-    k = split_heads(k, "k", f"B S {kv_axis} H", K, cfg)
-    v = split_heads(v, "v", f"B S {kv_axis} H", K, cfg)
+    k = split_heads(k, "k", f"B S {label.kv_heads} H", K, cfg)
+    v = split_heads(v, "v", f"B S {label.kv_heads} H", K, cfg)
     q, k = normalize_qk(params, cfg, q, k, dtype)
     options = core_options(cfg, positional=False)
     return attend(params, q, k, v, cfg, deterministic, dtype, mask=mask, **options)

@@ -3,29 +3,11 @@
 import jax
 import jax.numpy as jnp
 
+from .._axes import axis_sizes
 from .._trace import Stage, record_shapes
 from ..linen import AttentionConfig, CausalSelfAttention, CrossAttention
 from ._inputs import _int_at_least
 from ._report import CheckResult, Report
-
-
-def axis_sizes(config: AttentionConfig, batch: int, seq_len: int, kv_len: int | None):
-    """The size each axis token must have, e.g. ``{"B": 2, "3D": 384, ...}``."""
-    D, N, K, H = config.d_model, config.n_heads, config.kv_heads, config.head_dim
-    return {
-        "B": batch,
-        "T": seq_len,
-        "S": seq_len if kv_len is None else kv_len,
-        "N": N,
-        "K": K,
-        "H": H,
-        "D": D,
-        "2D": 2 * D,
-        "3D": 3 * D,
-        "KH": K * H,
-        "2KH": 2 * K * H,
-        "(N+2K)H": (N + 2 * K) * H,
-    }
 
 
 def trace_stages(config: AttentionConfig, batch: int, seq_len: int, kv_len: int | None = None):
