@@ -1,3 +1,5 @@
-from .cli import _entry
+import sys
 
-_entry()
+from .cli import main
+
+sys.exit(main())

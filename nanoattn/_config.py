@@ -21,9 +21,6 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-_float_dtype = float_dtype  # ``dtype`` as a floating numpy dtype, or a one-line TypeError
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Sizes and options of an attention layer.
@@ -117,8 +114,8 @@ class AttentionConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype is not None:
-            object.__setattr__(self, "dtype", _float_dtype("dtype", self.dtype))
-        object.__setattr__(self, "param_dtype", _float_dtype("param_dtype", self.param_dtype))
+            object.__setattr__(self, "dtype", float_dtype("dtype", self.dtype))
+        object.__setattr__(self, "param_dtype", float_dtype("param_dtype", self.param_dtype))
 
     def _check_kv_heads(self) -> None:
         K = self.n_kv_heads

@@ -13,7 +13,8 @@ import jax
 from flax import nnx
 
 from .. import _kv_cache, _layer
-from .._config import AttentionConfig, _float_dtype
+from .._config import AttentionConfig
+from .._validate import float_dtype
 from ..parallel._layers import parameter_axes
 from ._parameters import HeadRMSNorm, Parameters
 
@@ -182,7 +183,7 @@ class CausalSelfAttention(_Attention):
         """
         cfg = self.config
         batch, max_len = _positive_int("batch", batch), _positive_int("max_len", max_len)
-        dtype = cfg.dtype or cfg.param_dtype if dtype is None else _float_dtype("dtype", dtype)
+        dtype = cfg.dtype or cfg.param_dtype if dtype is None else float_dtype("dtype", dtype)
         self.cache = KVCache(_kv_cache.empty(batch, max_len, cfg.kv_heads, cfg.head_dim, dtype))
 
     def __call__(

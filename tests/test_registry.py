@@ -1,0 +1,121 @@
+"""The backend registry (nanoattn/_registry.py) and the dispatcher's use of it:
+a backend is one object with the interface of nanoattn._backends.Backend, and
+adding one is a module plus one registry entry. Here a toy backend (the
+reference, counting its calls) is registered at run time and served through
+every entry point that takes ``implementation=``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nanoattn
+from nanoattn import _backends, _dispatch, _registry
+from nanoattn.linen import AttentionConfig, CausalSelfAttention
+
+
+class Toy:
+    """The reference under another name, serving causal calls only."""
+
+    name = "toy"
+    priority = None  # never taken by the automatic choice
+
+    def __init__(self):
+        self.calls = 0
+
+    def unsupported(self, spec, dtype, dropout_rate):
+        return None if spec.is_causal else "it serves causal calls only"
+
+    def pays_off(self, spec):
+        return True
+
+    def __call__(self, query, key, value, spec, *, dropout_rate, dropout_rng):
+        self.calls += 1
+        reference = _registry.get("xla")
+        return reference(
+            query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng
+        )
+
+
+@pytest.fixture
+def toy():
+    backend = Toy()
+    _registry.register(backend)
+    yield backend
+    _registry.unregister("toy")
+
+
+def _qkv():
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 7, 6, 8))
+    k, v = (jax.random.normal(key, (2, 7, 3, 8)) for key in keys[1:])
+    return q, k, v
+
+
+def test_a_registered_backend_serves_dot_product_attention(toy):
+    q, k, v = _qkv()
+    out = nanoattn.dot_product_attention(q, k, v, is_causal=True, implementation="toy")
+    want = nanoattn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    assert toy.calls == 1
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(ValueError, match=r"^implementation='toy' cannot serve this call: it "
+                       r"serves causal calls only$"):  # fmt: skip
+        nanoattn.dot_product_attention(q, k, v, implementation="toy")
+
+
+def test_a_registered_backend_serves_a_layer_through_its_config(toy):
+    config = AttentionConfig(d_model=48, n_heads=6, n_kv_heads=3, implementation="toy")
+    x = jax.random.normal(jax.random.key(1), (2, 7, 48))
+    layer = CausalSelfAttention(config)
+    params = layer.init(jax.random.key(2), x, deterministic=True)
+    calls = toy.calls
+    y = layer.apply(params, x, deterministic=True)
+    assert toy.calls == calls + 1
+    plain = CausalSelfAttention(AttentionConfig(d_model=48, n_heads=6, n_kv_heads=3))
+    np.testing.assert_allclose(y, plain.apply(params, x, deterministic=True), atol=1e-6)
+
+
+def test_the_automatic_choice_never_takes_a_backend_without_priority(toy):
+    q, k, v = _qkv()
+    spec = nanoattn._spec.attention_spec(q, k, v, is_causal=True)
+    assert _dispatch.choose(None, spec, jnp.float32, 0.0) != "toy"
+    nanoattn.dot_product_attention(q, k, v, is_causal=True)
+    assert toy.calls == 0
+
+
+def test_names_come_from_one_place(toy):
+    assert _registry.names() == ("xla", "flash", "native", "cudnn", "toy")
+    assert _registry.BUILT_IN == ("xla", "flash", "native", "cudnn")
+    message = r"^implementation must be one of 'xla', 'flash', 'native', 'cudnn', 'toy' or None"
+    for call in (
+        lambda: nanoattn.dot_product_attention(*_qkv(), implementation="tiny"),
+        lambda: AttentionConfig(d_model=48, n_heads=6, implementation="tiny"),
+        lambda: nanoattn.flax_attention_fn(*_qkv(), implementation="tiny"),
+    ):
+        with pytest.raises(ValueError, match=message + r", got 'tiny'$"):
+            call()
+    with pytest.raises(ValueError, match=r"^a backend called 'toy' is already registered$"):
+        _registry.register(Toy())
+
+
+def test_an_unregistered_backend_is_refused_again():
+    _registry.register(Toy())
+    _registry.unregister("toy")
+    with pytest.raises(ValueError, match=r"implementation must be one of 'xla', 'flash', "
+                       r"'native', 'cudnn' or None, got 'toy'$"):  # fmt: skip
+        AttentionConfig(d_model=48, n_heads=6, implementation="toy")
+
+
+@pytest.mark.parametrize("name", _registry.BUILT_IN)
+def test_every_built_in_backend_has_the_interface(name):
+    backend = _registry.get(name)
+    assert backend.name == name
+    assert isinstance(backend.priority, int)
+    for method in ("unsupported", "pays_off", "__call__"):
+        assert callable(getattr(backend, method))
+    assert set(_backends.Backend.__annotations__) == {"name", "priority"}
+
+
+def test_the_automatic_choice_ranks_by_priority():
+    ranked = [backend.name for backend in _dispatch._ranked()]
+    assert ranked == ["cudnn", "native", "flash", "xla"]
