@@ -105,7 +105,6 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 
 $(FLOOR_VENV)/.installed-floor: pyproject.toml Makefile
 	test -x $(FLOOR_BIN)/python || $(PYTHON) -m venv $(FLOOR_VENV)
-	echo '*' > $(FLOOR_VENV)/.gitignore
 	$(FLOOR_BIN)/python -m pip install --quiet --upgrade pip
 	printf '%s\n' $(FLOOR_PINS) > $(FLOOR_VENV)/floors.txt
 	$(FLOOR_BIN)/python -m pip install --quiet -c $(FLOOR_VENV)/floors.txt -e '.[test]'
