@@ -190,14 +190,14 @@ def _scatter_pairs(blocks, qi, kj, grad):
 def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_blocks):
     """Which cells of each lane's item are visible: bool, broadcastable to
     (B, L, K, G, bq, bk)."""
-    k_pos = kj[:, None] * plan.block_k + jnp.arange(plan.block_k)  # (L, bk)
+    k_pos = kj[:, None] * plan.block_k + jnp.arange(plan.block_k)[None, :]  # (L, bk)
+    q_pos = qi[:, None] * plan.block_q + jnp.arange(plan.block_q)[None, :]  # (L, bq)
     parts = []
     if plan.band is not None:
         left, right = plan.band
-        q_pos = qi[:, None] * plan.block_q + jnp.arange(plan.block_q)  # (L, bq)
         offset = plan.static_offset if plan.static_offset is not None else q_offset
         offset = jnp.reshape(jnp.asarray(offset), (-1, 1, 1))  # (1 or B, 1, 1)
-        p = (offset + q_pos)[..., None]  # (1 or B, L, bq, 1): each query's position
+        p = (offset + q_pos[None])[..., None]  # (1 or B, L, bq, 1): each query's position
         j = k_pos[None, :, None, :]  # (1, L, 1, bk)
         if right is not None:
             parts.append((j <= p + right)[:, :, None, None])
@@ -206,7 +206,7 @@ def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_bloc
     if plan.n_k * plan.block_k > plan.S:
         parts.append((k_pos < plan.S)[None, :, None, None, None, :])
     if plan.n_q * plan.block_q > plan.T:  # padded query rows see nothing, so read nothing
-        q_real = qi[:, None] * plan.block_q + jnp.arange(plan.block_q) < plan.T  # (L, bq)
+        q_real = q_pos < plan.T  # (L, bq)
         parts.append(q_real[None, :, None, None, :, None])
     if kv_lengths is not None:
         valid = k_pos[None] < kv_lengths[:, None, None]  # (B, L, bk)
@@ -364,7 +364,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out) -> BlockGrads:
             dq, dk, dv, dbias = grads
             qi, kj = item
             qc = jnp.minimum(qi, plan.n_q - 1)
-            live = (qi < plan.n_q)[None, :, None, None, None]  # idle slots must add nothing:
+            live = (qi < plan.n_q).astype(acc)[None, :, None, None, None]  # idle slots add nothing:
             qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
             dos = _take_queries(dob, qc) * live[..., None]  # with dO = 0 and D = 0 there,
             delta_i = jnp.take(delta, qc, axis=1) * live  # both p dO and dS vanish

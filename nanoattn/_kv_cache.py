@@ -73,7 +73,7 @@ def write(cache, new, position, lengths):
     """
     B, S = cache.shape[:2]
     L = new.shape[1]
-    steps = jnp.arange(L)
+    steps = jnp.arange(L)[None, :]  # (1, L)
     slots = jnp.where(steps < lengths[:, None], position[:, None] + steps, S)  # (B, L)
     rows = jnp.arange(B)[:, None]  # (B, 1)
     return cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")

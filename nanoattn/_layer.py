@@ -146,7 +146,7 @@ def decode(
     _kv_cache.check_chunk(position, lengths, T, capacity, hint)
     lengths = jnp.clip(lengths, 0, T)  # under jit, where it could not be checked
     q, k, v = _project_qkv(params, cfg, x, dtype)
-    q, k = rotate_qk(cfg, q, k, position[:, None] + jnp.arange(T))  # (B, T) positions
+    q, k = rotate_qk(cfg, q, k, position[:, None] + jnp.arange(T)[None, :])  # (B, T) positions
     keys = _kv_cache.write(cache.key, k, position, lengths)
     values = _kv_cache.write(cache.value, v, position, lengths)
     end = position + lengths  # (B,)
@@ -164,7 +164,7 @@ def decode(
         kv_lengths=end,
         **core_options(cfg, positional=True),
     )
-    real = jnp.arange(T) < lengths[:, None]  # (B, T)
+    real = jnp.arange(T)[None, :] < lengths[:, None]  # (B, T)
     y = jnp.where(real[..., None], y, 0)
     overflow = end > capacity  # only reachable under jit: the ValueError above
     y = jnp.where(overflow[:, None, None], jnp.nan, y).astype(y.dtype)

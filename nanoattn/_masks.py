@@ -75,8 +75,9 @@ def band_mask(q_len: int, kv_len: int | None, left, right, *, q_offset) -> jnp.n
     expect_integer("q_offset", offset.dtype)
     if offset.ndim > 1:
         raise ValueError(f"q_offset must have shape () or (B,), got {offset.shape}")
-    q_pos = (offset[..., None] + jnp.arange(q_len))[..., None]  # (T, 1) or (B, T, 1)
-    k_pos = jnp.arange(kv_len)  # (S,)
+    steps = jnp.arange(q_len).reshape((1,) * offset.ndim + (q_len,))  # (T,) or (1, T)
+    q_pos = (offset[..., None] + steps)[..., None]  # (T, 1) or (B, T, 1)
+    k_pos = jnp.arange(kv_len).reshape((1,) * offset.ndim + (1, kv_len))  # (1, S) or (1, 1, S)
     sees = jnp.ones((*q_pos.shape[:-1], kv_len), bool)
     if left is not None:
         sees &= k_pos >= q_pos - left
@@ -131,7 +132,7 @@ def lengths_to_valid(lengths, max_len: int) -> jnp.ndarray:
     lengths = jnp.asarray(lengths)
     expect_integer("lengths", lengths.dtype)
     expect_shape("lengths", lengths.shape, "B", (None,))
-    return jnp.arange(expect_size("max_len", max_len)) < lengths[:, None]
+    return jnp.arange(expect_size("max_len", max_len))[None, :] < lengths[:, None]
 
 
 def padding_mask(kv_valid, q_valid=None) -> jnp.ndarray:

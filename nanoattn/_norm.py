@@ -21,5 +21,5 @@ def head_rms_norm(x, scale, dtype=None):
     acc = jnp.result_type(x.dtype, jnp.float32)
     xf = x.astype(acc)
     inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPSILON)
-    y = xf * inv_rms * scale.astype(acc)
+    y = xf * inv_rms * scale.astype(acc).reshape((1,) * (x.ndim - 1) + (-1,))  # (1, .., 1, H)
     return y.astype(x.dtype if dtype is None else dtype)

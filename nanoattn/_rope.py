@@ -61,7 +61,7 @@ def apply_rope(x, positions, *, base: float = 10000.0):
         expect_shape("positions", positions.shape, "B L", (B, L))
     dtype = jnp.result_type(x.dtype, jnp.float32)
     freqs = base ** (-jnp.arange(0, H, 2, dtype=dtype) / H)  # (H/2,)
-    angles = positions.astype(dtype)[..., None] * freqs  # (B|1, L, H/2)
+    angles = positions.astype(dtype)[..., None] * freqs[None, None]  # (B|1, L, H/2)
     cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]  # (B|1, L, 1, H/2)
     first, second = jnp.split(x.astype(dtype), 2, axis=-1)  # 2 x (B, L, N, H/2)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
