@@ -318,7 +318,10 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     masked, full = plan.schedules()
     m, l, o = run(run(state, masked, True), full, False)
     m, l, o = m[:, :-1], l[:, :-1], o[:, :-1]
-    seen = l > 0
+    # A row that sees a key has l >= 1; l == 0 only for a row that sees none. A NaN or
+    # inf among the row's visible content makes l NaN: such a row is seen, and its NaN
+    # output and log-sum-exp carry on into the backward pass (docs/conventions.md).
+    seen = l != 0
     out = o / jnp.einsum("BnKGq->BnqKG", jnp.where(seen, l, 1))[..., None]
     # log 0 = -inf marks a row that sees no key (the backward pass never reads its query).
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)  # (B, nQ, K, G, bq)
@@ -335,7 +338,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out) -> BlockGrads:
     q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
     acc = lse.dtype
     lse = _row_blocks(lse.reshape(plan.B, plan.T, plan.K, plan.G), plan)  # (B, nQ, K, G, bq)
-    seen = lse > -jnp.inf  # rows that see at least one key
+    seen = lse != -jnp.inf  # rows that see at least one key (NaN included)
     lse = jnp.where(seen, lse, 0)
     qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
     # A query that sees no key is never read: NaN there must not reach dK.

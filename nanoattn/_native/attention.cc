@@ -432,7 +432,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const floa
     const int64_t i = i0 + r;
     float* dst = res.out + ((b * p.T + i) * p.N + n) * p.H;
     float* lse = res.lse + (b * p.T + i) * p.N + n;
-    if (l[r] > 0) {
+    if (l[r] != 0) {  // l >= 1 for a row that sees a key; NaN from NaN or inf content
       const float inv = 1.0f / l[r];
       for (int64_t h = 0; h < p.H; ++h) dst[h] = o.data[r * Hp + h] * inv;
       *lse = m[r] + std::log(l[r]);
