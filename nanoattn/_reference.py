@@ -118,16 +118,60 @@ def dropout(probs, rate: float, rng):
     return jnp.where(keep, probs / (1.0 - rate), 0)
 
 
-def attend(query, key, value, spec: AttentionSpec, *, dropout_rate, dropout_rng):
-    """Attention output (B, T, N, H) in the query's dtype."""
+def attend(
+    query,
+    key,
+    value,
+    spec: AttentionSpec,
+    *,
+    dropout_rate,
+    dropout_rng,
+    dropout_fn=None,
+    weights_dtype=None,
+    out_dtype=None,
+    return_weights: bool = False,
+):
+    r"""Attention output (B, T, N, H) in the query's dtype.
+
+    .. math::
+
+       \mathrm{out}_{btnh} = \sum_s \tilde P_{bnts} \, V_{bskh}, \qquad
+       P_{bnt\cdot} = \mathrm{softmax}_{s \in \mathrm{allowed}}
+         \Big(\mathrm{scale} \sum_h Q_{btnh} K_{bskh} + \mathrm{bias}_{bnts}\Big)
+
+    where key/value head ``k = n // G`` serves query head ``n``, the logits are
+    soft-capped when ``spec`` says so, and ``P~`` is ``P`` after dropout (``P``
+    without). The softmax runs in :func:`compute_dtype`.
+
+    Args:
+      query: (B, T, N, H); key and value (B, S, K, H); ``spec`` their
+        :class:`AttentionSpec`.
+      dropout_rate, dropout_rng: :func:`dropout` on the weights when the rate is
+        above 0 and ``dropout_fn`` is None.
+      dropout_fn: a function of the weights (B, N, T, S) giving the dropped
+        weights, used instead of :func:`dropout` (flax's random bits).
+      weights_dtype: the weights are cast to it before dropout (None: the
+        compute dtype).
+      out_dtype: the output's dtype (None: the query's).
+      return_weights: also return the weights (B, N, T, S), before dropout.
+
+    Returns:
+      the output (B, T, N, H), or ``(output, weights)`` with ``return_weights``.
+    """
     allowed = allowed_mask(spec)
-    probs = _weights(query, key, spec, allowed)
+    weights = _weights(query, key, spec, allowed)
+    if weights_dtype is not None:
+        weights = weights.astype(weights_dtype)
     value = _zero_unseen_keys(value, allowed)
-    if dropout_rate > 0:
+    probs = weights
+    if dropout_fn is not None:
+        probs = dropout_fn(probs)
+    elif dropout_rate > 0:
         probs = dropout(probs, dropout_rate, dropout_rng)
     acc = compute_dtype(probs.dtype, value.dtype)
     p = probs.reshape(spec.B, spec.K, spec.G, spec.T, spec.S)  # (B, K, G, T, S)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", p, value, preferred_element_type=acc)
     out = out.reshape(spec.B, spec.T, spec.N, spec.H)  # (B, T, N, H)
     record(out, "per-head output", "B T N H", op="einsum")
-    return out.astype(query.dtype)
+    out = out.astype(query.dtype if out_dtype is None else out_dtype)
+    return (out, weights) if return_weights else out

@@ -212,7 +212,7 @@ ROWS += [
     row("flax_attention_fn-unknown-implementation", faf, Q, KV, KV, implementation="fast",
         raises=ValueError, match="implementation must be one of"),
     row("flax_attention_fn-dropout-1", faf, Q, KV, KV, dropout_rate=1.0,
-        dropout_rng=jax.random.key(0), raises=ValueError, match="dropout_rate must be below 1"),
+        dropout_rng=jax.random.key(0), raises=ValueError, match="dropout_rate must be in [0, 1)"),
     row("flax_attention_fn-dropout-negative", faf, Q, KV, KV, dropout_rate=-0.5,
         dropout_rng=jax.random.key(0), raises=ValueError, match="dropout_rate must be"),
     row("flax_attention_fn-dropout-without-rng", faf, Q, KV, KV, dropout_rate=0.5,

@@ -463,6 +463,19 @@ def test_linen_sow_weights_match_flax(params, served):
     assert "intermediates" not in state
 
 
+def test_weights_are_sown_before_dropout_as_flax(params, served):
+    x = randn(47, *BATCH, T, D)
+    theirs, ours = (
+        state["intermediates"]["attention_weights"][0]
+        for _, state in linen_pair(
+            params, x, layer_kwargs=dict(dropout_rate=0.5, deterministic=False),
+            rngs={"dropout": jax.random.key(5)}, sow_weights=True, mutable="intermediates",
+        )
+    )  # fmt: skip
+    close(ours, theirs)
+    close(ours.sum(-1), 1.0)  # before dropout, every row sums to 1
+
+
 def test_nnx_sow_weights_match_flax(served):
     x = randn(36, *BATCH, T, D)
     theirs, ours = (
@@ -550,7 +563,7 @@ ERRORS = {
     "mask": (dict(mask=np.ones((2, T, T))), r"^mask must be broadcastable to \[batch..., N, T, S\] "
              r"= \(2, 11, 5, 7\), got \(2, 5, 5\)$"),
     "bias": (dict(bias=np.ones((3, 1, 1, 1))), r"^bias must be broadcastable"),
-    "no rng": (dict(dropout_rate=0.1), r"^dropout_rate=0.1 with deterministic=False needs "),
+    "no rng": (dict(dropout_rate=0.1), r"^dropout_rate=0.1 needs dropout_rng "),
     "rate": (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), r"^dropout_rate must be "),
     "name": (dict(implementation="fast"), r"^implementation must be one of 'xla', 'flash', "),
     "name, dropout": (dict(implementation="fast", dropout_rate=0.1, dropout_rng=jax.random.key(0)),
