@@ -20,7 +20,8 @@ import pytest
 import nanoattn
 from nanoattn._schedule import block_schedules
 
-from conftest import Case, assert_cases_match, np_attention, np_causal, np_window, randn
+from _cases import Case, assert_cases_match
+from _reference import np_attention, np_causal, np_window, randn
 
 
 def qkv(T, S, N=4, K=2, H=8, B=2, seed=0, dtype=jnp.float32):

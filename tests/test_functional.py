@@ -9,7 +9,7 @@ from jax.test_util import check_grads
 import nanoattn
 from nanoattn import attention_weights, dot_product_attention, padding_mask
 
-from conftest import np_attention, np_causal, randn
+from _reference import np_attention, np_causal, randn
 
 B, T, S, N, K, H = 2, 5, 7, 6, 2, 8  # every axis a different size
 

@@ -317,7 +317,7 @@ def test_cli_verify_passing_target(capsys):
     code, out, err = run(
         capsys,
         "verify",
-        "verify_targets:causal_attention",
+        "_verify_targets:causal_attention",
         "--d-model",
         "16",
         "--seq-lens",
@@ -331,7 +331,7 @@ def test_cli_verify_failing_target_json(capsys):
     code, out, _ = run(
         capsys,
         "verify",
-        "verify_targets:reversed_time",
+        "_verify_targets:reversed_time",
         "--d-model",
         "4",
         "--seq-lens",
@@ -340,7 +340,7 @@ def test_cli_verify_failing_target_json(capsys):
     )
     report = json.loads(out)
     assert code == 1 and report["passed"] is False
-    assert report["target"] == "verify_targets:reversed_time"
+    assert report["target"] == "_verify_targets:reversed_time"
     assert {c["name"]: c["status"] for c in report["checks"]}["prefix invariance"] == "FAIL"
 
 
@@ -348,27 +348,27 @@ def test_cli_verify_failing_target_json(capsys):
     "argv, message",
     [
         (["nope_module:fn", "--d-model", "4"], "cannot import nope_module: ModuleNotFoundError"),
-        (["verify_targets:missing", "--d-model", "4"], "has no attribute 'missing'"),
-        (["verify_targets", "--d-model", "4"], "target must look like MODULE:OBJECT"),
-        (["verify_targets:not_callable", "--d-model", "4"], "is a int, not a callable"),
+        (["_verify_targets:missing", "--d-model", "4"], "has no attribute 'missing'"),
+        (["_verify_targets", "--d-model", "4"], "target must look like MODULE:OBJECT"),
+        (["_verify_targets:not_callable", "--d-model", "4"], "is a int, not a callable"),
         (
-            ["verify_targets:failing_factory", "--d-model", "4"],
-            "calling the factory verify_targets:failing_factory() failed: ValueError: no weights",
+            ["_verify_targets:failing_factory", "--d-model", "4"],
+            "calling the factory _verify_targets:failing_factory() failed: ValueError: no weights",
         ),
         (
-            ["verify_targets:broken", "--d-model", "4"],
-            "calling verify_targets:broken failed: RuntimeError: boom",
+            ["_verify_targets:broken", "--d-model", "4"],
+            "calling _verify_targets:broken failed: RuntimeError: boom",
         ),
         (
-            ["verify_targets:wrong_shape", "--d-model", "4", "--seq-lens", "3"],
+            ["_verify_targets:wrong_shape", "--d-model", "4", "--seq-lens", "3"],
             "fn must map an input of shape",
         ),
-        (["verify_targets:broken"], "give --d-model D for float inputs or --vocab V"),
+        (["_verify_targets:broken"], "give --d-model D for float inputs or --vocab V"),
         (
-            ["verify_targets:broken", "--d-model", "4", "--seq-lens", "0,2"],
+            ["_verify_targets:broken", "--d-model", "4", "--seq-lens", "0,2"],
             "--seq-lens must be lengths >= 1",
         ),
-        (["verify_targets:broken", "--d-model", "4", "--atol", "-1"], "--atol must be >= 0"),
+        (["_verify_targets:broken", "--d-model", "4", "--atol", "-1"], "--atol must be >= 0"),
     ],
 )
 def test_cli_verify_errors_exit_2(capsys, argv, message):
@@ -385,7 +385,7 @@ def test_cli_verify_subprocess_from_the_target_directory():
             "-m",
             "nanoattn",
             "verify",
-            "verify_targets:reversed_time",
+            "_verify_targets:reversed_time",
             "--d-model",
             "4",
             "--seq-lens",

@@ -10,7 +10,8 @@ import pytest
 
 from nanoattn import attention_weights, dot_product_attention
 
-from conftest import ENTRY_POINTS, Case, assert_cases_match, np_causal, np_window, randn
+from _cases import ENTRY_POINTS, Case, assert_cases_match
+from _reference import np_causal, np_window, randn
 
 B, N, K, H = 2, 6, 2, 8
 
