@@ -1,4 +1,5 @@
-"""The functional core against an independent float64 numpy reference."""
+"""The functional core (nanoattn/_attention.py: dot_product_attention, attention_weights)
+against an independent float64 numpy reference (_reference.py)."""
 
 import jax
 import jax.numpy as jnp
