@@ -19,8 +19,8 @@ from nanoattn.linen import AttentionConfig, CausalSelfAttention, CrossAttention
 from nanoattn.verify import check_shapes
 from nanoattn.verify._shapes import trace_stages
 
-from conftest import np_attention, randn
-from test_masks import LENGTHS, PRODUCT_LENGTHS
+from _cases import LENGTHS, PRODUCT_LENGTHS
+from _reference import np_attention, randn
 
 
 def test_worked_example_shapes_of_the_seed_configuration():

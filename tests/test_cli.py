@@ -163,3 +163,19 @@ def test_console_entry_point_and_module():
         "nanoattn audit: error: d_model=130 is not divisible by n_heads=4, so the heads cannot "
         "split it into equal widths; head counts that divide 130: 1, 2, 5, 10, 13, 26, 65, 130"
     )
+
+
+@pytest.mark.slow
+def test_audit_exits_1_when_a_builtin_module_leaks(capsys, monkeypatch):
+    import nanoattn._reference as reference
+
+    real = reference.band_mask  # the reference's positional (causal) mask, shifted one key late
+    monkeypatch.setattr(
+        reference,
+        "band_mask",
+        lambda T, S, left, right, *, q_offset=0: real(T, S, left, right, q_offset=q_offset + 1),
+    )
+    code, out, _ = run(capsys, "audit", "--d-model", "16", "--heads", "2")
+    assert code == 1
+    row = next(x for x in out.splitlines() if x.strip().startswith("CausalSelfAttention causality"))
+    assert "FAIL" in row and "first leak" in row

@@ -5,13 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from test_properties import attention_case
 
 from nanoattn import _dispatch, dot_product_attention
 from nanoattn._spec import attention_spec
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
-from conftest import randn
+from _cases import attention_case
+from _reference import randn
 
 
 def spec_for(T, S=None, **kwargs):

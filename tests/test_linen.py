@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from np_layer import np_layer, np_rms_norm, np_softmax
 
 from nanoattn import apply_rope, dot_product_attention, padding_mask
 from nanoattn._trace import check_shape
 from nanoattn.linen import AttentionConfig, CausalSelfAttention, CrossAttention, MultiHeadAttention
 
-from conftest import np_attention, np_causal, randn
-from seed import NanoMoEConfig, SeedMultiHeadAttention, rename_seed_params, seed_forward_numpy
+from _np_layer import np_layer, np_rms_norm, np_softmax
+from _reference import np_attention, np_causal, randn
+from _seed import NanoMoEConfig, SeedMultiHeadAttention, rename_seed_params, seed_forward_numpy
 
 B, T, S, D, N = 2, 5, 7, 48, 6  # H = 8
 

@@ -13,11 +13,8 @@ from nanoattn import (
     window_mask,
 )
 
-from conftest import np_causal, np_segments, np_window
-
-# Short, boundary (2^k - 1, 2^k, 2^k + 1) and product (a * b) lengths.
-LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 65, 127, 128, 129]
-PRODUCT_LENGTHS = [6, 10, 12, 21, 24, 35, 48, 96]
+from _cases import LENGTHS, PRODUCT_LENGTHS
+from _reference import np_causal, np_segments, np_window
 
 
 def test_causal_mask_tiny_literal():

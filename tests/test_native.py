@@ -11,23 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_combined import CASES
-from test_nonfinite import BAD, blocked_places, dirty_inputs
 
 import nanoattn
 from nanoattn import _native
 
-from conftest import (
-    Case,
-    assert_cases_match,
-    np_attention_vjp,
-    np_causal,
-    np_lengths,
-    np_segments,
-    np_window,
-    randn,
-    run_cases,
-)
+from _cases import BAD, CASES, Case, assert_cases_match, blocked_places, dirty_inputs, run_cases
+from _reference import np_attention_vjp, np_causal, np_lengths, np_segments, np_window, randn
 
 pytestmark = pytest.mark.skipif(
     _native.load()[0] is None, reason="the native kernel could not be built here"

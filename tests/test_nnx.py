@@ -14,7 +14,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from np_layer import np_layer
 
 import nanoattn.nnx._attention
 from nanoattn import linen, padding_mask
@@ -27,7 +26,8 @@ from nanoattn.nnx import (
     to_linen,
 )
 
-from conftest import randn
+from _np_layer import np_layer
+from _reference import randn
 
 B, T, S, CAP, D, N, K = 2, 11, 7, 13, 48, 6, 2
 H = D // N

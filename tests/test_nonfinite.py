@@ -11,28 +11,18 @@ import functools
 import jax
 import numpy as np
 import pytest
-from test_combined import FLASH_CASES
 
 import nanoattn
 
-from conftest import (
-    OPTIMIZED,
+from _cases import BAD, FLASH_CASES, blocked_places, dirty_inputs, full_allowed, run_cases
+from _reference import (
     np_attention,
     np_causal,
     np_lengths,
     np_segments,
     np_window,
     randn,
-    run_cases,
-    sum_to_shape,
 )
-
-BAD = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
-
-
-def full_allowed(case):
-    B, T, N, _ = case.q.shape
-    return np.broadcast_to(case.allowed, (B, N, T, case.k.shape[1]))
 
 
 def keys_no_rule_lets_through(case):
@@ -60,35 +50,6 @@ def keys_no_rule_lets_through(case):
         mask = np.broadcast_to(kw["mask"], (B, N, T, S))
         hidden |= ~mask.any(axis=(1, 2))
     return hidden
-
-
-def blocked_places(case):
-    """Where content may be anything: keys and values that no query of their row
-    sees (B, S), bias cells blocked wherever they broadcast (bias's shape), and
-    queries that see no key (B, T, N)."""
-    allowed = full_allowed(case)
-    unseen_keys = ~allowed.any(axis=(1, 2))  # (B, S)
-    blocked_bias = sum_to_shape(allowed.astype(np.float64), np.shape(case.bias)) == 0
-    blind_queries = ~np.moveaxis(allowed.any(-1), 1, 2)  # (B, T, N)
-    return unseen_keys, blocked_bias, blind_queries
-
-
-def dirty_inputs(case, places, bad, keys=None):
-    """The case's inputs with ``bad`` at the blocked ``places``; ``keys`` (B, S)
-    chooses which unseen keys and values (all of them by default)."""
-    unseen_keys, blocked_bias, blind_queries = blocked_places(case)
-    keys = unseen_keys if keys is None else keys
-    assert not (keys & ~unseen_keys).any()
-    q, k, v, bias = (np.array(a) for a in (case.q, case.k, case.v, case.bias))
-    if "keys" in places:
-        k[keys] = bad
-    if "values" in places:
-        v[keys] = bad
-    if "bias" in places:
-        bias[blocked_bias] = bad
-    if "queries" in places:
-        q[blind_queries] = bad
-    return q, k, v, bias, case.cotangent()
 
 
 def assert_same_as_clean(implementation, places, keys_of=None):
@@ -165,6 +126,10 @@ def test_padding_past_lengths_with_nan_in_both_backends():
             f(q, k, v, kv_lengths=lengths), want, atol=1e-5, err_msg=implementation
         )
 
+
+# XLA's default optimisation level, as users compile (the suite compiles at -O0:
+# conftest.py says why).
+OPTIMIZED = {"xla_backend_optimization_level": 3}  # XLA's default level
 
 # The regression of the issue: H = 1, T = 1, S = 2, q and k of size about 2e5. Under
 # jit, XLA may compute the row maximum from a differently rounded copy of the logits

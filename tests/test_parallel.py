@@ -1,6 +1,6 @@
 """nanoattn.parallel: ring attention on 8 simulated CPU devices.
 
-The multi-device cases run in ONE subprocess (tests/parallel_cases.py) with
+The multi-device cases run in ONE subprocess (tests/_parallel_cases.py) with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, so the rest of the
 suite keeps one device and the cases share one process start; each test here
 asserts on one case's JSON line. One-device checks (the zigzag permutation,
@@ -21,7 +21,7 @@ import pytest
 
 from nanoattn.parallel import from_zigzag, ring_attention, to_zigzag
 
-SCRIPT = pathlib.Path(__file__).with_name("parallel_cases.py")
+SCRIPT = pathlib.Path(__file__).with_name("_parallel_cases.py")
 
 
 def _run_cases(*args, timeout=900):
@@ -208,7 +208,8 @@ def test_head_parallel_layer_sows_weights_while_training_with_dropout(framework)
     # weights are computed from, so sow_weights + head_axis + dropout raised TypeError.
     from flax import nnx
 
-    from nanoattn import linen, nnx as nanoattn_nnx
+    from nanoattn import linen
+    from nanoattn import nnx as nanoattn_nnx
 
     x = jax.random.normal(jax.random.key(1), (2, 8, 32))
     config = linen.AttentionConfig(d_model=32, n_heads=4, head_axis="model", dropout=0.5)
@@ -245,13 +246,13 @@ def test_ring_across_two_processes_equals_one_process(tmp_path):
     import nanoattn
 
     sys.path.insert(0, str(SCRIPT.parent))
-    from parallel_multiprocess import inputs
+    from _parallel_multiprocess import inputs
 
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "out.npy"
-    worker = SCRIPT.with_name("parallel_multiprocess.py")
+    worker = SCRIPT.with_name("_parallel_multiprocess.py")
     env = dict(os.environ)  # the worker adds its 4 devices to the suite's XLA flags
     procs = [
         subprocess.Popen(

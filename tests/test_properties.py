@@ -12,54 +12,13 @@ from hypothesis import strategies as st
 
 from nanoattn import attention_weights, dot_product_attention
 
-from conftest import np_attention, np_causal, np_segments, np_window
+from _cases import attention_case
+from _reference import np_attention
 
 # One compiled program per example, instead of one per operation: much faster here.
 STATIC = ("is_causal", "window", "logit_soft_cap")
 dot_product_attention = jax.jit(dot_product_attention, static_argnames=STATIC)
 attention_weights = jax.jit(attention_weights, static_argnames=STATIC)
-
-
-@st.composite
-def attention_case(draw, extended=False):
-    """(q, k, v, kwargs, allowed). ``extended`` also draws a window, segment ids and a
-    soft-cap (static arguments: ``window`` and ``logit_soft_cap`` under ``jit``)."""
-    B, T, S = draw(st.integers(1, 3)), draw(st.integers(1, 9)), draw(st.integers(1, 9))
-    K, G, H = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 6))
-    N = K * G
-    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
-    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
-    k = rng.standard_normal((B, S, K, H)).astype(np.float32)
-    v = rng.standard_normal((B, S, K, H)).astype(np.float32)
-    kwargs = {}
-    allowed = np.ones((B, N, T, S), bool)
-    mask_shape = draw(st.sampled_from([None, (T, S), (B, 1, T, S), (1, N, 1, S), (B, N, T, S)]))
-    if mask_shape is not None:
-        kwargs["mask"] = rng.random(mask_shape) > draw(st.floats(0.0, 0.9))
-        allowed &= kwargs["mask"]
-    if draw(st.booleans()):
-        kwargs["is_causal"] = True
-    if extended and draw(st.booleans()):
-        kwargs["window"] = (draw(st.integers(0, S + 1)), draw(st.integers(0, S + 1)))
-    if kwargs.get("is_causal") or "window" in kwargs:
-        kwargs["q_offset"] = draw(st.integers(-2, S + 1))
-        if kwargs.get("is_causal"):
-            allowed &= np_causal(T, S, kwargs["q_offset"])
-        if "window" in kwargs:
-            allowed &= np_window(T, S, kwargs["q_offset"], *kwargs["window"])
-    if draw(st.booleans()):
-        kwargs["kv_lengths"] = rng.integers(0, S + 2, size=B).astype(np.int32)
-        allowed &= (np.arange(S) < kwargs["kv_lengths"][:, None])[:, None, None, :]
-    if extended and draw(st.booleans()):
-        ids = draw(st.integers(1, 3))
-        kwargs["q_segment_ids"] = rng.integers(0, ids, (B, T)).astype(np.int32)
-        kwargs["kv_segment_ids"] = rng.integers(0, ids, (B, S)).astype(np.int32)
-        allowed &= np_segments(kwargs["q_segment_ids"], kwargs["kv_segment_ids"])
-    if extended and draw(st.booleans()):
-        kwargs["logit_soft_cap"] = draw(st.floats(0.25, 30.0))
-    if draw(st.booleans()):
-        kwargs["bias"] = rng.standard_normal((1, N, T, S)).astype(np.float32)
-    return q, k, v, kwargs, allowed
 
 
 # Magnitudes up to 1e15 make logits near 1e30: under jit this once gave NaN in about

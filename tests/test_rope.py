@@ -8,7 +8,7 @@ import pytest
 
 from nanoattn import apply_rope
 
-from conftest import np_rope, randn
+from _reference import np_rope, randn
 
 B, L, N, H = 2, 7, 3, 10  # every axis a different size; H/2 = 5 frequencies
 

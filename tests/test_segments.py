@@ -8,15 +8,8 @@ import pytest
 
 from nanoattn import attention_weights, dot_product_attention
 
-from conftest import (
-    ENTRY_POINTS,
-    Case,
-    assert_cases_match,
-    np_attention,
-    np_causal,
-    np_segments,
-    randn,
-)
+from _cases import ENTRY_POINTS, Case, assert_cases_match
+from _reference import np_attention, np_causal, np_segments, randn
 
 B, N, K, H = 2, 6, 2, 8
 

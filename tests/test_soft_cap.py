@@ -9,15 +9,8 @@ from jax.test_util import check_grads
 
 from nanoattn import attention_weights, dot_product_attention
 
-from conftest import (
-    ENTRY_POINTS,
-    Case,
-    assert_cases_match,
-    np_attention_vjp,
-    np_causal,
-    randn,
-    sum_to_shape,
-)
+from _cases import ENTRY_POINTS, Case, assert_cases_match
+from _reference import np_attention_vjp, np_causal, randn, sum_to_shape
 
 B, N, K, H = 2, 6, 2, 8
 

@@ -3,7 +3,7 @@ the right check; the real flax NNX bug (google/flax#5591); no false alarm on nan
 linen and NNX layers or on flax linen's decode path; `nanoattn verify --decode / --vocab`.
 
 Every decoder under test is built (and so compiled) once per configuration; the planted
-bugs share one compiled step (tests/verify_decoders.py switches them with a traced array).
+bugs share one compiled step (tests/_verify_decoders.py switches them with a traced array).
 """
 
 import functools
@@ -16,15 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import verify_decoders
 from flax import nnx
-from test_decoding import CONFIGS, D, N  # the configurations of the decoding issue
 
 from nanoattn import nnx as nanoattn_nnx
 from nanoattn.cli import main
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 from nanoattn.verify import Report, check_decoding, decoders
 from nanoattn.verify._decoding import ragged_schedule
+
+import _verify_decoders
+from _layer_configs import CONFIGS, D, N  # the configurations of the decoding issue
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = (ROOT / "docs/verify.md").read_text()
@@ -40,8 +41,8 @@ def failed(report: Report) -> set[str]:
 
 @functools.cache
 def tiny_report(bug, vocab=None) -> Report:
-    inputs = {"vocab": vocab} if vocab else {"d_model": verify_decoders.D}
-    return check_decoding(*verify_decoders.tiny(bug, vocab), **inputs)
+    inputs = {"vocab": vocab} if vocab else {"d_model": _verify_decoders.D}
+    return check_decoding(*_verify_decoders.tiny(bug, vocab), **inputs)
 
 
 def test_the_correct_tiny_decoder_passes():
@@ -68,7 +69,7 @@ PLANTED = {
     "rope_at_zero": ({"cache equivalence", "ragged rows"}, 1, "matches: all 13 in one call"),
     "wide_window": (
         {"cache equivalence", "ragged rows"},
-        verify_decoders.WINDOW + 1,
+        _verify_decoders.WINDOW + 1,
         "decoding 1 token per call",
     ),
     "ignore_cache": (
@@ -124,7 +125,7 @@ def test_cache_equivalence_names_the_first_divergence():
 def test_token_id_language_model():
     # One token per call: the programs of `nanoattn verify --vocab` below, compiled once.
     def check(bug):
-        return check_decoding(*verify_decoders.tiny(bug, vocab=11), vocab=11, chunked=False)
+        return check_decoding(*_verify_decoders.tiny(bug, vocab=11), vocab=11, chunked=False)
 
     assert check(None).passed, check(None)
     report = check("late_write")
@@ -135,7 +136,7 @@ def test_token_id_language_model():
 
 
 def test_the_protocol_as_a_decoder_sees_it():
-    full, init, step = verify_decoders.tiny()
+    full, init, step = _verify_decoders.tiny()
     inits, calls = [], []
 
     def spy_init(batch, max_len):
@@ -255,7 +256,7 @@ def test_no_false_alarm_on_nanoattn_modules_in_every_configuration(framework, na
 
 
 def test_one_token_decoders_and_decoders_without_lengths():
-    full, init, step = verify_decoders.tiny()
+    full, init, step = _verify_decoders.tiny()
 
     def one_token_no_lengths(state, chunk, lengths):
         if chunk.shape[1] != 1 or lengths is not None:
@@ -283,7 +284,7 @@ def test_one_token_decoders_and_decoders_without_lengths():
 
 def test_a_decoder_that_mutates_its_state_in_place_is_checked_too():
     # Every run starts from init and threads the state, so an in-place cache works.
-    full, init, step = verify_decoders.tiny()
+    full, init, step = _verify_decoders.tiny()
 
     class Stateful:
         def __init__(self, batch, max_len):
@@ -293,7 +294,7 @@ def test_a_decoder_that_mutates_its_state_in_place_is_checked_too():
         box.state, y = step(box.state, chunk, lengths)
         return box, y
 
-    assert check_decoding(full, Stateful, stateful_step, d_model=verify_decoders.D).passed
+    assert check_decoding(full, Stateful, stateful_step, d_model=_verify_decoders.D).passed
 
 
 @pytest.mark.parametrize(
@@ -308,43 +309,43 @@ def test_a_decoder_that_mutates_its_state_in_place_is_checked_too():
 )
 def test_argument_errors(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_decoding(*verify_decoders.tiny(), **kwargs)
+        check_decoding(*_verify_decoders.tiny(), **kwargs)
 
 
 def test_wrong_output_shapes_are_one_line_errors():
-    full, init, step = verify_decoders.tiny()
+    full, init, step = _verify_decoders.tiny()
     with pytest.raises(ValueError, match=r"full must map an input of shape \(B, T, D\) = \(2, 13"):
-        check_decoding(lambda x: full(x)[:, :1], init, step, d_model=verify_decoders.D)
+        check_decoding(lambda x: full(x)[:, :1], init, step, d_model=_verify_decoders.D)
 
     def drops_a_token(state, chunk, lengths):
         state, y = step(state, chunk, lengths)
         return state, y[:, 1:]
 
     with pytest.raises(ValueError, match=r"step must map an input of shape"):
-        check_decoding(full, init, drops_a_token, d_model=verify_decoders.D)
+        check_decoding(full, init, drops_a_token, d_model=_verify_decoders.D)
 
 
-# `nanoattn verify --decode`, `--vocab`: targets in tests/verify_decoders.py.
+# `nanoattn verify --decode`, `--vocab`: targets in tests/_verify_decoders.py.
 
 
 def test_cli_decode_exit_statuses_and_json(capsys):
-    code, out, _ = run(capsys, "verify", "verify_decoders:correct", "--decode", "--d-model", "12")
+    code, out, _ = run(capsys, "verify", "_verify_decoders:correct", "--decode", "--d-model", "12")
     assert code == 0 and out.startswith(
-        "nanoattn verify verify_decoders:correct --decode (d_model 12, batch 2, length 13)\n"
+        "nanoattn verify _verify_decoders:correct --decode (d_model 12, batch 2, length 13)\n"
         "decoding: PASS"
     )
     code, out, _ = run(
-        capsys, "verify", "verify_decoders:late_write", "--decode", "--d-model", "12", "--json"
+        capsys, "verify", "_verify_decoders:late_write", "--decode", "--d-model", "12", "--json"
     )
     report = json.loads(out)
-    assert code == 1 and report["target"] == "verify_decoders:late_write"
+    assert code == 1 and report["target"] == "_verify_decoders:late_write"
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["cache equivalence"]["status"] == "FAIL"
     assert checks["cache equivalence"]["data"]["first"]["position"] == 0
 
 
 def test_cli_vocab_for_token_id_models(capsys):
-    argv = ["verify", "verify_decoders:language_model", "--decode", "--vocab", "11"]
+    argv = ["verify", "_verify_decoders:language_model", "--decode", "--vocab", "11"]
     code, out, _ = run(capsys, *argv, "--seq-len", "13", "--one-token")
     assert code == 0 and "(vocab 11, batch 2, length 13)" in out
     assert "1 chunking (1 token per call) reproduces" in out
@@ -352,10 +353,10 @@ def test_cli_vocab_for_token_id_models(capsys):
 
 def test_cli_causality_on_token_ids(capsys, monkeypatch):
     monkeypatch.setattr(
-        verify_decoders, "lm_forward", lambda: verify_decoders.tiny(vocab=11)[0], raising=False
+        _verify_decoders, "lm_forward", lambda: _verify_decoders.tiny(vocab=11)[0], raising=False
     )
     code, out, _ = run(
-        capsys, "verify", "verify_decoders:lm_forward", "--vocab", "11", "--seq-lens", "1,3"
+        capsys, "verify", "_verify_decoders:lm_forward", "--vocab", "11", "--seq-lens", "1,3"
     )
     assert code == 0 and "token ids have no gradient" in out
 
@@ -363,33 +364,36 @@ def test_cli_causality_on_token_ids(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["verify_decoders:correct", "--decode"], "give --d-model D for float inputs or --vocab V"),
         (
-            ["verify_decoders:correct", "--decode", "--d-model", "12", "--vocab", "3"],
+            ["_verify_decoders:correct", "--decode"],
+            "give --d-model D for float inputs or --vocab V",
+        ),
+        (
+            ["_verify_decoders:correct", "--decode", "--d-model", "12", "--vocab", "3"],
             "give --d-model D for float inputs or --vocab V for token ids (one)",
         ),
-        (["verify_decoders:correct", "--decode", "--vocab", "1"], "--vocab must be >= 2, got 1"),
+        (["_verify_decoders:correct", "--decode", "--vocab", "1"], "--vocab must be >= 2, got 1"),
         (
-            ["verify_decoders:not_a_triple", "--decode", "--d-model", "12"],
-            "the factory verify_decoders:not_a_triple() returned a ArrayImpl, not a "
+            ["_verify_decoders:not_a_triple", "--decode", "--d-model", "12"],
+            "the factory _verify_decoders:not_a_triple() returned a ArrayImpl, not a "
             "(full, init, step) decoder",
         ),
         (
-            ["verify_targets:reversed_time", "--decode", "--d-model", "12"],
-            "verify_targets:reversed_time takes arguments: --decode needs a (full, init, step)",
+            ["_verify_targets:reversed_time", "--decode", "--d-model", "12"],
+            "_verify_targets:reversed_time takes arguments: --decode needs a (full, init, step)",
         ),
         (
-            ["verify_decoders:correct", "--decode", "--d-model", "12", "--seq-lens", "3"],
+            ["_verify_decoders:correct", "--decode", "--d-model", "12", "--seq-lens", "3"],
             "--seq-lens is for the causality check; with --decode use --seq-len",
         ),
         (
-            ["verify_decoders:correct", "--decode", "--d-model", "12", "--seq-len", "1"],
+            ["_verify_decoders:correct", "--decode", "--d-model", "12", "--seq-len", "1"],
             "--seq-len must be >= 2, got 1",
         ),
-        (["verify_targets:reversed_time", "--d-model", "4", "--one-token"], "only applies"),
+        (["_verify_targets:reversed_time", "--d-model", "4", "--one-token"], "only applies"),
         (
-            ["verify_decoders:correct", "--decode", "--d-model", "5"],
-            "calling verify_decoders:correct failed: ",
+            ["_verify_decoders:correct", "--decode", "--d-model", "5"],
+            "calling _verify_decoders:correct failed: ",
         ),
     ],
 )
@@ -422,21 +426,21 @@ def test_chunkings_cycle_4_1_and_finish_one_by_one(T, cycle):
 def test_an_explicit_atol_is_the_tolerance():
     # The bfloat16 cache is off by about 1e-3: it fails the default tolerance (above) and
     # passes a tolerance of 0.05 given as atol.
-    full, init, step = verify_decoders.tiny("bfloat16_cache")
-    report = check_decoding(full, init, step, d_model=verify_decoders.D, atol=0.05)
+    full, init, step = _verify_decoders.tiny("bfloat16_cache")
+    report = check_decoding(full, init, step, d_model=_verify_decoders.D, atol=0.05)
     checks = by_name(report)
     assert checks["cache equivalence"].passed and checks["ragged rows"].passed
     assert checks["cache equivalence"].detail.endswith("tolerance 0.05")
 
 
 def test_a_nan_output_diverges_in_the_chunking_that_made_it():
-    full, init, step = verify_decoders.tiny()
+    full, init, step = _verify_decoders.tiny()
 
     def nan_one_by_one(state, chunk, lengths):
         state, y = step(state, chunk, lengths)
         return state, y * jnp.nan if chunk.shape[1] == 1 and lengths is None else y
 
-    report = check_decoding(full, init, nan_one_by_one, d_model=verify_decoders.D, ragged=False)
+    report = check_decoding(full, init, nan_one_by_one, d_model=_verify_decoders.D, ragged=False)
     equivalence = by_name(report)["cache equivalence"]
     assert not equivalence.passed and equivalence.worst == np.inf
     assert equivalence.detail.endswith(

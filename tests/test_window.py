@@ -10,7 +10,8 @@ import pytest
 
 from nanoattn import attention_weights, dot_product_attention
 
-from conftest import ENTRY_POINTS, Case, assert_cases_match, np_causal, np_window, randn
+from _cases import ENTRY_POINTS, Case, assert_cases_match
+from _reference import np_causal, np_window, randn
 
 B, N, K, H = 2, 6, 2, 8
 
@@ -36,7 +37,7 @@ def window_case(name, T, S, window, q_offset=None, is_causal=False, seed=0):
 # first case spans several blocks: the kernel masks the band's edges, and skips
 # whole query blocks (queries 28.. see no key). Compiling the kernel dominates the
 # run time, so only that case runs on both backends; the offset sweep of
-# test_flash_gaps.py and the cases of test_combined.py cover the kernel further.
+# test_flash.py and the cases of test_combined.py cover the kernel further.
 CASES = [
     window_case("T > S top-left, (5, 3), late rows see nothing", 53, 23, (5, 3), q_offset=0),
     window_case("square (5, 3)", 53, 53, (5, 3), seed=1),

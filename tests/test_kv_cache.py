@@ -18,24 +18,12 @@ from hypothesis import strategies as st
 from nanoattn import _kv_cache, padding_mask
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
-from conftest import randn
+from _layer_configs import CONFIGS, D, K, N
+from _reference import randn
 
-B, T, CAP, D, N, K = 2, 11, 13, 48, 6, 2
+B, T, CAP = 2, 11, 13  # D, N and K come with the configurations
 WIDTH = 5  # the width of the padded chunks of the jitted step
 H = D // N
-EVERYTHING = dict(n_kv_heads=K, rope_base=100.0, window=(4, 0), logit_soft_cap=2.0, qk_norm=True)
-CONFIGS = {
-    "mha": dict(),
-    "gqa": dict(n_kv_heads=2),
-    "mqa": dict(n_kv_heads=1),
-    "rope": dict(n_kv_heads=2, rope_base=100.0),
-    "window": dict(n_kv_heads=2, window=(4, 0)),
-    "soft_cap": dict(n_kv_heads=2, logit_soft_cap=1.5),
-    "qk_norm": dict(n_kv_heads=2, qk_norm=True),
-    "bfloat16": dict(EVERYTHING, dtype=jnp.bfloat16),
-    "xla": dict(EVERYTHING, implementation="xla"),
-    "flash": dict(EVERYTHING, implementation="flash"),
-}
 
 
 def random_params(shapes, seed=7):

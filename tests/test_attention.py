@@ -1,4 +1,5 @@
-"""The functional core against an independent float64 numpy reference."""
+"""The functional core (nanoattn/_attention.py: dot_product_attention, attention_weights)
+against an independent float64 numpy reference (_reference.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ from jax.test_util import check_grads
 import nanoattn
 from nanoattn import attention_weights, dot_product_attention, padding_mask
 
-from conftest import np_attention, np_causal, randn
+from _reference import np_attention, np_causal, randn
 
 B, T, S, N, K, H = 2, 5, 7, 6, 2, 8  # every axis a different size
 

@@ -1,7 +1,7 @@
 """Multi-device cases of nanoattn.parallel, run in one process on 8 simulated CPU
 devices and reported as JSON (tests/test_parallel.py starts it once).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/parallel_cases.py [--slow]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_parallel_cases.py [--slow]
 
 Each case prints one line ``{"case": name, ...measures}``; the test asserts on
 them. A case that raises reports ``{"case": name, "error": ...}``. Axis sizes

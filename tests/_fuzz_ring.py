@@ -1,14 +1,14 @@
 """Differential fuzzing of ``nanoattn.parallel.ring_attention`` on 4 simulated CPU
 devices, run in its own process by tests/test_fuzz.py:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/fuzz_ring.py N
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/_fuzz_ring.py N
 
 Hypothesis draws N ring calls (P of 1, 2 or 4 devices, both layouts, T = S a
 multiple of the layout's chunks, small tiles, float32/bfloat16/float16,
 causality, windows, key lengths, segment ids, soft-cap, scale), with NaN or inf
 where no query may look, and checks the output and dq, dk, dv against the
-float64 reference with the criterion of tests/test_fuzz.py. It prints one JSON
-summary line and exits 1 when a call failed.
+float64 reference with the criterion of tests/test_fuzz.py (its machinery is
+tests/_fuzz.py). It prints one JSON summary line and exits 1 when a call failed.
 """
 
 import json
@@ -22,14 +22,15 @@ import functools
 
 import jax
 import numpy as np
-import test_fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import Mesh
-from test_fuzz import DTYPES, Call, Program, Record, Statics
 
 from nanoattn._zigzag import zigzag_order
 from nanoattn.parallel import ring_attention
+
+import _fuzz
+from _fuzz import DTYPES, Call, Program, Record, Statics
 
 DEVICES = 4
 
@@ -54,8 +55,8 @@ def ring_programs(draw):
     features += ["causal"] * is_causal
     lengths, segments = draw(st.booleans()), draw(st.booleans())
     features += ["lengths"] * lengths + ["segments"] * segments
-    soft_cap = draw(st.sampled_from(test_fuzz.SOFT_CAPS))
-    scale = draw(st.sampled_from(test_fuzz.SCALES))
+    soft_cap = draw(st.sampled_from(_fuzz.SOFT_CAPS))
+    scale = draw(st.sampled_from(_fuzz.SCALES))
     tile = st.tuples(st.sampled_from((1, 3, 8)), st.sampled_from((1, 5, 8)), st.integers(1, 2))
     tiles = draw(st.one_of(st.none(), st.tuples(tile, tile)))
     statics = Statics(is_causal, "none", None, window, soft_cap, scale, tiles)
@@ -67,7 +68,7 @@ def ring_programs(draw):
 @st.composite
 def ring_calls(draw):
     P, layout, program = draw(ring_programs())
-    return P, layout, [draw(test_fuzz.inputs(program)) for _ in range(test_fuzz.VARIANTS)]
+    return P, layout, [draw(_fuzz.inputs(program)) for _ in range(_fuzz.VARIANTS)]
 
 
 def _order(P, layout, T):
@@ -113,18 +114,18 @@ FAILED = []
 RECORD = None  # set in __main__, once the program cache exists
 
 
-@test_fuzz.budget(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
+@_fuzz.budget(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
 @given(ring_calls())
 def fuzz_ring(case):
     P, layout, calls = case
     start = time.perf_counter()
-    verdicts = [test_fuzz.check(c, results={"ring": run_ring(P, layout, c)}) for c in calls]
+    verdicts = [_fuzz.check(c, results={"ring": run_ring(P, layout, c)}) for c in calls]
     RECORD.add_program(time.perf_counter() - start)
     for call, verdict in zip(calls, verdicts):
         RECORD.add(call, verdict, "ring")
         if verdict.failures:
             FAILED.append(f"P={P} {layout}; {call.describe()}: {verdict.failures}")
-            if not test_fuzz.KEEP_GOING:
+            if not _fuzz.KEEP_GOING:
                 raise AssertionError(FAILED[-1])
 
 

@@ -1,6 +1,6 @@
 """One process of the two-process ring test (tests/test_parallel.py starts both).
 
-    python tests/parallel_multiprocess.py PORT PROCESS_ID OUT.npy
+    python tests/_parallel_multiprocess.py PORT PROCESS_ID OUT.npy
 
 Each process has 4 CPU devices; ``jax.distributed.initialize`` on 127.0.0.1
 joins them into one job of 8 devices with gloo CPU collectives, and the ring

@@ -25,7 +25,7 @@ import nanoattn
 from nanoattn import _flax_attention_fn, flax_attention_fn
 from nanoattn.bench import _flax_memory
 
-from conftest import np_attention, randn
+from _reference import np_attention, randn
 
 BATCH, T, S, N, H, D = (2, 3), 5, 7, 11, 4, 13
 ATOL = 1e-5

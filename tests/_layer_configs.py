@@ -1,0 +1,23 @@
+"""The layer configurations of the decoding tests: ``CONFIGS`` maps a name to the
+options of ``AttentionConfig(D, N, **options)`` (multi-head, grouped and multi-query
+heads, RoPE, a window, soft-capping, QK norm, and all of them at once in bfloat16
+and on each backend). Shared by test_kv_cache.py, which decodes each through the
+KV cache, and test_verify_decoding.py, which runs check_decoding on each.
+"""
+
+import jax.numpy as jnp
+
+D, N, K = 48, 6, 2  # model width, query heads and key/value heads: H = 8
+EVERYTHING = dict(n_kv_heads=K, rope_base=100.0, window=(4, 0), logit_soft_cap=2.0, qk_norm=True)
+CONFIGS = {
+    "mha": dict(),
+    "gqa": dict(n_kv_heads=2),
+    "mqa": dict(n_kv_heads=1),
+    "rope": dict(n_kv_heads=2, rope_base=100.0),
+    "window": dict(n_kv_heads=2, window=(4, 0)),
+    "soft_cap": dict(n_kv_heads=2, logit_soft_cap=1.5),
+    "qk_norm": dict(n_kv_heads=2, qk_norm=True),
+    "bfloat16": dict(EVERYTHING, dtype=jnp.bfloat16),
+    "xla": dict(EVERYTHING, implementation="xla"),
+    "flash": dict(EVERYTHING, implementation="flash"),
+}

@@ -1,0 +1,103 @@
+"""`nanoattn verify MODULE:OBJECT` (cli/_verify.py) on the causality check: exit statuses,
+JSON, one-line errors, and a run from the target's directory (targets in
+tests/_verify_targets.py). `--decode` and `--vocab` are in test_verify_decoding.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanoattn.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_verify_passing_target(capsys):
+    code, out, err = run(
+        capsys,
+        "verify",
+        "_verify_targets:causal_attention",
+        "--d-model",
+        "16",
+        "--seq-lens",
+        "1,2,5,9",
+    )
+    assert code == 0 and err == ""
+    assert "causality: PASS" in out and "receptive field" in out
+
+
+def test_cli_verify_failing_target_json(capsys):
+    code, out, _ = run(
+        capsys,
+        "verify",
+        "_verify_targets:reversed_time",
+        "--d-model",
+        "4",
+        "--seq-lens",
+        "2,3",
+        "--json",
+    )
+    report = json.loads(out)
+    assert code == 1 and report["passed"] is False
+    assert report["target"] == "_verify_targets:reversed_time"
+    assert {c["name"]: c["status"] for c in report["checks"]}["prefix invariance"] == "FAIL"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["nope_module:fn", "--d-model", "4"], "cannot import nope_module: ModuleNotFoundError"),
+        (["_verify_targets:missing", "--d-model", "4"], "has no attribute 'missing'"),
+        (["_verify_targets", "--d-model", "4"], "target must look like MODULE:OBJECT"),
+        (["_verify_targets:not_callable", "--d-model", "4"], "is a int, not a callable"),
+        (
+            ["_verify_targets:failing_factory", "--d-model", "4"],
+            "calling the factory _verify_targets:failing_factory() failed: ValueError: no weights",
+        ),
+        (
+            ["_verify_targets:broken", "--d-model", "4"],
+            "calling _verify_targets:broken failed: RuntimeError: boom",
+        ),
+        (
+            ["_verify_targets:wrong_shape", "--d-model", "4", "--seq-lens", "3"],
+            "fn must map an input of shape",
+        ),
+        (["_verify_targets:broken"], "give --d-model D for float inputs or --vocab V"),
+        (
+            ["_verify_targets:broken", "--d-model", "4", "--seq-lens", "0,2"],
+            "--seq-lens must be lengths >= 1",
+        ),
+        (["_verify_targets:broken", "--d-model", "4", "--atol", "-1"], "--atol must be >= 0"),
+    ],
+)
+def test_cli_verify_errors_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, "verify", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_cli_verify_subprocess_from_the_target_directory():
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanoattn",
+            "verify",
+            "_verify_targets:reversed_time",
+            "--d-model",
+            "4",
+            "--seq-lens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tests,
+    )
+    assert done.returncode == 1 and "causality: FAIL" in done.stdout
