@@ -62,9 +62,10 @@ TARGETS = {
     ),
     "schedule": (["nanoattn/_schedule.py"], ["test_schedule.py", "test_flash.py"]),
     "flash": (
-        ["nanoattn/_flash.py"],
+        ["nanoattn/_flash.py", "nanoattn/_flash_plan.py", "nanoattn/_shard_map.py"],
         [
             "test_flash.py",
+            "test_lse.py",
             "test_schedule.py",
             "test_nonfinite.py",
             "test_soft_cap.py",
@@ -74,7 +75,10 @@ TARGETS = {
             "test_bad_input.py",
         ],
     ),
-    "native": (["nanoattn/_native/_kernel.py"], ["test_native.py", "test_bad_input.py"]),
+    "native": (
+        ["nanoattn/_native/_kernel.py"],
+        ["test_native.py", "test_lse.py", "test_bad_input.py"],
+    ),
     "verify": (
         ["nanoattn/verify/*"],
         [
