@@ -1,11 +1,14 @@
 """The public functional API: ``dot_product_attention`` and ``attention_weights``."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from . import _dispatch, _flash, _reference
 from ._dropout import check_dropout
 from ._registry import Implementation, get
-from ._spec import attention_spec
+from ._spec import AttentionSpec, attention_spec, batched
 from ._validate import check_scale, check_tiles
 
 
@@ -26,6 +29,7 @@ def dot_product_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    return_residual: bool = False,
     implementation: Implementation | None = None,
 ):
     r"""Multi-head scaled dot-product attention.
@@ -63,7 +67,10 @@ def dot_product_attention(
     The softmax runs in at least float32; the output has the query's dtype.
 
     Args:
-      query: (B, T, N, H).
+      query: (B, T, N, H), or unbatched (T, N, H) as ``jax.nn`` takes it (then key
+        and value are (S, K, H), a mask or bias broadcastable to (N, T, S),
+        ``kv_lengths`` a scalar, segment ids (T,) and (S,), and the results lose
+        the batch axis too); ``jax.vmap`` over a batch axis gives such calls.
       key: (B, S, K, H), K dividing N (grouped-query attention when K < N).
       value: (B, S, K, H).
       mask: optional boolean, broadcastable to (B, N, T, S).
@@ -84,6 +91,9 @@ def dot_product_attention(
       scale: factor on ``q . k``; defaults to ``1 / sqrt(H)``.
       dropout_rate: dropout on the weights (inverted scaling); 0 disables it.
       dropout_rng: a ``jax.random`` key, needed when ``dropout_rate > 0``.
+      return_residual: also return the log-sum-exp of each row's logits, as
+        ``jax.nn.dot_product_attention`` does (docs/conventions.md): gradients
+        flow through both results.
       implementation: ``"xla"`` (the reference: full score tensor, every
         feature), ``"flash"`` (blockwise kernel, O(T) memory, no dropout),
         ``"native"`` (C++ CPU kernel, float32, O(T) memory, no dense mask,
@@ -93,7 +103,10 @@ def dot_product_attention(
         implementation that cannot serve the call raises ValueError.
 
     Returns:
-      (B, T, N, H), the query's dtype.
+      (B, T, N, H), the query's dtype; with ``return_residual``, ``(out, lse)``
+      with ``lse`` (B, T, N) in the softmax's dtype (float32, or float64 for
+      float64 inputs): ``log sum_s exp(logit_s)`` over the visible keys, ``-inf``
+      for a row that sees none.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -102,25 +115,18 @@ def dot_product_attention(
       (2, 5, 4, 32)
     """
     check_dropout(dropout_rate, dropout_rng)
-    scale = check_scale(scale)
-    spec = attention_spec(
-        query,
-        key,
-        value,
-        mask=mask,
-        bias=bias,
-        is_causal=is_causal,
-        q_offset=q_offset,
-        kv_lengths=kv_lengths,
-        window=window,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        logit_soft_cap=logit_soft_cap,
-        scale=scale,
-    )
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    backend = get(_dispatch.choose(implementation, spec, query.dtype, dropout_rate))
-    return backend(query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    call = _Call.of(
+        query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
+        kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
+        return_residual=return_residual,
+    )  # fmt: skip
+    backend = get(_dispatch.choose(implementation, call.spec, call.query.dtype, dropout_rate))
+    result = backend(
+        call.query, call.key, call.value, call.spec,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+    )  # fmt: skip
+    return call.unbatch(result)
 
 
 def attention_weights(
@@ -145,11 +151,12 @@ def attention_weights(
     follows the rules of :func:`dot_product_attention`.
 
     Args:
-      query: (B, T, N, H).
-      key: (B, S, K, H), K dividing N.
+      query: (B, T, N, H), or unbatched (T, N, H).
+      key: (B, S, K, H), K dividing N; (S, K, H) with an unbatched query.
 
     Returns:
-      (B, N, T, S), the query's dtype. Every row with an allowed key sums to 1.
+      (B, N, T, S), the query's dtype ((N, T, S) unbatched). Every row with an
+      allowed key sums to 1.
 
     Example:
       >>> import jax.numpy as jnp
@@ -159,23 +166,13 @@ def attention_weights(
        [0.5        0.5        0.        ]
        [0.33333334 0.33333334 0.33333334]]
     """
-    scale = check_scale(scale)
-    spec = attention_spec(
-        query,
-        key,
-        mask=mask,
-        bias=bias,
-        is_causal=is_causal,
-        q_offset=q_offset,
-        kv_lengths=kv_lengths,
-        window=window,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        logit_soft_cap=logit_soft_cap,
-        scale=scale,
-    )
-    query, key = jnp.asarray(query), jnp.asarray(key)
-    return _reference.weights(query, key, spec).astype(query.dtype)
+    call = _Call.of(
+        query, key, None, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
+        kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
+    )  # fmt: skip
+    weights = _reference.weights(call.query, call.key, call.spec).astype(call.query.dtype)
+    return weights[0] if call.unbatched else weights
 
 
 def flash_attention(
@@ -193,17 +190,18 @@ def flash_attention(
     kv_segment_ids=None,
     logit_soft_cap: float | None = None,
     scale: float | None = None,
+    return_residual: bool = False,
     forward_tiles: tuple[int, int, int] | None = None,
     backward_tiles: tuple[int, int, int] | None = None,
 ):
     """:func:`dot_product_attention` with ``implementation="flash"`` and its tiles exposed.
 
     The blockwise kernel (docs/performance.md): same arguments, same output
-    contract, no dropout. ``forward_tiles`` and ``backward_tiles`` are
-    ``(block_q, block_k, lanes)`` for each pass: block sizes along T and S
-    (capped at T and S) and the number of block pairs processed side by side
-    per step. By default they are sized for the call from tiles measured on
-    a 2-core CPU.
+    contract (``return_residual`` and unbatched inputs included), no dropout.
+    ``forward_tiles`` and ``backward_tiles`` are ``(block_q, block_k, lanes)``
+    for each pass: block sizes along T and S (capped at T and S) and the number
+    of block pairs processed side by side per step. By default they are sized
+    for the call from tiles measured on a 2-core CPU.
 
     Example:
       >>> import jax.numpy as jnp
@@ -213,14 +211,48 @@ def flash_attention(
     """
     forward_tiles = check_tiles("forward_tiles", forward_tiles)
     backward_tiles = check_tiles("backward_tiles", backward_tiles)
-    scale = check_scale(scale)
-    spec = attention_spec(
+    call = _Call.of(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
         kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
+        return_residual=return_residual,
     )  # fmt: skip
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    _dispatch.choose("flash", spec, query.dtype, 0.0)  # raises if the kernel cannot serve
-    return _flash.flash_attention(
-        query, key, value, spec, forward_tiles=forward_tiles, backward_tiles=backward_tiles
-    )
+    _dispatch.choose("flash", call.spec, call.query.dtype, 0.0)  # raises if it cannot serve
+    result = _flash.flash_attention(
+        call.query, call.key, call.value, call.spec,
+        forward_tiles=forward_tiles, backward_tiles=backward_tiles,
+    )  # fmt: skip
+    return call.unbatch(result)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One call of the functional API, validated: batched arrays and their spec.
+
+    Attributes:
+      query: (B, T, N, H); key, value: (B, S, K, H) (value None for the weights).
+      spec: the call's :class:`~nanoattn._spec.AttentionSpec`.
+      unbatched: the call came as query (T, N, H), key and value (S, K, H), as
+        ``jax.nn.dot_product_attention`` also takes it; B = 1 here, and
+        :meth:`unbatch` takes the axis off the results.
+    """
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array | None
+    spec: AttentionSpec
+    unbatched: bool
+
+    @classmethod
+    def of(cls, query, key, value, *, scale, **rules) -> "_Call":
+        query, key, value, rules, unbatched = batched(query, key, value, **rules)
+        spec = attention_spec(query, key, value, scale=check_scale(scale), **rules)
+        key = jnp.asarray(key)
+        value = None if value is None else jnp.asarray(value)
+        return cls(query, key, value, spec, unbatched)
+
+    def unbatch(self, result):
+        """The output (and log-sum-exp) without the batch axis an unbatched call gained."""
+        if not self.unbatched:
+            return result
+        return jax.tree.map(lambda x: x[0], result)

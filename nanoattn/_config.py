@@ -9,7 +9,7 @@ import numpy as np
 from ._dropout import check_rate
 from ._registry import check_implementation
 from ._spec import check_soft_cap, normalize_window
-from ._validate import float_dtype, positive_number
+from ._validate import expect_flag, float_dtype, positive_number
 from ._zigzag import check_layout
 
 
@@ -111,8 +111,7 @@ class AttentionConfig:
         object.__setattr__(self, "window", normalize_window(self.window))
         object.__setattr__(self, "logit_soft_cap", check_soft_cap(self.logit_soft_cap))
         for name in ("qk_norm", "use_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            expect_flag(name, getattr(self, name))
         if self.dtype is not None:
             object.__setattr__(self, "dtype", float_dtype("dtype", self.dtype))
         object.__setattr__(self, "param_dtype", float_dtype("param_dtype", self.param_dtype))

@@ -329,9 +329,11 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     return _unblock_queries(out, plan), lse
 
 
-def backward_block(plan: Plan, residuals: Residuals, d_out) -> BlockGrads:
-    """The backward pass for the cotangent ``d_out`` (B, T, N, H): the weights are
-    recomputed block by block from ``residuals.lse``."""
+def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> BlockGrads:
+    """The backward pass for the cotangents ``d_out`` (B, T, N, H) and, when the
+    log-sum-exp is an output too, ``d_lse`` (B, T, N): the weights are recomputed
+    block by block from ``residuals.lse``. Since d lse / d logits is the softmax,
+    ``d_lse`` enters as a shift of the row term: dS = P (dP - (D - d_lse))."""
     inputs, out, lse = residuals
     q, k, v, bias, mask = inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask
     q_offset, kv_lengths = inputs.q_offset, inputs.kv_lengths
@@ -347,6 +349,8 @@ def backward_block(plan: Plan, residuals: Residuals, d_out) -> BlockGrads:
     kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
     # D_i = sum_h dO_ih O_ih, the row term of the softmax gradient.
     delta = (d_out.astype(acc) * out.astype(acc)).sum(-1)  # (B, T, N)
+    if d_lse is not None:
+        delta = delta - d_lse.astype(acc)
     delta = _row_blocks(delta.reshape(plan.B, plan.T, plan.K, plan.G), plan)  # (B, nQ, K, G, bq)
     mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
     bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
@@ -412,8 +416,9 @@ def backward_block(plan: Plan, residuals: Residuals, d_out) -> BlockGrads:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(plan, backward_plan, inputs: BlockInputs):
-    out, _ = forward_block(plan, inputs)
-    return out.astype(inputs.query.dtype)
+    """(out (B, T, N, H) in the query's dtype, lse (B, T, N)), differentiable in both."""
+    out, lse = forward_block(plan, inputs)
+    return out.astype(inputs.query.dtype), lse
 
 
 def _attend_fwd(plan, backward_plan, inputs: BlockInputs):
@@ -421,11 +426,12 @@ def _attend_fwd(plan, backward_plan, inputs: BlockInputs):
     # The backward pass's row term rowsum(dO * O) reads the output in the softmax's
     # precision: rounded to bfloat16 or float16 first, it made dq and dk several
     # times less accurate than the reference's (tests/test_fuzz.py).
-    return out.astype(inputs.query.dtype), Residuals(inputs, out, lse)
+    return (out.astype(inputs.query.dtype), lse), Residuals(inputs, out, lse)
 
 
-def _attend_bwd(plan, backward_plan, residuals: Residuals, d_out):
-    grads = backward_block(backward_plan, residuals, d_out)
+def _attend_bwd(plan, backward_plan, residuals: Residuals, cotangents):
+    d_out, d_lse = cotangents
+    grads = backward_block(backward_plan, residuals, d_out, d_lse=d_lse)
     inputs = residuals.inputs
     differentiable = dict(
         query=sum_to_varying(grads.query, inputs.query),
@@ -454,10 +460,13 @@ def flash_attention(
 
     Returns:
       (B, T, N, H) in the query's dtype; zeros when T or S is 0 (no query, or no key
-      to see), as every backend gives.
+      to see), as every backend gives. With ``spec.return_residual``, also the
+      log-sum-exp (B, T, N) in the softmax's dtype (``-inf`` where nothing is seen).
     """
     if spec.T == 0 or spec.S == 0:
-        return jnp.zeros(query.shape, query.dtype)
+        out = jnp.zeros(query.shape, query.dtype)
+        lse = jnp.full(query.shape[:3], -jnp.inf, compute_dtype(query.dtype, key.dtype))
+        return (out, lse) if spec.return_residual else out
     plans = kernel_plans(spec, forward_tiles, backward_tiles)
     traced_offset = spec.positional and spec.static_q_offset is None
     inputs = BlockInputs(
@@ -465,4 +474,5 @@ def flash_attention(
         q_offset=spec.q_offset if traced_offset else None, kv_lengths=spec.kv_lengths,
         q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.kv_segment_ids,
     )  # fmt: skip
-    return _attend(*plans, inputs)
+    out, lse = _attend(*plans, inputs)
+    return (out, lse) if spec.return_residual else out

@@ -42,8 +42,10 @@ def allowed_mask(spec: AttentionSpec):
     return combine_masks(spec.mask, band, lengths, segments)
 
 
-def masked_softmax(logits, allowed):
-    """Softmax over the last axis that gives exactly 0 at blocked cells.
+def masked_softmax(logits, allowed, return_lse: bool = False):
+    """Softmax over the last axis that gives exactly 0 at blocked cells, and with
+    ``return_lse`` the log of each row's denominator, ``-inf`` for a row with no
+    allowed cell (docs/conventions.md), whose gradient is the softmax itself.
 
     A row with no allowed cell gives all zeros, with zero, finite gradients.
     The exponent is shifted twice: by the row maximum, then by the maximum of
@@ -58,13 +60,22 @@ def masked_softmax(logits, allowed):
     if allowed is not None:
         logits = jnp.where(allowed, logits, neg)
     # The softmax is invariant to the subtracted maxima, so no gradient flows through them.
-    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=neg))
-    shifted = shifted - jax.lax.stop_gradient(jnp.max(shifted, axis=-1, keepdims=True, initial=neg))
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=neg))
+    shifted = logits - top
+    peak = jax.lax.stop_gradient(jnp.max(shifted, axis=-1, keepdims=True, initial=neg))
+    shifted = shifted - peak
     unnormalized = jnp.exp(shifted)
     if allowed is not None:
         unnormalized = jnp.where(allowed, unnormalized, 0)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    return unnormalized / jnp.where(total == 0, 1, total)
+    probs = unnormalized / jnp.where(total == 0, 1, total)
+    if not return_lse:
+        return probs
+    # log sum exp(logits) = top + peak + log(total): the maxima carry no gradient,
+    # log(total) carries the softmax's.
+    empty = total == 0  # NaN content makes a NaN total: that row is not empty
+    lse = jnp.where(empty, -jnp.inf, top + peak + jnp.log(jnp.where(empty, 1, total)))
+    return probs, lse[..., 0]
 
 
 def soft_cap(logits, cap, allowed=None):
@@ -90,10 +101,11 @@ def _zero_unseen_keys(x, allowed):
 
 def weights(query, key, spec: AttentionSpec):
     """Normalised attention weights (B, N, T, S) in the compute dtype."""
-    return _weights(query, key, spec, allowed_mask(spec))
+    return _weights(query, key, spec, allowed_mask(spec))[0]
 
 
 def _weights(query, key, spec: AttentionSpec, allowed):
+    """The weights (B, N, T, S) and the log-sum-exp (B, N, T), in the compute dtype."""
     acc = compute_dtype(query.dtype, key.dtype)
     if allowed is not None:
         # A query that sees no key is never read, so NaN there cannot reach a gradient.
@@ -107,9 +119,9 @@ def _weights(query, key, spec: AttentionSpec, allowed):
         logits = logits + spec.bias.astype(acc)
     logits = soft_cap(logits, spec.logit_soft_cap, allowed)
     record(logits, "scores", "B N T S", op="einsum")
-    probs = masked_softmax(logits, allowed)
+    probs, lse = masked_softmax(logits, allowed, return_lse=True)
     record(probs, "weights", "B N T S", op="softmax")
-    return probs
+    return probs, lse
 
 
 def dropout(probs, rate: float, rng):
@@ -130,6 +142,7 @@ def attend(
     weights_dtype=None,
     out_dtype=None,
     return_weights: bool = False,
+    return_residual: bool = False,
 ):
     r"""Attention output (B, T, N, H) in the query's dtype.
 
@@ -154,12 +167,15 @@ def attend(
         compute dtype).
       out_dtype: the output's dtype (None: the query's).
       return_weights: also return the weights (B, N, T, S), before dropout.
+      return_residual: also return the log-sum-exp (B, T, N) of each row's logits,
+        in the compute dtype; ``-inf`` for a row that sees no key.
 
     Returns:
-      the output (B, T, N, H), or ``(output, weights)`` with ``return_weights``.
+      the output (B, T, N, H), followed by the weights (``return_weights``) and
+      the log-sum-exp (``return_residual``) when asked for.
     """
     allowed = allowed_mask(spec)
-    weights = _weights(query, key, spec, allowed)
+    weights, lse = _weights(query, key, spec, allowed)
     if weights_dtype is not None:
         weights = weights.astype(weights_dtype)
     value = _zero_unseen_keys(value, allowed)
@@ -174,4 +190,7 @@ def attend(
     out = out.reshape(spec.B, spec.T, spec.N, spec.H)  # (B, T, N, H)
     record(out, "per-head output", "B T N H", op="einsum")
     out = out.astype(query.dtype if out_dtype is None else out_dtype)
-    return (out, weights) if return_weights else out
+    extras = [weights] if return_weights else []
+    if return_residual:
+        extras.append(jnp.moveaxis(lse, 1, 2))  # (B, T, N)
+    return (out, *extras) if extras else out

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._validate import (
+    as_array,
     expect_bool,
     expect_broadcastable,
+    expect_flag,
     expect_floating,
     expect_integer,
     expect_shape,
@@ -79,6 +81,7 @@ class AttentionSpec:
       q_segment_ids, kv_segment_ids: int arrays (B, T) and (B, S), or None.
       logit_soft_cap: the cap of ``cap * tanh(logits / cap)``, or None.
       scale: the factor applied to ``q . k``.
+      return_residual: whether the call also returns the log-sum-exp (B, T, N).
     """
 
     B: int
@@ -97,6 +100,7 @@ class AttentionSpec:
     q_segment_ids: Any = None
     kv_segment_ids: Any = None
     logit_soft_cap: float | None = None
+    return_residual: bool = False
 
     @property
     def positional(self) -> bool:
@@ -154,20 +158,25 @@ def attention_spec(
     kv_segment_ids=None,
     logit_soft_cap=None,
     scale=None,
+    return_residual=False,
 ) -> AttentionSpec:
-    """Checks an attention call and returns its :class:`AttentionSpec`.
+    """Checks an attention call (batched: :func:`batched` adds the axis to an
+    unbatched one) and returns its :class:`AttentionSpec`.
 
     Raises:
       ValueError: a shape problem, naming the expected and the actual shape.
-      TypeError: a mask that is not boolean, or inputs of the wrong dtype kind.
+      TypeError: a mask that is not boolean, inputs of the wrong dtype kind, or an
+        argument that is not an array (a string, None, ...), naming it.
     """
-    query, key = jnp.asarray(query), jnp.asarray(key)
+    query = as_array("query", query, "an array (B, T, N, H)")
+    key = as_array("key", key, "an array (B, S, K, H)")
     expect_shape("query", query.shape, "B T N H", (None,) * 4)
     B, T, N, H = query.shape
     expect_shape("key", key.shape, "B S K H", (B, None, None, H))
     _, S, K, _ = key.shape
     if value is not None:
-        expect_shape("value", jnp.shape(value), "B S K H", (B, S, K, H))
+        value = as_array("value", value, "an array (B, S, K, H)")
+        expect_shape("value", value.shape, "B S K H", (B, S, K, H))
     if K == 0 or N % K != 0:
         raise ValueError(
             f"the number of query heads N={N} must be a multiple of the number of key/value "
@@ -180,16 +189,18 @@ def attention_spec(
 
     scores = (B, N, T, S)
     if mask is not None:
-        mask = jnp.asarray(mask)
+        mask = as_array("mask", mask, "a boolean array broadcastable to (B, N, T, S)")
         expect_bool("mask", mask.dtype)
         expect_broadcastable("mask", mask.shape, SCORE_AXES, scores)
         mask = _as_rank4(mask)
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = as_array("bias", bias, "a float array broadcastable to (B, N, T, S)")
         expect_floating("bias", bias.dtype)
         expect_broadcastable("bias", bias.shape, SCORE_AXES, scores)
         bias = _as_rank4(bias)
 
+    is_causal = expect_flag("is_causal", is_causal)
+    return_residual = expect_flag("return_residual", return_residual)
     window = normalize_window(window)
     if not is_causal and window is None and q_offset is not None:
         raise ValueError(
@@ -199,7 +210,7 @@ def attention_spec(
         what = "is_causal=True" if is_causal else f"window={window}"
         q_offset = _check_q_offset(q_offset, B, T, S, what)
     if kv_lengths is not None:
-        kv_lengths = jnp.asarray(kv_lengths)
+        kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
         expect_integer("kv_lengths", kv_lengths.dtype)
         expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
     if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -208,7 +219,8 @@ def attention_spec(
             "over packed sequences, the same ids twice) or neither"
         )
     if q_segment_ids is not None:
-        q_segment_ids, kv_segment_ids = jnp.asarray(q_segment_ids), jnp.asarray(kv_segment_ids)
+        q_segment_ids = as_array("q_segment_ids", q_segment_ids, "an int array (B, T)")
+        kv_segment_ids = as_array("kv_segment_ids", kv_segment_ids, "an int array (B, S)")
         expect_integer("q_segment_ids", q_segment_ids.dtype)
         expect_integer("kv_segment_ids", kv_segment_ids.dtype)
         expect_shape("q_segment_ids", q_segment_ids.shape, "B T", (B, T))
@@ -217,8 +229,8 @@ def attention_spec(
     if scale is None:
         scale = 1.0 / math.sqrt(H)
     return AttentionSpec(
-        B, T, S, N, K, H, mask, bias, bool(is_causal), q_offset, kv_lengths, scale, window,
-        q_segment_ids, kv_segment_ids, logit_soft_cap,
+        B, T, S, N, K, H, mask, bias, is_causal, q_offset, kv_lengths, scale, window,
+        q_segment_ids, kv_segment_ids, logit_soft_cap, return_residual,
     )  # fmt: skip
 
 
@@ -233,12 +245,48 @@ def _check_q_offset(q_offset, B: int, T: int, S: int, what: str):
                 f"last key, as FlashAttention and decoding with a KV cache)"
             )
         return 0
+    what = "an int or an int array"
     if isinstance(q_offset, bool):
-        raise TypeError(f"q_offset must be an int or an integer array, got {q_offset!r}")
+        raise TypeError(f"q_offset must be {what}, got bool {q_offset!r}")
     if isinstance(q_offset, int):
         return q_offset
-    q_offset = jnp.asarray(q_offset)
+    q_offset = as_array("q_offset", q_offset, what)
     expect_integer("q_offset", q_offset.dtype)
     if q_offset.ndim != 0:
         expect_shape("q_offset", q_offset.shape, "B", (B,))
     return q_offset
+
+
+def batched(query, key, value, **rules):
+    """An unbatched call made batched, as ``jax.nn.dot_product_attention`` takes it:
+    query (T, N, H) with key and value (S, K, H) become (1, T, N, H) and (1, S, K, H),
+    ``kv_lengths`` () becomes (1,), segment ids (T,) and (S,) become (1, T) and
+    (1, S); a mask or bias broadcastable to (N, T, S) needs nothing. A batched
+    call (query of any other rank) is returned as it is.
+
+    Returns:
+      ``(query, key, value, rules, unbatched)``; with ``unbatched``, the output
+      (B, T, N, H), the log-sum-exp (B, T, N) and the weights (B, N, T, S) have
+      the axis taken off again by the caller (``x[0]``).
+    """
+    query = as_array("query", query, "an array (B, T, N, H) or (T, N, H)")
+    if query.ndim not in (3, 4):
+        raise ValueError(f"query must have shape (B, T, N, H) or (T, N, H), got {query.shape}")
+    if query.ndim == 4:
+        return query, key, value, rules, False
+    shapes = {"key": key, "value": value}
+    for name, x in shapes.items():
+        if x is not None:
+            x = as_array(name, x, "an array (S, K, H)")
+            if x.ndim != 3:
+                raise ValueError(
+                    f"query (T, N, H) = {query.shape} is unbatched, so {name} must be too: "
+                    f"(S, K, H), got {x.shape}"
+                )
+            shapes[name] = x[None]
+    rules = dict(rules)
+    for name, rank in (("kv_lengths", 0), ("q_segment_ids", 1), ("kv_segment_ids", 1)):
+        if rules.get(name) is not None:
+            x = as_array(name, rules[name], "an int array")
+            rules[name] = x[None] if x.ndim == rank else x
+    return query[None], shapes["key"], shapes["value"], rules, True

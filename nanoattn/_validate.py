@@ -50,6 +50,29 @@ def expect_broadcastable(name: str, shape: Sequence[int], axes: str, dims: Seque
         )
 
 
+def as_array(name: str, value, what: str):
+    """``value`` as a jax array, or a one-line TypeError naming ``name`` and saying it
+    must be ``what`` (a string, None, a ragged list, an object)."""
+    import jax.numpy as jnp
+
+    try:
+        if isinstance(value, (str, bytes)) or value is None:
+            raise TypeError
+        return jnp.asarray(value)
+    except (TypeError, ValueError):
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {shown}") from None
+
+
+def expect_flag(name: str, value) -> bool:
+    """``value`` as a bool, or a TypeError: ``True`` or ``False`` (a numpy bool too),
+    never a truthy string or number."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def expect_bool(name: str, dtype) -> None:
     """Raises TypeError unless ``dtype`` is boolean (masks are True = may attend)."""
     if np.dtype(dtype) != np.bool_:

@@ -356,9 +356,15 @@ def test_dropout_inverted_scaling_and_rng():
     "kwargs, error, pattern",
     [
         (
+            dict(query=np.ones((2, 5))),
+            ValueError,
+            r"^query must have shape \(B, T, N, H\) or \(T, N, H\), got \(2, 5\)$",
+        ),
+        (
             dict(query=np.ones((2, 5, 6))),
             ValueError,
-            r"query must have shape \(B, T, N, H\) = \(\*, \*, \*, \*\), got \(2, 5, 6\)",
+            r"^query \(T, N, H\) = \(2, 5, 6\) is unbatched, so key must be too: \(S, K, H\), "
+            r"got \(2, 7, 2, 8\)$",
         ),
         (
             dict(key=np.ones((3, S, K, H))),

@@ -71,7 +71,10 @@ def row(id, fn, *args, raises, match, **kwargs):
 
 # Rows every attention function must pass: (id, q, k, v, kwargs, raises, match).
 SHARED = [
-    ("query-rank-3", Q[0], KV, KV, {}, ValueError, "query must have shape (B, T, N, H)"),
+    ("query-rank-2", Q[0, 0], KV, KV, {}, ValueError,
+     "query must have shape (B, T, N, H) or (T, N, H)"),
+    ("query-unbatched-key-batched", Q[0], KV, KV, {}, ValueError,
+     "is unbatched, so key must be too"),
     ("key-rank-5", Q, KV[None], KV, {}, ValueError, "key must have shape (B, S, K, H)"),
     ("key-batch", Q, f32(3, S, K, H), KV, {}, ValueError, "key must have shape (B, S, K, H)"),
     ("key-head-width", Q, f32(B, S, K, 4), KV, {}, ValueError, "got (2, 5, 2, 4)"),

@@ -80,7 +80,7 @@ def test_native_forward_lse(name, kwargs, visible):
         pytest.skip("the native kernel is not available here")
     q, k, v = _inputs()
     spec = attention_spec(q, k, v, **kwargs)
-    _, lse = _native.native_forward(q, k, v, spec)
+    _, lse = _native.native_attention(q, k, v, spec)
     _check(lse, q, k, visible)
 
 

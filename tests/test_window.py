@@ -154,7 +154,11 @@ FUNCTIONS = ENTRY_POINTS
             r"q_offset only applies to causal or windowed attention; "
             r"pass is_causal=True or a window",
         ),
-        (dict(window=2, q_offset=True), TypeError, r"q_offset must be an int or an integer array"),
+        (
+            dict(window=2, q_offset=True),
+            TypeError,
+            r"^q_offset must be an int or an int array, got bool True$",
+        ),
         (dict(window=2, q_offset=np.array([1.0, 2.0])), TypeError, r"q_offset must be an integer"),
         (
             dict(window=2, q_offset=np.array([1, 2, 3])),

@@ -29,6 +29,8 @@ class Cudnn:
             )
         if not spec.static_scale:
             return "it needs a Python number for scale"
+        if spec.return_residual:
+            return "its log-sum-exp is not checked against nanoattn's contract (return_residual)"
         return None
 
     def pays_off(self, spec) -> bool:

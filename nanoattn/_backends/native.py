@@ -38,7 +38,9 @@ class Native:
         return jax.default_backend() == "cpu" and spec.T * spec.S >= CPU_MIN_CELLS
 
     def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
-        return _native.native_attention(query, key, value, spec).astype(query.dtype)
+        out, lse = _native.native_attention(query, key, value, spec)
+        out = out.astype(query.dtype)
+        return (out, lse) if spec.return_residual else out
 
 
 BACKEND = Native()

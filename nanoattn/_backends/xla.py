@@ -17,8 +17,9 @@ class Xla:
 
     def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
         return _reference.attend(
-            query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng
-        )
+            query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            return_residual=spec.return_residual,
+        )  # fmt: skip
 
 
 BACKEND = Xla()

@@ -3,4 +3,3 @@
 
 from ._build import load as load
 from ._kernel import native_attention as native_attention
-from ._kernel import native_forward as native_forward

@@ -7,7 +7,7 @@ The C++ side (``attention.cc``) takes float32 q (B, T, N, H), k and v
 ``soft_cap`` (0: none) and the positional band ``left``/``right`` (-1:
 unbounded). It returns the output and the per-row log-sum-exp (B, T, N) that
 the backward pass recomputes the weights from (``-inf`` for a row that sees no
-key). Under ``vmap`` every operand
+key); the backward pass takes the cotangents of both. Under ``vmap`` every operand
 gains the mapped axis in front, which the kernel folds into B.
 """
 
@@ -32,16 +32,12 @@ def native_attention(query, key, value, spec: AttentionSpec):
         (:mod:`nanoattn._backends.native`) accepts.
 
     Returns:
-      (B, T, N, H) float32.
+      (out (B, T, N, H), lse (B, T, N)), float32, differentiable in both: ``lse``
+      is the log-sum-exp of each row's visible logits, ``-inf`` for a row that
+      sees no key (the convention of the flash kernel and of ``jax.nn``'s
+      residuals).
     """
     return _attend(*_operands(query, key, value, spec))
-
-
-def native_forward(query, key, value, spec: AttentionSpec):
-    """The forward pass alone: (out (B, T, N, H), lse (B, T, N)), float32; ``lse`` is
-    the log-sum-exp of each row's visible logits, ``-inf`` for a row that sees no key
-    (the convention of the flash kernel and of ``jax.nn``'s residuals)."""
-    return _forward(*_operands(query, key, value, spec))
 
 
 def _operands(query, key, value, spec: AttentionSpec):
@@ -87,25 +83,25 @@ def _forward(q, k, v, offsets, lengths, q_seg, kv_seg, rules):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _attend(q, k, v, offsets, lengths, q_seg, kv_seg, rules):
-    out, _ = _forward(q, k, v, offsets, lengths, q_seg, kv_seg, rules)
-    return out
+    return _forward(q, k, v, offsets, lengths, q_seg, kv_seg, rules)
 
 
 def _attend_fwd(q, k, v, offsets, lengths, q_seg, kv_seg, rules):
     out, lse = _forward(q, k, v, offsets, lengths, q_seg, kv_seg, rules)
-    return out, (q, k, v, out, lse, offsets, lengths, q_seg, kv_seg)
+    return (out, lse), (q, k, v, out, lse, offsets, lengths, q_seg, kv_seg)
 
 
-def _attend_bwd(rules, residuals, dout):
+def _attend_bwd(rules, residuals, cotangents):
     q, k, v, out, lse, offsets, lengths, q_seg, kv_seg = residuals
+    dout, dlse = cotangents
     call = jax.ffi.ffi_call(
         "nanoattn_backward",
         tuple(jax.ShapeDtypeStruct(x.shape, _F32) for x in (q, k, v)),
         vmap_method="broadcast_all",
     )
     dq, dk, dv = call(
-        q, k, v, out, lse, dout.astype(_F32), offsets, lengths, q_seg, kv_seg,
-        **_attributes(rules),
+        q, k, v, out, lse, dout.astype(_F32), dlse.astype(_F32), offsets, lengths, q_seg,
+        kv_seg, **_attributes(rules),
     )  # fmt: skip
     return dq, dk, dv, None, None, None, None
 

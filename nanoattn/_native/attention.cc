@@ -454,7 +454,7 @@ struct BackwardOut {
   float *dk, *dv;                       // (B, S, K, H)
   std::vector<std::unique_ptr<Aligned>>* dq_parts;  // per worker: (B, Tp, N, Hp)
   int64_t Tp;
-  const float* delta;  // (B, T, N): rowsum(dout * out)
+  const float* delta;  // (B, T, N): rowsum(dout * out) - dlse
 };
 
 void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn& in,
@@ -629,7 +629,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                     ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
-                    ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::S32> q_offset,
+                    ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> dlse,
+                    ffi::Buffer<ffi::S32> q_offset,
                     ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> q_seg,
                     ffi::Buffer<ffi::S32> kv_seg, float scale, float soft_cap, int64_t left,
                     int64_t right, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
@@ -639,8 +640,10 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                                 left, right, p);
   if (err.failure()) return err;
   if (out.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
-      static_cast<int64_t>(lse.element_count()) != p.B * p.T * p.N)
-    return ffi::Error::InvalidArgument("nanoattn native: out, dout or lse has the wrong size");
+      static_cast<int64_t>(lse.element_count()) != p.B * p.T * p.N ||
+      dlse.element_count() != lse.element_count())
+    return ffi::Error::InvalidArgument(
+        "nanoattn native: out, dout, lse or dlse has the wrong size");
   float* dq_out = dq->typed_data();
   std::fill(dq_out, dq_out + q.element_count(), 0.0f);
   if (p.B * p.S * p.K == 0) return ffi::Error::Success();
@@ -651,16 +654,18 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   }
   const int threads = max_threads(pool);
   const std::vector<Geometry> geo = all_geometry(pool, threads, p);
-  // delta = rowsum(dout * out), per (b, i, n)
+  // delta = rowsum(dout * out) - dlse, per (b, i, n): d lse / d logits is the softmax,
+  // so the log-sum-exp's cotangent shifts the row term of dS = P (dP - delta).
   std::vector<float> delta(p.B * p.T * p.N);
   const float* o = out.typed_data();
   const float* dO = dout.typed_data();
+  const float* d_lse = dlse.typed_data();
   parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
     for (int64_t n = 0; n < p.N; ++n) {
       const int64_t at = (bt * p.N + n) * p.H;
       float acc = 0.0f;
       for (int64_t h = 0; h < p.H; ++h) acc += o[at + h] * dO[at + h];
-      delta[bt * p.N + n] = acc;
+      delta[bt * p.N + n] = acc - d_lse[bt * p.N + n];
     }
   });
   const int64_t total = p.B * p.K * p.n_k();
@@ -720,6 +725,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnBackward, Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // out
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dout
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dlse
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_offset
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lengths
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_segment_ids
