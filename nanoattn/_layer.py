@@ -129,8 +129,10 @@ def decode(
     by ``lengths[b]``, and outputs at padded tokens are zeros. Each query
     attends causally over the keys written so far (``kv_lengths`` hides the
     slots at and past the row's end from every backend). A write past the
-    capacity raises ValueError (its message ends with ``hint``) when the
-    position is concrete; under ``jit`` the overflowing rows' outputs are NaN.
+    capacity, or ``lengths`` outside [0, T], raises ValueError (the overflow's
+    message ends with ``hint``) when concrete; under ``jit``, where they cannot
+    be checked, those rows' outputs are NaN, and a row with bad ``lengths``
+    stays NaN in every later call (its position is set past the capacity).
 
     Returns:
       (y (B, T, D), the advanced cache).
@@ -144,7 +146,10 @@ def decode(
         lengths = jnp.full((B,), T, jnp.int32)
     lengths = _int_per_token("lengths", lengths, "B", (B,))
     _kv_cache.check_chunk(position, lengths, T, capacity, hint)
-    lengths = jnp.clip(lengths, 0, T)  # under jit, where it could not be checked
+    # Under jit nothing could be checked: a row whose lengths are out of range is
+    # poisoned below, writes nothing, and stays poisoned (its position past the end).
+    bad = (lengths < 0) | (lengths > T)  # (B,)
+    lengths = jnp.where(bad, 0, lengths)
     q, k, v = _project_qkv(params, cfg, x, dtype)
     q, k = rotate_qk(cfg, q, k, position[:, None] + jnp.arange(T)[None, :])  # (B, T) positions
     keys = _kv_cache.write(cache.key, k, position, lengths)
@@ -166,8 +171,9 @@ def decode(
     )
     real = jnp.arange(T)[None, :] < lengths[:, None]  # (B, T)
     y = jnp.where(real[..., None], y, 0)
-    overflow = end > capacity  # only reachable under jit: the ValueError above
-    y = jnp.where(overflow[:, None, None], jnp.nan, y).astype(y.dtype)
+    broken = bad | (end > capacity)  # only reachable under jit: the ValueErrors above
+    y = jnp.where(broken[:, None, None], jnp.nan, y).astype(y.dtype)
+    end = jnp.where(bad, capacity + 1, end)  # every later call of the row overflows
     return y, _kv_cache.KVCache(keys, values, end.astype(jnp.int32))
 
 

@@ -307,3 +307,87 @@ def test_decode_argument_errors():
         ValueError, match=r"x must have shape \(B, T, D\) = \(2, \*, 48\), got \(1, 3, 48\)"
     ):
         c.decode(c.params, c.cache, chunk[:1])
+
+
+# Every misuse of decoding, eager and under jit. A misuse that jit cannot check (the
+# values of lengths and positions) raises eagerly and poisons the rows it concerns
+# under jit: their outputs are NaN in this call and in every later one; the other
+# rows are untouched. The rest (shapes, dtypes, a missing cache) raise either way.
+# (id, position per row before the call, chunk width, lengths, eager error, bad rows)
+TRACED_MISUSE = [
+    ("lengths-negative", [2, 3], 4, [-1, 2], r"lengths must be in \[0, 4\].*lengths\[0\]=-1", [0]),
+    ("lengths-past-chunk", [2, 3], 4, [2, 7], r"lengths must be in \[0, 4\].*lengths\[1\]=7", [1]),
+    ("overflow", [2, 11], 4, [2, 3], r"the KV cache is full: capacity 13, row 1 is at", [1]),
+    ("both", [12, 3], 4, [-2, 2], r"lengths must be in \[0, 4\]", [0]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, position, width, lengths, message, bad", TRACED_MISUSE, ids=[m[0] for m in TRACED_MISUSE]
+)
+def test_decode_misuse_raises_eagerly_and_poisons_its_rows_under_jit(
+    name, position, width, lengths, message, bad
+):
+    c = case("gqa")
+    cache = {**c.cache, "position": jnp.asarray(position, jnp.int32)}
+    chunk, lengths = c.x[:, :width], jnp.asarray(lengths)
+    with pytest.raises(ValueError, match=message):
+        c.decode(c.params, cache, chunk, lengths)
+    y, after = c.step(c.params, cache, chunk, lengths)
+    good = [b for b in range(B) if b not in bad]
+    assert np.isnan(np.asarray(y)[bad]).all()
+    assert np.isfinite(np.asarray(y)[good]).all()
+    # A poisoned row stays poisoned: the next (valid) call of it is NaN too.
+    y, _ = c.step(c.params, after, c.x[:, :1], jnp.ones(B, jnp.int32))
+    assert np.isnan(np.asarray(y)[bad]).all()
+    for b in good:  # the others decode on as if nothing happened
+        assert np.isfinite(np.asarray(y)[b]).all()
+
+
+def _apply(c, variables, chunk, **kwargs):
+    return c.layer.apply(variables, chunk, True, decode=True, mutable=["cache"], **kwargs)
+
+
+# (id, call(c) -> anything, error, message): raised eagerly and under jit alike.
+STATIC_MISUSE = [
+    ("no-cache", lambda c, x: _apply(c, {"params": c.params}, x), ValueError,
+     r"^decode=True needs a cache: create one with variables = layer.init\(key, "
+     r"jnp.zeros\(\(B, max_len, D\)\), decode=True\)"),
+    ("lengths-shape", lambda c, x: c.decode(c.params, c.cache, x, jnp.array([1, 2, 3])),
+     ValueError, r"lengths must have shape \(B,\) = \(2,\), got \(3,\)"),
+    ("lengths-dtype", lambda c, x: c.decode(c.params, c.cache, x, jnp.array([1.0, 2.0])),
+     TypeError, "lengths must be an integer array"),
+    ("batch", lambda c, x: c.decode(c.params, c.cache, x[:1]), ValueError,
+     r"x must have shape \(B, T, D\) = \(2, \*, 48\), got \(1, 3, 48\)"),
+    ("width", lambda c, x: c.decode(c.params, c.cache, x[..., :40]), ValueError,
+     r"x must have shape \(B, T, D\) = \(\*, \*, 48\), got \(2, 3, 40\)"),
+    ("positions", lambda c, x: _apply(c, {"params": c.params, "cache": c.cache}, x,
+     positions=jnp.zeros((B, 3), jnp.int32)), ValueError,
+     "^positions is not supported with decode=True"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "name, call, error, message", STATIC_MISUSE, ids=[m[0] for m in STATIC_MISUSE]
+)
+def test_decode_misuse_that_jit_can_check_raises_either_way(name, call, error, message, jitted):
+    c = case("gqa")
+    run = jax.jit(lambda x: call(c, x)) if jitted else (lambda x: call(c, x))
+    with pytest.raises(error, match=message):
+        run(c.x[:, :3])
+
+
+def test_nnx_decode_without_a_cache_raises_how_to_make_one():
+    from flax import nnx
+
+    from nanoattn import nnx as nanoattn_nnx
+
+    layer = nanoattn_nnx.CausalSelfAttention(AttentionConfig(D, N, n_kv_heads=K), rngs=nnx.Rngs(0))
+    x = jnp.ones((B, 3, D))
+    eager = functools.partial(layer, x, decode=True)
+    jitted = functools.partial(nnx.jit(lambda layer, x: layer(x, decode=True)), layer, x)
+    for call in (eager, jitted):
+        with pytest.raises(ValueError, match=r"^decode=True needs a cache: call "
+                           r"module.init_cache\(batch, max_len\) first"):  # fmt: skip
+            call()

@@ -197,6 +197,13 @@ class CausalSelfAttention(nn.Module):
         fresh = not self.has_variable(CACHE, "key")
         dtype = compute_dtype(cfg, x)
 
+        if fresh and not self.is_initializing():
+            raise ValueError(
+                "decode=True needs a cache: create one with variables = layer.init(key, "
+                "jnp.zeros((B, max_len, D)), decode=True), then apply({'params': ..., "
+                "'cache': variables['cache']}, ..., decode=True, mutable=['cache'])"
+            )
+
         def empty():  # called only by init, when the cache is created
             return _kv_cache.empty(B, T, cfg.kv_heads, cfg.head_dim, dtype)
 
