@@ -5,6 +5,7 @@ Nothing here is written by hand: masks come from the library's mask builders,
 row sums from its own attention weights, and verdicts from ``nanoattn.verify``.
 """
 
+import contextlib
 import dataclasses
 
 import jax
@@ -125,14 +126,29 @@ def blocked_row_example(config: AttentionConfig, seq_len: int) -> dict:
     }
 
 
-def verify_modules(config: AttentionConfig, seed: int = 0) -> list[tuple[str, Report]]:
-    """Runs ``nanoattn.verify`` on the built-in modules at ``config``'s sizes."""
+def verify_modules(config: AttentionConfig, seed: int = 0, stage=None) -> list[tuple[str, Report]]:
+    """Runs ``nanoattn.verify`` on the built-in modules at ``config``'s sizes.
+
+    ``stage(what)``, when given, is a context manager around each stage of the work
+    (building the modules, then each check): ``nanoattn audit`` passes one that says
+    on stderr what a slow stage is doing.
+    """
+    stage = stage or (lambda what: contextlib.nullcontext())
     D = config.d_model
-    x = jnp.ones((1, 3, D))
-    self_attn = CausalSelfAttention(config, sow_weights=True)
-    params = self_attn.init(jax.random.key(seed), x, deterministic=True)
-    cross = CrossAttention(config)
-    cross_params = cross.init(jax.random.key(seed), x, x, deterministic=True)
+    T, lengths = 9, np.array([9, 5])
+    with stage("building CausalSelfAttention and CrossAttention and their weights"):
+        x = jnp.ones((1, 3, D))
+        self_attn = CausalSelfAttention(config, sow_weights=True)
+        params = self_attn.init(jax.random.key(seed), x, deterministic=True)
+        cross = CrossAttention(config)
+        cross_params = cross.init(jax.random.key(seed), x, x, deterministic=True)
+        valid = np.asarray(lengths_to_valid(lengths, T))
+        xs = jax.random.normal(jax.random.key(seed + 1), (2, T, D))
+        _, state = self_attn.apply(
+            params, xs, deterministic=True, mask=padding_mask(valid), mutable="intermediates"
+        )
+        (weights,) = state["intermediates"]["attention_weights"]
+        allowed = np.tril(np.ones((T, T), bool))[None, None] & valid[:, None, None, :]
 
     @jax.jit
     def causal(x):
@@ -146,17 +162,14 @@ def verify_modules(config: AttentionConfig, seed: int = 0) -> list[tuple[str, Re
     def cross_padded(x, valid):
         return cross.apply(cross_params, x, x, deterministic=True, context_mask=valid)
 
-    T, lengths = 9, np.array([9, 5])
-    valid = np.asarray(lengths_to_valid(lengths, T))
-    xs = jax.random.normal(jax.random.key(seed + 1), (2, T, D))
-    _, state = self_attn.apply(
-        params, xs, deterministic=True, mask=padding_mask(valid), mutable="intermediates"
-    )
-    (weights,) = state["intermediates"]["attention_weights"]
-    allowed = np.tril(np.ones((T, T), bool))[None, None] & valid[:, None, None, :]
-    return [
-        ("CausalSelfAttention causality", check_causality(causal, d_model=D, seed=seed)),
-        ("CausalSelfAttention row sums", check_row_sums(weights, allowed)),
-        ("CausalSelfAttention padding", check_padding(padded, d_model=D, seed=seed)),
-        ("CrossAttention padding", check_padding(cross_padded, d_model=D, seed=seed)),
+    checks = [
+        ("CausalSelfAttention causality", lambda: check_causality(causal, d_model=D, seed=seed)),
+        ("CausalSelfAttention row sums", lambda: check_row_sums(weights, allowed)),
+        ("CausalSelfAttention padding", lambda: check_padding(padded, d_model=D, seed=seed)),
+        ("CrossAttention padding", lambda: check_padding(cross_padded, d_model=D, seed=seed)),
     ]
+    reports = []
+    for name, check in checks:
+        with stage(f"verifying {name}"):
+            reports.append((name, check()))
+    return reports

@@ -376,3 +376,161 @@ def test_cli_bench_parts():
         grid_only = config(*argv)
         assert grid_only.grid and not grid_only.targets
         assert grid_only.generation == () and not grid_only.window_length
+
+
+class FakeClock:
+    """A clock that moves only when told: deterministic elapsed times and estimates."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_item_lines_show_elapsed_and_estimate_per_part():
+    import io
+
+    from nanoattn.bench._progress import ItemLines, clock_text
+
+    clock, stream = FakeClock(), io.StringIO()
+    lines = ItemLines(stream, clock)
+    clock.now = 100.0  # the part's clock starts at its first item, not at construction
+    for done, seconds in enumerate((0, 12, 30)):  # items of 12 s and 18 s: a mean of 15 s
+        clock.now = 100.0 + seconds
+        lines("grid", done, 5, f"item {done + 1}")
+    lines("targets", 0, 2, "flash T=2048")  # a part of its own: its own clock
+    clock.now += 3725.0
+    lines("targets", 1, 2, "memory")
+    lines("grid", 5, 5, "")
+    lines("native", 0, 0, "skipped: torch is not installed")
+    assert stream.getvalue().splitlines() == [
+        "[grid 1/5] item 1",
+        "[grid 2/5] item 2  elapsed 0:12, about 0:48 left",
+        "[grid 3/5] item 3  elapsed 0:30, about 0:45 left",
+        "[targets 1/2] flash T=2048",
+        "[targets 2/2] memory  elapsed 1:02:05, about 1:02:05 left",
+        "[grid] 5 items in 1:02:35",
+        "[native] skipped: torch is not installed",
+    ]
+    assert clock_text(59.6) == "1:00" and clock_text(3599.4) == "59:59"
+
+
+def test_will_skip_is_what_measure_cell_skips(monkeypatch):
+    # The bench leaves skipped cells out of its progress counts by asking will_skip;
+    # measure_cell decides for itself: they must agree. Nothing is compiled or timed.
+    import nanoattn.bench._cell as cell
+
+    monkeypatch.setattr(cell, "jax_pass", lambda fn, backward: fn)
+    monkeypatch.setattr(cell, "temp_bytes", lambda fn, *args: 0)
+    monkeypatch.setattr(cell, "time_runs", lambda run: (1.0, 1.0))
+    for reason in (None, "torch is not installed"):
+        monkeypatch.setattr(_torch, "available", lambda reason=reason: reason)
+        monkeypatch.setattr(_torch, "make_run", lambda *args: None)
+        for name in ("flash", "seed", "torch"):
+            for T, budget in ((8, 1.0), (64, 1e-6)):  # 2 * 64 * 64 * 4 bytes > 1e-6 GiB
+                got = cell.measure_cell(name, 1, T, 2, 4, False, "float32", 1.0, budget)
+                skip = _run.will_skip(name, 1, T, 2, budget, torch_missing=reason is not None)
+                assert skip == got["status"].startswith("skipped"), (name, T, reason, got)
+
+
+def fake_bench(monkeypatch, torch_missing: bool):
+    """The bench with every measurement faked, each measured item taking 10 s of a
+    fake clock."""
+    import types
+
+    import nanoattn.bench._native as native
+    import nanoattn.bench._progress as progress
+    import nanoattn.bench._targets as targets
+
+    clock = FakeClock()
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(monotonic=clock))
+    reason = "torch is not installed" if torch_missing else None
+    monkeypatch.setattr(_torch, "available", lambda: reason)
+    monkeypatch.setattr(_run, "matmul_peak_gflops", lambda dtype: 100.0)
+
+    def fake_cell(name, B, T, N, H, backward, dtype, peak, max_score_gib=float("inf")):
+        cell = {"impl": name, "shape": f"{N}x{H}", "B": B, "T": T, "N": N, "H": H}
+        cell |= {"pass": "fwd+bwd" if backward else "fwd", "dtype": dtype}
+        too_large = name == "seed" and B * N * T * T * 4 / 2**30 > max_score_gib
+        if too_large or (name == "torch" and torch_missing):  # as measure_cell skips
+            return cell | {"status": "skipped: faked"}  # no time passes
+        clock.now += 10.0
+        return cell | {"status": "error: faked"}
+
+    def fake_pair(B, T, N, H, backward, peak):
+        clock.now += 0.0 if torch_missing else 10.0
+        cell = {"B": B, "T": T, "N": N, "H": H, "pass": "fwd+bwd" if backward else "fwd"}
+        return cell | {"status": "skipped: faked" if torch_missing else "error: faked"}
+
+    def fake_memory(fn, *args):  # the targets' memory and T=65536: 10 s in all
+        clock.now += 10.0 / 3
+        return 2**20
+
+    monkeypatch.setattr(_run, "measure_cell", fake_cell)
+    monkeypatch.setattr(targets, "measure_cell", fake_cell)
+    monkeypatch.setattr(targets, "temp_bytes", fake_memory)
+    monkeypatch.setattr(targets, "inputs", lambda B, T, N, H, dtype: [jnp.zeros((1, 2))] * 3)
+    monkeypatch.setattr(targets, "jax_pass", lambda fn, backward: jax.jit(lambda q, k, v: q))
+    monkeypatch.setattr(native, "measure_pair", fake_pair)
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # no cell ran: an empty plot
+def test_cli_bench_progress_per_part_counts_only_measured_items(tmp_path, monkeypatch, capsys):
+    fake_bench(monkeypatch, torch_missing=True)
+    argv = ["bench", "--only", "grid,targets,native", "--lengths", "32,4096", "--shapes", "2x8"]
+    argv += ["--tokens", "4096", "--impls", "flash,seed,torch", "--max-score-gib", "0.01"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    # Skipped: torch everywhere (missing), seed at T=4096 (B=1: 0.125 GiB of scores > 0.01).
+    grid = [f"{name} {p} 2x8 T=32" for p in ("fwd", "fwd+bwd") for name in ("flash", "seed")]
+    grid += [f"flash {p} 2x8 T=4096" for p in ("fwd", "fwd+bwd")]
+    targets = ["flash T=2048", "flax T=2048", "seed T=2048", "flash T=4096", "flax T=4096"]
+    targets += ["seed T=4096", "flash T=4096", "memory and T=65536"]  # not torch's
+    expected = ["[peak 1/1] float32 matmul peak", "[peak] 1 item in 0:00"]
+    for part, labels in (("grid", grid), ("targets", targets)):
+        n = len(labels)
+        expected.append(f"[{part} 1/{n}] {labels[0]}")
+        expected += [
+            f"[{part} {i + 1}/{n}] {label}  elapsed {clock_text(10 * i)}, "
+            f"about {clock_text(10 * (n - i))} left"
+            for i, label in enumerate(labels)
+            if i
+        ]
+        expected.append(f"[{part}] {n} items in {clock_text(10 * n)}")
+    expected.append("[native] skipped: torch is not installed")
+    assert err.splitlines() == expected
+    assert "[grid 2/6] seed fwd 2x8 T=32  elapsed 0:10, about 0:50 left" in expected
+    # The results are those of every cell, skipped ones included, in the grid's order.
+    results = json.loads((tmp_path / "results.json").read_text())
+    cells = [(c["impl"], c["T"], c["pass"], c["status"]) for c in results["cells"]]
+    skipped = {("torch", 32), ("torch", 4096), ("seed", 4096)}
+    assert cells == [
+        (name, T, p, "skipped: faked" if (name, T) in skipped else "error: faked")
+        for T in (32, 4096)
+        for p in ("fwd", "fwd+bwd")
+        for name in ("flash", "seed", "torch")
+    ]
+    assert len(results["native"]) == 6  # (T=32, B=256), (T=4096, B=2 and 1), both passes
+    assert "| 2x8 | 256 | 32 | fwd | skipped: faked |" in out
+
+
+def test_cli_bench_progress_counts_torch_when_installed(tmp_path, monkeypatch, capsys):
+    fake_bench(monkeypatch, torch_missing=False)
+    argv = ["bench", "--only", "targets,native", "--lengths", "2048", "--shapes", "2x8"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "[targets 8/9] torch T=4096  elapsed 1:10, about 0:20 left" in err
+    assert err[-5:] == [
+        "[native 1/4] 2x8 B=4 T=2048",
+        "[native 2/4] 2x8 B=4 T=2048  elapsed 0:10, about 0:30 left",
+        "[native 3/4] 2x8 B=1 T=2048  elapsed 0:20, about 0:20 left",
+        "[native 4/4] 2x8 B=1 T=2048  elapsed 0:30, about 0:10 left",
+        "[native] 4 items in 0:40",
+    ]
+
+
+def clock_text(seconds):
+    from nanoattn.bench._progress import clock_text
+
+    return clock_text(seconds)

@@ -1,14 +1,18 @@
-"""`nanoattn audit`: output, JSON, exit statuses and errors."""
+"""`nanoattn audit`: output, JSON, exit statuses, errors, and what a slow stage says on stderr."""
 
+import io
 import json
+import re
 import subprocess
 import sys
+import threading
 
 import jax
 import pytest
 
 from nanoattn import _reference
-from nanoattn.cli import main
+from nanoattn.cli import _stages, main
+from nanoattn.verify import CheckResult, Report
 
 
 def run(capsys, *argv):
@@ -137,9 +141,11 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
 
 def test_audit_fails_with_exit_1_when_masking_is_broken(capsys, monkeypatch):
     # A plain softmax ignores the mask: row sums stay 1 but blocked cells get weight.
-    monkeypatch.setattr(
-        _reference, "masked_softmax", lambda logits, allowed: jax.nn.softmax(logits, axis=-1)
-    )
+    def unmasked_softmax(logits, allowed, return_lse=False):
+        probs = jax.nn.softmax(logits, axis=-1)
+        return (probs, jax.nn.logsumexp(logits, axis=-1)) if return_lse else probs
+
+    monkeypatch.setattr(_reference, "masked_softmax", unmasked_softmax)
     code, out, _ = run(capsys, "audit", "--no-verify")
     assert code == 1 and out.splitlines()[-1] == "FAIL"
     assert "FAIL" in next(x for x in out.splitlines() if x.startswith("Row sums"))
@@ -179,3 +185,59 @@ def test_audit_exits_1_when_a_builtin_module_leaks(capsys, monkeypatch):
     assert code == 1
     row = next(x for x in out.splitlines() if x.strip().startswith("CausalSelfAttention causality"))
     assert "FAIL" in row and "first leak" in row
+
+
+def test_stages_announce_only_a_stage_still_running_after_the_threshold():
+    stream, written = io.StringIO(), threading.Event()
+    stream.flush = written.set  # set once the timer thread has written its line
+    stage = _stages.Stages("nanoattn audit", stream, after=0.01, clock=iter([0.0, 2.5]).__next__)
+    with stage("verifying X"):
+        assert written.wait(timeout=60)  # still running when the timer fires
+    assert stream.getvalue().splitlines() == [
+        "nanoattn audit: verifying X ...",
+        "nanoattn audit: verifying X: done in 2.5 s",
+    ]
+    stream = io.StringIO()
+    with _stages.Stages("nanoattn audit", stream, after=60)("quick"):
+        pass
+    with pytest.raises(ValueError), _stages.Stages("p", stream, after=0)("failing"):
+        raise ValueError
+    assert stream.getvalue() == "p: failing ...\n"  # no "done" after an error
+    with _stages.Stages("p", None, after=0)("silent"):
+        pass
+
+
+def stage_lines(err: str) -> list[str]:
+    return [re.sub(r": done in \d+\.\d s$", ": done in X s", line) for line in err.splitlines()]
+
+
+def test_audit_says_what_each_stage_is_doing_on_a_terminal(capsys, monkeypatch):
+    import nanoattn._audit as audit
+
+    def passed(*args, **kwargs):  # the verification itself is tested elsewhere
+        return Report("faked", [CheckResult("faked", True)])
+
+    monkeypatch.setattr(audit, "check_causality", passed)
+    monkeypatch.setattr(audit, "check_padding", passed)
+    monkeypatch.setattr(_stages, "AFTER_S", 0)  # every stage counts as slow
+    argv = ["audit", "--d-model", "16", "--heads", "2"]
+    code, plain, err = run(capsys, *argv)
+    assert code == 0 and err == ""  # stderr is not a terminal: nothing
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and out == plain
+    stages = [
+        "tracing the shapes of one forward pass",
+        "computing the weights of the mask examples",
+        "checking a query that sees no key",
+        "building CausalSelfAttention and CrossAttention and their weights",
+        "verifying CausalSelfAttention causality",
+        "verifying CausalSelfAttention row sums",
+        "verifying CausalSelfAttention padding",
+        "verifying CrossAttention padding",
+    ]
+    assert stage_lines(err) == [
+        f"nanoattn audit: {what}{end}" for what in stages for end in (" ...", ": done in X s")
+    ]
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0 and err == "" and json.loads(out)["passed"] is True

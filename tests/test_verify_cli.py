@@ -1,15 +1,17 @@
 """`nanoattn verify MODULE:OBJECT` (cli/_verify.py) on the causality check: exit statuses,
-JSON, one-line errors, and a run from the target's directory (targets in
-tests/_verify_targets.py). `--decode` and `--vocab` are in test_verify_decoding.py."""
+JSON, one-line errors, a run from the target's directory (targets in
+tests/_verify_targets.py), and what a slow stage says on stderr. `--decode` and `--vocab`
+are in test_verify_decoding.py."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from nanoattn.cli import main
+from nanoattn.cli import _stages, main
 
 
 def run(capsys, *argv):
@@ -101,3 +103,32 @@ def test_cli_verify_subprocess_from_the_target_directory():
         cwd=tests,
     )
     assert done.returncode == 1 and "causality: FAIL" in done.stdout
+
+
+def timeless(err: str) -> list[str]:
+    return [re.sub(r": done in \d+\.\d s$", ": done in X s", line) for line in err.splitlines()]
+
+
+def test_cli_verify_says_what_a_slow_stage_is_doing_on_a_terminal(capsys, monkeypatch):
+    monkeypatch.setattr(_stages, "AFTER_S", 0)  # every stage counts as slow
+    argv = ["verify", "_verify_targets:reversed_time", "--d-model", "4", "--seq-lens", "2,3"]
+    code, plain, err = run(capsys, *argv)
+    assert code == 1 and err == ""  # stderr is not a terminal: nothing
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and out == plain
+    assert timeless(err) == [
+        "nanoattn verify: loading _verify_targets:reversed_time ...",
+        "nanoattn verify: loading _verify_targets:reversed_time: done in X s",
+        "nanoattn verify: checking causality at 2 lengths up to 3 ...",
+        "nanoattn verify: checking causality at 2 lengths up to 3: done in X s",
+    ]
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 1 and err == "" and json.loads(out)["passed"] is False
+    code, out, err = run(capsys, "verify", "_verify_targets:broken", "--d-model", "4")
+    assert code == 2 and timeless(err) == [  # the error follows its stage's announcement
+        "nanoattn verify: loading _verify_targets:broken ...",
+        "nanoattn verify: loading _verify_targets:broken: done in X s",
+        "nanoattn verify: checking causality at 12 lengths up to 513 ...",
+        "nanoattn verify: error: calling _verify_targets:broken failed: RuntimeError: boom",
+    ]

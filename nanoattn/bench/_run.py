@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from . import _generation, _native, _targets, _torch, _window
 from ._cell import measure_cell
 from ._measure import matmul_peak_gflops
+from ._peers import PEERS
 
 FULL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
 QUICK_LENGTHS = (256, 1024, 4096)
@@ -75,47 +76,123 @@ def machine() -> dict:
     }
 
 
+def will_skip(name: str, B: int, T: int, N: int, max_score_gib: float, torch_missing: bool) -> bool:
+    """Whether :func:`measure_cell` returns this cell as skipped without measuring it:
+    a materialising peer whose (B, N, T, T) float32 scores exceed ``max_score_gib``,
+    or torch when it is missing."""
+    peer = PEERS[name]
+    if peer.materializes and B * N * T * T * 4 / 2**30 > max_score_gib:
+        return True
+    return peer.fn is None and torch_missing
+
+
+TARGET_TORCH_ITEMS = 1  # measure_targets times torch once (fwd, T=4096): skipped without it
+
+
+class _Relay:
+    """A part's own ``progress(i, n, label)`` calls (the targets', the native pairs')
+    passed on as ``progress(part, done, total, label)``, leaving out the ``skips``
+    items whose label (less ``prefix``) ``skipped`` picks."""
+
+    def __init__(self, progress, part: str, prefix: str, skipped=None, skips: int = 0):
+        self.progress, self.part, self.prefix = progress, part, prefix
+        self.skipped, self.skips = skipped or (lambda what: False), skips
+        self.done = self.total = 0
+
+    def __call__(self, i: int, n: int, label: str) -> None:
+        what = label.removeprefix(self.prefix)
+        if self.skipped(what):
+            return
+        self.total = n - self.skips
+        self.progress(self.part, self.done, self.total, what)
+        self.done += 1
+
+    def end(self) -> None:
+        if self.done:
+            self.progress(self.part, self.total, self.total, "")
+
+
+def _part(report, part: str, items: list, measure) -> list:
+    """``measure(*args)`` for each ``(label, args)`` of ``items`` (None: skipped, not
+    reported), in order; reported as one part."""
+    total = sum(label is not None for label, _ in items)
+    if items and not total:
+        report(part, 0, 0, "nothing to measure: every item is skipped")
+    done, results = 0, []
+    for label, args in items:
+        if label is not None:
+            report(part, done, total, label)
+            done += 1
+        results.append(measure(*args))
+    if total:
+        report(part, total, total, "")
+    return results
+
+
 def run_bench(config: BenchConfig, progress=None) -> dict:
     """Runs the grid, the targets, the generation and the window benchmarks that
     ``config`` asks for, and returns every measurement as plain data.
 
-    ``progress(done, total, label)`` is called before each cell.
+    ``progress(part, done, total, label)`` (e.g. :class:`nanoattn.bench._progress.ItemLines`)
+    is called before each measured item of each part ("peak", "grid", "targets",
+    "generation", "window", "native"), ``done`` of the part's ``total`` items being
+    finished, and once with ``done == total`` when the part ends. Items skipped without
+    being measured (torch missing, scores over ``max_score_gib``) are neither reported
+    nor counted; a part with nothing left to measure is reported once, with
+    ``total == 0`` and why in ``label``.
     """
-    peak = matmul_peak_gflops(dtype=jnp.dtype(config.dtype))
-    jobs = [
-        (name, N, H, T, backward)
-        for N, H in config.shapes
-        for T in config.lengths
-        for backward in (False, True)
-        for name in config.implementations
-        if config.grid
-    ]
-    cells = []
-    for done, (name, N, H, T, backward) in enumerate(jobs):
-        B = max(1, config.tokens // T)
-        if progress:
-            progress(done, len(jobs), f"{name} {'fwd+bwd' if backward else 'fwd'} {N}x{H} T={T}")
-        cells.append(
-            measure_cell(name, B, T, N, H, backward, config.dtype, peak, config.max_score_gib)
+    report = progress or (lambda part, done, total, label: None)
+    no_torch = _torch.available()  # why torch cannot run, or None
+    (peak,) = _part(
+        report,
+        "peak",
+        [(f"{config.dtype} matmul peak", ())],
+        lambda: matmul_peak_gflops(dtype=jnp.dtype(config.dtype)),
+    )
+    grid = []
+    for N, H in config.shapes if config.grid else ():
+        for T in config.lengths:
+            B = max(1, config.tokens // T)
+            for backward in (False, True):
+                for name in config.implementations:
+                    skip = will_skip(name, B, T, N, config.max_score_gib, bool(no_torch))
+                    label = f"{name} {'fwd+bwd' if backward else 'fwd'} {N}x{H} T={T}"
+                    grid.append((None if skip else label, (name, B, T, N, H, backward)))
+    cells = _part(
+        report,
+        "grid",
+        grid,
+        lambda *job: measure_cell(*job, config.dtype, peak, config.max_score_gib),
+    )
+    targets = []
+    if config.targets:
+        relay = _Relay(
+            report,
+            "targets",
+            "targets: ",
+            skipped=lambda what: bool(no_torch) and what.startswith("torch "),
+            skips=TARGET_TORCH_ITEMS if no_torch else 0,
         )
-    if progress and jobs:
-        progress(len(jobs), len(jobs), "grid done")
-    targets = _targets.measure_targets(peak, progress) if config.targets else []
-    generation = []
-    for i, context in enumerate(config.generation):
-        if progress:
-            progress(i, len(config.generation), f"generation: context {context}")
-        generation.append(_generation.measure_generation(context))
+        targets = _targets.measure_targets(peak, relay)
+        relay.end()
+    contexts = [(f"context {C}", (C,)) for C in config.generation]
+    generation = _part(report, "generation", contexts, _generation.measure_generation)
     targets += _generation.generation_targets(generation)
     window = None
     if config.window_length:
-        if progress:
-            progress(0, 1, f"window: fwd+bwd T={config.window_length}")
-        window = _window.measure_window(config.window_length)
+        T = config.window_length
+        (window,) = _part(report, "window", [(f"fwd+bwd T={T}", (T,))], _window.measure_window)
         targets += _window.window_targets(window)
     native = []
     if config.native_lengths:
-        native = _native.measure_native(config.native_lengths, config.shapes, peak, progress)
+        relay = None
+        if no_torch:  # measure_pair skips every pair at once
+            report("native", 0, 0, f"skipped: {no_torch}")
+        else:
+            relay = _Relay(report, "native", "native vs torch: ")
+        native = _native.measure_native(config.native_lengths, config.shapes, peak, relay)
+        if relay:
+            relay.end()
         targets += _native.native_targets(native)
     return {
         "machine": machine() | {"matmul_peak_gflops": peak},

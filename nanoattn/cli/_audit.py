@@ -7,6 +7,7 @@ import unicodedata
 from .. import _audit
 from ..linen import AttentionConfig
 from ..verify import check_shapes
+from . import _stages
 from ._common import UsageError, int_list
 
 SYMBOLS = {
@@ -22,7 +23,9 @@ def add_parser(commands) -> None:
         description="Trace one forward pass of the attention module and audit every shape, "
         "draw the causal and padding masks with the row sums of the real weights, and verify "
         "the built-in modules. Defaults: the NanoMoE seed (d_model 128, 4 heads, batch 2, "
-        "5 tokens). Exit status 0 when every check passes, 1 when one fails, 2 for bad input.",
+        "5 tokens). On a terminal, a stage still running after about 2 s says on stderr what "
+        "it is doing (nothing with --json). Exit status 0 when every check passes, 1 when one "
+        "fails, 2 for bad input.",
     )
     audit.add_argument("--d-model", type=int, default=128, help="model width D (default 128)")
     audit.add_argument("--heads", type=int, default=4, help="number of heads N (default 4)")
@@ -53,7 +56,8 @@ def add_parser(commands) -> None:
     audit.add_argument(
         "--no-verify",
         action="store_true",
-        help="skip the verification of the built-in modules (a few seconds)",
+        help="skip the verification of the built-in modules: about 15 s of the default "
+        "audit's 23 s on a 2-core Intel Xeon CPU",
     )
     audit.set_defaults(run=run)
 
@@ -82,10 +86,14 @@ def _inputs(args) -> tuple[AttentionConfig, list[int]]:
 
 def run(args) -> int:
     config, lengths = _inputs(args)
-    shapes = check_shapes(config, batch=args.batch, seq_len=args.seq_len, kv_len=args.kv_len)
-    examples = _audit.mask_examples(config, lengths, args.seq_len, args.kv_len)
-    blocked = _audit.blocked_row_example(config, args.seq_len)
-    verified = [] if args.no_verify else _audit.verify_modules(config)
+    stage = _stages.on_stderr("nanoattn audit", quiet=args.json)
+    with stage("tracing the shapes of one forward pass"):
+        shapes = check_shapes(config, batch=args.batch, seq_len=args.seq_len, kv_len=args.kv_len)
+    with stage("computing the weights of the mask examples"):
+        examples = _audit.mask_examples(config, lengths, args.seq_len, args.kv_len)
+    with stage("checking a query that sees no key"):
+        blocked = _audit.blocked_row_example(config, args.seq_len)
+    verified = [] if args.no_verify else _audit.verify_modules(config, stage=stage)
     passed = (
         shapes.passed
         and all(e.passed for e in examples)

@@ -8,6 +8,7 @@ from ..bench import BenchConfig, run_bench, write
 from ..bench._generation import CONTEXTS
 from ..bench._native import LENGTHS as NATIVE_LENGTHS
 from ..bench._peers import PEERS
+from ..bench._progress import ItemLines
 from ..bench._run import FULL_LENGTHS, QUICK_LENGTHS, SHAPES, default_implementations
 from ..bench._window import LENGTH, WINDOW
 from ._common import UsageError, int_list
@@ -25,7 +26,9 @@ def add_parser(commands) -> None:
         "generation benchmark (ms per token of nanoattn's layer with its KV cache, of "
         "recomputing the whole context, and of flax's cached decode step) and the "
         "sliding-window benchmark (causal window=(512, 0) against full causal, fwd+bwd). "
-        "Writes results.json, results.md and results.png (with matplotlib) to --out.",
+        "Writes results.json, results.md and results.png (with matplotlib) to --out. "
+        "Progress goes to stderr, a line per measured item: its part, the time elapsed in "
+        "that part and an estimate of what is left.",
     )
     bench.add_argument(
         "--quick",
@@ -160,21 +163,9 @@ def config_from_args(args) -> BenchConfig:
     )
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    """A bar redrawn in place on a terminal; one line per step in a log."""
-    if sys.stderr.isatty():
-        width = 30
-        filled = width * done // max(total, 1)
-        bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label}"
-        sys.stderr.write("\r" + bar.ljust(80) + ("\n" if done == total else ""))
-    else:
-        sys.stderr.write(f"[{done}/{total}] {label}\n")
-    sys.stderr.flush()
-
-
 def run(args) -> int:
     config = config_from_args(args)
-    results = run_bench(config, progress=_progress)
+    results = run_bench(config, progress=ItemLines(sys.stderr))
     paths, note = write(results, args.out)
     print((args.out / "results.md").read_text(), end="")
     print("\nwrote " + ", ".join(str(p) for p in paths) + (f"; {note}" if note else ""))

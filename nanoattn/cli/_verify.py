@@ -12,6 +12,7 @@ from .._validate import describe
 from ..verify import check_causality, check_decoding
 from ..verify._causality import DEFAULT_SEQ_LENS
 from ..verify._decoding import DEFAULT_SEQ_LEN
+from . import _stages
 from ._common import UsageError, int_list
 
 CAUSALITY_ATOL = 1e-5
@@ -28,7 +29,9 @@ def add_parser(commands) -> None:
         "nanoattn.verify.check_causality runs on it. With --decode, OBJECT is a decoder "
         "(full, init, step) (or a zero-argument factory returning one; "
         "nanoattn.verify.decoders builds it for nanoattn's and flax's modules) and "
-        "nanoattn.verify.check_decoding runs on it. Exit status 0 when every check passes, "
+        "nanoattn.verify.check_decoding runs on it. On a terminal, a stage still running after "
+        "about 2 s says on stderr what it is doing (nothing with --json). "
+        "Exit status 0 when every check passes, "
         "1 when one fails, 2 when the target cannot be imported or called or an option is bad.",
     )
     verify.add_argument(
@@ -152,30 +155,35 @@ def _check_options(args) -> None:
 
 def run(args) -> int:
     _check_options(args)
-    target = load_target(args.target, decode=args.decode)
+    stage = _stages.on_stderr("nanoattn verify", quiet=args.json)
+    with stage(f"loading {args.target}"):
+        target = load_target(args.target, decode=args.decode)
     inputs = {"d_model": args.d_model, "vocab": args.vocab}
     width = f"d_model {args.d_model}" if args.vocab is None else f"vocab {args.vocab}"
     try:
         if args.decode:
             seq_len = args.seq_len or DEFAULT_SEQ_LEN
-            report = check_decoding(
-                *target,
-                **inputs,
-                seq_len=seq_len,
-                chunked=not args.one_token,
-                batch=args.batch,
-                atol=args.atol,
-            )
+            chunked = "" if args.one_token else " and in chunks"
+            with stage(f"checking decoding of {seq_len} tokens one by one{chunked}"):
+                report = check_decoding(
+                    *target,
+                    **inputs,
+                    seq_len=seq_len,
+                    chunked=not args.one_token,
+                    batch=args.batch,
+                    atol=args.atol,
+                )
             what = f"--decode ({width}, batch {args.batch}, length {seq_len})"
         else:
             seq_lens = args.seq_lens or list(DEFAULT_SEQ_LENS)
-            report = check_causality(
-                target,
-                **inputs,
-                seq_lens=seq_lens,
-                batch=args.batch,
-                atol=CAUSALITY_ATOL if args.atol is None else args.atol,
-            )
+            with stage(f"checking causality at {len(seq_lens)} lengths up to {max(seq_lens)}"):
+                report = check_causality(
+                    target,
+                    **inputs,
+                    seq_lens=seq_lens,
+                    batch=args.batch,
+                    atol=CAUSALITY_ATOL if args.atol is None else args.atol,
+                )
             what = f"({width}, batch {args.batch}, lengths {','.join(map(str, seq_lens))})"
     except Exception as e:
         raise UsageError(f"calling {args.target} failed: {describe(e)}") from None
