@@ -7,7 +7,13 @@ The trained model has dropout on (rate 0.1) so that dropout left on in generatio
 verification shows. The full training run is not here (examples/recall/README.md).
 """
 
+import ast
+import dataclasses
+import importlib.metadata
+import re
+import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import jax
@@ -18,6 +24,7 @@ from flax import nnx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `examples` is a package at the repository root
 
+from examples.recall import __main__ as recall_main  # noqa: E402
 from examples.recall import data, generate, train, verify  # noqa: E402
 from examples.recall.__main__ import main  # noqa: E402
 from examples.recall.model import ModelConfig  # noqa: E402
@@ -132,3 +139,152 @@ def test_every_command_has_help(capsys):
             main([command, "--help"])
         assert exit.value.code == 0
         assert "--run" in capsys.readouterr().out
+
+
+# The command line: every bad option, and a run with no checkpoint, is argparse's usage
+# and ONE `error:` line naming the flags, exit status 2, never a traceback. Each case is
+# (argv, the flags its error line must name); every train case also gets a throwaway
+# --run and a one-step run, so a case that were accepted would train one step, not 2,000.
+BAD_OPTIONS = [
+    (["train", "--d-model", "30"], ["--d-model", "--n-heads"]),  # heads do not divide it
+    (["train", "--d-model", "36"], ["--d-model", "--n-heads"]),  # odd head width for RoPE
+    (["train", "--n-kv-heads", "3"], ["--n-kv-heads", "--n-heads"]),
+    (["train", "--n-heads", "0"], ["--n-heads"]),
+    (["train", "--steps", "-5"], ["--steps"]),
+    (["train", "--steps", "2.5"], ["--steps"]),
+    (["train", "--batch", "0"], ["--batch"]),
+    (["train", "--seed", "-1"], ["--seed"]),
+    (["train", "--lr", "0"], ["--lr"]),
+    (["train", "--lr", "nan"], ["--lr"]),
+    (["train", "--weight-decay", "-0.1"], ["--weight-decay"]),
+    (["train", "--eval-every", "0"], ["--eval-every"]),
+    (["train", "--dropout", "1"], ["--dropout"]),
+    (["train", "--local-window", "-1"], ["--local-window"]),
+    (["train", "--implementation", "fast"], ["--implementation"]),
+    (["train", "--pairs", "0"], ["--pairs"]),
+    (["train", "--pairs", "70"], ["--pairs", "--n-keys"]),
+    (["train", "--seq-len", "33"], ["--seq-len", "--pairs"]),
+    (["train", "--seq-len", "300"], ["--seq-len", "--n-keys", "--n-values"]),
+    (["train", "--copy-fraction", "1.5"], ["--copy-fraction"]),
+    (["train", "--stop-at", "0"], ["--stop-at"]),
+    (["train", "--no-such-option"], ["--no-such-option"]),
+    (["generate", "--context", "40"], ["--context", "--new-tokens", "--batch"]),
+    (["generate", "--new-tokens", "0"], ["--new-tokens"]),
+    (["verify", "--seq-lens", "1,x"], ["--seq-lens"]),
+    (["verify", "--seq-lens", "0"], ["--seq-lens"]),
+]
+QUICK = ["--steps", "1", "--eval-recall", "1", "--eval-copy", "1", "--no-progress"]
+
+
+def usage_error(capsys, argv) -> str:
+    """Runs the command line on ``argv``, which must stop with exit status 2 after the
+    usage and one `error:` line; returns that line."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    errors = [line for line in lines if "error:" in line]
+    assert lines[0].startswith("usage: python -m examples.recall"), err
+    assert errors == [lines[-1]], err  # one error line, the last
+    assert lines[-1].startswith(f"python -m examples.recall {argv[0]}: error: "), err
+    return lines[-1]
+
+
+@pytest.mark.parametrize("argv, flags", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_a_bad_option_is_one_error_line_naming_its_flags(capsys, tmp_path, argv, flags):
+    command, *options = argv
+    run = ["--run", str(tmp_path / "run")]
+    line = usage_error(capsys, [command, *run, *(QUICK if command == "train" else []), *options])
+    for flag in flags:
+        assert flag in line, (flag, line)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("command", ["generate", "verify"])
+def test_a_run_without_a_checkpoint_is_one_error_line(capsys, tmp_path, command):
+    (tmp_path / "empty").mkdir()
+    for run in (tmp_path / "missing", tmp_path / "empty"):
+        line = usage_error(capsys, [command, "--run", str(run)])
+        assert f"no checkpoint in --run {run}" in line, line
+        assert f"python -m examples.recall train --run {run}" in line, line
+
+
+def test_train_into_a_file_is_one_error_line(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    line = usage_error(capsys, ["train", "--run", str(tmp_path / "file"), *QUICK])
+    assert "--run" in line, line
+
+
+def _flags(run: train.Run) -> list[str]:
+    """The command line that builds ``run``'s configuration."""
+    argv = []
+    for config in (run.train, run.model, run.task):
+        for name, value in dataclasses.asdict(config).items():
+            flag = "--" + name.replace("_", "-")
+            if name == "vocab":
+                continue
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, str(value)]
+    return argv
+
+
+def test_training_a_run_with_another_configuration_names_the_differing_flags(capsys, trained):
+    directory = trained[2]
+    other = tiny_run(lr=2e-2)
+    line = usage_error(capsys, ["train", "--run", str(directory), *_flags(other)])
+    assert "another configuration" in line and "(--lr 0.02, saved 0.01)" in line, line
+    assert "--restart" in line and "another --run" in line and "--out" not in line, line
+
+
+def test_a_missing_extra_is_one_line_naming_the_install(capsys, monkeypatch):
+    monkeypatch.setattr(recall_main, "EXTRA_MODULES", ("optax", "no_such_module_for_the_test"))
+    assert main(["train", "--help"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert "needs no_such_module_for_the_test, not installed" in err, err  # optax is there
+    assert "pip install -e '.[examples]'" in err, err
+
+
+def test_the_examples_extra_is_exactly_what_the_example_imports():
+    """pyproject.toml's [examples] holds the distributions of every module that
+    examples/recall imports beyond the standard library, nanoattn and nanoattn's own
+    dependencies; the command line's EXTRA_MODULES are those modules, and [test]
+    includes [examples] (`make test` runs the example)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def name(requirement: str) -> str:
+        return re.split(r"[<>=!~\[ ;]", requirement)[0].lower().replace("_", "-")
+
+    core = {name(r) for r in project["dependencies"]}
+    modules = set()
+    for path in (ROOT / "examples" / "recall").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules.add(node.module.split(".")[0])
+    third_party = {m for m in modules if m not in sys.stdlib_module_names and m != "nanoattn"}
+    distributions = importlib.metadata.packages_distributions()
+    needed = {name(d) for m in third_party for d in distributions[m]} - core
+    extras = project["optional-dependencies"]
+    assert {name(r) for r in extras["examples"]} == needed
+    assert set(recall_main.EXTRA_MODULES) == third_party - {"jax", "flax", "numpy"}
+    test = extras["test"]
+    assert "nanoattn[examples]" in test or needed <= {name(r) for r in test}, test
+
+
+def test_python_dash_m_prints_the_usage_and_one_error_line(tmp_path):
+    # As a user runs it: the process, not main(), so nothing but argparse's lines.
+    argv = ["-m", "examples.recall", "train", "--run", str(tmp_path), "--d-model", "30"]
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2 and not done.stdout, done
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("usage:"), done.stderr
+    assert [line for line in lines if "error:" in line] == [lines[-1]], done.stderr
+    assert "--d-model" in lines[-1] and "--n-heads" in lines[-1], lines[-1]

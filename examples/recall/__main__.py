@@ -1,24 +1,117 @@
 """``python -m examples.recall train|generate|verify``: parses, calls the example's
-functions and prints."""
+functions and prints.
+
+Every bad option, and a run directory with no checkpoint for ``generate`` and
+``verify``, is a usage error: argparse's usage, one ``error:`` line naming the flags,
+exit status 2."""
 
 import argparse
 import dataclasses
+import importlib.util
+import math
+import re
 import sys
 import time
 from pathlib import Path
 
 DEFAULT_RUN = Path(__file__).resolve().parent / "runs" / "default"
+PROG = "python -m examples.recall"
+# What the example imports beyond nanoattn's own dependencies: pyproject.toml's
+# [examples] extra (top-level module names; tests/test_example_recall.py checks both).
+EXTRA_MODULES = ("matplotlib", "optax", "orbax", "tqdm")
 
 
-def _optional_int(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
+def _number(convert, check, expected: str):
+    """An argparse type: ``convert(text)``, kept when ``check`` holds, else the error
+    argparse prints as ``argument --flag: expected ..., got ...``."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not check(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _optional_str(text: str) -> str | None:
-    return None if text.lower() == "none" else text
+positive_int = _number(int, lambda n: n >= 1, "an integer >= 1")
+non_negative_int = _number(int, lambda n: n >= 0, "an integer >= 0")
+positive_float = _number(float, lambda x: math.isfinite(x) and x > 0, "a number > 0")
+non_negative_float = _number(float, lambda x: math.isfinite(x) and x >= 0, "a number >= 0")
+rate = _number(float, lambda x: 0 <= x < 1, "a rate in [0, 1)")
+fraction = _number(float, lambda x: 0 <= x <= 1, "a fraction in [0, 1]")
 
 
-_TYPES = {int: int, float: float, int | None: _optional_int, str | None: _optional_str}
+def _none_or(parse):
+    def parse_optional(text: str):
+        return None if text.lower() == "none" else parse(text)
+
+    return parse_optional
+
+
+def _implementation(text: str) -> str | None:
+    """A nanoattn backend's name, or none (nanoattn chooses); nanoattn checks the name."""
+    from nanoattn.nnx import AttentionConfig
+
+    name = None if text.lower() == "none" else text
+    try:
+        AttentionConfig(d_model=1, n_heads=1, implementation=name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
+def _lengths(text: str) -> list[int]:
+    """Comma-separated sequence lengths, each >= 1: ``1,2,8``."""
+    try:
+        lengths = [int(s) for s in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers >= 1 (e.g. 1,2,8), got {text!r}"
+        )
+    return lengths
+
+
+# The type of every option made from a config field: its range, checked as it is parsed.
+_FIELD_TYPES = {
+    # TrainConfig
+    "seed": non_negative_int,
+    "steps": positive_int,
+    "batch": positive_int,
+    "lr": positive_float,
+    "warmup": non_negative_int,
+    "weight_decay": non_negative_float,
+    "eval_every": positive_int,
+    "eval_recall": positive_int,
+    "eval_copy": positive_int,
+    "checkpoint_every": positive_int,
+    "log_every": positive_int,
+    # ModelConfig
+    "d_model": positive_int,
+    "n_heads": positive_int,
+    "n_kv_heads": positive_int,
+    "n_layers": positive_int,
+    "mlp_ratio": positive_int,
+    "dropout": rate,
+    "rope_base": positive_float,
+    "local_window": _none_or(non_negative_int),
+    "implementation": _implementation,
+    # TaskConfig
+    "pairs": positive_int,
+    "seq_len": positive_int,
+    "n_keys": positive_int,
+    "n_values": positive_int,
+    "copy_fraction": fraction,
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _add_dataclass_options(parser, cls, skip=()):
@@ -27,28 +120,43 @@ def _add_dataclass_options(parser, cls, skip=()):
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
-        flag = "--" + field.name.replace("_", "-")
         if field.type is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            group.add_argument(
+                _flag(field.name), action=argparse.BooleanOptionalAction, default=field.default
+            )
         else:
             group.add_argument(
-                flag,
-                type=_TYPES[field.type],
+                _flag(field.name),
+                type=_FIELD_TYPES[field.name],
                 default=field.default,
                 metavar=field.name.upper(),
                 help=f"default {field.default}",
             )
 
 
-def _options(args, cls, skip=(), **given):
+def _options(parser, args, cls, skip=(), **given):
+    """``cls`` built from the parsed options; a combination it rejects (say a width
+    the heads do not divide) is a usage error, its message naming the flags."""
     names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
-    return cls(**{name: getattr(args, name) for name in names}, **given)
+    try:
+        return cls(**{name: getattr(args, name) for name in names}, **given)
+    except ValueError as e:
+        # The configs name fields as name=value: say --name=value, the flag's spelling.
+        fields = "|".join(names)
+        parser.error(re.sub(rf"\b({fields})=", lambda m: _flag(m[1]) + "=", str(e)))
 
 
-def _parser() -> argparse.ArgumentParser:
+def _run_option(parser):
+    parser.add_argument(
+        "--run", type=Path, default=DEFAULT_RUN, help=f"run directory ({DEFAULT_RUN})"
+    )
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The parser and its subcommands' parsers, by name."""
     from . import data, model, train
 
-    parser = argparse.ArgumentParser(prog="python -m examples.recall", description=__doc__)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser(
@@ -59,11 +167,11 @@ def _parser() -> argparse.ArgumentParser:
         "Resumes from the latest checkpoint in --run, with the results of an "
         "uninterrupted run.",
     )
-    p.add_argument("--run", type=Path, default=DEFAULT_RUN, help=f"run directory ({DEFAULT_RUN})")
+    _run_option(p)
     p.add_argument("--restart", action="store_true", help="discard the run's checkpoints first")
     p.add_argument(
         "--stop-at",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="STEP",
         help="stop after this step (resume later with the same command)",
@@ -82,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
         "cache. By default both with the KV cache and without it (the whole context "
         "recomputed per token), timed side by side, and the tokens compared.",
     )
-    p.add_argument("--run", type=Path, default=DEFAULT_RUN, help=f"run directory ({DEFAULT_RUN})")
+    _run_option(p)
     p.add_argument(
         "--no-cache",
         action="store_true",
@@ -90,17 +198,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--context",
-        type=int,
+        type=positive_int,
         default=512,
         help="cache capacity and longest context of the timing batch (512)",
     )
     p.add_argument(
         "--new-tokens",
-        type=int,
+        type=positive_int,
         default=32,
         help="tokens generated per row in the timing batch (32)",
     )
-    p.add_argument("--batch", type=int, default=4, help="rows of the timing batch (4)")
+    p.add_argument("--batch", type=positive_int, default=4, help="rows of the timing batch (4)")
 
     p = commands.add_parser(
         "verify",
@@ -109,19 +217,40 @@ def _parser() -> argparse.ArgumentParser:
         "decoding checks on the model of the latest checkpoint in --run. Exit status 1 "
         "when a check fails.",
     )
-    p.add_argument("--run", type=Path, default=DEFAULT_RUN, help=f"run directory ({DEFAULT_RUN})")
+    _run_option(p)
     p.add_argument(
-        "--seq-lens", default=None, help="causality lengths, e.g. 1,2,8 (default: 1 to 513)"
+        "--seq-lens",
+        type=_lengths,
+        default=None,
+        help="causality lengths, e.g. 1,2,8 (default: 1 to 513)",
     )
-    return parser
+    return parser, commands.choices
 
 
-def _train(args) -> int:
+def _checkpoints(parser, args) -> Path:
+    """The run's checkpoint directory; no checkpoint in it is a usage error."""
+    from . import checkpoint
+
+    directory = args.run / "checkpoints"
+    if checkpoint.latest(directory) is None:
+        train = f"{PROG} train" + ("" if args.run == DEFAULT_RUN else f" --run {args.run}")
+        parser.error(f"no checkpoint in --run {args.run}: train first ({train})")
+    return directory
+
+
+def _train(parser, args) -> int:
     from . import data, model, train
 
-    task = _options(args, data.TaskConfig)
-    sizes = _options(args, model.ModelConfig, skip=("vocab",), vocab=task.vocab)
-    run = train.Run(sizes, task, _options(args, train.TrainConfig))
+    if args.run.exists() and not args.run.is_dir():
+        parser.error(f"--run {args.run} is a file, not a directory")
+    task = _options(parser, args, data.TaskConfig)
+    sizes = _options(parser, args, model.ModelConfig, skip=("vocab",), vocab=task.vocab)
+    run = train.Run(sizes, task, _options(parser, args, train.TrainConfig))
+    if not args.restart:
+        try:
+            train.check_resumable(run, args.run)
+        except ValueError as e:
+            parser.error(str(e))
     print(f"model {run.model}\ntask {run.task}\ntrain {run.train}")
     try:
         _, run = train.train(
@@ -142,15 +271,24 @@ def _train(args) -> int:
     return 0
 
 
-def _generate(args) -> int:
+def _generate(parser, args) -> int:
     from . import generate, train
 
-    model, run, step = train.restore(args.run / "checkpoints")
+    shortest = args.context - args.new_tokens - 8 * (args.batch - 1)
+    if shortest < 1:
+        parser.error(
+            f"--context {args.context} leaves no room for --batch {args.batch} prompts "
+            f"(lengths 8 apart) and --new-tokens {args.new_tokens}: the shortest prompt "
+            f"would have {shortest} tokens; pass --context "
+            f"{args.new_tokens + 8 * (args.batch - 1) + 1} or more"
+        )
+    model, run, step = train.restore(_checkpoints(parser, args))
     print(f"model of step {step} in {args.run}")
     both = not args.no_cache
     status = 0
 
-    copy_lengths = sorted({3, 9, 17, run.task.max_copy})
+    max_copy = run.task.max_copy
+    copy_lengths = sorted({n for n in (3, 9, 17) if n < max_copy} | {max_copy})
     cuts = [0, run.task.queries - 1]
     prompts, expected = generate.task_prompts(run.train.seed, run.task, copy_lengths, cuts)
     n = max(len(e) for e in expected)
@@ -196,11 +334,11 @@ def _generate(args) -> int:
     return status
 
 
-def _verify(args) -> int:
+def _verify(parser, args) -> int:
     from . import train, verify
 
-    model, _, step = train.restore(args.run / "checkpoints")
-    seq_lens = None if args.seq_lens is None else [int(s) for s in args.seq_lens.split(",")]
+    model, _, step = train.restore(_checkpoints(parser, args))
+    seq_lens = args.seq_lens
     print(f"nanoattn.verify on the model of step {step} in {args.run}")
     start = time.perf_counter()
     reports = verify.verify(model, seq_lens=seq_lens)
@@ -212,8 +350,20 @@ def _verify(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    return {"train": _train, "generate": _generate, "verify": _verify}[args.command](args)
+    missing = [name for name in EXTRA_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"{PROG}: error: the example needs {', '.join(missing)}, not installed: "
+            "pip install -e '.[examples]' (from the repository root)",
+            file=sys.stderr,
+        )
+        return 2
+    parser, commands = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse says so after the top-level usage; the subcommand's is of use
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    run = {"train": _train, "generate": _generate, "verify": _verify}[args.command]
+    return run(commands[args.command], args)
 
 
 if __name__ == "__main__":

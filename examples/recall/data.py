@@ -45,7 +45,8 @@ class TaskConfig:
       pairs: P, key-value pairs per recall sequence.
       seq_len: T, the length of every sequence (even, at least 2 + 4P: every key
         is queried at least once).
-      n_keys, n_values: how many distinct key and value tokens there are.
+      n_keys, n_values: how many distinct key and value tokens there are (together
+        at least ``max_copy``: a copied sequence has distinct symbols).
       copy_fraction: the share of copy sequences in a training batch.
     """
 
@@ -56,17 +57,27 @@ class TaskConfig:
     copy_fraction: float = 0.25
 
     def __post_init__(self):
-        if not 1 <= self.pairs <= self.n_keys:
-            raise ValueError(f"pairs must be in [1, n_keys={self.n_keys}], got {self.pairs}")
+        # Every message names a field as ``name=value``: the command line shows it as
+        # its flag (``--n-keys=64``).
+        for name in ("pairs", "seq_len", "n_keys", "n_values"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.pairs > self.n_keys:
+            raise ValueError(
+                f"pairs={self.pairs} needs as many distinct keys: at most n_keys={self.n_keys}"
+            )
         if self.seq_len % 2 or self.seq_len < 2 + 4 * self.pairs:
             raise ValueError(
-                f"seq_len must be even and >= 2 + 4 * pairs = {2 + 4 * self.pairs}, "
-                f"got {self.seq_len}"
+                f"seq_len={self.seq_len} must be even and >= 2 + 4 * pairs = "
+                f"{2 + 4 * self.pairs} (pairs={self.pairs}: every key queried once)"
             )
-        if self.n_values < 1:
-            raise ValueError(f"n_values must be >= 1, got {self.n_values}")
+        if self.n_keys + self.n_values < self.max_copy:
+            raise ValueError(
+                f"seq_len={self.seq_len} holds copies of up to {self.max_copy} distinct "
+                f"symbols, more than n_keys={self.n_keys} + n_values={self.n_values}"
+            )
         if not 0.0 <= self.copy_fraction <= 1.0:
-            raise ValueError(f"copy_fraction must be in [0, 1], got {self.copy_fraction}")
+            raise ValueError(f"copy_fraction={self.copy_fraction} must be in [0, 1]")
 
     @property
     def vocab(self) -> int:

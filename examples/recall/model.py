@@ -55,6 +55,18 @@ class ModelConfig:
     local_window: int | None = 1
     implementation: str | None = "xla"
 
+    def __post_init__(self):
+        # At construction, not at the first compiled call: nanoattn's AttentionConfig
+        # checks the heads, the head width RoPE needs, the rate and the backend (its
+        # messages name fields as ``name=value``, as these do).
+        for name in ("vocab", "n_layers", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.local_window is not None and self.local_window < 0:
+            raise ValueError(f"local_window={self.local_window} must be >= 0 or None")
+        for layer in range(self.n_layers):
+            self.attention(layer)
+
     def attention(self, layer: int) -> AttentionConfig:
         """The attention of block ``layer``: local in the even blocks but the last."""
         local = self.local_window is not None and layer % 2 == 0 and layer < self.n_layers - 1

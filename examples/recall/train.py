@@ -182,6 +182,29 @@ def _format_time(seconds: float) -> str:
     return f"{int(seconds // 60)}m{seconds % 60:04.1f}s"
 
 
+def check_resumable(run: Run, out: Path) -> None:
+    """Raises ValueError when ``out`` holds checkpoints of a run with another
+    configuration, naming each option that differs (as its flag of the command line)."""
+    ckpt_dir = Path(out) / "checkpoints"
+    step = checkpoint.latest(ckpt_dir)
+    if step is None:
+        return
+    saved = Run.from_json(checkpoint.load_meta(ckpt_dir, step)).to_json()
+    given = run.to_json()
+    differ = [
+        f"--{name.replace('_', '-')} {given[part][name]}, saved {saved[part].get(name)}"
+        for part in ("model", "task", "train")
+        for name in given[part]
+        if name != "vocab" and given[part][name] != saved[part].get(name)
+    ]
+    if differ or saved | {"history": []} != given | {"history": []}:
+        which = f" ({'; '.join(differ)})" if differ else ""
+        raise ValueError(
+            f"{ckpt_dir} holds a run with another configuration{which}: pass --restart "
+            "to replace it, or choose another --run"
+        )
+
+
 def train(
     run: Run,
     out: Path,
@@ -207,12 +230,8 @@ def train(
     state = jax.device_put(state, jax.devices()[0])
     start, pending = checkpoint.latest(ckpt_dir) or 0, []
     if start:
+        check_resumable(run, out)
         saved = Run.from_json(checkpoint.load_meta(ckpt_dir, start))
-        if saved.to_json() | {"history": []} != run.to_json() | {"history": []}:
-            raise ValueError(
-                f"{ckpt_dir} holds a run with another configuration: pass --restart to "
-                "replace it, or choose another --out"
-            )
         run.history = saved.history
         pending = [np.float32(x) for x in checkpoint.load_meta(ckpt_dir, start)["pending"]]
         restored = checkpoint.load_state(ckpt_dir, start, nnx.to_pure_dict(state))

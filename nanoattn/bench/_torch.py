@@ -11,7 +11,10 @@ def available() -> str | None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        return "torch is not installed (pip install 'nanoattn[bench]' or torch==2.13.0)"
+        return (
+            "torch is not installed (an optional peer, in no extra of nanoattn: pip install "
+            "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, the CPU build)"
+        )
     return None
 
 
