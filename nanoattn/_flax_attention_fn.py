@@ -153,7 +153,8 @@ def flax_attention_fn(
     weights_dtype = (
         jnp.dtype(jnp.float32) if force_fp32_for_softmax and dtype != jnp.float32 else dtype
     )
-    out_dtype = jnp.promote_types(weights_dtype, dtype)
+    with jax.numpy_dtype_promotion("standard"):  # flax's rules, whatever the caller's mode
+        out_dtype = jnp.promote_types(weights_dtype, dtype)
     if not deterministic:  # flax checks nothing when deterministic
         check_dropout(dropout_rate, dropout_rng)
     dropout = not deterministic and dropout_rate > 0.0
@@ -245,7 +246,9 @@ def _flax_dropout(rate, rng, broadcast: bool, batch, dtype):
         shape = (1,) * (len(batch) + 1) + (T, S) if broadcast else (*batch, N, T, S)
         keep = jax.random.bernoulli(rng, keep_prob, shape)
         multiplier = keep.astype(dtype) / jnp.asarray(keep_prob, dtype)
-        return probs * multiplier.reshape(-1, *multiplier.shape[-3:])  # (B|1, N|1, T, S)
+        multiplier = multiplier.reshape(-1, *multiplier.shape[-3:])  # (B|1, N|1, T, S)
+        with jax.numpy_dtype_promotion("standard"):  # flax multiplies in the promoted dtype
+            return probs * multiplier
 
     return drop
 

@@ -172,4 +172,6 @@ def combine_masks(*masks):
     except ValueError:
         shapes = ", ".join(str(m.shape) for m in present)
         raise ValueError(f"masks must broadcast together, got shapes {shapes}") from None
+    rank = max(m.ndim for m in present)  # numpy's broadcasting, written out (rank promotion)
+    present = [m.reshape((1,) * (rank - m.ndim) + m.shape) for m in present]
     return functools.reduce(jnp.logical_and, present)

@@ -24,8 +24,13 @@ def large_negative(dtype) -> float:
 
 
 def compute_dtype(*dtypes):
-    """The softmax dtype: at least float32 (bfloat16/float16 upcast, float64 kept)."""
-    return jnp.result_type(*dtypes, jnp.float32)
+    """The softmax dtype: at least float32 (bfloat16/float16 upcast, float64 kept).
+
+    A rule of nanoattn's, not a promotion of the caller's arrays: it holds under
+    ``jax_numpy_dtype_promotion='strict'`` too, where bfloat16 and float32 have no
+    implicit common type."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.result_type(*dtypes, jnp.float32)
 
 
 def allowed_mask(spec: AttentionSpec):

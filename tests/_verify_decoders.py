@@ -73,7 +73,7 @@ def _full(x, embed):
 def _write(cache, new, position, lengths):
     """Writes row b's first ``lengths[b]`` of new (B, L, N, H) at ``position[b]`` onwards."""
     B, S = cache.shape[:2]
-    steps = jnp.arange(new.shape[1])
+    steps = jnp.arange(new.shape[1])[None, :]  # (1, L)
     slots = jnp.where(steps < lengths[:, None], position[:, None] + steps, S)  # (B, L)
     return cache.at[jnp.arange(B)[:, None], slots].set(new, mode="drop")
 
@@ -87,15 +87,15 @@ def _decode(cache, chunk, lengths, embed, bug):
     S = cache["key"].shape[1]
     position = cache["position"]
     start = jnp.where(at_zero, 0, position)
-    q, k, v = _project(x, start[:, None] + jnp.arange(L))
+    q, k, v = _project(x, start[:, None] + jnp.arange(L)[None, :])
     at = position + late
     k, v = (jnp.where(rounded, a.astype(jnp.bfloat16).astype(a.dtype), a) for a in (k, v))
     keys = _write(cache["key"], k, at, lengths)
     values = _write(cache["value"], v, at, lengths)
     end = position + lengths
     # One attention over the cache slots j, every rule (and bug) in one mask (B, L, S).
-    query = (position[:, None] + jnp.arange(L))[..., None]  # (B, L, 1) positions of the queries
-    j = jnp.arange(S)
+    query = (position[:, None] + jnp.arange(L)[None, :])[..., None]  # (B, L, 1) query positions
+    j = jnp.arange(S)[None, None, :]
     mask = (j < end[:, None, None]) & (j >= query - WINDOW - wide)
     mask &= ahead | (j <= query)  # causal, unless the bug lets a query see its whole chunk
     mask &= ~no_cache | (j >= position[:, None, None])  # the chunk's own slots only

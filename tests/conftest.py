@@ -9,6 +9,13 @@ prints a blob to replay any failure it finds, to hunt for new bugs locally.
 
 import os
 
+# The suite runs with jax's strict rank promotion, as jax's own test suite and many
+# JAX codebases do: an implicit broadcast of arrays of different ranks raises. Set
+# before jax is imported, so the subprocesses the tests start inherit it; a caller's
+# own setting is kept. tests/test_strict_modes.py runs the core under the other
+# strict modes (jax_numpy_dtype_promotion='strict', jax_enable_checks).
+os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
+
 import jax
 import pytest
 from hypothesis import settings

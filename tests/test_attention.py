@@ -211,7 +211,8 @@ def test_mixed_float64_operands_compute_in_float64(x64):
     # A float32 query with a float64 key: weights come back in float32, but the key's
     # gradient is float64 and as exact as with a float64 query.
     def loss(q, k):
-        return jnp.sum(attention_weights(q, k).astype(jnp.float64) * np.arange(S))  # exact in f32
+        weights = attention_weights(q, k).astype(jnp.float64)
+        return jnp.sum(weights * np.arange(S).reshape(1, 1, 1, S))  # exact in f32
 
     dk = jax.grad(loss, argnums=1)(q.astype(f32), k)
     want = jax.grad(loss, argnums=1)(q.astype(f32).astype(np.float64), k)

@@ -30,8 +30,22 @@ from _reference import np_attention, randn
 BATCH, T, S, N, H, D = (2, 3), 5, 7, 11, 4, 13
 ATOL = 1e-5
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-flax_linen_fn = nn.dot_product_attention
-flax_nnx_fn = nnx.dot_product_attention
+
+
+def _allowing_rank_promotion(function):
+    """flax's own function, the reference here, broadcasts ranks implicitly (the suite
+    runs with jax_numpy_rank_promotion='raise', tests/conftest.py)."""
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with jax.numpy_rank_promotion("allow"):
+            return function(*args, **kwargs)
+
+    return call
+
+
+flax_linen_fn = _allowing_rank_promotion(nn.dot_product_attention)
+flax_nnx_fn = _allowing_rank_promotion(nnx.dot_product_attention)
 
 
 @pytest.fixture

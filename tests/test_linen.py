@@ -395,13 +395,13 @@ def test_positions_feed_rope_like_a_direct_computation():
 
     def direct(p, x, positions):
         p = p["params"]
-        qkv = x @ p["qkv"]["kernel"] + p["qkv"]["bias"]
+        qkv = x @ p["qkv"]["kernel"] + p["qkv"]["bias"][None, None]
         q = qkv[..., : N * H].reshape(B, TL, N, H)
         k = qkv[..., N * H : (N + K) * H].reshape(B, TL, K, H)
         v = qkv[..., (N + K) * H :].reshape(B, TL, K, H)
         q, k = apply_rope(q, positions, base=50.0), apply_rope(k, positions, base=50.0)
         heads = dot_product_attention(q, k, v, is_causal=True).reshape(B, TL, D)
-        return heads @ p["out"]["kernel"] + p["out"]["bias"]
+        return heads @ p["out"]["kernel"] + p["out"]["bias"][None, None]
 
     @jax.jit
     def run(p, x, positions):  # one compilation for the four results

@@ -168,7 +168,7 @@ def test_nan_and_inf_bias_where_blocked_reach_no_gradient(implementation):
         out = dot_product_attention(
             q, k, v, bias=bias, mask=mask, logit_soft_cap=2.0, implementation=implementation
         )
-        return jnp.sum(out * np.arange(8))
+        return jnp.sum(out * np.arange(8).reshape(1, 1, 1, 8))
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     for got, want in zip(grad(q, k, v, dirty), grad(q, k, v, clean)):

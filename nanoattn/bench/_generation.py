@@ -142,7 +142,7 @@ def flax_decoder(layer: nn.MultiHeadDotProductAttention, x, context: int, capaci
     prompt = x[:, :context]
     for name, slot in (("key", "cached_key"), ("value", "cached_value")):
         kernel, bias = params[name]["kernel"], params[name]["bias"]  # (D, N, H), (N, H)
-        projected = jnp.einsum("BTD,DNH->BTNH", prompt, kernel) + bias  # (B, C, N, H)
+        projected = jnp.einsum("BTD,DNH->BTNH", prompt, kernel) + bias[None, None]  # (B, C, N, H)
         cache[slot] = cache[slot].at[:, :context].set(projected.astype(cache[slot].dtype))
     cache["cache_index"] = jnp.array(context, jnp.int32)
 
