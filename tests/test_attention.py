@@ -434,3 +434,81 @@ def test_attention_weights_validates_too():
         attention_weights(q, k, is_causal=True)
     with pytest.raises(TypeError, match="boolean"):
         attention_weights(q, k, mask=np.ones((T, S), np.int32))
+
+
+# Unbatched calls, as jax.nn takes them: query (T, N, H), key and value (S, K, H), a mask
+# or bias broadcastable to (N, T, S), a scalar kv_lengths, segment ids (T,) and (S,).
+UNBATCHED_RULES = {
+    "plain": {},
+    "causal-offset": dict(is_causal=True, q_offset=2),
+    "window-lengths": dict(window=(2, 1), q_offset=1, kv_lengths=np.int32(5)),
+    "segments-cap": dict(
+        q_segment_ids=np.array([0, 0, 1, 1, 1]), kv_segment_ids=np.array([0, 0, 0, 1, 1, 1, 1]),
+        logit_soft_cap=3.0,
+    ),
+    "mask-bias": dict(mask=randn(9, N, T, S) > 0, bias=randn(10, N, T, S)),
+}  # fmt: skip
+
+
+def _batched_rules(rules):
+    """The same rules for a batch of one."""
+    out = dict(rules)
+    for name in ("kv_lengths", "q_segment_ids", "kv_segment_ids", "mask", "bias"):
+        if name in out:
+            out[name] = np.asarray(out[name])[None]
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
+def test_unbatched_calls_equal_a_batch_of_one_on_every_backend(implementation):
+    q, k, v = (x[0] for x in qkv(30))
+    rules = {
+        n: r for n, r in UNBATCHED_RULES.items() if implementation != "native" or n != "mask-bias"
+    }
+
+    @jax.jit
+    def run(q, k, v):  # every rule unbatched, and batched with B = 1: one compilation
+        def attend(q, k, v, **rules):
+            return dot_product_attention(
+                q, k, v, implementation=implementation, return_residual=True, **rules
+            )
+
+        return {
+            name: (attend(q, k, v, **r), attend(q[None], k[None], v[None], **_batched_rules(r)))
+            for name, r in rules.items()
+        }
+
+    for name, ((out, lse), (want, want_lse)) in run(q, k, v).items():
+        assert out.shape == (T, N, H) and lse.shape == (T, N), name
+        np.testing.assert_array_equal(out, want[0], err_msg=name)
+        np.testing.assert_array_equal(lse, want_lse[0], err_msg=name)
+    rules = UNBATCHED_RULES["segments-cap"]
+    weights = attention_weights(q, k, **rules)
+    assert weights.shape == (N, T, S)
+    want = attention_weights(q[None], k[None], **_batched_rules(rules))[0]
+    np.testing.assert_array_equal(weights, want)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
+def test_vmap_over_the_batch_equals_the_batched_call_forward_and_backward(implementation):
+    q, k, v = qkv(31)
+    lengths = np.array([7, 3], np.int32)
+
+    def one(q, k, v, lengths):  # an unbatched call: (T, N, H) and (S, K, H)
+        return dot_product_attention(
+            q, k, v, is_causal=True, q_offset=2, kv_lengths=lengths, implementation=implementation
+        )
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(f(q, k, v) * np.arange(H).reshape(1, 1, 1, H))
+
+    mapped = jax.vmap(one)
+    batched = lambda q, k, v: dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, q_offset=2, kv_lengths=lengths, implementation=implementation
+    )
+    got = jax.jit(lambda q, k, v: mapped(q, k, v, lengths))(q, k, v)
+    np.testing.assert_allclose(got, batched(q, k, v), atol=1e-6, rtol=1e-6)
+    grads = jax.jit(jax.grad(loss(lambda q, k, v: mapped(q, k, v, lengths)), argnums=(0, 1, 2)))
+    want = jax.grad(loss(batched), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads(q, k, v), want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)

@@ -143,6 +143,31 @@ SHARED = [
     ("nan-scale", Q, KV, KV, {"scale": math.nan}, ValueError, "scale must be finite"),
     ("scale-vector", Q, KV, KV, {"scale": np.ones(2, np.float32)}, ValueError,
      "scale must be a scalar"),
+    # Arguments of the wrong type: a one-line TypeError naming the argument (issue #21).
+    ("string-q_offset", Q, KV, KV, {"is_causal": True, "q_offset": "2"}, TypeError,
+     Whole("q_offset must be an int or an int array, got str '2'")),
+    ("list-of-strings-q_offset", Q, KV, KV, {"is_causal": True, "q_offset": ["a", "b"]},
+     TypeError, Whole("q_offset must be an int or an int array, got list ['a', 'b']")),
+    ("string-query", "q", KV, KV, {}, TypeError,
+     Whole("query must be an array (B, T, N, H) or (T, N, H), got str 'q'")),
+    ("None-query", None, KV, KV, {}, TypeError,
+     Whole("query must be an array (B, T, N, H) or (T, N, H), got NoneType None")),
+    ("None-key", Q, None, KV, {}, TypeError,
+     Whole("key must be an array (B, S, K, H), got NoneType None")),
+    ("ragged-list-key", Q, [[1.0], [1.0, 2.0]], KV, {}, TypeError,
+     Whole("key must be an array (B, S, K, H), got list [[1.0], [1.0, 2.0]]")),
+    ("string-mask", Q, KV, KV, {"mask": "causal"}, TypeError,
+     Whole("mask must be a boolean array broadcastable to (B, N, T, S), got str 'causal'")),
+    ("object-bias", Q, KV, KV, {"bias": object}, TypeError,
+     "bias must be a float array broadcastable to (B, N, T, S), got type"),
+    ("string-kv_lengths", Q, KV, KV, {"kv_lengths": "5"}, TypeError,
+     Whole("kv_lengths must be an int array (B,), got str '5'")),
+    ("string-segment-ids", Q, KV, KV, {"q_segment_ids": "a", "kv_segment_ids": i32(B, S)},
+     TypeError, Whole("q_segment_ids must be an int array (B, T), got str 'a'")),
+    ("string-is_causal", Q, KV_T, KV_T, {"is_causal": "yes"}, TypeError,
+     Whole("is_causal must be True or False, got 'yes'")),
+    ("int-is_causal", Q, KV_T, KV_T, {"is_causal": 1}, TypeError,
+     Whole("is_causal must be True or False, got 1")),
 ]  # fmt: skip
 
 ROWS = [
@@ -152,6 +177,11 @@ ROWS = [
 ]
 
 dpa, flash = nanoattn.dot_product_attention, nanoattn.flash_attention
+ROWS += [
+    row(f"{name}-string-return_residual", fn, Q, KV, KV, return_residual="yes",
+        raises=TypeError, match=Whole("return_residual must be True or False, got 'yes'"))
+    for name, fn in (("dot_product_attention", dpa), ("flash_attention", flash))
+]  # fmt: skip
 ROWS += [
     row("dot_product_attention-int-value", dpa, Q, KV, KV.astype(np.int32), raises=TypeError,
         match="value must be a floating-point array, got dtype int32"),
