@@ -89,6 +89,9 @@ class Call:
     bad: str | None = None  # "nan", "inf", "-inf" written into unseen content, or None
     features: tuple = ()
     seed: int = 0  # of the random arrays
+    # NaN or inf in content some query does see: (array, index, "nan" | "inf" | "-inf"),
+    # array one of "query", "key", "value", "bias"; real input, so it must show.
+    poison: tuple | None = None
 
     def __repr__(self):
         return f"Call({self.describe()})"
@@ -157,6 +160,53 @@ class Call:
             bias[seen == 0] = value
         return q, k, v, bias
 
+    def poisoned(self):
+        """:meth:`dirty`'s inputs, and the poison written where some query looks."""
+        q, k, v, bias = self.dirty()
+        if self.poison is not None:
+            array, index, bad = self.poison
+            {"query": q, "key": k, "value": v, "bias": bias}[array][index] = BAD[bad]
+        return q, k, v, bias
+
+    def reach(self) -> np.ndarray:
+        """(B, K): the batch rows and key/value head groups the poison may reach. Within
+        them a backend may give NaN or inf anywhere (a NaN among the values of a row
+        spreads through its sum over values, 0 * NaN = NaN, and through the gradients);
+        outside them everything must be finite and right."""
+        B, T, S, N, K, _ = self.sizes
+        G = N // K
+        touched = np.zeros((B, N), bool)
+        if self.poison is not None:
+            array, index, _ = self.poison
+            allowed = self.allowed()
+            if array == "query":
+                touched[index[0], index[2]] = True
+            elif array in ("key", "value"):
+                b, s, k = index[:3]
+                touched[b, k * G : (k + 1) * G] = allowed[b, k * G : (k + 1) * G, :, s].any(-1)
+            else:  # a bias cell, wherever it broadcasts
+                cell = np.zeros(self.bias.shape, bool)
+                cell[index] = True
+                seen = np.broadcast_to(cell, (B, N, T, S)) & allowed
+                touched = seen.any(axis=(2, 3))
+        return touched.reshape(B, K, G).any(-1)
+
+    def regions(self) -> list:
+        """Per quantity (out, dq, dk, dv, dbias), where the poison may reach, broadcast to
+        the quantity's shape."""
+        B, T, S, N, K, H = self.sizes
+        groups = self.reach()  # (B, K)
+        rows = np.repeat(groups, N // K, axis=1)[:, None, :, None]  # (B, 1, N, 1)
+        keys = groups[:, None, :, None]  # (B, 1, K, 1)
+        out = np.broadcast_to(rows, (B, T, N, H))
+        kv = np.broadcast_to(keys, (B, S, K, H))
+        dbias = None
+        if self.bias is not None:
+            heads = np.repeat(groups, N // K, axis=1)[:, :, None, None]  # (B, N, 1, 1)
+            cells = np.broadcast_to(heads, (B, N, T, S)).astype(np.float64)
+            dbias = sum_to_shape(cells, self.bias.shape).reshape(self.bias.shape) > 0
+        return [out, out, kv, kv, dbias]
+
     def describe(self) -> str:
         B, T, S, N, K, H = self.sizes
         parts = [f"B={B} T={T} S={S} N={N} K={K} H={H} {self.dtype} seed={self.seed}",
@@ -170,6 +220,8 @@ class Call:
         if self.bias is not None:
             parts.append(f"bias {self.bias.shape}")
         parts.append(f"bad={self.bad}")
+        if self.poison is not None:
+            parts.append(f"poison={self.poison[2]} in {self.poison[0]}{list(self.poison[1])}")
         return "; ".join(parts)
 
 
@@ -253,10 +305,11 @@ def programs(draw, native_only: bool = False) -> Program:
 
 
 @st.composite
-def inputs(draw, p: Program) -> Call:
+def inputs(draw, p: Program, poison: bool = True) -> Call:
     """The values of one call of program ``p``: arrays, traced offsets, key lengths
-    (0 and S often), segment ids (packed runs or random), mask, bias, and the
-    NaN or inf written where nothing may look."""
+    (0 and S often), segment ids (packed runs or random), mask, bias, the NaN or inf
+    written where nothing may look, and (a third of the calls, with ``poison``) one
+    NaN or inf where some query does look."""
     B, T, S, N, K, H = p.B, p.T, p.S, p.N, p.K, p.H
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
@@ -301,8 +354,41 @@ def inputs(draw, p: Program) -> Call:
     d_out = rng.standard_normal((B, T, N, H)).astype(dt)
     bad = draw(st.sampled_from((None, "nan", "inf", "-inf")))
     features += [f"bad-{bad}"] if bad else []
-    return Call(p.statics, p.dtype, q, k, v, d_out, bias, mask, offset, kv_lengths, q_ids,
+    call = Call(p.statics, p.dtype, q, k, v, d_out, bias, mask, offset, kv_lengths, q_ids,
                 kv_ids, bad, tuple(features), seed)  # fmt: skip
+    if not poison or draw(st.integers(0, 2)):  # a third of the calls
+        return call
+    places = _seen_places(call)
+    if not places:
+        return call
+    array = draw(st.sampled_from(sorted(places)))
+    candidates = places[array]
+    index = tuple(int(i) for i in candidates[rng.integers(len(candidates))])
+    if array != "bias":
+        index += (int(rng.integers(H)),)  # one feature of the head
+    kind = draw(st.sampled_from(("nan", "inf", "-inf")))
+    features = (*call.features, f"poison-{kind}", f"poison-{array}")
+    return dataclasses.replace(call, poison=(array, index, kind), features=features)
+
+
+def _seen_places(call: Call) -> dict:
+    """Where some query looks, per array: query rows (b, t, n) that see a key, keys and
+    values (b, s, k) that a query sees, bias cells seen wherever they broadcast."""
+    B, T, S, N, K, _ = call.sizes
+    allowed = call.allowed()  # (B, N, T, S)
+    places = {}
+    rows = np.argwhere(np.moveaxis(allowed.any(-1), 1, 2))  # (b, t, n)
+    if len(rows):
+        places["query"] = rows
+    keys = np.argwhere(allowed.reshape(B, K, N // K, T, S).any(axis=(2, 3)).transpose(0, 2, 1))
+    if len(keys):  # (b, s, k)
+        places["key"] = places["value"] = keys
+    if call.bias is not None:
+        seen = sum_to_shape(allowed.astype(np.float64), call.bias.shape).reshape(call.bias.shape)
+        cells = np.argwhere(seen > 0)
+        if len(cells):
+            places["bias"] = cells
+    return places
 
 
 @st.composite
@@ -310,7 +396,8 @@ def calls(draw, native_only: bool = False) -> list[Call]:
     """VARIANTS calls of one program: they share its compiled code, so the values
     vary at almost no cost (compiling dominates an example's time)."""
     p = draw(programs(native_only))
-    return [draw(inputs(p)) for _ in range(VARIANTS)]
+    # The native-only test runs no reference backend to hold a poisoned call against.
+    return [draw(inputs(p, poison=not native_only)) for _ in range(VARIANTS)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -343,8 +430,9 @@ def _output_and_gradients(backend, statics, q, k, v, bias, d_out, mask, offset, 
 
 
 def run_backend(backend: str, call: Call):
-    """(out, dq, dk, dv, dbias) of one backend on the call's dirty inputs, as float64."""
-    q, k, v, bias = call.dirty()
+    """(out, dq, dk, dv, dbias) of one backend on the call's dirty (and poisoned)
+    inputs, as float64."""
+    q, k, v, bias = call.poisoned()
     ids = (call.q_ids, call.kv_ids)
     out, grads = _output_and_gradients(
         backend, call.statics, q, k, v, bias, call.d_out, call.mask, call.offset,
@@ -464,9 +552,16 @@ def check(call: Call, backends=None, results=None) -> Verdict:
     want = truth(call)
     low, sizes = low_precision_reference(call)
     ratios, pair_ratios, failures = {}, {}, []
+    regions = call.regions() if call.poison is not None else [None] * len(QUANTITIES)
+    if call.poison is not None:
+        failures += _hidden_poison(call, results)
     for i, quantity in enumerate(QUANTITIES):
         if want[i] is None:
             continue
+        if regions[i] is not None:  # the poison's reach is held to _hidden_poison's rule
+            outside = ~regions[i]
+            want, low = _only(want, i, outside), _only(low, i, outside)
+            results = {n: _only(r, i, outside) for n, r in results.items()}
         ref_err = max_error(low[i], want[i])
         floor = FLOOR_ULPS * EPS32 * sizes[i]
         unit = ref_err + floor / 2
@@ -494,6 +589,41 @@ def check(call: Call, backends=None, results=None) -> Verdict:
             if not err <= pair_bound:
                 failures.append(f"{a} vs {b} {quantity}: differ by {err:.3g} > {pair_bound:.3g}")
     return Verdict(ratios, pair_ratios, failures)
+
+
+def _only(values: list, i: int, where) -> list:
+    """``values`` with its ``i``-th quantity restricted to the entries ``where``."""
+    values = list(values)
+    values[i] = None if values[i] is None else values[i][where]
+    return values
+
+
+def _hidden_poison(call: Call, results: dict) -> list[str]:
+    """Where the reference (``"xla"``, which defines the contract) makes a NaN or inf
+    of the poison visible, every backend must too: output rows (B, T, N) one by one,
+    and each gradient somewhere in each batch row and key/value head group it reaches.
+    A backend may show it in more places, within the poison's reach (checked by
+    :func:`check`, which holds everything outside the reach to the clean truth)."""
+    if "xla" not in results:
+        return []
+    B, T, _, N, K, H = call.sizes
+    G = N // K
+    found = []
+    grouped = {  # quantity -> (index in QUANTITIES, how its entries map to (B, K) groups)
+        "out": (0, lambda x: x.reshape(B, T, N, H).any(-1)),
+        "dq": (1, lambda x: x.reshape(B, T, K, G, H).any(axis=(1, 3, 4))),
+        "dk": (2, lambda x: x.any(axis=(1, 3))),
+        "dv": (3, lambda x: x.any(axis=(1, 3))),
+    }
+    for quantity, (i, group) in grouped.items():
+        shows = group(~np.isfinite(results["xla"][i]))
+        for name, got in results.items():
+            hidden = shows & ~group(~np.isfinite(got[i]))
+            if hidden.any():
+                where = tuple(int(a) for a in np.argwhere(hidden)[0])
+                found.append(f"{name} {quantity}: finite at {where}, where the reference "
+                             f"shows the poison as NaN or inf")  # fmt: skip
+    return found
 
 
 # ---------------------------------------------------------------------------------------

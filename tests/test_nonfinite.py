@@ -6,6 +6,7 @@ query's window may hold NaN or inf; a weight of exactly 0 does not protect the
 output from it (0 * NaN = NaN), so the backends must never read such content.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 
 import nanoattn
+from nanoattn import _native
 
 from _cases import BAD, FLASH_CASES, blocked_places, dirty_inputs, full_allowed, run_cases
+from _fuzz import check, concrete_call, run_backend
 from _reference import (
     np_attention,
     np_causal,
@@ -187,3 +190,33 @@ def test_huge_logits_in_many_rows_under_jit_are_each_shifted_by_their_own_maximu
     out = run(q, k, v)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, np_attention(q, k, v), atol=1e-6)
+
+
+# NaN or inf in content some query does see is real input: it must show in that
+# query's output (and gradients) on every backend as on the reference, never be
+# hidden (docs/conventions.md, "Non-finite input"). The fuzz draws these at random
+# (tests/test_fuzz.py); here are the cases written out, each through _fuzz.check,
+# which also holds everything the poison cannot reach to the clean float64 truth.
+POISONED = [
+    # (array, index, kind, rules): the issue's case first
+    ("key", (0, 10, 0, 0), "nan", dict(is_causal=True)),
+    ("key", (1, 3, 1, 2), "inf", dict(is_causal=True, window=(4, 0))),
+    ("key", (0, 0, 0, 5), "-inf", dict(is_causal=True)),
+    ("query", (1, 40, 1, 7), "nan", dict(is_causal=True)),
+    ("query", (0, 5, 0, 0), "inf", {}),
+    ("value", (0, 20, 1, 3), "nan", dict(is_causal=True, window=(8, 2))),
+    ("value", (1, 63, 0, 9), "-inf", dict(is_causal=True)),
+]
+
+
+@pytest.mark.parametrize("array, index, kind, rules", POISONED, ids=lambda x: str(x))
+def test_visible_nan_or_inf_shows_on_every_backend(array, index, kind, rules):
+    call = concrete_call(2, 64, 64, 4, 2, 16, "float32", 5, **rules)
+    call = dataclasses.replace(call, poison=(array, index, kind))
+    assert len(call.backends()) == 3 or _native.load()[0] is None
+    verdict = check(call)
+    assert not verdict.failures, verdict.failures
+    out = run_backend("native" if "native" in call.backends() else "flash", call)[0]
+    if kind == "nan":  # a NaN always shows: in the row that holds or sees it
+        b = index[0]
+        assert np.isnan(out[b]).any()

@@ -270,6 +270,13 @@ Block classify(const Problem& p, const Geometry& g, int64_t i0, int64_t i1, int6
   return Block::kPartial;
 }
 
+// max(a, b), NaN when either is NaN (std::max would keep its first argument).
+inline float nan_max(float a, float b) {
+  if (a != a) return a;
+  if (b != b) return b;
+  return b > a ? b : a;
+}
+
 inline bool visible(const Problem& p, const Geometry& g, int64_t b, int64_t i, int64_t j) {
   if (j < g.lo[i] || j > g.hi[i]) return false;
   return !p.q_seg || p.q_seg[b * p.T + i] == p.kv_seg[b * p.S + j];
@@ -395,14 +402,16 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const floa
         continue;
       }
       cap_and_mask(p, g, b, i0 + r, j0, kc, kind, row, nullptr);
+      // Maxima that keep a NaN: a row whose logits are all NaN (a NaN query, say) is not
+      // a row that sees nothing, and its NaN must reach the output (docs/conventions.md).
       vf mx = splat(-kInf);
       for (int c = 0; c < kc; c += VW) {
         vf x = load(row + c);
-        mx = x > mx ? x : mx;
+        mx = (x > mx) | (x != x) ? x : mx;
       }
       float block_max = -kInf;
-      for (int c = 0; c < VW; ++c) block_max = std::max(block_max, mx[c]);
-      const float m_new = std::max(m[r], block_max);
+      for (int c = 0; c < VW; ++c) block_max = nan_max(block_max, mx[c]);
+      const float m_new = nan_max(m[r], block_max);
       if (m_new == -kInf) {  // nothing visible in this row so far
         std::fill(row, row + kc, 0.0f);
         continue;
