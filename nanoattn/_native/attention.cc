@@ -50,7 +50,40 @@ typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 
-inline vf splat(float x) { return vf{} + x; }
+// x in every lane. `x - 0` is x for every float (-0 and NaN too), so it compiles to one
+// broadcast (from memory inside the products), where `vf{} + x` costs an add first.
+inline vf splat(float x) { return x - vf{}; }
+inline vi splat_int(int32_t x) { return x - vi{}; }
+
+// One lane from all: op folded over halves (16 -> 8 -> 4 -> 2 -> 1 lanes), log2(VW)
+// vector steps instead of VW scalar ones.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+template <class Op>
+inline float reduce(vf x, Op op) {
+#if defined(__AVX512F__)
+  v8 h = op(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+  v8 h = x;
+#endif
+  v4 f = op(__builtin_shufflevector(h, h, 0, 1, 2, 3), __builtin_shufflevector(h, h, 4, 5, 6, 7));
+  f = op(f, __builtin_shufflevector(f, f, 2, 3, 0, 1));
+  f = op(f, __builtin_shufflevector(f, f, 1, 0, 3, 2));
+  return f[0];
+}
+
+// Lane-wise max that keeps NaN (a NaN in either argument wins).
+template <class V>
+inline V nan_max(V a, V b) {
+  return (a > b) | (a != a) ? a : b;
+}
+inline float nan_max(float a, float b) {
+  if (a != a) return a;
+  return b > a || b != b ? b : a;
+}
+inline float hmax(vf x) { return reduce(x, [](auto a, auto b) { return nan_max(a, b); }); }
+inline float hsum(vf x) { return reduce(x, [](auto a, auto b) { return a + b; }); }
 inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
 inline void store(float* p, vf x) { *reinterpret_cast<vf_unaligned*>(p) = x; }
 
@@ -105,26 +138,39 @@ inline void micro(int L, const float* A, long a_row, long a_col, const float* B,
     for (int v = 0; v < NV; ++v) store(C + r * ldc + v * VW, c[r][v]);
 }
 
-// Rows [0, M) against one panel of NV vectors, R rows at a time, then one by one.
+// Rows [0, M) against one panel of NV vectors: R rows at a time, then MR (M is a
+// multiple of MR), then one by one.
 template <int R, int NV>
 inline void panel(int M, int L, const float* A, long a_row, long a_col, const float* B, long ldb,
                   float* C, long ldc, bool accumulate) {
   int i = 0;
   for (; i + R <= M; i += R) micro<R, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
+  if constexpr (R > MR)
+    for (; i + MR <= M; i += MR)
+      micro<MR, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
   for (; i < M; ++i) micro<1, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
 }
 
-// The tiles: 3 rows x 4 vectors where the columns allow (12 accumulators; the
-// fastest of 4x2, 4x3, 6x2, 8x1, 3x4 and 2x4 at 64 x 64 x 64 on an AVX2 core), then
-// 4 rows x 2 vectors, then 4 x 1.
+// The register tiles, sized by the register file: R rows x NV vectors keep R * NV
+// accumulators, NV vectors of B and one broadcast of A in registers. AVX-512 has 32
+// vector registers: 6 x 4, 12 x 2 and 12 x 1 (24 or 12 accumulators). AVX2 has 16:
+// 3 x 4 (the fastest of 4x2, 4x3, 6x2, 8x1, 3x4 and 2x4 at 64 x 64 x 64 on an AVX2
+// core), 4 x 2 and 4 x 1.
+#if defined(__AVX512F__)
+constexpr int kRows4 = 6, kRows2 = 12, kRows1 = 12;
+#else
+constexpr int kRows4 = 3, kRows2 = MR, kRows1 = MR;
+#endif
+
 void gemm(int M, int N, int L, const float* A, long a_row, long a_col, const float* B, long ldb,
           float* C, long ldc, bool accumulate) {
   int j = 0;
   for (; j + 4 * VW <= N; j += 4 * VW)
-    panel<3, 4>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+    panel<kRows4, 4>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
   for (; j + 2 * VW <= N; j += 2 * VW)
-    panel<MR, 2>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
-  for (; j < N; j += VW) panel<MR, 1>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+    panel<kRows2, 2>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+  for (; j < N; j += VW)
+    panel<kRows1, 1>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
 }
 
 // ---------------------------------------------------------------------------
@@ -183,7 +229,8 @@ void parallel_for(ffi::ThreadPool& pool, int threads, int64_t total, const Body&
 #endif
 constexpr int BQ = NANOATTN_BQ;  // query rows per block
 constexpr int BK = NANOATTN_BK;  // keys per block
-static_assert(BQ % MR == 0 && BK % VW == 0 && VW % MR == 0, "blocks must tile the products");
+static_assert(BQ % MR == 0 && BQ % VW == 0 && BK % VW == 0 && VW % MR == 0,
+              "blocks must tile the products");
 
 struct Problem {
   int64_t B, T, S, N, K, G, H, Hp;
@@ -270,13 +317,6 @@ Block classify(const Problem& p, const Geometry& g, int64_t i0, int64_t i1, int6
   return Block::kPartial;
 }
 
-// max(a, b), NaN when either is NaN (std::max would keep its first argument).
-inline float nan_max(float a, float b) {
-  if (a != a) return a;
-  if (b != b) return b;
-  return b > a ? b : a;
-}
-
 inline bool visible(const Problem& p, const Geometry& g, int64_t b, int64_t i, int64_t j) {
   if (j < g.lo[i] || j > g.hi[i]) return false;
   return !p.q_seg || p.q_seg[b * p.T + i] == p.kv_seg[b * p.S + j];
@@ -309,6 +349,25 @@ struct Aligned {
   Aligned(const Aligned&) = delete;
   Aligned& operator=(const Aligned&) = delete;
 };
+
+// Blocks packed once per call and shared by every task that reads them (each key block
+// by every query block and every query head of its group): `count` tiles of `size`
+// floats in one allocation, O(T + S) in all.
+struct Tiles {
+  Tiles(int64_t count, int64_t size) : size(size), all(count * size) {}
+  float* at(int64_t index) const { return all.data + index * size; }
+  const int64_t size;
+  Aligned all;
+};
+
+// The tile index of key block kb of key/value head kh, and of query block qb of query
+// head n, in batch row b.
+inline int64_t key_tile(const Problem& p, int64_t b, int64_t kh, int64_t kb) {
+  return (b * p.K + kh) * p.n_k() + kb;
+}
+inline int64_t query_tile(const Problem& p, int64_t b, int64_t n, int64_t qb) {
+  return (b * p.N + n) * p.n_q() + qb;
+}
 
 // rows [i0, i0 + BQ) of head n, times `factor`, as (BQ, Hp); rows past T or blind are 0.
 void pack_rows(const Problem& p, const float* x, const Geometry& g, int64_t b, int64_t n,
@@ -361,9 +420,22 @@ void cap_and_mask(const Problem& p, const Geometry& g, int64_t b, int64_t i, int
     }
   }
   if (kind == Block::kFull && j0 + width <= p.S) return;
-  for (int c = 0; c < width; ++c) {
-    const int64_t j = j0 + c;
-    if (j >= p.S || (kind == Block::kPartial && !visible(p, g, b, i, j))) row[c] = -kInf;
+  if (kind == Block::kPartial && p.q_seg) {
+    for (int c = 0; c < width; ++c)
+      if (j0 + c >= p.S || !visible(p, g, b, i, j0 + c)) row[c] = -kInf;
+    return;
+  }
+  // Without segments a row sees one interval of keys: columns [first, last] of the
+  // block, compared a vector at a time (width is a multiple of VW).
+  const int64_t lo = kind == Block::kFull ? j0 : g.lo[i];
+  const int64_t hi = std::min(kind == Block::kFull ? p.S - 1 : g.hi[i], p.S - 1);
+  const vi first = splat_int(static_cast<int32_t>(std::clamp<int64_t>(lo - j0, 0, width)));
+  const vi last = splat_int(static_cast<int32_t>(std::clamp<int64_t>(hi - j0, -1, width)));
+  vi column;
+  for (int c = 0; c < VW; ++c) column[c] = c;
+  for (int c = 0; c < width; c += VW, column += VW) {
+    const vf x = load(row + c);
+    store(row + c, (column < first) | (column > last) ? splat(-kInf) : x);
   }
 }
 
@@ -376,14 +448,14 @@ struct ForwardOut {
 };
 
 void forward_task(const Problem& p, const std::vector<Geometry>& geo, const float* q,
-                  const float* k, const float* v, ForwardOut res, int64_t task) {
+                  const Tiles& keys_t, const Tiles& values, ForwardOut res, int64_t task) {
   const int64_t qb = task % p.n_q(), n = (task / p.n_q()) % p.N, b = task / (p.n_q() * p.N);
   const int64_t kh = n / p.G, i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
   const int64_t mr = round_up(rows, MR);
   const Geometry& g = geo[b];
   const int64_t Hp = p.Hp;
-  Aligned qs(BQ * Hp), kt(Hp * BK), vs(BK * Hp), s(BQ * BK), o(BQ * Hp);
-  float m[BQ], l[BQ];
+  Aligned qs(BQ * Hp), s(BQ * BK), o(BQ * Hp);
+  alignas(64) float m[BQ], l[BQ];
   std::fill(m, m + BQ, -kInf);
   std::fill(l, l + BQ, 0.0f);
   std::fill(o.data, o.data + BQ * Hp, 0.0f);
@@ -393,49 +465,49 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const floa
     const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kc = round_up(j1 - j0, VW);
     const Block kind = classify(p, g, i0, i1, j0, j1);
     if (kind == Block::kSkip) continue;
-    pack_keys(p, k, g, b, kh, j0, nullptr, kt.data);
-    gemm(mr, kc, Hp, qs.data, Hp, 1, kt.data, BK, s.data, BK, false);
+    gemm(mr, kc, Hp, qs.data, Hp, 1, keys_t.at(key_tile(p, b, kh, kb)), BK, s.data, BK, false);
+    // Each row's new maximum; maxima keep a NaN: a row whose logits are all NaN (a NaN
+    // query, say) is not a row that sees nothing, and its NaN must reach the output
+    // (docs/conventions.md).
+    alignas(64) float m_new[BQ];
+    for (int64_t r = 0; r < BQ; ++r) {
+      m_new[r] = m[r];
+      if (r >= rows || !g.q_sees[i0 + r]) continue;
+      float* row = s.data + r * BK;
+      cap_and_mask(p, g, b, i0 + r, j0, kc, kind, row, nullptr);
+      vf mx = splat(-kInf);
+      for (int c = 0; c < kc; c += VW) mx = nan_max(load(row + c), mx);
+      m_new[r] = nan_max(m[r], hmax(mx));
+    }
+    // The rescale of what the rows summed so far, exp(m - m_new), VW rows at a time:
+    // 0 when m is -inf, 1 for a row that still sees nothing (m_new -inf).
+    alignas(64) float alpha[BQ];
+    for (int r = 0; r < BQ; r += VW) {
+      const vf old_max = load(m + r), new_max = load(m_new + r);
+      store(alpha + r, new_max == -kInf ? splat(1.0f) : vexp(old_max - new_max));
+    }
     for (int64_t r = 0; r < mr; ++r) {
       float* row = s.data + r * BK;
-      if (r >= rows || !g.q_sees[i0 + r]) {
+      if (m_new[r] == -kInf) {  // a padded or blind row, or nothing visible so far
         std::fill(row, row + kc, 0.0f);
         continue;
       }
-      cap_and_mask(p, g, b, i0 + r, j0, kc, kind, row, nullptr);
-      // Maxima that keep a NaN: a row whose logits are all NaN (a NaN query, say) is not
-      // a row that sees nothing, and its NaN must reach the output (docs/conventions.md).
-      vf mx = splat(-kInf);
-      for (int c = 0; c < kc; c += VW) {
-        vf x = load(row + c);
-        mx = (x > mx) | (x != x) ? x : mx;
-      }
-      float block_max = -kInf;
-      for (int c = 0; c < VW; ++c) block_max = nan_max(block_max, mx[c]);
-      const float m_new = nan_max(m[r], block_max);
-      if (m_new == -kInf) {  // nothing visible in this row so far
-        std::fill(row, row + kc, 0.0f);
-        continue;
-      }
-      const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
       vf sum = vf{};
-      const vf shift = splat(m_new);
+      const vf shift = splat(m_new[r]);
       for (int c = 0; c < kc; c += VW) {
         vf e = vexp(load(row + c) - shift);
         store(row + c, e);
         sum += e;
       }
-      float total = 0.0f;
-      for (int c = 0; c < VW; ++c) total += sum[c];
-      l[r] = l[r] * alpha + total;
-      m[r] = m_new;
-      if (alpha != 1.0f) {
+      l[r] = l[r] * alpha[r] + hsum(sum);
+      m[r] = m_new[r];
+      if (alpha[r] != 1.0f) {
         float* orow = o.data + r * Hp;
-        const vf a = splat(alpha);
+        const vf a = splat(alpha[r]);
         for (int64_t h = 0; h < Hp; h += VW) store(orow + h, load(orow + h) * a);
       }
     }
-    pack_keys(p, v, g, b, kh, j0, vs.data, nullptr);
-    gemm(mr, Hp, kc, s.data, BK, 1, vs.data, Hp, o.data, Hp, true);
+    gemm(mr, Hp, kc, s.data, BK, 1, values.at(key_tile(p, b, kh, kb)), Hp, o.data, Hp, true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r;
@@ -467,7 +539,8 @@ struct BackwardOut {
 };
 
 void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn& in,
-                   const BackwardOut& res, int64_t task, int worker) {
+                   const Tiles& queries, const Tiles& d_out, const BackwardOut& res,
+                   int64_t task, int worker) {
   const int64_t kb = task % p.n_k(), kh = (task / p.n_k()) % p.K, b = task / (p.n_k() * p.K);
   const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kc = round_up(j1 - j0, VW), Hp = p.Hp;
   const Geometry& g = geo[b];
@@ -481,7 +554,7 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
     }
   }
   Aligned ks(BK * Hp), kt(Hp * BK), vt(Hp * BK), dk(BK * Hp), dv(BK * Hp);
-  Aligned qs(BQ * Hp), dos(BQ * Hp), ps(BQ * BK), ds(BQ * BK), th(BQ * BK);
+  Aligned ps(BQ * BK), ds(BQ * BK), th(BQ * BK);
   std::fill(dk.data, dk.data + BK * Hp, 0.0f);
   std::fill(dv.data, dv.data + BK * Hp, 0.0f);
   if (first <= last) {
@@ -495,9 +568,9 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
       const int64_t mr = round_up(rows, MR);
       const Block kind = classify(p, g, i0, i1, j0, j1);
       if (kind == Block::kSkip) continue;
-      pack_rows(p, in.q, g, b, n, i0, p.scale, qs.data);
-      pack_rows(p, in.dout, g, b, n, i0, 1.0f, dos.data);
-      gemm(mr, kc, Hp, qs.data, Hp, 1, kt.data, BK, ps.data, BK, false);
+      const float* qs = queries.at(query_tile(p, b, n, qb));
+      const float* dos = d_out.at(query_tile(p, b, n, qb));
+      gemm(mr, kc, Hp, qs, Hp, 1, kt.data, BK, ps.data, BK, false);
       for (int64_t r = 0; r < mr; ++r) {
         float* row = ps.data + r * BK;
         const int64_t i = i0 + r;
@@ -511,9 +584,9 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
         for (int c = 0; c < kc; c += VW) store(row + c, vexp(load(row + c) - shift));
       }
       // dV += P^T dO
-      gemm(kc, Hp, mr, ps.data, 1, BK, dos.data, Hp, dv.data, Hp, true);
+      gemm(kc, Hp, mr, ps.data, 1, BK, dos, Hp, dv.data, Hp, true);
       // dP = dO V^T, then dS = P (dP - delta), through the cap's tanh
-      gemm(mr, kc, Hp, dos.data, Hp, 1, vt.data, BK, ds.data, BK, false);
+      gemm(mr, kc, Hp, dos, Hp, 1, vt.data, BK, ds.data, BK, false);
       for (int64_t r = 0; r < mr; ++r) {
         float* drow = ds.data + r * BK;
         const float* prow = ps.data + r * BK;
@@ -529,7 +602,7 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
         }
       }
       // dK += dS^T (scale q); dQ += dS K (times scale at the end)
-      gemm(kc, Hp, mr, ds.data, 1, BK, qs.data, Hp, dk.data, Hp, true);
+      gemm(kc, Hp, mr, ds.data, 1, BK, qs, Hp, dk.data, Hp, true);
       float* dq = (*res.dq_parts)[worker]->data + ((b * res.Tp + i0) * p.N + n) * Hp;
       gemm(mr, Hp, kc, ds.data, BK, 1, ks.data, Hp, dq, p.N * Hp, true);
     }
@@ -629,9 +702,16 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
     auto [first, last] = key_blocks(p, geo[b], qb * BQ, std::min((qb + 1) * BQ, p.T));
     return last - first + 1;
   });
+  // Keys transposed (Hp, BK) and values (BK, Hp), packed once for every query block.
+  Tiles keys_t(p.B * p.K * p.n_k(), p.Hp * BK), values(p.B * p.K * p.n_k(), BK * p.Hp);
+  parallel_for(pool, threads, p.B * p.K * p.n_k(), [&](int64_t t, int) {
+    const int64_t kb = t % p.n_k(), kh = (t / p.n_k()) % p.K, b = t / (p.n_k() * p.K);
+    pack_keys(p, k.typed_data(), geo[b], b, kh, kb * BK, nullptr, keys_t.at(t));
+    pack_keys(p, v.typed_data(), geo[b], b, kh, kb * BK, values.at(t), nullptr);
+  });
   ForwardOut res{out->typed_data(), lse->typed_data()};
   parallel_for(pool, threads, total, [&](int64_t t, int) {
-    forward_task(p, geo, q.typed_data(), k.typed_data(), v.typed_data(), res, order[t]);
+    forward_task(p, geo, q.typed_data(), keys_t, values, res, order[t]);
   });
   return ffi::Error::Success();
 }
@@ -687,8 +767,17 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   const int64_t Tp = p.n_q() * BQ;
   BackwardIn in{q.typed_data(), k.typed_data(), v.typed_data(), o, lse.typed_data(), dO};
   BackwardOut res{dk->typed_data(), dv->typed_data(), &parts, Tp, delta.data()};
-  parallel_for(pool, threads, total,
-               [&](int64_t t, int worker) { backward_task(p, geo, in, res, order[t], worker); });
+  // Queries (times scale) and output cotangents as (BQ, Hp) blocks, packed once for
+  // every key block.
+  Tiles queries(p.B * p.N * p.n_q(), BQ * p.Hp), d_out(p.B * p.N * p.n_q(), BQ * p.Hp);
+  parallel_for(pool, threads, p.B * p.N * p.n_q(), [&](int64_t t, int) {
+    const int64_t qb = t % p.n_q(), n = (t / p.n_q()) % p.N, b = t / (p.n_q() * p.N);
+    pack_rows(p, q.typed_data(), geo[b], b, n, qb * BQ, p.scale, queries.at(t));
+    pack_rows(p, dO, geo[b], b, n, qb * BQ, 1.0f, d_out.at(t));
+  });
+  parallel_for(pool, threads, total, [&](int64_t t, int worker) {
+    backward_task(p, geo, in, queries, d_out, res, order[t], worker);
+  });
   // dq = scale * the sum of the workers' parts
   parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
     const int64_t b = bt / p.T, i = bt % p.T;
