@@ -15,6 +15,7 @@ from ._masks import lengths_to_valid as lengths_to_valid
 from ._masks import padding_mask as padding_mask
 from ._masks import segment_mask as segment_mask
 from ._masks import window_mask as window_mask
+from ._merge import merge_attention as merge_attention
 from ._reference import large_negative as large_negative
 from ._rope import apply_rope as apply_rope
 

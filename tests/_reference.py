@@ -1,9 +1,9 @@
 """The tests' independent float64 numpy reference, written without the library's code.
 
 Attention and its hand-derived gradients (``np_attention``, ``np_attention_vjp``,
-``sum_to_shape``), the literal positional rules (``np_causal``, ``np_window``), packed
-sequences (``np_segments``), key lengths (``np_lengths``), rotary embedding
-(``np_rope``), and seeded random inputs (``randn``).
+``sum_to_shape``), each row's log-sum-exp (``np_lse``), the literal positional rules
+(``np_causal``, ``np_window``), packed sequences (``np_segments``), key lengths
+(``np_lengths``), rotary embedding (``np_rope``), and seeded random inputs (``randn``).
 
 Sizes in the tests are distinct primes where possible (B=2, T=5, S=7, N=6, K=2, H=8
 and friends) so that a swapped axis changes a shape or a value and fails.
@@ -47,6 +47,26 @@ def np_attention(q, k, v, allowed=None, bias=None, scale=None, return_weights=Fa
     v = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
     out = np.einsum("bnts,bsnh->btnh", weights, v)
     return weights if return_weights else out
+
+
+def np_lse(q, k, allowed=None, bias=None, scale=None, soft_cap=None):
+    """The float64 log-sum-exp (B, T, N) of each row's logits over its allowed keys,
+    ``log sum_s exp(z_s)`` with z the scaled, biased, capped logits; ``-inf`` for a
+    row with no allowed key (the log-sum-exp of an empty set)."""
+    q, k = (np.asarray(a, np.float64) for a in (q, k))
+    H, N = q.shape[3], q.shape[2]
+    k = np.repeat(k, N // k.shape[2], axis=2)  # (B, S, N, H)
+    z = np.einsum("btnh,bsnh->bnts", q, k) * (1 / np.sqrt(H) if scale is None else scale)
+    if bias is not None:
+        z = z + np.asarray(bias, np.float64)
+    if soft_cap is not None:
+        z = soft_cap * np.tanh(z / soft_cap)
+    allowed = np.broadcast_to(True if allowed is None else np.asarray(allowed), z.shape)
+    top = np.where(allowed, z, -np.inf).max(-1, keepdims=True)
+    safe = np.where(np.isfinite(top), top, 0)
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.where(allowed, np.exp(z - safe), 0).sum(-1)) + safe[..., 0]
+    return np.moveaxis(lse, 1, 2)  # (B, N, T) -> (B, T, N)
 
 
 def np_attention_vjp(q, k, v, d_out, allowed=None, bias=None, scale=None, soft_cap=None):

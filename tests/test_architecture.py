@@ -27,7 +27,7 @@ LAYERS = {
         "_reference", "_flash_plan", "_flash", "_native", "_native._build",
         "_native._kernel", "_backends.*",
     ],
-    "core": ["_dispatch", "_attention", "parallel._ring", "parallel._blocks"],
+    "core": ["_dispatch", "_attention", "_merge", "parallel._ring", "parallel._blocks"],
     "layers": [
         "_config", "_kv_cache", "_heads", "_layer", "parallel._layers", "linen.*", "nnx.*",
         "_flax*",

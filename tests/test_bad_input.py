@@ -329,6 +329,40 @@ ROWS += [
 ]  # fmt: skip
 
 
+# merge_attention: lists of part outputs (B, T, N, H) and their log-sum-exps (B, T, N).
+merge, O, L = nanoattn.merge_attention, f32(B, T, N, H), f32(B, T, N)
+ROWS += [
+    row("merge_attention-no-parts", merge, [], [], raises=ValueError,
+        match=Whole("outputs must hold at least one part, got none")),
+    row("merge_attention-part-counts", merge, [O, O], [L], raises=ValueError,
+        match=Whole("lses must hold one log-sum-exp per output: 2 outputs, got 1 lses")),
+    row("merge_attention-stacked-array", merge, np.stack([O, O]), [L, L], raises=TypeError,
+        match=Whole("outputs must be a list or tuple of arrays (B, T, N, H), one per part, "
+                    "got an array of shape (2, 2, 3, 6, 8); for parts stacked on a leading "
+                    "axis pass list(outputs)")),
+    row("merge_attention-lses-None", merge, [O], None, raises=TypeError,
+        match=Whole("lses must be a list or tuple of arrays (B, T, N), one per part, "
+                    "got NoneType None")),
+    row("merge_attention-string-part", merge, [O, "o"], [L, L], raises=TypeError,
+        match=Whole("outputs[1] must be an array (B, T, N, H) or (T, N, H), got str 'o'")),
+    row("merge_attention-rank-2", merge, [O[0, 0]], [L[0, 0]], raises=ValueError,
+        match=Whole("outputs[0] must have shape (B, T, N, H) or (T, N, H), got (6, 8)")),
+    row("merge_attention-output-shape", merge, [O, f32(B, T, N, 4)], [L, L], raises=ValueError,
+        match=Whole("outputs[1] must have shape (B, T, N, H) = (2, 3, 6, 8), got (2, 3, 6, 4)")),
+    row("merge_attention-lse-shape", merge, [O, O], [L, f32(B, N, T)], raises=ValueError,
+        match=Whole("lses[1] must have shape (B, T, N) = (2, 3, 6), got (2, 6, 3)")),
+    row("merge_attention-unbatched-lse-shape", merge, [O[0]], [L], raises=ValueError,
+        match=Whole("lses[0] must have shape (T, N) = (3, 6), got (2, 3, 6)")),
+    row("merge_attention-int-output", merge, [O, i32(B, T, N, H)], [L, L], raises=TypeError,
+        match=Whole("outputs[1] must be a floating-point array, got dtype int32")),
+    row("merge_attention-int-lse", merge, [O], [i32(B, T, N)], raises=TypeError,
+        match=Whole("lses[0] must be a floating-point array, got dtype int32")),
+    row("merge_attention-mixed-dtypes", merge, [O, O.astype(np.float16)], [L, L],
+        raises=TypeError,
+        match=Whole("outputs[1] must have the dtype of outputs[0], float32, got float16")),
+]  # fmt: skip
+
+
 # Parallel: the zigzag layout, the logical rules and the ring on a one-device mesh.
 @functools.cache
 def one_device_mesh():

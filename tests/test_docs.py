@@ -175,6 +175,7 @@ def test_readme_shows_the_real_audit_output(default_audit):
     [
         "nanoattn._attention",
         "nanoattn._masks",
+        "nanoattn._merge",
         "nanoattn._rope",
         "nanoattn.linen._attention",
         "nanoattn._config",

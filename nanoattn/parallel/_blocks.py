@@ -35,6 +35,7 @@ import numpy as np
 from .. import _zigzag
 from .._flash import BlockInputs, Residuals, backward_block, forward_block
 from .._flash_plan import Plans, kernel_plans
+from .._merge import merge_attention
 from .._shard_map import varying_like
 from .._spec import AttentionSpec
 
@@ -112,17 +113,9 @@ def _empty(q):
 
 
 def merge(a, b):
-    """Two partial (output (B, T, N, H), log-sum-exp (B, T, N)) of the same
-    queries over disjoint keys, as one: ``lse = log(e^lse1 + e^lse2)``,
-    ``out = e^(lse1 - lse) out1 + e^(lse2 - lse) out2``. A -inf (no key) weighs 0."""
-    (o1, l1), (o2, l2) = a, b
-    lse = jnp.logaddexp(l1, l2)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0)
-
-    def weigh(o, lse_part):
-        return o * jnp.exp(lse_part - safe)[..., None]
-
-    return weigh(o1, l1) + weigh(o2, l2), lse
+    """Two partial (output (B, T, N, H), log-sum-exp (B, T, N)) of the same queries
+    over disjoint keys, as one, by :func:`nanoattn.merge_attention` (a -inf weighs 0)."""
+    return merge_attention([a[0], b[0]], [a[1], b[1]])
 
 
 def earlier(source, r):

@@ -5,7 +5,7 @@ queries stay, and the key/value shards travel around the ring with
 ``lax.ppermute`` (device r sends to r + 1), so after P - 1 hops every device
 has seen every key. Each block is the flash kernel at its global positions
 (:mod:`nanoattn.parallel._blocks`); the partial outputs merge exactly through
-their log-sum-exp:
+their log-sum-exp (:func:`nanoattn.merge_attention`):
 
 .. math::
 
