@@ -9,6 +9,7 @@ from ._attention import attention_weights as attention_weights
 from ._attention import dot_product_attention as dot_product_attention
 from ._attention import flash_attention as flash_attention
 from ._flax_attention_fn import flax_attention_fn as flax_attention_fn
+from ._jax_nn_attention import jax_nn_attention as jax_nn_attention
 from ._masks import causal_mask as causal_mask
 from ._masks import combine_masks as combine_masks
 from ._masks import lengths_to_valid as lengths_to_valid

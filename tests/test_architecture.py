@@ -30,7 +30,7 @@ LAYERS = {
     "core": ["_dispatch", "_attention", "_merge", "parallel._ring", "parallel._blocks"],
     "layers": [
         "_config", "_kv_cache", "_heads", "_layer", "parallel._layers", "linen.*", "nnx.*",
-        "_flax*",
+        "_flax*", "_jax_nn*",
     ],
     "tools": ["verify.*", "_audit", "bench.*", "cli.*", "__main__"],
 }  # fmt: skip
