@@ -34,6 +34,6 @@ def choose(requested: str | None, spec: AttentionSpec, dtype, dropout_rate: floa
     for backend in _ranked():
         # Size first: a backend that builds something (the native kernel) builds it
         # only for a call it would be chosen for.
-        if backend.pays_off(spec) and backend.unsupported(spec, dtype, dropout_rate) is None:
+        if backend.pays_off(spec, dtype) and backend.unsupported(spec, dtype, dropout_rate) is None:
             return backend.name
     raise AssertionError("unreachable: the reference serves every call")

@@ -135,7 +135,7 @@ class Call:
         """The backends that can serve this call (nanoattn/_dispatch.py's rules)."""
         names = ["xla", "flash"]
         if (
-            self.dtype == "float32"
+            self.dtype in ("float32", "bfloat16")
             and self.mask is None
             and self.bias is None
             and _native.load()[0] is not None
@@ -253,12 +253,13 @@ class Program:
 @st.composite
 def programs(draw, native_only: bool = False) -> Program:
     """A valid call's static part. ``native_only``: only what the native kernel can
-    serve (float32, no dense mask, no bias)."""
+    serve (float32 or bfloat16, no dense mask, no bias)."""
     B = draw(st.integers(1, 3))
     T, S = draw(st.sampled_from(TIMES)), draw(st.sampled_from(TIMES))
     K, G = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     N, H = K * G, draw(st.sampled_from(WIDTHS))
-    dtype = "float32" if native_only else draw(st.sampled_from(tuple(DTYPES)))
+    served = ("float32", "bfloat16") if native_only else tuple(DTYPES)
+    dtype = draw(st.sampled_from(served))
     features = [dtype]
     if G > 1:
         features.append("gqa" if K > 1 else "mqa")

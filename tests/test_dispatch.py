@@ -67,9 +67,13 @@ def test_automatic_choice_on_cpu():
     assert choose(None, spec_for(big), jnp.float32, 0.0) == ("native" if built else "flash")
     assert choose(None, spec_for(small), jnp.float32, 0.0) == ("native" if built else "xla")
     assert choose(None, spec_for(small - 1), jnp.float32, 0.0) == "xla"
-    # The native kernel is float32 only: bfloat16 takes the pure-JAX kernel.
-    assert choose(None, spec_for(big), jnp.bfloat16, 0.0) == "flash"
-    assert choose(None, spec_for(big - 1), jnp.bfloat16, 0.0) == "xla"
+    # bfloat16 goes to the native kernel from its own, higher threshold; float16 (which
+    # it does not serve) to the pure-JAX kernels.
+    least = int(np.sqrt(native.CPU_MIN_CELLS_BF16))
+    assert choose(None, spec_for(least), jnp.bfloat16, 0.0) == ("native" if built else "flash")
+    assert choose(None, spec_for(least - 1), jnp.bfloat16, 0.0) == "xla"
+    assert choose(None, spec_for(big), jnp.float16, 0.0) == "flash"
+    assert choose(None, spec_for(big - 1), jnp.float16, 0.0) == "xla"
     assert choose(None, spec_for(big), jnp.float32, 0.1) == "xla"  # dropout
 
 

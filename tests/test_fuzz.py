@@ -221,8 +221,8 @@ def _broken(name: str, B, T, S, N, K, H):
         case "dropout on flash":
             return q, k, v, dict(dropout_rate=0.5, dropout_rng=jax.random.key(0),
                                  implementation="flash")  # fmt: skip
-        case "native with bfloat16":
-            cast = (x.astype(jnp.bfloat16) for x in (q, k, v))
+        case "native with float16":
+            cast = (x.astype(jnp.float16) for x in (q, k, v))
             return *cast, dict(implementation="native")
         case "native with a mask":
             return q, k, v, dict(mask=np.ones((T, S), bool), implementation="native")
@@ -244,11 +244,11 @@ BROKEN = (
     "q_offset of the wrong batch", "float segment ids", "segment ids of the wrong length",
     "query of rank 3", "key of another head width", "value of another length",
     "key of another batch", "integer query", "unknown implementation", "dropout rate 1",
-    "dropout without a key", "dropout on flash", "native with bfloat16",
+    "dropout without a key", "dropout on flash", "native with float16",
     "native with a mask", "native with a bias", "flash tiles of 0",
 )  # fmt: skip
 ONLY_DOT_PRODUCT = {"unknown implementation", "dropout rate 1", "dropout without a key",
-                    "dropout on flash", "native with bfloat16", "native with a mask",
+                    "dropout on flash", "native with float16", "native with a mask",
                     "native with a bias"}  # fmt: skip
 NO_VALUE = {"value of another length"}  # attention_weights takes no value
 INVALID_COUNTS = collections.Counter()

@@ -2,6 +2,7 @@
 content, transformations, dispatch, memory and the build without a compiler."""
 
 import dataclasses
+import functools
 import os
 import pathlib
 import subprocess
@@ -168,7 +169,8 @@ def test_automatic_choice_takes_it_where_it_serves():
     assert choose(None, attention_spec(z, z, z, is_causal=True), jnp.float32, 0.0) == "native"
     spec = attention_spec(z, z, z, bias=jnp.zeros((1, 1, side, side)))
     assert choose(None, spec, jnp.float32, 0.0) != "native"
-    assert choose(None, attention_spec(z, z, z), jnp.bfloat16, 0.0) != "native"
+    assert choose(None, attention_spec(z, z, z), jnp.bfloat16, 0.0) != "native"  # too short
+    assert choose(None, attention_spec(z, z, z), jnp.float16, 0.0) != "native"
 
 
 MASK_OR_BIAS = "a dense mask or a bias is served by 'xla' and 'flash' only"
@@ -184,7 +186,7 @@ MASK_OR_BIAS = "a dense mask or a bias is served by 'xla' and 'flash' only"
             jnp.float32,
             "dropout is only implemented by the reference (implementation='xla')",
         ),
-        ({}, jnp.bfloat16, "it supports float32 inputs only, got bfloat16"),
+        ({}, jnp.float16, "it supports float32 and bfloat16 inputs only, got float16"),
     ],
 )
 def test_a_call_it_cannot_serve_by_name_raises_one_line(kwargs, dtype, says):
@@ -206,6 +208,89 @@ def test_a_traced_scale_goes_elsewhere_and_by_name_says_why():
     np.testing.assert_allclose(automatic, nanoattn.dot_product_attention(z, z, z, scale=0.5))
 
 
+def bf16_run(implementation, q, k, v, cot, **kwargs):
+    """Output and (dq, dk, dv) of one backend on bfloat16 inputs, under jit."""
+
+    @jax.jit
+    def forward_backward(q, k, v):
+        fn = functools.partial(
+            nanoattn.dot_product_attention, implementation=implementation, **kwargs
+        )
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(cot.astype(jnp.bfloat16))
+
+    return forward_backward(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "T, S, kwargs",
+    [
+        (1, 150, dict(is_causal=True, q_offset=149)),  # a decode step
+        (70, 70, dict(is_causal=True)),
+        (129, 67, dict(window=(20, 3), q_offset=jnp.asarray([0, 40], jnp.int32))),
+        (65, 65, dict(is_causal=True, logit_soft_cap=5.0, kv_lengths=jnp.asarray([65, 30]))),
+    ],
+)
+def test_bfloat16_is_as_close_to_the_truth_as_the_reference_in_bfloat16(T, S, kwargs):
+    # bfloat16 in and out, float32 inside: the native kernel's error against the float64
+    # truth (on the same bfloat16-rounded inputs) is at most twice the reference's own
+    # bfloat16 error, plus a floor of a few bfloat16 roundings of the largest value.
+    B, N, K, H = 2, 6, 2, 24
+    q, k, v = (randn(s, B, L, h, H).astype(jnp.bfloat16)
+               for s, L, h in ((1, T, N), (2, S, K), (3, S, K)))  # fmt: skip
+    cot = randn(4, B, T, N, H)
+    native = bf16_run("native", q, k, v, cot, **kwargs)
+    assert native[0].dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in native[1])
+    reference = bf16_run("xla", q, k, v, cot, **kwargs)
+    allowed = np_allowed(kwargs, B, T, S)
+    as64 = [np.asarray(x, np.float64) for x in (q, k, v, jnp.asarray(cot, jnp.bfloat16))]
+    want, (dq, dk, dv, _) = np_attention_vjp(*as64, allowed, None, None,
+                                             kwargs.get("logit_soft_cap"))  # fmt: skip
+    for name, got, ref, truth in zip(
+        ("out", "dq", "dk", "dv"), (native[0], *native[1]), (reference[0], *reference[1]),
+        (want, dq, dk, dv),
+    ):  # fmt: skip
+        error = np.abs(np.asarray(got, np.float64) - truth).max()
+        own = np.abs(np.asarray(ref, np.float64) - truth).max()
+        floor = 4 * 2.0**-8 * np.abs(truth).max()
+        assert error <= 2 * own + floor, (name, error, own, floor)
+    # Inside, bfloat16 is float32: the forward pass equals the float32 kernel's on the
+    # widened inputs, rounded once to nearest (ties to even) as jnp's cast rounds.
+    wide = [x.astype(jnp.float32) for x in (q, k, v)]
+    fn = functools.partial(nanoattn.dot_product_attention, implementation="native",
+                           return_residual=True, **kwargs)  # fmt: skip
+    out16, lse16 = jax.jit(fn)(q, k, v)
+    out32, lse32 = jax.jit(fn)(*wide)
+    np.testing.assert_array_equal(np.asarray(out16, np.float32),
+                                  np.asarray(out32.astype(jnp.bfloat16), np.float32))  # fmt: skip
+    np.testing.assert_array_equal(lse16, lse32)
+
+
+def test_the_avx2_build_serves_too_on_an_avx512_machine(tmp_path):
+    # The kernel is built for the machine's ISA (-march=native). A narrower one is built
+    # and tested here by turning AVX-512 off: its tiles and vector width differ.
+    flags = subprocess.run(["grep", "-m1", "-o", "avx512f", "/proc/cpuinfo"],
+                           capture_output=True, text=True).stdout  # fmt: skip
+    if "avx512f" not in flags:
+        pytest.skip("this machine has no AVX-512: the default build is the AVX2 one")
+    env = dict(os.environ, NANOATTN_NATIVE_CFLAGS="-mno-avx512f",
+               NANOATTN_CACHE_DIR=str(tmp_path))  # fmt: skip
+    tests = pathlib.Path(__file__)
+    selection = "lengths_across or ragged or bfloat16 or every_argument"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         str(tests), "-k", selection],
+        env=env, capture_output=True, text=True, timeout=400, cwd=tests.parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+    built = list(tmp_path.glob("attention-*.so"))
+    assert len(built) == 1
+    symbols = subprocess.run(["objdump", "-d", str(built[0])], capture_output=True,
+                             text=True).stdout  # fmt: skip
+    assert "%ymm" in symbols and "%zmm" not in symbols
+
+
 def fwd_bwd_temp_bytes(T):
     shape = jax.ShapeDtypeStruct((1, T, 4, 32), jnp.float32)
 
@@ -218,8 +303,9 @@ def fwd_bwd_temp_bytes(T):
 
 
 def test_memory_is_linear_in_sequence_length():
-    # XLA's buffers around the kernel (the kernel's own scratch is per block, plus one
-    # dq accumulator per worker: O(T) too, by construction in attention.cc).
+    # XLA's buffers around the kernel (the kernel's own scratch, by construction in
+    # attention.cc, is O(T + S) too: the packed keys and values, or queries and output
+    # cotangents, one per call, per-block buffers, and one dq accumulator per worker).
     at_8k, at_16k = fwd_bwd_temp_bytes(8192), fwd_bwd_temp_bytes(16384)
     assert at_16k <= 32 * 2**20, at_16k
     assert at_16k / at_8k <= 2.1, (at_8k, at_16k)

@@ -26,7 +26,7 @@ class Toy:
     def unsupported(self, spec, dtype, dropout_rate):
         return None if spec.is_causal else "it serves causal calls only"
 
-    def pays_off(self, spec):
+    def pays_off(self, spec, dtype):
         return True
 
     def __call__(self, query, key, value, spec, *, dropout_rate, dropout_rng):

@@ -31,9 +31,9 @@ class Backend(Protocol):
         Cheap checks first: a backend that builds something builds it only for a
         call it can serve."""
 
-    def pays_off(self, spec) -> bool:
-        """Whether the automatic choice should take it for a call of this size on the
-        default platform (measured thresholds, docs/performance.md); only asked
+    def pays_off(self, spec, dtype) -> bool:
+        """Whether the automatic choice should take it for a call of this size and
+        dtype on the default platform (measured thresholds, docs/performance.md); only asked
         before :meth:`unsupported`, so that a call it would not be chosen for
         never builds it."""
 

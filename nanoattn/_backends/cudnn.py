@@ -33,7 +33,7 @@ class Cudnn:
             return "its log-sum-exp is not checked against nanoattn's contract (return_residual)"
         return None
 
-    def pays_off(self, spec) -> bool:
+    def pays_off(self, spec, dtype) -> bool:
         return True
 
     def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):

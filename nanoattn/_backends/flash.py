@@ -26,7 +26,7 @@ class Flash:
             return "the kernel needs a Python number for scale, not a traced array"
         return None
 
-    def pays_off(self, spec) -> bool:
+    def pays_off(self, spec, dtype) -> bool:
         cells = spec.T * spec.S
         if jax.default_backend() == "cpu":
             return cells >= CPU_MIN_CELLS

@@ -1,6 +1,6 @@
 """``"native"``: the C++ CPU kernel (:mod:`nanoattn._native`) through XLA's FFI;
-float32, no dense mask, bias or dropout, a Python number for ``scale``; built on
-the first call it may serve."""
+float32 or bfloat16, no dense mask, bias or dropout, a Python number for ``scale``;
+built on the first call it may serve."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +9,13 @@ from .. import _native
 from . import NO_DROPOUT
 
 # Where it can serve the call, from this many score cells per batch row and head
-# (T * S): it beat the reference on forward and forward+backward from T = 32 on at
-# B * T = 8192 (docs/performance.md).
+# (T * S): in float32 it beat the reference on forward and forward+backward from
+# T = 32 on at B * T = 8192; in bfloat16 from T = 64 on, where it also beats flash
+# (docs/performance.md).
 CPU_MIN_CELLS = 32 * 32
+CPU_MIN_CELLS_BF16 = 64 * 64
+# bfloat16 is widened to float32 as the kernel packs its blocks (docs/performance.md).
+SERVED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 class Native:
@@ -23,8 +27,8 @@ class Native:
             return f"it runs on CPU only, and the default backend is {jax.default_backend()!r}"
         if dropout_rate > 0:
             return NO_DROPOUT
-        if jnp.dtype(dtype) != jnp.dtype(jnp.float32):
-            return f"it supports float32 inputs only, got {jnp.dtype(dtype)}"
+        if jnp.dtype(dtype) not in SERVED:
+            return f"it supports float32 and bfloat16 inputs only, got {jnp.dtype(dtype)}"
         if spec.mask is not None or spec.bias is not None:
             return "a dense mask or a bias is served by 'xla' and 'flash' only"
         if not spec.static_scale:
@@ -34,12 +38,16 @@ class Native:
             return f"the kernel is not available: {reason}"
         return None
 
-    def pays_off(self, spec) -> bool:
-        return jax.default_backend() == "cpu" and spec.T * spec.S >= CPU_MIN_CELLS
+    def pays_off(self, spec, dtype) -> bool:
+        least = CPU_MIN_CELLS_BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else CPU_MIN_CELLS
+        return jax.default_backend() == "cpu" and spec.T * spec.S >= least
 
     def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
+        dtype = query.dtype
+        if not dtype == key.dtype == value.dtype:  # mixed types: all widened to float32
+            query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
         out, lse = _native.native_attention(query, key, value, spec)
-        out = out.astype(query.dtype)
+        out = out.astype(dtype)
         return (out, lse) if spec.return_residual else out
 
 

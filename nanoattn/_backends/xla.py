@@ -12,7 +12,7 @@ class Xla:
     def unsupported(self, spec, dtype, dropout_rate: float) -> str | None:
         return None
 
-    def pays_off(self, spec) -> bool:
+    def pays_off(self, spec, dtype) -> bool:
         return True
 
     def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):

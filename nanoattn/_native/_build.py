@@ -44,7 +44,12 @@ FLAGS = (
     "-pthread",
 )
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
-TARGETS = {"nanoattn_forward": "NanoattnForward", "nanoattn_backward": "NanoattnBackward"}
+TARGETS = {
+    "nanoattn_forward": "NanoattnForward",
+    "nanoattn_backward": "NanoattnBackward",
+    "nanoattn_forward_bf16": "NanoattnForwardBf16",
+    "nanoattn_backward_bf16": "NanoattnBackwardBf16",
+}
 
 
 def compiler() -> str | None:

@@ -7,9 +7,12 @@
 //
 // Axis legend (docs/conventions.md): B batch, T queries, S keys, N query heads,
 // K key/value heads, G = N / K query heads per key/value head (contiguous
-// groups), H head width. Inputs are float32, row-major: q (B, T, N, H),
-// k and v (B, S, K, H); leading axes before the last three are flattened into B
-// (that is how a vmapped call arrives).
+// groups), H head width. Inputs are float32 or bfloat16 (one pair of handlers each),
+// row-major: q (B, T, N, H), k and v (B, S, K, H); leading axes before the last three
+// are flattened into B (that is how a vmapped call arrives). bfloat16 is widened to
+// float32 when packed, and the statistics, products and accumulators are float32
+// for both. The output stays float32 (the caller rounds it, and the backward pass
+// needs it unrounded); the gradients are rounded to the inputs' type once, at the end.
 //
 // Visibility, the contract of the other backends: query i (position
 // p = q_offset[b] + i) sees key j when p - left <= j <= p + right (a side of -1 is
@@ -84,6 +87,27 @@ inline float nan_max(float a, float b) {
 }
 inline float hmax(vf x) { return reduce(x, [](auto a, auto b) { return nan_max(a, b); }); }
 inline float hsum(vf x) { return reduce(x, [](auto a, auto b) { return a + b; }); }
+
+// ---------------------------------------------------------------------------
+// Element types: float32, or bfloat16 (uint16_t, the FFI's storage for it: the high
+// half of a float32). Inputs are widened to float32 when packed; outputs are rounded
+// to nearest, ties to even, a NaN staying a (quiet) NaN.
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return __builtin_bit_cast(float, uint32_t{x} << 16); }
+
+template <class Out>
+inline Out narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline uint16_t narrow<uint16_t>(float x) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  if (x != x) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
 inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
 inline void store(float* p, vf x) { *reinterpret_cast<vf_unaligned*>(p) = x; }
 
@@ -370,14 +394,15 @@ inline int64_t query_tile(const Problem& p, int64_t b, int64_t n, int64_t qb) {
 }
 
 // rows [i0, i0 + BQ) of head n, times `factor`, as (BQ, Hp); rows past T or blind are 0.
-void pack_rows(const Problem& p, const float* x, const Geometry& g, int64_t b, int64_t n,
+template <class In>
+void pack_rows(const Problem& p, const In* x, const Geometry& g, int64_t b, int64_t n,
                int64_t i0, float factor, float* out) {
   for (int64_t r = 0; r < BQ; ++r) {
     float* dst = out + r * p.Hp;
     const int64_t i = i0 + r;
     if (i < p.T && g.q_sees[i]) {
-      const float* src = x + ((b * p.T + i) * p.N + n) * p.H;
-      for (int64_t h = 0; h < p.H; ++h) dst[h] = src[h] * factor;
+      const In* src = x + ((b * p.T + i) * p.N + n) * p.H;
+      for (int64_t h = 0; h < p.H; ++h) dst[h] = widen(src[h]) * factor;
       std::fill(dst + p.H, dst + p.Hp, 0.0f);
     } else {
       std::fill(dst, dst + p.Hp, 0.0f);
@@ -387,21 +412,23 @@ void pack_rows(const Problem& p, const float* x, const Geometry& g, int64_t b, i
 
 // keys [j0, j0 + BK) of head kh as (BK, Hp) rows, or transposed as (Hp, BK); keys
 // past S or unseen are 0.
-void pack_keys(const Problem& p, const float* x, const Geometry& g, int64_t b, int64_t kh,
+template <class In>
+void pack_keys(const Problem& p, const In* x, const Geometry& g, int64_t b, int64_t kh,
                int64_t j0, float* rows, float* cols) {
   if (cols && p.Hp > p.H) std::fill(cols + p.H * BK, cols + p.Hp * BK, 0.0f);  // padded widths
   for (int64_t c = 0; c < BK; ++c) {
     const int64_t j = j0 + c;
     const bool real = j < p.S && g.k_seen[j];
-    const float* src = real ? x + ((b * p.S + j) * p.K + kh) * p.H : nullptr;
+    const In* src = real ? x + ((b * p.S + j) * p.K + kh) * p.H : nullptr;
     if (rows) {
       float* dst = rows + c * p.Hp;
-      if (real) std::memcpy(dst, src, p.H * sizeof(float));
+      if (real)
+        for (int64_t h = 0; h < p.H; ++h) dst[h] = widen(src[h]);
       std::fill(dst + (real ? p.H : 0), dst + p.Hp, 0.0f);
     }
     if (cols) {
       if (real)
-        for (int64_t h = 0; h < p.H; ++h) cols[h * BK + c] = src[h];
+        for (int64_t h = 0; h < p.H; ++h) cols[h * BK + c] = widen(src[h]);
       else
         for (int64_t h = 0; h < p.H; ++h) cols[h * BK + c] = 0.0f;
     }
@@ -442,12 +469,15 @@ void cap_and_mask(const Problem& p, const Geometry& g, int64_t b, int64_t i, int
 // ---------------------------------------------------------------------------
 // Forward.
 
+// The output stays float32 for every input type: the backward pass's row term
+// rowsum(dout * out) from an output rounded to bfloat16 would cancel badly.
 struct ForwardOut {
   float* out;  // (B, T, N, H)
   float* lse;  // (B, T, N): log-sum-exp of the visible logits; -inf for a blind row
 };
 
-void forward_task(const Problem& p, const std::vector<Geometry>& geo, const float* q,
+template <class In>
+void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* q,
                   const Tiles& keys_t, const Tiles& values, ForwardOut res, int64_t task) {
   const int64_t qb = task % p.n_q(), n = (task / p.n_q()) % p.N, b = task / (p.n_q() * p.N);
   const int64_t kh = n / p.G, i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
@@ -527,19 +557,23 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const floa
 // ---------------------------------------------------------------------------
 // Backward.
 
+template <class In>
 struct BackwardIn {
-  const float *q, *k, *v, *out, *lse, *dout;
+  const In *k, *v;     // (B, S, K, H)
+  const float* lse;  // (B, T, N)
 };
 
+template <class In>
 struct BackwardOut {
-  float *dk, *dv;                       // (B, S, K, H)
+  In *dk, *dv;                                      // (B, S, K, H)
   std::vector<std::unique_ptr<Aligned>>* dq_parts;  // per worker: (B, Tp, N, Hp)
   int64_t Tp;
   const float* delta;  // (B, T, N): rowsum(dout * out) - dlse
 };
 
-void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn& in,
-                   const Tiles& queries, const Tiles& d_out, const BackwardOut& res,
+template <class In>
+void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn<In>& in,
+                   const Tiles& queries, const Tiles& d_out, const BackwardOut<In>& res,
                    int64_t task, int worker) {
   const int64_t kb = task % p.n_k(), kh = (task / p.n_k()) % p.K, b = task / (p.n_k() * p.K);
   const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kc = round_up(j1 - j0, VW), Hp = p.Hp;
@@ -609,8 +643,10 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
   }
   for (int64_t c = 0; c < BK && j0 + c < p.S; ++c) {
     const int64_t off = ((b * p.S + j0 + c) * p.K + kh) * p.H;
-    std::memcpy(res.dk + off, dk.data + c * Hp, p.H * sizeof(float));
-    std::memcpy(res.dv + off, dv.data + c * Hp, p.H * sizeof(float));
+    for (int64_t h = 0; h < p.H; ++h) {
+      res.dk[off + h] = narrow<In>(dk.data[c * Hp + h]);
+      res.dv[off + h] = narrow<In>(dv.data[c * Hp + h]);
+    }
   }
 }
 
@@ -618,8 +654,9 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
 // The FFI boundary: shapes, then the passes.
 
 // The sizes, rules and per-row inputs of a call, checked against each other.
-ffi::Error make_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
-                        const ffi::Buffer<ffi::F32>& v, const ffi::Buffer<ffi::S32>& q_offset,
+template <ffi::DataType DT>
+ffi::Error make_problem(const ffi::Buffer<DT>& q, const ffi::Buffer<DT>& k,
+                        const ffi::Buffer<DT>& v, const ffi::Buffer<ffi::S32>& q_offset,
                         const ffi::Buffer<ffi::S32>& kv_lengths,
                         const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& kv_seg,
                         float scale, float soft_cap, int64_t left, int64_t right, Problem& p) {
@@ -681,11 +718,12 @@ std::vector<Geometry> all_geometry(ffi::ThreadPool& pool, int threads, const Pro
   return geo;
 }
 
-ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_offset,
-                   ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> q_seg,
-                   ffi::Buffer<ffi::S32> kv_seg, float scale, float soft_cap, int64_t left,
-                   int64_t right, ffi::ResultBuffer<ffi::F32> out,
+// The forward pass, for inputs of type DT (F32 or BF16); out and lse are float32.
+template <ffi::DataType DT>
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
+                   ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_lengths,
+                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, float scale,
+                   float soft_cap, int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> out,
                    ffi::ResultBuffer<ffi::F32> lse) {
   Problem p;
   ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, scale, soft_cap,
@@ -716,14 +754,16 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
-                    ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> dlse,
-                    ffi::Buffer<ffi::S32> q_offset,
-                    ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> q_seg,
-                    ffi::Buffer<ffi::S32> kv_seg, float scale, float soft_cap, int64_t left,
-                    int64_t right, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                    ffi::ResultBuffer<ffi::F32> dv) {
+// The backward pass: q, k, v, dout and the gradients of type DT; out, lse, dlse float32.
+template <ffi::DataType DT>
+ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
+                    ffi::Buffer<DT> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<DT> dout, ffi::Buffer<ffi::F32> dlse,
+                    ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_lengths,
+                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, float scale,
+                    float soft_cap, int64_t left, int64_t right, ffi::ResultBuffer<DT> dq,
+                    ffi::ResultBuffer<DT> dk, ffi::ResultBuffer<DT> dv) {
+  using In = ffi::NativeType<DT>;
   Problem p;
   ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, scale, soft_cap,
                                 left, right, p);
@@ -733,12 +773,12 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
       dlse.element_count() != lse.element_count())
     return ffi::Error::InvalidArgument(
         "nanoattn native: out, dout, lse or dlse has the wrong size");
-  float* dq_out = dq->typed_data();
-  std::fill(dq_out, dq_out + q.element_count(), 0.0f);
-  if (p.B * p.S * p.K == 0) return ffi::Error::Success();
-  if (p.B * p.T * p.N == 0) {
-    std::fill(dk->typed_data(), dk->typed_data() + k.element_count(), 0.0f);
-    std::fill(dv->typed_data(), dv->typed_data() + v.element_count(), 0.0f);
+  In* dq_out = dq->typed_data();
+  const In zero = narrow<In>(0.0f);
+  if (p.B * p.S * p.K == 0 || p.B * p.T * p.N == 0) {
+    std::fill(dq_out, dq_out + q.element_count(), zero);
+    std::fill(dk->typed_data(), dk->typed_data() + k.element_count(), zero);
+    std::fill(dv->typed_data(), dv->typed_data() + v.element_count(), zero);
     return ffi::Error::Success();
   }
   const int threads = max_threads(pool);
@@ -747,13 +787,13 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   // so the log-sum-exp's cotangent shifts the row term of dS = P (dP - delta).
   std::vector<float> delta(p.B * p.T * p.N);
   const float* o = out.typed_data();
-  const float* dO = dout.typed_data();
+  const In* dO = dout.typed_data();
   const float* d_lse = dlse.typed_data();
   parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
     for (int64_t n = 0; n < p.N; ++n) {
       const int64_t at = (bt * p.N + n) * p.H;
       float acc = 0.0f;
-      for (int64_t h = 0; h < p.H; ++h) acc += o[at + h] * dO[at + h];
+      for (int64_t h = 0; h < p.H; ++h) acc += o[at + h] * widen(dO[at + h]);
       delta[bt * p.N + n] = acc - d_lse[bt * p.N + n];
     }
   });
@@ -765,8 +805,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   });
   std::vector<std::unique_ptr<Aligned>> parts(threads);
   const int64_t Tp = p.n_q() * BQ;
-  BackwardIn in{q.typed_data(), k.typed_data(), v.typed_data(), o, lse.typed_data(), dO};
-  BackwardOut res{dk->typed_data(), dv->typed_data(), &parts, Tp, delta.data()};
+  BackwardIn<In> in{k.typed_data(), v.typed_data(), lse.typed_data()};
+  BackwardOut<In> res{dk->typed_data(), dv->typed_data(), &parts, Tp, delta.data()};
   // Queries (times scale) and output cotangents as (BQ, Hp) blocks, packed once for
   // every key block.
   Tiles queries(p.B * p.N * p.n_q(), BQ * p.Hp), d_out(p.B * p.N * p.n_q(), BQ * p.Hp);
@@ -781,57 +821,60 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   // dq = scale * the sum of the workers' parts
   parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
     const int64_t b = bt / p.T, i = bt % p.T;
-    for (const auto& part : parts) {
-      if (!part) continue;
-      for (int64_t n = 0; n < p.N; ++n) {
-        const float* src = part->data + ((b * Tp + i) * p.N + n) * p.Hp;
-        float* dst = dq_out + (bt * p.N + n) * p.H;
-        for (int64_t h = 0; h < p.H; ++h) dst[h] += src[h];
+    for (int64_t n = 0; n < p.N; ++n) {
+      In* dst = dq_out + (bt * p.N + n) * p.H;
+      for (int64_t h = 0; h < p.H; ++h) {
+        float acc = 0.0f;
+        for (const auto& part : parts)
+          if (part) acc += part->data[((b * Tp + i) * p.N + n) * p.Hp + h];
+        dst[h] = narrow<In>(acc * p.scale);
       }
     }
-    float* row = dq_out + bt * p.N * p.H;
-    for (int64_t x = 0; x < p.N * p.H; ++x) row[x] *= p.scale;
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnForward, Forward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_offset
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lengths
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_segment_ids
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_segment_ids
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("left")
-                                  .Attr<int64_t>("right")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // lse
+// One pair of handlers per element type.
+#define NANOATTN_HANDLERS(FORWARD, BACKWARD, DT)                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(FORWARD, Forward<DT>,                                  \
+                                ffi::Ffi::Bind()                                       \
+                                    .Ctx<ffi::ThreadPool>()                            \
+                                    .Arg<ffi::Buffer<DT>>()        /* q */             \
+                                    .Arg<ffi::Buffer<DT>>()        /* k */             \
+                                    .Arg<ffi::Buffer<DT>>()        /* v */             \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* q_offset */      \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */    \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* q_segment_ids */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_segment_ids */\
+                                    .Attr<float>("scale")                              \
+                                    .Attr<float>("soft_cap")                           \
+                                    .Attr<int64_t>("left")                             \
+                                    .Attr<int64_t>("right")                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>()   /* out */          \
+                                    .Ret<ffi::Buffer<ffi::F32>>()); /* lse */          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(BACKWARD, Backward<DT>,                                \
+                                ffi::Ffi::Bind()                                       \
+                                    .Ctx<ffi::ThreadPool>()                            \
+                                    .Arg<ffi::Buffer<DT>>()        /* q */             \
+                                    .Arg<ffi::Buffer<DT>>()        /* k */             \
+                                    .Arg<ffi::Buffer<DT>>()        /* v */             \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* out */           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* lse */           \
+                                    .Arg<ffi::Buffer<DT>>()        /* dout */          \
+                                    .Arg<ffi::Buffer<ffi::F32>>()  /* dlse */          \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* q_offset */      \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */    \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* q_segment_ids */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_segment_ids */\
+                                    .Attr<float>("scale")                              \
+                                    .Attr<float>("soft_cap")                           \
+                                    .Attr<int64_t>("left")                             \
+                                    .Attr<int64_t>("right")                            \
+                                    .Ret<ffi::Buffer<DT>>()  /* dq */                  \
+                                    .Ret<ffi::Buffer<DT>>()  /* dk */                  \
+                                    .Ret<ffi::Buffer<DT>>()) /* dv */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnBackward, Backward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // out
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dout
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dlse
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_offset
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lengths
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_segment_ids
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_segment_ids
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("left")
-                                  .Attr<int64_t>("right")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dk
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // dv
+NANOATTN_HANDLERS(NanoattnForward, NanoattnBackward, ffi::F32);
+NANOATTN_HANDLERS(NanoattnForwardBf16, NanoattnBackwardBf16, ffi::BF16);
