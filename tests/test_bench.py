@@ -458,9 +458,10 @@ def fake_bench(monkeypatch, torch_missing: bool):
         clock.now += 10.0
         return cell | {"status": "error: faked"}
 
-    def fake_pair(B, T, N, H, backward, peak):
+    def fake_pair(B, T, N, H, backward, peak, dtype="float32"):
         clock.now += 0.0 if torch_missing else 10.0
         cell = {"B": B, "T": T, "N": N, "H": H, "pass": "fwd+bwd" if backward else "fwd"}
+        cell |= {"dtype": dtype}
         return cell | {"status": "skipped: faked" if torch_missing else "error: faked"}
 
     def fake_memory(fn, *args):  # the targets' memory and T=65536: 10 s in all
@@ -511,8 +512,10 @@ def test_cli_bench_progress_per_part_counts_only_measured_items(tmp_path, monkey
         for p in ("fwd", "fwd+bwd")
         for name in ("flash", "seed", "torch")
     ]
-    assert len(results["native"]) == 6  # (T=32, B=256), (T=4096, B=2 and 1), both passes
-    assert "| 2x8 | 256 | 32 | fwd | skipped: faked |" in out
+    # float32 (T=32, B=256), (T=4096, B=2 and 1), then bfloat16 (T=4096, B=1), both passes
+    assert len(results["native"]) == 8
+    assert "| float32 | 2x8 | 256 | 32 | fwd | skipped: faked |" in out
+    assert "| bfloat16 | 2x8 | 1 | 4096 | fwd+bwd | skipped: faked |" in out
 
 
 def test_cli_bench_progress_counts_torch_when_installed(tmp_path, monkeypatch, capsys):
@@ -521,12 +524,14 @@ def test_cli_bench_progress_counts_torch_when_installed(tmp_path, monkeypatch, c
     assert main([*argv, "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err.splitlines()
     assert "[targets 8/9] torch T=4096  elapsed 1:10, about 0:20 left" in err
-    assert err[-5:] == [
-        "[native 1/4] 2x8 B=4 T=2048",
-        "[native 2/4] 2x8 B=4 T=2048  elapsed 0:10, about 0:30 left",
-        "[native 3/4] 2x8 B=1 T=2048  elapsed 0:20, about 0:20 left",
-        "[native 4/4] 2x8 B=1 T=2048  elapsed 0:30, about 0:10 left",
-        "[native] 4 items in 0:40",
+    assert err[-7:] == [
+        "[native 1/6] 2x8 B=4 T=2048",
+        "[native 2/6] 2x8 B=4 T=2048  elapsed 0:10, about 0:50 left",
+        "[native 3/6] 2x8 B=1 T=2048  elapsed 0:20, about 0:40 left",
+        "[native 4/6] 2x8 B=1 T=2048  elapsed 0:30, about 0:30 left",
+        "[native 5/6] 2x8 B=1 T=2048 bf16  elapsed 0:40, about 0:20 left",
+        "[native 6/6] 2x8 B=1 T=2048 bf16  elapsed 0:50, about 0:10 left",
+        "[native] 6 items in 1:00",
     ]
 
 
@@ -534,3 +539,29 @@ def clock_text(seconds):
     from nanoattn.bench._progress import clock_text
 
     return clock_text(seconds)
+
+
+def test_native_targets_are_issue_22s():
+    from nanoattn.bench._native import native_markdown, native_targets
+
+    def cell(T, speedup, dtype="float32", pass_="fwd", B=1, pct=50.0):
+        return {"B": B, "T": T, "N": 4, "H": 32, "pass": pass_, "dtype": dtype, "status": "ok",
+                "native_ms": 1.0, "torch_ms": speedup, "speedup": speedup, "gflops": 1.0,
+                "pct_peak": pct}  # fmt: skip
+
+    cells = [cell(1024, 0.99), cell(128, 0.81, B=64), cell(256, 0.79, B=32),
+             cell(2048, 1.0, "bfloat16", "fwd+bwd"), cell(4096, 1.2, pct=59.0),
+             cell(4096, 1.2, "bfloat16")]  # fmt: skip
+    rows = {r["target"]: r["passed"] for r in native_targets(cells)}
+    assert rows == {
+        "native float32 fwd 4x32 B=1 T=1024: at least as fast as torch": False,
+        "native float32 fwd 4x32 B=64 T=128: at least 0.8x torch's speed": True,
+        "native float32 fwd 4x32 B=32 T=256: at least 0.8x torch's speed": False,
+        "native bfloat16 fwd+bwd 4x32 B=1 T=2048: at least as fast as torch": True,
+        "native float32 fwd 4x32 B=1 T=4096: at least as fast as torch": True,
+        "native float32 fwd 4x32 B=1 T=4096: >= 60% of the float32 matmul peak": False,
+        "native bfloat16 fwd 4x32 B=1 T=4096: at least as fast as torch": True,
+    }
+    table = "\n".join(native_markdown(cells, "AVX2 (8 floats a vector, 3x4 register tiles)"))
+    assert "built for AVX2 (8 floats a vector" in table
+    assert "| bfloat16 | 4x32 | 1 | 2048 | fwd+bwd | 1.0 | 1.0 | 1.00x | 50% |" in table

@@ -289,6 +289,11 @@ def test_the_avx2_build_serves_too_on_an_avx512_machine(tmp_path):
     symbols = subprocess.run(["objdump", "-d", str(built[0])], capture_output=True,
                              text=True).stdout  # fmt: skip
     assert "%ymm" in symbols and "%zmm" not in symbols
+    isa = subprocess.run(
+        [sys.executable, "-c", "from nanoattn import _native; print(_native.isa())"],
+        env=env, capture_output=True, text=True, timeout=120,
+    ).stdout.strip()  # fmt: skip
+    assert isa.startswith("AVX2 ") and _native.isa().startswith("AVX-512 "), isa
 
 
 def fwd_bwd_temp_bytes(T):

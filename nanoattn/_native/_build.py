@@ -98,6 +98,16 @@ def _build(cxx: str) -> pathlib.Path:
     return target
 
 
+def isa() -> str | None:
+    """The instruction set the built kernel was compiled for (its vector width and
+    register tiles), or None when it is not available."""
+    library, _ = load()
+    if library is None:
+        return None
+    library.NanoattnIsa.restype = ctypes.c_char_p
+    return library.NanoattnIsa().decode()
+
+
 @functools.cache
 def load() -> tuple[ctypes.CDLL | None, str | None]:
     """Builds (once per machine) and registers the kernel with XLA.

@@ -876,5 +876,16 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
                                     .Ret<ffi::Buffer<DT>>()  /* dk */                  \
                                     .Ret<ffi::Buffer<DT>>()) /* dv */
 
+// The instruction set this build's vectors and tiles were chosen for.
+extern "C" const char* NanoattnIsa() {
+#if defined(__AVX512F__)
+  return "AVX-512 (16 floats a vector, 6x4 register tiles)";
+#elif defined(__AVX2__)
+  return "AVX2 (8 floats a vector, 3x4 register tiles)";
+#else
+  return "generic (8-float vectors in narrower registers, 3x4 register tiles)";
+#endif
+}
+
 NANOATTN_HANDLERS(NanoattnForward, NanoattnBackward, ffi::F32);
 NANOATTN_HANDLERS(NanoattnForwardBf16, NanoattnBackwardBf16, ffi::BF16);

@@ -90,7 +90,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {T} | " + " | ".join(row) + " |")
     lines += generation_markdown(results.get("generation") or [])
     lines += window_markdown(results.get("window"))
-    lines += native_markdown(results.get("native") or [])
+    lines += native_markdown(results.get("native") or [], m.get("native_isa"))
     if results["targets"]:
         lines += [
             "",

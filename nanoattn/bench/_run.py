@@ -73,7 +73,17 @@ def machine() -> dict:
         "python": sys.version.split()[0],
         "jax": jax.__version__,
         "torch": _torch.version(),
+        "native_isa": _native_isa(),
     }
+
+
+def _native_isa() -> str | None:
+    """What the native kernel was built for, on the CPU (None elsewhere or unbuilt)."""
+    if jax.default_backend() != "cpu":
+        return None
+    from .. import _native as kernel
+
+    return kernel.isa()
 
 
 def will_skip(name: str, B: int, T: int, N: int, max_score_gib: float, torch_missing: bool) -> bool:
