@@ -374,14 +374,29 @@ struct Aligned {
   Aligned& operator=(const Aligned&) = delete;
 };
 
+// Scratch kept from call to call, per calling thread and slot: a call as large as an
+// earlier one touches no new page (a fresh allocation of this size per call spent more
+// time in page faults than a decode step in arithmetic). It grows to the largest call's
+// need, O(T + S).
+float* scratch(int slot, size_t floats) {
+  thread_local std::unique_ptr<Aligned> slots[2];
+  thread_local size_t sizes[2] = {0, 0};
+  if (sizes[slot] < floats) {
+    slots[slot].reset();
+    slots[slot] = std::make_unique<Aligned>(floats);
+    sizes[slot] = floats;
+  }
+  return slots[slot]->data;
+}
+
 // Blocks packed once per call and shared by every task that reads them (each key block
 // by every query block and every query head of its group): `count` tiles of `size`
-// floats in one allocation, O(T + S) in all.
+// floats in scratch slot `slot`.
 struct Tiles {
-  Tiles(int64_t count, int64_t size) : size(size), all(count * size) {}
-  float* at(int64_t index) const { return all.data + index * size; }
+  Tiles(int64_t count, int64_t size, int slot) : size(size), all(scratch(slot, count * size)) {}
+  float* at(int64_t index) const { return all + index * size; }
   const int64_t size;
-  Aligned all;
+  float* const all;
 };
 
 // The tile index of key block kb of key/value head kh, and of query block qb of query
@@ -426,11 +441,17 @@ void pack_keys(const Problem& p, const In* x, const Geometry& g, int64_t b, int6
         for (int64_t h = 0; h < p.H; ++h) dst[h] = widen(src[h]);
       std::fill(dst + (real ? p.H : 0), dst + p.Hp, 0.0f);
     }
-    if (cols) {
-      if (real)
-        for (int64_t h = 0; h < p.H; ++h) cols[h * BK + c] = widen(src[h]);
-      else
-        for (int64_t h = 0; h < p.H; ++h) cols[h * BK + c] = 0.0f;
+  }
+  if (!cols) return;
+  // Transposed: each width h a contiguous row of BK keys (the keys' rows, BK of them,
+  // stay in L1 while every h reads them).
+  const In* base = x + ((b * p.S + j0) * p.K + kh) * p.H;
+  const int64_t stride = p.K * p.H;
+  for (int64_t h = 0; h < p.H; ++h) {
+    float* dst = cols + h * BK;
+    for (int64_t c = 0; c < BK; ++c) {
+      const int64_t j = j0 + c;
+      dst[c] = j < p.S && g.k_seen[j] ? widen(base[c * stride + h]) : 0.0f;
     }
   }
 }
@@ -476,9 +497,31 @@ struct ForwardOut {
   float* lse;  // (B, T, N): log-sum-exp of the visible logits; -inf for a blind row
 };
 
+// Each query's output o / l and log-sum-exp m + log l (o[r * r_stride + h * h_stride]
+// for query i0 + r), or zeros and -inf for a query that saw nothing.
+void finish(const Problem& p, ForwardOut res, int64_t b, int64_t n, int64_t i0, int64_t rows,
+            const float* m, const float* l, const float* o, int64_t r_stride, int64_t h_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r;
+    float* dst = res.out + ((b * p.T + i) * p.N + n) * p.H;
+    float* lse = res.lse + (b * p.T + i) * p.N + n;
+    if (l[r] != 0) {  // l >= 1 for a query that sees a key; NaN from NaN or inf content
+      const float inv = 1.0f / l[r];
+      for (int64_t h = 0; h < p.H; ++h) dst[h] = o[r * r_stride + h * h_stride] * inv;
+      *lse = m[r] + std::log(l[r]);
+    } else {
+      std::fill(dst, dst + p.H, 0.0f);
+      *lse = -kInf;  // the log-sum-exp of no logit, as in the flash kernel and jax.nn
+    }
+  }
+}
+
+// The forward pass of one (b, n, query block) with scores (queries, keys) = Q K^T:
+// for calls of fewer than VW queries (a decode step), where the transposed layout
+// below would compute VW query columns for each real one.
 template <class In>
-void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* q,
-                  const Tiles& keys_t, const Tiles& values, ForwardOut res, int64_t task) {
+void forward_rows_task(const Problem& p, const std::vector<Geometry>& geo, const In* q,
+                       const Tiles& keys_t, const Tiles& values, ForwardOut res, int64_t task) {
   const int64_t qb = task % p.n_q(), n = (task / p.n_q()) % p.N, b = task / (p.n_q() * p.N);
   const int64_t kh = n / p.G, i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
   const int64_t mr = round_up(rows, MR);
@@ -539,19 +582,110 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
     }
     gemm(mr, Hp, kc, s.data, BK, 1, values.at(key_tile(p, b, kh, kb)), Hp, o.data, Hp, true);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = i0 + r;
-    float* dst = res.out + ((b * p.T + i) * p.N + n) * p.H;
-    float* lse = res.lse + (b * p.T + i) * p.N + n;
-    if (l[r] != 0) {  // l >= 1 for a row that sees a key; NaN from NaN or inf content
-      const float inv = 1.0f / l[r];
-      for (int64_t h = 0; h < p.H; ++h) dst[h] = o.data[r * Hp + h] * inv;
-      *lse = m[r] + std::log(l[r]);
-    } else {
-      std::fill(dst, dst + p.H, 0.0f);
-      *lse = -kInf;  // the log-sum-exp of no logit, as in the flash kernel and jax.nn
-    }
+  finish(p, res, b, n, i0, rows, m, l, o.data, Hp, 1);
+}
+
+// Queries [i0, i0 + BQ) of head n, times `factor`, transposed: (Hp, BQ), column c
+// holding query i0 + c; columns past T or of blind queries are 0.
+template <class In>
+void pack_queries_t(const Problem& p, const In* x, const Geometry& g, int64_t b, int64_t n,
+                    int64_t i0, float factor, float* out) {
+  std::fill(out, out + p.Hp * BQ, 0.0f);
+  for (int64_t c = 0; c < BQ && i0 + c < p.T; ++c) {
+    if (!g.q_sees[i0 + c]) continue;
+    const In* src = x + ((b * p.T + i0 + c) * p.N + n) * p.H;
+    for (int64_t h = 0; h < p.H; ++h) out[h * BQ + c] = widen(src[h]) * factor;
   }
+}
+
+// Which keys each query column of a block sees, as vectors over the columns: the
+// interval [lo, hi] (empty for padded and blind columns) and the segment id.
+struct Columns {
+  alignas(64) int32_t lo[BQ], hi[BQ], seg[BQ];
+};
+
+Columns columns(const Problem& p, const Geometry& g, int64_t b, int64_t i0) {
+  Columns c;
+  for (int64_t r = 0; r < BQ; ++r) {
+    const int64_t i = i0 + r;
+    const bool real = i < p.T && g.q_sees[i];
+    c.lo[r] = real ? static_cast<int32_t>(g.lo[i]) : 1;
+    c.hi[r] = real ? static_cast<int32_t>(g.hi[i]) : 0;
+    c.seg[r] = real && p.q_seg ? p.q_seg[b * p.T + i] : 0;
+  }
+  return c;
+}
+
+// The forward pass of one (b, n, query block), transposed: scores S^T (keys, queries)
+// = K Q^T, so that every per-query statistic (maximum, sum, rescale) is a vector over
+// 16 (AVX-512) or 8 query columns and no row is ever reduced across its lanes; the
+// output accumulates as O^T (Hp, queries) += V^T P^T.
+template <class In>
+void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* q,
+                  const Tiles& keys, const Tiles& values, ForwardOut res, int64_t task) {
+  const int64_t qb = task % p.n_q(), n = (task / p.n_q()) % p.N, b = task / (p.n_q() * p.N);
+  const int64_t kh = n / p.G, i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
+  const int64_t nc = round_up(rows, VW);  // query columns computed
+  const Geometry& g = geo[b];
+  const int64_t Hp = p.Hp;
+  Aligned qt(Hp * BQ), st(BK * BQ), ot(Hp * BQ);
+  alignas(64) float m[BQ], l[BQ];
+  std::fill(m, m + BQ, -kInf);
+  std::fill(l, l + BQ, 0.0f);
+  std::fill(ot.data, ot.data + Hp * BQ, 0.0f);
+  pack_queries_t(p, q, g, b, n, i0, p.scale, qt.data);
+  const Columns cols = columns(p, g, b, i0);
+  auto [first, last] = key_blocks(p, g, i0, i1);
+  for (int64_t kb = first; kb <= last; ++kb) {
+    const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kr = round_up(j1 - j0, MR);
+    const Block kind = classify(p, g, i0, i1, j0, j1);
+    if (kind == Block::kSkip) continue;
+    gemm(kr, nc, Hp, keys.at(key_tile(p, b, kh, kb)), Hp, 1, qt.data, BQ, st.data, BQ, false);
+    if (p.soft_cap > 0)
+      for (int64_t r = 0; r < kr; ++r)
+        for (int64_t c = 0; c < nc; ++c) {
+          float& x = st.data[r * BQ + c];
+          x = p.soft_cap * std::tanh(x / p.soft_cap);
+        }
+    const bool mask = kind != Block::kFull || j0 + kr > p.S;
+    for (int64_t c = 0; c < nc; c += VW) {
+      // Mask, then the columns' new maxima; maxima keep a NaN: a query whose logits
+      // are all NaN (a NaN query, say) is not a query that sees nothing, and its NaN
+      // must reach the output (docs/conventions.md).
+      const vi lo = *reinterpret_cast<const vi*>(cols.lo + c);
+      const vi hi = *reinterpret_cast<const vi*>(cols.hi + c);
+      const vi seg = *reinterpret_cast<const vi*>(cols.seg + c);
+      vf mx = splat(-kInf);
+      for (int64_t r = 0; r < kr; ++r) {
+        float* at = st.data + r * BQ + c;
+        vf x = load(at);
+        if (mask) {
+          const vi j = splat_int(static_cast<int32_t>(j0 + r));
+          vi hidden = (j < lo) | (j > hi);
+          if (p.q_seg) hidden |= seg != splat_int(j0 + r < p.S ? p.kv_seg[b * p.S + j0 + r] : 0);
+          x = hidden ? splat(-kInf) : x;
+          store(at, x);
+        }
+        mx = nan_max(x, mx);
+      }
+      const vf old_max = load(m + c), new_max = nan_max(old_max, mx);
+      const vi blind = new_max == -kInf;  // nothing visible in this column so far
+      const vf alpha = blind ? splat(1.0f) : vexp(old_max - new_max);  // 0 when m was -inf
+      const vf shift = blind ? vf{} : new_max;
+      vf sum = vf{};
+      for (int64_t r = 0; r < kr; ++r) {
+        float* at = st.data + r * BQ + c;
+        const vf e = vexp(load(at) - shift);
+        store(at, e);
+        sum += e;
+      }
+      store(l + c, load(l + c) * alpha + sum);
+      store(m + c, new_max);
+      for (int64_t h = 0; h < Hp; ++h) store(ot.data + h * BQ + c, load(ot.data + h * BQ + c) * alpha);
+    }
+    gemm(Hp, nc, kr, values.at(key_tile(p, b, kh, kb)), 1, Hp, st.data, BQ, ot.data, BQ, true);
+  }
+  finish(p, res, b, n, i0, rows, m, l, ot.data, 1, BQ);
 }
 
 // ---------------------------------------------------------------------------
@@ -740,16 +874,22 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, f
     auto [first, last] = key_blocks(p, geo[b], qb * BQ, std::min((qb + 1) * BQ, p.T));
     return last - first + 1;
   });
-  // Keys transposed (Hp, BK) and values (BK, Hp), packed once for every query block.
-  Tiles keys_t(p.B * p.K * p.n_k(), p.Hp * BK), values(p.B * p.K * p.n_k(), BK * p.Hp);
+  // Keys as (BK, Hp) rows for the transposed scores, or transposed (Hp, BK) for a
+  // decode step's, and values as (BK, Hp) rows, packed once for every query block.
+  const bool decode = p.T < VW;
+  Tiles keys(p.B * p.K * p.n_k(), BK * p.Hp, 0), values(p.B * p.K * p.n_k(), BK * p.Hp, 1);
   parallel_for(pool, threads, p.B * p.K * p.n_k(), [&](int64_t t, int) {
     const int64_t kb = t % p.n_k(), kh = (t / p.n_k()) % p.K, b = t / (p.n_k() * p.K);
-    pack_keys(p, k.typed_data(), geo[b], b, kh, kb * BK, nullptr, keys_t.at(t));
+    pack_keys(p, k.typed_data(), geo[b], b, kh, kb * BK, decode ? nullptr : keys.at(t),
+              decode ? keys.at(t) : nullptr);
     pack_keys(p, v.typed_data(), geo[b], b, kh, kb * BK, values.at(t), nullptr);
   });
   ForwardOut res{out->typed_data(), lse->typed_data()};
   parallel_for(pool, threads, total, [&](int64_t t, int) {
-    forward_task(p, geo, q.typed_data(), keys_t, values, res, order[t]);
+    if (decode)
+      forward_rows_task(p, geo, q.typed_data(), keys, values, res, order[t]);
+    else
+      forward_task(p, geo, q.typed_data(), keys, values, res, order[t]);
   });
   return ffi::Error::Success();
 }
@@ -809,7 +949,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
   BackwardOut<In> res{dk->typed_data(), dv->typed_data(), &parts, Tp, delta.data()};
   // Queries (times scale) and output cotangents as (BQ, Hp) blocks, packed once for
   // every key block.
-  Tiles queries(p.B * p.N * p.n_q(), BQ * p.Hp), d_out(p.B * p.N * p.n_q(), BQ * p.Hp);
+  Tiles queries(p.B * p.N * p.n_q(), BQ * p.Hp, 0), d_out(p.B * p.N * p.n_q(), BQ * p.Hp, 1);
   parallel_for(pool, threads, p.B * p.N * p.n_q(), [&](int64_t t, int) {
     const int64_t qb = t % p.n_q(), n = (t / p.n_q()) % p.N, b = t / (p.n_q() * p.N);
     pack_rows(p, q.typed_data(), geo[b], b, n, qb * BQ, p.scale, queries.at(t));
