@@ -33,3 +33,10 @@ def failing_factory():
 
 
 not_callable = 3
+
+
+def nanogpt_like():
+    """A zero-argument factory: causal, raises past its block size of 20 tokens."""
+    from _verify_functions import nanogpt_like
+
+    return nanogpt_like([])

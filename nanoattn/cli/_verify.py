@@ -2,6 +2,7 @@
 causality (``check_causality``), or with ``--decode`` the KV-cache path
 (``check_decoding``)."""
 
+import argparse
 import importlib
 import inspect
 import json
@@ -10,6 +11,7 @@ import sys
 
 from .._validate import describe
 from ..verify import check_causality, check_decoding
+from ..verify._bounds import raised_everywhere, within
 from ..verify._causality import DEFAULT_SEQ_LENS
 from ..verify._decoding import DEFAULT_SEQ_LEN
 from . import _stages
@@ -31,8 +33,9 @@ def add_parser(commands) -> None:
         "nanoattn.verify.decoders builds it for nanoattn's and flax's modules) and "
         "nanoattn.verify.check_decoding runs on it. On a terminal, a stage still running after "
         "about 2 s says on stderr what it is doing (nothing with --json). "
-        "Exit status 0 when every check passes, "
-        "1 when one fails, 2 when the target cannot be imported or called or an option is bad.",
+        "Exit status 0 when every check passes, 1 when one fails (also when the target raises "
+        "at some lengths), 2 when the target cannot be imported or raises at every length, or "
+        "an option is bad.",
     )
     verify.add_argument(
         "target",
@@ -54,6 +57,14 @@ def add_parser(commands) -> None:
         help="causality: lengths to test (default " + ",".join(map(str, DEFAULT_SEQ_LENS)) + ")",
     )
     verify.add_argument(
+        "--max-len",
+        type=_positive_int,
+        metavar="N",
+        help="causality: try no length above N (a model with a fixed context, such as "
+        "nanoGPT's block_size); without it a length where the target raises fails the check "
+        "and the other lengths still run",
+    )
+    verify.add_argument(
         "--seq-len",
         type=int,
         help=f"--decode: the length of the decoded sequence (default {DEFAULT_SEQ_LEN})",
@@ -72,6 +83,17 @@ def add_parser(commands) -> None:
     )
     verify.add_argument("--json", action="store_true", help="print machine-readable JSON")
     verify.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    """Parses ``--max-len``: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
 
 
 def load_target(target: str, decode: bool = False):
@@ -143,6 +165,8 @@ def _check_options(args) -> None:
     if args.decode:
         if args.seq_lens is not None:
             raise UsageError("--seq-lens is for the causality check; with --decode use --seq-len")
+        if args.max_len is not None:
+            raise UsageError("--max-len is for the causality check; with --decode use --seq-len")
         if args.seq_len is not None and args.seq_len < 2:
             raise UsageError(f"--seq-len must be >= 2, got {args.seq_len}")
     else:
@@ -151,6 +175,11 @@ def _check_options(args) -> None:
                 raise UsageError(f"{flag} only applies with --decode")
         if args.seq_lens is not None and (not args.seq_lens or min(args.seq_lens) < 1):
             raise UsageError(f"--seq-lens must be lengths >= 1, got {args.seq_lens}")
+        if args.seq_lens and args.max_len is not None and min(args.seq_lens) > args.max_len:
+            raise UsageError(
+                f"every length of --seq-lens {','.join(map(str, args.seq_lens))} exceeds "
+                f"--max-len {args.max_len}"
+            )
 
 
 def run(args) -> int:
@@ -175,16 +204,24 @@ def run(args) -> int:
                 )
             what = f"--decode ({width}, batch {args.batch}, length {seq_len})"
         else:
-            seq_lens = args.seq_lens or list(DEFAULT_SEQ_LENS)
+            seq_lens = within(args.seq_lens or list(DEFAULT_SEQ_LENS), args.max_len, "seq_lens")
             with stage(f"checking causality at {len(seq_lens)} lengths up to {max(seq_lens)}"):
                 report = check_causality(
                     target,
                     **inputs,
                     seq_lens=seq_lens,
+                    max_len=args.max_len,
                     batch=args.batch,
                     atol=CAUSALITY_ATOL if args.atol is None else args.atol,
                 )
-            what = f"({width}, batch {args.batch}, lengths {','.join(map(str, seq_lens))})"
+                error = raised_everywhere(report)  # at some lengths only, a check fails
+                if error is not None:
+                    raise UsageError(f"calling {args.target} failed: {error}")
+            bound = "" if args.max_len is None else f", max-len {args.max_len}"
+            lengths = ",".join(map(str, seq_lens))
+            what = f"({width}, batch {args.batch}, lengths {lengths}{bound})"
+    except UsageError:
+        raise
     except Exception as e:
         raise UsageError(f"calling {args.target} failed: {describe(e)}") from None
     if args.json:

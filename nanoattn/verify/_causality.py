@@ -11,6 +11,7 @@ The sweep (lengths, modes, inputs: ``_sweep.py``) is made once; each probe
 (``_probes.py``, ``_receptive_field.py``) reads it and returns its own check.
 """
 
+from ._bounds import SubjectFailed, runs_check, skipped, within
 from ._inputs import Inputs
 from ._probes import SingleChanges, first_token_control, future_perturbation, prefix_invariance
 from ._receptive_field import receptive_field
@@ -19,6 +20,8 @@ from ._sweep import DEFAULT_SEQ_LENS as DEFAULT_SEQ_LENS
 from ._sweep import Sweep
 from ._sweep import changed_positions as changed_positions
 from ._sweep import split_points as split_points
+
+CHECKS = ("prefix invariance", "future perturbation", "positive control", "receptive field")
 
 
 def _lengths(seq_lens, batch, atol: float) -> list[int]:
@@ -39,6 +42,7 @@ def check_causality(
     d_model: int | None = None,
     vocab: int | None = None,
     seq_lens=DEFAULT_SEQ_LENS,
+    max_len: int | None = None,
     batch: int = 2,
     seed: int = 0,
     atol: float = 1e-5,
@@ -79,6 +83,18 @@ def check_causality(
     that leaks only when traced, or only when not, fails. A function that jax
     cannot trace runs as given at every length.
 
+    A model with a fixed context (nanoGPT's ``block_size``, a precomputed mask)
+    is checked up to it with ``max_len``: lengths above it are not tried. A
+    length where ``fn`` raises is left out and the others are still checked: the
+    report starts with a failed check ``"fn runs"`` naming the lengths and the
+    first error (every one in ``data["failed"]``); when ``fn`` raises at every
+    length, the other checks are skipped. No exception of ``fn`` escapes; bad
+    arguments of the check, and an output that is not (B, T, ...), raise.
+
+    Args:
+      max_len: None, or the longest length to try (an int >= 1); a ValueError
+        when it is below every length of ``seq_lens``.
+
     Returns:
       A :class:`Report`. A failed leak check names the first leak: length,
       mode, position, batch row and output feature (``where``).
@@ -93,16 +109,35 @@ def check_causality(
       >>> embed = jnp.arange(30.0).reshape(10, 3)  # a model on token ids: embed, then prefix sums
       >>> check_causality(lambda ids: jnp.cumsum(embed[ids], 1), vocab=10, seq_lens=(4,)).passed
       True
+      >>> mask = jnp.tril(jnp.ones((4, 4)))  # a fixed context of 4: fails past it
+      >>> bounded = lambda x: jnp.einsum("TS,BSD->BTD", mask[: x.shape[1], : x.shape[1]], x)
+      >>> check_causality(bounded, d_model=4, seq_lens=(1, 3, 5), max_len=4).passed
+      True
+      >>> report = check_causality(bounded, d_model=4, seq_lens=(1, 3, 5))
+      >>> report.passed, report.checks[0].name, report.checks[0].where
+      (False, 'fn runs', {'length': 5, 'mode': 'jit'})
     """
     inputs = Inputs.of(d_model, vocab)
-    sweep = Sweep.of(fn, inputs, _lengths(seq_lens, batch, atol), batch, seed)
+    lengths = within(_lengths(seq_lens, batch, atol), max_len, "seq_lens")
+    sweep = Sweep.of(fn, inputs, lengths, batch, seed)
+    while True:  # each failure leaves a run out, so this ends
+        try:
+            return _report(fn, sweep, atol, seed, max_len is None)
+        except SubjectFailed as failure:  # fn raised in a probe: check without that run
+            sweep = sweep.without(failure)
+
+
+def _report(fn, sweep: Sweep, atol: float, seed: int, hint: bool) -> Report:
+    """Every probe over ``sweep``, after the lengths where ``fn`` raised, if any
+    (``hint``: say that ``max_len`` leaves lengths out)."""
+    ran = runs_check(list(sweep.failures), list(sweep.lengths), hint)
+    if not sweep.main_runs:
+        return Report("causality", [ran, *map(skipped, CHECKS)])
     changes = SingleChanges.of(sweep, atol)  # read by two probes: fn runs once per change
-    return Report(
-        "causality",
-        [
-            prefix_invariance(sweep, atol),
-            future_perturbation(sweep, changes),
-            first_token_control(sweep, atol),
-            receptive_field(fn, sweep, changes, seed),
-        ],
-    )
+    checks = [
+        prefix_invariance(sweep, atol),
+        future_perturbation(sweep, changes),
+        first_token_control(sweep, atol),
+        receptive_field(fn, sweep, changes, seed),
+    ]
+    return Report("causality", checks if ran is None else [ran, *checks])

@@ -2,9 +2,17 @@
 
 import numpy as np
 
+from ._bounds import SubjectFailed, call, check_max_len, runs_check, skipped
 from ._inputs import Inputs, as_features
 from ._leaks import positive_control
 from ._report import CheckResult, Report
+
+DEFAULT_SEQ_LEN = 9
+CHECKS = (
+    "padded content is ignored (right padding)",
+    "padded content is ignored (left padding)",
+    "positive control",
+)
 
 
 def check_padding(
@@ -14,7 +22,8 @@ def check_padding(
     vocab: int | None = None,
     lengths=None,
     batch: int = 2,
-    seq_len: int = 9,
+    seq_len: int | None = None,
+    max_len: int | None = None,
     seed: int = 0,
     atol: float = 1e-5,
     huge: float = 1e6,
@@ -35,6 +44,14 @@ def check_padding(
     Args:
       lengths: valid tokens per batch row, (B,); by default the first row is
         full and later rows are shorter.
+      seq_len: T; by default 9, or ``max_len`` when that is shorter.
+      max_len: None, or the longest length ``fn`` takes (a fixed context); a
+        ValueError when ``seq_len`` exceeds it.
+
+    When ``fn`` raises, the report has a failed check ``"fn runs"`` naming
+    the length and the error, and the other checks are skipped: no exception
+    of ``fn`` escapes (bad arguments of the check, and an output that is not
+    (B, T, ...), raise).
 
     Example:
       >>> import jax.numpy as jnp
@@ -53,8 +70,13 @@ def check_padding(
         raise ValueError(f"batch must be an int >= 1, got batch={batch!r}")
     if not atol >= 0:
         raise ValueError(f"atol must be >= 0, got {atol}")
+    max_len = check_max_len(max_len)
+    if seq_len is None:
+        seq_len = DEFAULT_SEQ_LEN if max_len is None else min(DEFAULT_SEQ_LEN, max_len)
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if max_len is not None and seq_len > max_len:
+        raise ValueError(f"seq_len={seq_len} exceeds max_len={max_len}: nothing to check")
     if lengths is None:
         lengths = [max(1, seq_len - (b * seq_len) // (batch + 1)) for b in range(batch)]
     lengths = np.asarray(lengths)
@@ -63,9 +85,19 @@ def check_padding(
             f"lengths must have shape (B,) = ({batch},) with values in [0, {seq_len}], "
             f"got {lengths.tolist()}"
         )
+    try:
+        checks = _checks(fn, inputs, lengths, batch, seq_len, seed, atol, huge)
+    except SubjectFailed as failure:
+        ran = runs_check([failure], [seq_len], hint=max_len is None)
+        checks = [ran, *map(skipped, CHECKS)]
+    return Report("padding", checks)
 
-    def run(x, valid):
-        return as_features(fn(x, valid), x.shape)
+
+def _checks(fn, inputs: Inputs, lengths, batch, seq_len, seed, atol, huge) -> list[CheckResult]:
+    """Both layouts and the positive control; :class:`SubjectFailed` when ``fn`` raises."""
+
+    def run(x, valid, layout):
+        return as_features(call(fn, seq_len, f"{layout} padding", x, valid), x.shape)
 
     rng = np.random.default_rng(seed)
     right = np.arange(seq_len) < lengths[:, None]  # (B, T): real tokens first
@@ -73,7 +105,7 @@ def check_padding(
     x = inputs.random(rng, batch, seq_len)
     checks, base = [], {}
     for layout, valid in layouts.items():
-        y = base[layout] = run(x, valid)
+        y = base[layout] = run(x, valid, layout)
         if inputs.tokens:
             noisy = np.where(valid, x, inputs.changed(rng, x))
             content = "other token ids"
@@ -81,7 +113,7 @@ def check_padding(
             signs = np.sign(rng.standard_normal(x.shape))
             noisy = np.where(valid[..., None], x, huge * signs).astype(np.float32)
             content = f"+-{huge:g}"
-        dev = np.where(valid, np.abs(run(noisy, valid) - y).max(-1), 0.0)  # (B, T)
+        dev = np.where(valid, np.abs(run(noisy, valid, layout) - y).max(-1), 0.0)  # (B, T)
         dev = np.where(np.isfinite(dev), dev, np.inf)
         b, t = np.unravel_index(np.argmax(dev), dev.shape)
         worst = float(dev[b, t])
@@ -103,6 +135,6 @@ def check_padding(
     valid, y = right, base["right"]
     changed = x.copy()
     changed[:, 0] = inputs.changed(rng, x[:, 0])
-    moved = float(np.where(valid, np.abs(run(changed, valid) - y).max(-1), 0.0).max())
+    moved = float(np.where(valid, np.abs(run(changed, valid, "right") - y).max(-1), 0.0).max())
     checks.append(positive_control(moved, atol, "valid outputs"))
-    return Report("padding", checks)
+    return checks

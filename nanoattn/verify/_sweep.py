@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from .._validate import describe
+from ._bounds import SubjectFailed, call
 from ._inputs import Inputs, as_features, jit
 
 # Up to and past the block sizes of blockwise kernels (64, 128, 256, 512): a mask
@@ -61,18 +62,26 @@ class Mode:
 
 def modes(fn, inputs: Inputs, seq_lens: list[int], batch: int, seed: int):
     """Every length under ``jax.jit``, and one length eagerly (``jax.disable_jit``, so
-    a jitted ``fn`` runs op by op too); a function jax cannot trace runs as given at
-    every length. Returns the modes and, for such a function, why."""
-    x = inputs.random(np.random.default_rng((seed, seq_lens[0])), batch, seq_lens[0])
+    a jitted ``fn`` runs op by op too); a function jax cannot trace (at the shortest
+    length where it runs as given) runs as given at every length. Returns the modes
+    and, for such a function, why."""
     short, long = jit(fn), jax.jit(fn)
 
     def jitted(x):  # past 64 tokens a call costs more than its compile: optimise it
         return (short if x.shape[1] <= EVERY_POSITION_UP_TO else long)(x)
 
-    try:
-        jax.block_until_ready(jitted(x))
-    except Exception as e:  # any failure to trace means: not a jax function
-        return [Mode("eager", fn, frozenset(seq_lens))], describe(e)
+    for T in sorted(set(seq_lens)):  # the shortest first: a bounded fn runs there
+        x = inputs.random(np.random.default_rng((seed, T)), batch, T)
+        try:
+            jax.block_until_ready(jitted(x))
+            break
+        except Exception as e:  # not a jax function, or fn raises at this length
+            why = describe(e)
+        try:
+            np.asarray(fn(x))
+        except Exception:  # fn raises at T however it is called: the sweep says so
+            continue
+        return [Mode("eager", fn, frozenset(seq_lens))], why  # runs, but not under jit
 
     def eager(x):
         with jax.disable_jit():
@@ -110,8 +119,9 @@ class Draws:
 
 
 def _outputs(mode: Mode, x: np.ndarray) -> np.ndarray:
-    """``fn`` on ``x`` (B, T, ...) called in ``mode``, as (B, T, F) float64."""
-    return as_features(mode.call(x), x.shape)
+    """``fn`` on ``x`` (B, T, ...) called in ``mode``, as (B, T, F) float64;
+    :class:`SubjectFailed` when ``fn`` raises."""
+    return as_features(call(mode.call, x.shape[1], mode.name, x), x.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,26 +172,39 @@ class Run:
 @dataclasses.dataclass(frozen=True)
 class Sweep:
     """Every run of the check: each length, under each mode that runs at it, in order.
-    ``untraceable``: why jax cannot trace ``fn`` (then it runs as given), else None."""
+    ``untraceable``: why jax cannot trace ``fn`` (then it runs as given), else None.
+    ``failures``: where ``fn`` raised (those runs are left out); ``lengths``: the
+    lengths tried."""
 
     inputs: Inputs
     modes: list[Mode]
     runs: list[Run]
     untraceable: str | None
+    failures: tuple[SubjectFailed, ...] = ()
+    lengths: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, fn, inputs: Inputs, seq_lens: list[int], batch: int, seed: int) -> "Sweep":
-        """Calls ``fn`` once per run, for its output ``y``; one input per length. Every
-        run is kept until the probes are done: with the default lengths, each about
-        doubling, about twice the memory of the longest run."""
+        """Calls ``fn`` once per run, for its output ``y``; one input per length. A run
+        where ``fn`` raises is left out, and its failure kept. Every run is kept until
+        the probes are done: with the default lengths, each about doubling, about
+        twice the memory of the longest run."""
         all_modes, untraceable = modes(fn, inputs, seq_lens, batch, seed)
-        runs = []
+        runs, failures = [], []
         for T in seq_lens:
             x = inputs.random(np.random.default_rng((seed, T)), batch, T)
             for index, mode in enumerate(all_modes):
                 if T in mode.lengths:
-                    runs.append(Run.of(inputs, mode, index, x, seed))
-        return cls(inputs, all_modes, runs, untraceable)
+                    try:
+                        runs.append(Run.of(inputs, mode, index, x, seed))
+                    except SubjectFailed as failure:
+                        failures.append(failure)
+        return cls(inputs, all_modes, runs, untraceable, tuple(failures), tuple(seq_lens))
+
+    def without(self, failure: SubjectFailed) -> "Sweep":
+        """This sweep less the runs at ``failure``'s length and mode, which it keeps."""
+        runs = [r for r in self.runs if (r.T, r.mode.name) != (failure.length, failure.mode)]
+        return dataclasses.replace(self, runs=runs, failures=(*self.failures, failure))
 
     @property
     def main_runs(self) -> list[Run]:
