@@ -35,6 +35,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -144,18 +148,40 @@ inline vf vexp(vf x) {
 
 constexpr int MR = 4;  // callers pad M to a multiple of this
 
-template <int R, int NV>
-inline void micro(int L, const float* A, long a_row, long a_col, const float* B, long ldb,
-                  float* C, long ldc, bool accumulate) {
+// One step of the products: F32Step multiplies a broadcast scalar of A by a vector of
+// B; PairStep (AVX512_BF16) takes A's and B's elements as pairs of bfloat16 in 32
+// bits and adds both products of each lane's pair (vdpbf16ps), L being counted in
+// pairs: half the instructions, float32 accumulation, exact products.
+struct F32Step {
+  using Elem = float;
+  static vf broadcast(const float* a) { return splat(*a); }
+  static vf load_b(const float* b) { return load(b); }
+  static vf mac(vf c, vf a, vf b) { return c + a * b; }
+};
+#if defined(__AVX512BF16__)
+constexpr bool kPairs = true;
+struct PairStep {
+  using Elem = uint32_t;
+  static vf broadcast(const uint32_t* a) { return (vf)_mm512_set1_epi32(static_cast<int>(*a)); }
+  static vf load_b(const uint32_t* b) { return load(reinterpret_cast<const float*>(b)); }
+  static vf mac(vf c, vf a, vf b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); }
+};
+#else
+constexpr bool kPairs = false;
+#endif
+
+template <class Step, int R, int NV>
+inline void micro(int L, const typename Step::Elem* A, long a_row, long a_col,
+                  const typename Step::Elem* B, long ldb, float* C, long ldc, bool accumulate) {
   vf c[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) c[r][v] = accumulate ? load(C + r * ldc + v * VW) : vf{};
   for (int l = 0; l < L; ++l) {
     vf b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = load(B + l * ldb + v * VW);
+    for (int v = 0; v < NV; ++v) b[v] = Step::load_b(B + l * ldb + v * VW);
     for (int r = 0; r < R; ++r) {
-      vf a = splat(A[r * a_row + l * a_col]);
-      for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
+      vf a = Step::broadcast(A + r * a_row + l * a_col);
+      for (int v = 0; v < NV; ++v) c[r][v] = Step::mac(c[r][v], a, b[v]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -164,15 +190,17 @@ inline void micro(int L, const float* A, long a_row, long a_col, const float* B,
 
 // Rows [0, M) against one panel of NV vectors: R rows at a time, then MR (M is a
 // multiple of MR), then one by one.
-template <int R, int NV>
-inline void panel(int M, int L, const float* A, long a_row, long a_col, const float* B, long ldb,
-                  float* C, long ldc, bool accumulate) {
+template <class Step, int R, int NV>
+inline void panel(int M, int L, const typename Step::Elem* A, long a_row, long a_col,
+                  const typename Step::Elem* B, long ldb, float* C, long ldc, bool accumulate) {
   int i = 0;
-  for (; i + R <= M; i += R) micro<R, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
+  for (; i + R <= M; i += R)
+    micro<Step, R, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
   if constexpr (R > MR)
     for (; i + MR <= M; i += MR)
-      micro<MR, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
-  for (; i < M; ++i) micro<1, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
+      micro<Step, MR, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
+  for (; i < M; ++i)
+    micro<Step, 1, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
 }
 
 // The register tiles, sized by the register file: R rows x NV vectors keep R * NV
@@ -186,15 +214,16 @@ constexpr int kRows4 = 6, kRows2 = 12, kRows1 = 12;
 constexpr int kRows4 = 3, kRows2 = MR, kRows1 = MR;
 #endif
 
-void gemm(int M, int N, int L, const float* A, long a_row, long a_col, const float* B, long ldb,
-          float* C, long ldc, bool accumulate) {
+template <class Step = F32Step>
+void gemm(int M, int N, int L, const typename Step::Elem* A, long a_row, long a_col,
+          const typename Step::Elem* B, long ldb, float* C, long ldc, bool accumulate) {
   int j = 0;
   for (; j + 4 * VW <= N; j += 4 * VW)
-    panel<kRows4, 4>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+    panel<Step, kRows4, 4>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
   for (; j + 2 * VW <= N; j += 2 * VW)
-    panel<kRows2, 2>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+    panel<Step, kRows2, 2>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
   for (; j < N; j += VW)
-    panel<kRows1, 1>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+    panel<Step, kRows1, 1>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
 }
 
 // ---------------------------------------------------------------------------
@@ -598,6 +627,45 @@ void pack_queries_t(const Problem& p, const In* x, const Geometry& g, int64_t b,
   }
 }
 
+// For PairStep: two bfloat16 in one 32-bit word, the first in the low half.
+inline uint32_t pair(uint16_t first, uint16_t second) {
+  return uint32_t{first} | uint32_t{second} << 16;
+}
+
+// Keys [j0, j0 + BK) of head kh as (BK, Hp / 2) pairs of bfloat16 along the width;
+// unseen keys and padded widths are 0.
+void pack_key_pairs(const Problem& p, const uint16_t* x, const Geometry& g, int64_t b,
+                    int64_t kh, int64_t j0, uint32_t* out) {
+  const int64_t W = p.Hp / 2;
+  for (int64_t c = 0; c < BK; ++c) {
+    const int64_t j = j0 + c;
+    const uint16_t* src = x + ((b * p.S + j) * p.K + kh) * p.H;
+    const bool real = j < p.S && g.k_seen[j];
+    for (int64_t w = 0; w < W; ++w) {
+      const uint16_t first = real && 2 * w < p.H ? src[2 * w] : 0;
+      const uint16_t second = real && 2 * w + 1 < p.H ? src[2 * w + 1] : 0;
+      out[c * W + w] = pair(first, second);
+    }
+  }
+}
+
+// Queries [i0, i0 + BQ) of head n transposed as (Hp / 2, BQ) pairs along the width
+// (not scaled: the scale multiplies the scores); padded and blind columns are 0.
+void pack_query_pairs(const Problem& p, const uint16_t* x, const Geometry& g, int64_t b,
+                      int64_t n, int64_t i0, uint32_t* out) {
+  const int64_t W = p.Hp / 2;
+  std::fill(out, out + W * BQ, 0u);
+  for (int64_t c = 0; c < BQ && i0 + c < p.T; ++c) {
+    if (!g.q_sees[i0 + c]) continue;
+    const uint16_t* src = x + ((b * p.T + i0 + c) * p.N + n) * p.H;
+    for (int64_t w = 0; w < W; ++w) {
+      const uint16_t first = 2 * w < p.H ? src[2 * w] : 0;
+      const uint16_t second = 2 * w + 1 < p.H ? src[2 * w + 1] : 0;
+      out[w * BQ + c] = pair(first, second);
+    }
+  }
+}
+
 // Which keys each query column of a block sees, as vectors over the columns: the
 // interval [lo, hi] (empty for padded and blind columns) and the segment id.
 struct Columns {
@@ -633,14 +701,31 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
   std::fill(m, m + BQ, -kInf);
   std::fill(l, l + BQ, 0.0f);
   std::fill(ot.data, ot.data + Hp * BQ, 0.0f);
-  pack_queries_t(p, q, g, b, n, i0, p.scale, qt.data);
+  // bfloat16 on a CPU with AVX512_BF16: the scores from pairs of bfloat16 (vdpbf16ps).
+  constexpr bool pairs = kPairs && std::is_same_v<In, uint16_t>;
+  if constexpr (pairs)
+    pack_query_pairs(p, reinterpret_cast<const uint16_t*>(q), g, b, n, i0,
+                     reinterpret_cast<uint32_t*>(qt.data));
+  else
+    pack_queries_t(p, q, g, b, n, i0, p.scale, qt.data);
   const Columns cols = columns(p, g, b, i0);
   auto [first, last] = key_blocks(p, g, i0, i1);
   for (int64_t kb = first; kb <= last; ++kb) {
     const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kr = round_up(j1 - j0, MR);
     const Block kind = classify(p, g, i0, i1, j0, j1);
     if (kind == Block::kSkip) continue;
-    gemm(kr, nc, Hp, keys.at(key_tile(p, b, kh, kb)), Hp, 1, qt.data, BQ, st.data, BQ, false);
+#if defined(__AVX512BF16__)
+    if constexpr (pairs) {
+      gemm<PairStep>(kr, nc, Hp / 2,
+                     reinterpret_cast<const uint32_t*>(keys.at(key_tile(p, b, kh, kb))), Hp / 2,
+                     1, reinterpret_cast<const uint32_t*>(qt.data), BQ, st.data, BQ, false);
+      const vf scale = splat(p.scale);
+      for (int64_t r = 0; r < kr; ++r)
+        for (int64_t c = 0; c < nc; c += VW)
+          store(st.data + r * BQ + c, load(st.data + r * BQ + c) * scale);
+    } else
+#endif
+      gemm(kr, nc, Hp, keys.at(key_tile(p, b, kh, kb)), Hp, 1, qt.data, BQ, st.data, BQ, false);
     if (p.soft_cap > 0)
       for (int64_t r = 0; r < kr; ++r)
         for (int64_t c = 0; c < nc; ++c) {
@@ -880,8 +965,16 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, f
   Tiles keys(p.B * p.K * p.n_k(), BK * p.Hp, 0), values(p.B * p.K * p.n_k(), BK * p.Hp, 1);
   parallel_for(pool, threads, p.B * p.K * p.n_k(), [&](int64_t t, int) {
     const int64_t kb = t % p.n_k(), kh = (t / p.n_k()) % p.K, b = t / (p.n_k() * p.K);
-    pack_keys(p, k.typed_data(), geo[b], b, kh, kb * BK, decode ? nullptr : keys.at(t),
-              decode ? keys.at(t) : nullptr);
+    // The transposed scores of bfloat16 read the keys as pairs where the CPU has
+    // AVX512_BF16 (forward_task); a decode step reads them transposed.
+    constexpr bool pairs = kPairs && std::is_same_v<ffi::NativeType<DT>, uint16_t>;
+    if (pairs && !decode) {
+      pack_key_pairs(p, reinterpret_cast<const uint16_t*>(k.typed_data()), geo[b], b, kh,
+                     kb * BK, reinterpret_cast<uint32_t*>(keys.at(t)));
+    } else {
+      pack_keys(p, k.typed_data(), geo[b], b, kh, kb * BK, decode ? nullptr : keys.at(t),
+                decode ? keys.at(t) : nullptr);
+    }
     pack_keys(p, v.typed_data(), geo[b], b, kh, kb * BK, values.at(t), nullptr);
   });
   ForwardOut res{out->typed_data(), lse->typed_data()};
@@ -1018,7 +1111,9 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
 
 // The instruction set this build's vectors and tiles were chosen for.
 extern "C" const char* NanoattnIsa() {
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  return "AVX-512 (16 floats a vector, 6x4 register tiles; bfloat16 scores by AVX512_BF16 pairs)";
+#elif defined(__AVX512F__)
   return "AVX-512 (16 floats a vector, 6x4 register tiles)";
 #elif defined(__AVX2__)
   return "AVX2 (8 floats a vector, 3x4 register tiles)";
