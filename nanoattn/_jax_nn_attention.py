@@ -125,7 +125,7 @@ def jax_nn_attention(
     q_valid = None
     if arrays.q_lengths is not None:
         q_valid = query_valid(arrays.q_lengths, q.shape[1])  # (B, T)
-        q = jnp.where(q_valid[:, :, None, None], q, jnp.zeros((), q.dtype))  # never read
+        q = jnp.where(q_valid[:, :, None, None], q, jnp.zeros((), q.dtype))  # padding unread
     bias = arrays.bias
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
         bias = bias.astype(compute_dtype(q.dtype))  # jax.nn adds it to float logits

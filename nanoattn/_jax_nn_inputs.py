@@ -5,9 +5,12 @@ jax.nn takes every array with up to four axes and puts ones in front of the miss
 ones: query (T, N, H) is (1, T, N, H), a mask (T, S) is (1, 1, T, S). It checks that
 query, key and value share one dtype, that the mask is boolean, that the sequence
 lengths are int32 of shape (B,). :func:`checked` does the same and raises a one-line
-ValueError naming the argument where jax.nn raises (an AssertionError, for some of
-jax.nn's own checks), and for the two things nanoattn cannot serve: a window side
-below 0 and an implementation name that is not jax.nn's.
+ValueError naming the argument where jax.nn raises, and so do :func:`check_window`
+and :func:`check_implementation` for the two things nanoattn cannot serve: a window
+side below 0 and an implementation name that is not jax.nn's. The rest (a mask or
+bias that does not broadcast to (B, N, T, S), where jax.nn fails with an
+AssertionError or a TypeError; N not a multiple of K) the core checks, with the
+same kind of message.
 
 Axis letters (docs/conventions.md): B batch, T query time, S key time, N query heads,
 K key/value heads, H head width.
@@ -89,15 +92,17 @@ def checked(query, key, value, bias, mask, query_seq_lengths, key_value_seq_leng
     """jax.nn's arrays with four axes, checked as jax.nn checks them.
 
     Raises:
-      ValueError: an array with more than four axes, shapes or dtypes that do not fit
-        (one line naming the argument, its expected and its actual shape or dtype).
+      ValueError: an array with more than four axes, a value whose shape is not the
+        key's, a query whose B or H is not the key's, query, key and value of
+        different dtypes, a mask that is not boolean, sequence lengths that are not
+        int32 (B,): one line naming the argument, the expected and the actual.
       TypeError: an argument that is not an array (a string, None), naming it.
     """
     query = as_array("query", query, "an array (B, T, N, H) or (T, N, H)")
     q = _rank4("query", query, "(B, T, N, H) or (T, N, H)")
     k = _rank4("key", key, "(B, S, K, H) or (S, K, H)")
     v = _rank4("value", value, "(B, S, K, H) or (S, K, H)")
-    B, S, K, H = k.shape
+    B, _, _, H = k.shape
     if v.shape != k.shape:
         raise ValueError(
             f"value must have the shape of key, (B, S, K, H) = {k.shape}, got {v.shape}"
@@ -111,13 +116,6 @@ def checked(query, key, value, bias, mask, query_seq_lengths, key_value_seq_leng
         raise ValueError(
             f"query, key and value must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}"
         )
-    _, T, N, _ = q.shape
-    if K == 0 or N % K:
-        raise ValueError(
-            f"the number of query heads N={N} must be a multiple of the number of key/value "
-            f"heads K={K}"
-        )
-    scores = (B, N, T, S)
     if mask is not None:
         mask = _rank4("mask", mask, "broadcastable to (B, N, T, S) or (N, T, S)")
         if mask.dtype != np.bool_:
@@ -125,10 +123,8 @@ def checked(query, key, value, bias, mask, query_seq_lengths, key_value_seq_leng
                 f"mask must be boolean (True = may attend), got dtype {mask.dtype}; an "
                 "additive mask goes in bias"
             )
-        _broadcastable("mask", mask.shape, scores)
     if bias is not None:
         bias = _rank4("bias", bias, "broadcastable to (B, N, T, S) or (N, T, S)")
-        _broadcastable("bias", bias.shape, scores)
     q_lengths = _lengths("query_seq_lengths", query_seq_lengths, B)
     kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, B)
     return Arrays(q, k, v, bias, mask, q_lengths, kv_lengths, query.shape)
@@ -140,14 +136,6 @@ def _rank4(name: str, x, layout: str):
     if x.ndim > 4:
         raise ValueError(f"{name} must be {layout}, got an array of shape {x.shape}")
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
-
-
-def _broadcastable(name: str, shape, scores) -> None:
-    if any(s not in (1, d) for s, d in zip(shape, scores)):
-        raise ValueError(
-            f"{name} must be broadcastable to (B, N, T, S) = {scores}, got {shape} "
-            "(with ones put in front up to four axes)"
-        )
 
 
 def _lengths(name: str, lengths, B: int):

@@ -37,7 +37,7 @@ def unseen_lse(S: int) -> np.float32:
 
 def query_valid(q_lengths, T: int):
     """(B, T) bool: query t of row b is within its length (``t < q_lengths[b]``)."""
-    return jnp.arange(T)[None, :] < q_lengths[:, None]
+    return jnp.arange(T, dtype=q_lengths.dtype)[None, :] < q_lengths[:, None]
 
 
 def sees_a_key(spec: AttentionSpec):
@@ -69,7 +69,8 @@ def as_jax_nn(out, lse, value, sees, q_valid):
       out: (B, T, N, H), zeros where a row sees no key.
       lse: nanoattn's log-sum-exp (B, T, N), or None.
       value: (B, S, K, H), the call's values.
-      sees: (B|1, T, N|1) bool, from :func:`sees_a_key`.
+      sees: (B|1, T, N|1) bool, whether each row sees a key (where nanoattn's
+        log-sum-exp is not ``-inf``, or :func:`sees_a_key`).
       q_valid: (B, T) bool from :func:`query_valid`, or None (no padded queries).
 
     Returns:

@@ -197,14 +197,16 @@ FAST_GROUPED = {("native", "float32", "vmap"), ("flash", "bfloat16", "batched")}
 
 def grouped_results(fn, dtype, G, jitted=True):
     """``fn`` with K = N / G key/value heads and ``return_residual``, in one jitted
-    program (unless not ``jitted``): output, residual, dQ, and dK, dV summed over each
-    group of G heads."""
+    program (unless not ``jitted``): output, residual, and the gradients of
+    ``<out, g_out> + <lse, g_lse>`` (as jax's test takes them): dQ, and dK, dV summed
+    over each group of G heads."""
     q, k, v = qkv(11, T, T, K=N // G, dtype=dtype)
     g_out = jnp.asarray(randn(9, *q.shape), dtype)
+    g_lse = jnp.asarray(randn(10, *q.shape[:-1]), dtype)  # reaches nothing, as in jax.nn
 
     def run(q, k, v):
         (out, lse), vjp = jax.vjp(fn, q, k, v)
-        dq, dk, dv = vjp((g_out, jnp.zeros_like(lse)))
+        dq, dk, dv = vjp((g_out, g_lse))
         group_sum = lambda x: x.reshape(*x.shape[:2], N // G, -1, H).sum(3)  # noqa: E731
         return out, lse, dq, group_sum(dk), group_sum(dv)
 
@@ -635,7 +637,7 @@ ERRORS = {  # case: (arguments, the message)
     "dtype": (dict(value=k4.astype(np.float16)), r"^query, key and value must have one "
               r"dtype, got float32, float32 and float16$"),
     "heads": (dict(query=q4[:, :, :4]), r"^the number of query heads N=4 must be a multiple "
-              r"of the number of key/value heads K=3$"),
+              r"of the number of key/value heads K=3 \(query shape"),
     "mask dtype": (dict(mask=np.ones((T, S), np.float32)), r"^mask must be boolean \(True = "
                    r"may attend\), got dtype float32; an additive mask goes in bias$"),
     "mask heads": (dict(mask=np.ones((2, T, S), bool)), r"^mask must be broadcastable to "
