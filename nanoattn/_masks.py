@@ -132,7 +132,12 @@ def lengths_to_valid(lengths, max_len: int) -> jnp.ndarray:
     lengths = jnp.asarray(lengths)
     expect_integer("lengths", lengths.dtype)
     expect_shape("lengths", lengths.shape, "B", (None,))
-    return jnp.arange(expect_size("max_len", max_len))[None, :] < lengths[:, None]
+    if lengths.dtype.itemsize < 4:  # int8 and friends: exact in int32, which holds max_len
+        lengths = lengths.astype(jnp.int32)
+    # Positions in the lengths' own type: no promotion (jax's strict mode refuses one
+    # between int64 positions and int32 lengths under x64).
+    positions = jnp.arange(expect_size("max_len", max_len), dtype=lengths.dtype)
+    return positions[None, :] < lengths[:, None]
 
 
 def padding_mask(kv_valid, q_valid=None) -> jnp.ndarray:

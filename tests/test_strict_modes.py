@@ -199,3 +199,17 @@ def test_strict_modes_are_strict():
     with contextlib.ExitStack() as stack:
         stack.enter_context(MODES["enable-checks"]())
         assert jax.config.jax_enable_checks
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64])
+def test_key_lengths_of_any_int_type_under_x64_and_strict_dtypes(x64, dtype):
+    # With x64, positions default to int64; comparing them with int32 lengths is a
+    # promotion that strict mode refuses (jax.nn's seq lengths are int32).
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 2, 4)), jnp.float32)
+    lengths = np.array([3, 1], dtype)
+    with MODES["dtype-strict"]():
+        valid = nanoattn.lengths_to_valid(lengths, 300)
+        out = nanoattn.dot_product_attention(q, q, q, kv_lengths=lengths, implementation="xla")
+    assert valid.shape == (2, 300) and valid.sum() == 4
+    want = nanoattn.dot_product_attention(q[:1, :, :, :], q[:1, :3], q[:1, :3])
+    np.testing.assert_allclose(out[:1], want, atol=1e-6)
