@@ -191,6 +191,29 @@ class Call:
                 touched = seen.any(axis=(2, 3))
         return touched.reshape(B, K, G).any(-1)
 
+    def seers(self) -> np.ndarray:
+        """(B, T, N): the query rows that look at the poison itself (a poisoned query
+        that sees a key, the queries that see a poisoned key or value or bias cell).
+        Their outputs must show it on every backend; other rows of its reach may."""
+        B, T, S, N, K, _ = self.sizes
+        sees = np.zeros((B, N, T), bool)
+        if self.poison is None:
+            return sees.transpose(0, 2, 1)
+        array, index, _ = self.poison
+        allowed = self.allowed()  # (B, N, T, S)
+        if array == "query":
+            b, t, n = index[:3]
+            sees[b, n, t] = allowed[b, n, t].any()
+        elif array in ("key", "value"):
+            b, s, k = index[:3]
+            G = N // K
+            sees[b, k * G : (k + 1) * G] = allowed[b, k * G : (k + 1) * G, :, s]
+        else:
+            cell = np.zeros(self.bias.shape, bool)
+            cell[index] = True
+            sees = (np.broadcast_to(cell, (B, N, T, S)) & allowed).any(-1)
+        return sees.transpose(0, 2, 1)
+
     def regions(self) -> list:
         """Per quantity (out, dq, dk, dv, dbias), where the poison may reach, broadcast to
         the quantity's shape."""
@@ -601,10 +624,11 @@ def _only(values: list, i: int, where) -> list:
 
 def _hidden_poison(call: Call, results: dict) -> list[str]:
     """Where the reference (``"xla"``, which defines the contract) makes a NaN or inf
-    of the poison visible, every backend must too: output rows (B, T, N) one by one,
-    and each gradient somewhere in each batch row and key/value head group it reaches.
-    A backend may show it in more places, within the poison's reach (checked by
-    :func:`check`, which holds everything outside the reach to the clean truth)."""
+    of the poison visible, every backend must too: the output rows (B, T, N) that look
+    at the poison, one by one, and each gradient somewhere in each batch row and
+    key/value head group it reaches. Elsewhere in the reach a backend may show it or
+    not (the reference's own spread to rows blocked from it, ``0 * NaN``, is not the
+    contract); everything outside the reach :func:`check` holds to the clean truth."""
     if "xla" not in results:
         return []
     B, T, _, N, K, H = call.sizes
@@ -616,8 +640,11 @@ def _hidden_poison(call: Call, results: dict) -> list[str]:
         "dk": (2, lambda x: x.any(axis=(1, 3))),
         "dv": (3, lambda x: x.any(axis=(1, 3))),
     }
+    seers = call.seers()
     for quantity, (i, group) in grouped.items():
         shows = group(~np.isfinite(results["xla"][i]))
+        if quantity == "out":
+            shows &= seers
         for name, got in results.items():
             hidden = shows & ~group(~np.isfinite(got[i]))
             if hidden.any():

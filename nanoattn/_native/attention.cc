@@ -410,6 +410,7 @@ struct Aligned {
 float* scratch(int slot, size_t floats) {
   thread_local std::unique_ptr<Aligned> slots[2];
   thread_local size_t sizes[2] = {0, 0};
+  floats = std::max<size_t>(floats, VW);  // a call with no key still gets a buffer
   if (sizes[slot] < floats) {
     slots[slot].reset();
     slots[slot] = std::make_unique<Aligned>(floats);
