@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._masks import lengths_to_valid
 from ._reference import allowed_mask, compute_dtype
 from ._spec import AttentionSpec
 
@@ -37,7 +38,7 @@ def unseen_lse(S: int) -> np.float32:
 
 def query_valid(q_lengths, T: int):
     """(B, T) bool: query t of row b is within its length (``t < q_lengths[b]``)."""
-    return jnp.arange(T, dtype=q_lengths.dtype)[None, :] < q_lengths[:, None]
+    return lengths_to_valid(q_lengths, T)
 
 
 def sees_a_key(spec: AttentionSpec):

@@ -46,8 +46,9 @@ def add_parser(commands) -> None:
         + " (grid: the implementations table; targets: the flash kernel's targets; "
         "generation: time per token with the KV cache against recomputing and flax, "
         "judged at context 4096; window: window="
-        + f"{WINDOW} against full causal at T={LENGTH}, judged). "
-        "Example: --only generation,window",
+        + f"{WINDOW} against full causal at T={LENGTH}, judged; native: the native "
+        "kernel against torch SDPA in float32 and bfloat16 over --lengths, judged, when "
+        "torch is installed). Example: --only generation,window",
     )
     bench.add_argument(
         "--contexts",
