@@ -459,6 +459,59 @@ def test_dropout_draws_flax_bits_in_the_function_and_the_layers(params, served):
     close(got, want)
 
 
+class _Sower:
+    """A stand-in for a linen module: keeps what the adapter sows."""
+
+    def __init__(self):
+        self.sown = {}
+
+    def sow(self, collection, name, value):
+        self.sown[(collection, name)] = value
+
+
+@pytest.mark.parametrize("path", ["dropout", "sow_weights", "both"])
+def test_the_weights_path_never_reads_keys_and_values_no_query_sees(path, served):
+    # docs/conventions.md, "Masked content is never read", on the path that needs the full
+    # weights: key 2 is masked for every query, keys 5 and 6 lie past every causal query
+    # (T = 5 < S = 7, top-left); NaN, inf and -inf there change no output, weight or
+    # gradient.
+    q, k, v = randn(51, *BATCH, T, N, H), randn(52, *BATCH, S, N, H), randn(53, *BATCH, S, N, H)
+    mask = float_mask(54, (*BATCH, N, T, S))
+    mask[..., 2] = 0
+    unseen = np.array([s in (2, 5, 6) for s in range(S)])
+    dirty_k, dirty_v = k.copy(), v.copy()
+    for s, bad in zip((2, 5, 6), (np.nan, np.inf, -np.inf)):
+        dirty_k[..., s, :, :] = dirty_v[..., s, :, :] = bad
+    cotangent = randn(55, *BATCH, T, N, H)
+    dropout = path in ("dropout", "both")
+    options = dict(
+        mask=mask, is_causal=True, deterministic=not dropout, dropout_rate=0.3,
+        dropout_rng=jax.random.key(6), broadcast_dropout=False,
+    )  # fmt: skip
+
+    @jit
+    def run(q, k, v):
+        def loss(q, k, v):
+            sower = _Sower() if path != "dropout" else None
+            out = flax_attention_fn(q, k, v, module=sower, **options)
+            weights = () if sower is None else sower.sown[("intermediates", "attention_weights")]
+            return jnp.sum(out * cotangent), (out, weights)
+
+        (_, (out, weights)), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads, weights
+
+    clean, dirty = run(q, k, v), run(q, dirty_k, dirty_v)
+    assert np.isfinite(np.asarray(clean[0])).all()
+    close(dirty[0], clean[0])
+    for name, got, want in zip(("dq", "dk", "dv"), dirty[1], clean[1]):
+        assert np.isfinite(np.asarray(got)).all(), name
+        close(got, want)
+    np.testing.assert_array_equal(np.asarray(dirty[1][1])[..., unseen, :, :], 0)
+    if path != "dropout":
+        assert np.isfinite(np.asarray(dirty[2])).all()
+        close(dirty[2], clean[2])
+
+
 # --- sown weights ----------------------------------------------------------------------
 
 
