@@ -222,6 +222,38 @@ def test_unpadded_chunks_and_the_cache_state():
     assert module.cache.key[...].dtype == jnp.bfloat16
 
 
+# (dtype, param_dtype): each pair differs, so taking the wrong one shows.
+CACHE_DTYPES = [
+    (jnp.bfloat16, jnp.float32),
+    (jnp.float16, jnp.bfloat16),
+    (None, jnp.bfloat16),
+    (None, jnp.float16),
+]
+
+
+@pytest.mark.parametrize("dtype, param_dtype", CACHE_DTYPES)
+def test_the_cache_takes_config_dtype_else_param_dtype_as_linen_does(dtype, param_dtype):
+    """NNX's init_cache: config.dtype, else config.param_dtype (there is no input yet).
+    Linen's init(..., decode=True) makes its cache in the compute dtype, config.dtype,
+    else its input's: the same cache as NNX for an input in param_dtype, and with
+    config.dtype set whatever the input."""
+    config = AttentionConfig(16, 2, dtype=dtype, param_dtype=param_dtype)
+    want = param_dtype if dtype is None else dtype
+    module = CausalSelfAttention(config, rngs=nnx.Rngs(0))
+    module.init_cache(B, 7)
+    cache = module.cache.get()
+    assert (cache.key.dtype, cache.value.dtype, cache.position.dtype) == (want, want, jnp.int32)
+    module.init_cache(B, 7, dtype=jnp.float32)  # an explicit dtype wins
+    assert module.cache.key[...].dtype == module.cache.value[...].dtype == jnp.float32
+    layer = linen.CausalSelfAttention(config)
+    for x_dtype in (param_dtype, jnp.float32):
+        x = jnp.zeros((B, 7, 16), x_dtype)
+        shapes = jax.eval_shape(lambda x=x: layer.init(jax.random.key(0), x, decode=True))
+        expected = x_dtype if dtype is None else dtype
+        got = {name: a.dtype for name, a in shapes["cache"].items()}
+        assert got == {"key": expected, "value": expected, "position": jnp.int32}, x_dtype
+
+
 @pytest.mark.parametrize("garbage", [np.nan, np.inf])
 def test_unused_cache_slots_never_change_the_outputs(garbage):
     module, x, _ = decode_case("everything-flash")
@@ -300,6 +332,35 @@ def test_dropout_follows_nnx_conventions():
     d, e = (module(x, rngs=nnx.Rngs(dropout=7)) for _ in range(2))
     np.testing.assert_array_equal(d, e)
     assert np.abs(d - a).max() > 1e-2 and np.abs(d - b).max() > 1e-2
+
+
+@pytest.mark.parametrize("module", [CausalSelfAttention, CrossAttention])
+@pytest.mark.parametrize("streams", [{}, {"dropout": 1}], ids=["default-stream", "dropout-stream"])
+def test_the_dropout_stream_is_forked_from_the_construction_rngs(module, streams):
+    """As nnx.Dropout(rate, rngs=rngs): the module keeps rngs.dropout.fork() (the
+    default stream's when there is no dropout stream), so drawing from the caller's
+    Rngs afterwards leaves the module's masks alone, and the module's calls leave the
+    caller's draws alone."""
+    config = AttentionConfig(16, 2, dropout=0.5)
+    x = jnp.asarray(randn(6, B, 5, 16))
+    args = (x,) if module is CausalSelfAttention else (x, x[:, :3])
+    drawn, called, idle = (nnx.Rngs(0, **streams) for _ in range(3))
+    a, b = module(config, rngs=drawn), module(config, rngs=called)
+    module(config, rngs=idle)  # idle's draws: construction's only
+    plain = a(*args, deterministic=True)
+    for _ in range(2):
+        drawn(), drawn.dropout(), drawn.params()  # the caller draws; a's masks stay
+    masks_a = [a(*args) for _ in range(2)]
+    masks_b = [b(*args) for _ in range(2)]  # b's calls; its caller draws nothing
+    assert np.abs(masks_a[0] - plain).max() > 1e-2  # dropout is on
+    assert np.abs(masks_a[0] - masks_a[1]).max() > 1e-2  # and the stream advances
+    for got, want in zip(masks_a, masks_b):
+        np.testing.assert_array_equal(got, want)
+    # `called` drew as `idle` did (construction only): the module's calls took nothing.
+    for name in ("dropout", "default", "params"):
+        np.testing.assert_array_equal(
+            jax.random.key_data(called[name]()), jax.random.key_data(idle[name]()), err_msg=name
+        )
 
 
 def test_dropout_needs_a_stream():

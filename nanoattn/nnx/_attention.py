@@ -120,8 +120,10 @@ class CausalSelfAttention(_Attention):
         q_norm, k_norm: HeadRMSNorm, scale (H,)          # with qk_norm only
 
     **Dropout** (on the attention weights, rate ``config.dropout``) follows
-    NNX: the stream comes from ``rngs`` at construction (``rngs.dropout``, or
-    the default stream), ``model.train()`` / ``model.eval()`` switch the
+    NNX: as ``nnx.Dropout(rate, rngs=rngs)``, the module forks its own stream
+    from ``rngs`` at construction (``rngs.dropout``, or the default stream), so
+    the caller's later draws from ``rngs`` do not change its masks and its
+    calls do not advance ``rngs``; ``model.train()`` / ``model.eval()`` switch the
     ``deterministic`` attribute, and a call's ``deterministic=`` or ``rngs=``
     overrides them.
 
@@ -179,11 +181,16 @@ class CausalSelfAttention(_Attention):
           batch: B, the rows every decoding call must have.
           max_len: S, the most tokens a row can hold.
           dtype: the dtype of the cached keys and values; default
-            ``config.dtype``, else ``config.param_dtype``.
+            ``config.dtype``, else ``config.param_dtype`` (linen's
+            ``init(x, decode=True)``, which has an input, takes ``config.dtype``,
+            else ``x``'s: the same cache when ``x`` is in ``param_dtype``).
         """
         cfg = self.config
         batch, max_len = _positive_int("batch", batch), _positive_int("max_len", max_len)
-        dtype = cfg.dtype or cfg.param_dtype if dtype is None else float_dtype("dtype", dtype)
+        if dtype is None:  # tested against None: a dtype's truth value is numpy's to define
+            dtype = cfg.param_dtype if cfg.dtype is None else cfg.dtype
+        else:
+            dtype = float_dtype("dtype", dtype)
         self.cache = KVCache(_kv_cache.empty(batch, max_len, cfg.kv_heads, cfg.head_dim, dtype))
 
     def __call__(
