@@ -54,7 +54,7 @@ SANITIZE_FUZZ_EXAMPLES ?= 200
 sanitize: $(VENV)/.installed-test
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
 	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
-	$(BIN)/python -m pytest -p no:xdist -q tests/test_native.py -k "not without_a_compiler"
+	$(BIN)/python -m pytest -p no:xdist -q tests/test_native.py tests/test_native_blocks.py
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
 	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
 	NANOATTN_FUZZ_NATIVE_EXAMPLES=$(SANITIZE_FUZZ_EXAMPLES) \

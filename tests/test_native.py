@@ -1,5 +1,6 @@
 """The native C++ kernel against the float64 reference: outputs, gradients, masked
-content, transformations, dispatch, memory and the build without a compiler."""
+content, transformations, dispatch and memory (its block classification:
+test_native_blocks.py; its build, cache and fallbacks: test_native_build.py)."""
 
 import dataclasses
 import functools
@@ -323,32 +324,3 @@ def test_memory_is_linear_in_sequence_length():
     at_8k, at_16k = fwd_bwd_temp_bytes(8192), fwd_bwd_temp_bytes(16384)
     assert at_16k <= 32 * 2**20, at_16k
     assert at_16k / at_8k <= 2.1, (at_8k, at_16k)
-
-
-def test_without_a_compiler_it_says_so_once_and_the_pure_jax_kernels_serve(tmp_path):
-    script = (
-        "import warnings, jax, jax.numpy as jnp, nanoattn\n"
-        "from nanoattn import _native\n"
-        "from nanoattn._dispatch import choose\n"
-        "from nanoattn._spec import attention_spec\n"
-        "z = jnp.ones((1, 300, 2, 8))\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    print(choose(None, attention_spec(z, z, z, is_causal=True), z.dtype, 0.0))\n"
-        "    choose(None, attention_spec(z, z, z, is_causal=True), z.dtype, 0.0)\n"
-        "    attend = jax.jit(lambda z: nanoattn.dot_product_attention(z, z, z, is_causal=True))\n"
-        "    out = attend(z[:, :9])\n"
-        "print(len(caught), caught[0].message)\n"
-        "print(float(out.sum()))\n"
-    )
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"),
-               NANOATTN_CACHE_DIR=str(tmp_path / "cache"))  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    choice, warning, total = done.stdout.strip().splitlines()
-    assert choice == "flash"
-    assert warning.startswith("1 nanoattn: the native CPU kernel is not available (no C++")
-    assert float(total) == pytest.approx(9 * 2 * 8)
-    assert not any(pathlib.Path(tmp_path / "cache").glob("*.so"))

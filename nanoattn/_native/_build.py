@@ -3,10 +3,14 @@
 The kernel (``attention.cc`` beside this file) is compiled on first use, with
 the machine's own instruction set (``-march=native``), against the FFI headers
 of the installed jaxlib, into ``$NANOATTN_CACHE_DIR`` (default
-``~/.cache/nanoattn``). The file name carries a hash of the source, the flags,
-the compiler and the jaxlib version, so a change to any of them builds anew;
-a file lock keeps parallel processes (pytest-xdist workers) from building it
-twice. Where no C++ compiler is found, or the build fails, nanoattn says so
+``~/.cache/nanoattn``). The file name carries a hash of every input of the
+build (:func:`build_key`): the source, the flags, the compiler, what the flags make
+of this machine (``-march=native`` names no instruction set; the compiler's
+predefined macros do) and the jaxlib version, so a change to any of them builds
+anew, and a cache shared by machines of different instruction sets never hands
+one the other's library; a file lock keeps parallel processes (pytest-xdist
+workers) from building it twice. Where no C++ compiler is found, or the build
+fails (the compiler exits non-zero, or writes no library), nanoattn says so
 once and the dispatcher serves every call with the pure-JAX kernels.
 
 Environment:
@@ -74,26 +78,47 @@ def flags() -> list[str]:
     return [*FLAGS, *extra, "-isystem", jax.ffi.include_dir()]
 
 
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    # A compiler's messages need not be UTF-8 (a localised one, a path): replace, never raise.
+    return subprocess.run(command, capture_output=True, text=True, errors="replace")
+
+
+def build_key(cxx: str, build_flags: list[str]) -> str:
+    """The name of one build: a hash of every input that can change the library.
+
+    The source, the flags (sanitizers, ``-D`` defines, ``-march``), the compiler's
+    ``--version``, its predefined macros under these flags (what ``-march=native``
+    resolves to on this machine: ``__AVX512F__``, ``__AVX2__``, the tuning; the
+    sanitizers' and defines' macros too) and the jaxlib version, whose headers the
+    kernel is built against. Each part is hashed with its length, so that no two
+    different sets of inputs run together into one.
+    """
+    version = _run([cxx, "--version"]).stdout
+    macros = _run([cxx, *build_flags, "-E", "-dM", "-x", "c++", os.devnull]).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), "\0".join(build_flags).encode(), version.encode(),
+                 macros.encode(), jaxlib.__version__.encode()):  # fmt: skip
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
 def _build(cxx: str) -> pathlib.Path:
     """Compiles the kernel unless the cache already has this exact build."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags()).encode(), version.encode(),
-                 jaxlib.__version__.encode()):  # fmt: skip
-        digest.update(part)
+    build_flags = flags()
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"attention-{digest.hexdigest()[:16]}.so"
+    target = folder / f"attention-{build_key(cxx, build_flags)}.so"
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it now
         if not target.exists():
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
                 out = pathlib.Path(tmp) / target.name
-                done = subprocess.run(
-                    [cxx, *flags(), str(SOURCE), "-o", str(out)], capture_output=True, text=True
-                )
+                done = _run([cxx, *build_flags, str(SOURCE), "-o", str(out)])
                 if done.returncode:
                     raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+                if not out.is_file():
+                    raise RuntimeError(f"{cxx} exited 0 but wrote no library")
                 os.replace(out, target)
     return target
 

@@ -1,0 +1,192 @@
+"""The native kernel's build (nanoattn/_native/_build.py): the cache and the fallbacks.
+
+Pinned: the cached library's name covers every input of the build (the source, the
+flags: sanitizers, ``-D`` defines, ``-march``; the compiler, what ``-march=native``
+makes of the machine, the jaxlib version), so a build with other inputs never reuses
+a library compiled from different ones, and one with the same inputs reuses it
+without compiling; and where the kernel cannot be had (no compiler, a compile that
+fails, a compiler that exits 0 but writes no library) nanoattn warns once and the
+automatic choice serves every call with the pure-JAX kernels. Fake compilers (shell
+scripts in tmp_path) stand in for the real one: nothing here compiles the kernel.
+"""
+
+import json
+import os
+import pathlib
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nanoattn._dispatch import choose
+from nanoattn._native import _build
+from nanoattn._spec import attention_spec
+
+from _reference import np_attention, np_causal, randn
+
+# A stand-in compiler: answers --version and the predefined-macro query from the
+# environment (FAKE_VERSION, FAKE_ISA: another compiler, another machine), logs each
+# compile to FAKE_LOG and writes its arguments where -o says.
+FAKE_CXX = r"""#!/bin/sh
+case "$*" in
+  *--version*) echo "fake c++ ${FAKE_VERSION:-1.0}"; exit 0 ;;
+  *-dM*) echo "#define __FAKE_ISA__ ${FAKE_ISA:-avx2}"; exit 0 ;;
+esac
+args="$*"
+while [ $# -gt 0 ]; do
+  if [ "$1" = -o ]; then out="$2"; fi
+  shift
+done
+echo "$args" >> "$FAKE_LOG"
+echo "$args" > "$out"
+"""
+
+
+def script(path: pathlib.Path, text: str) -> pathlib.Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+@pytest.fixture
+def fake_cxx(tmp_path, monkeypatch):
+    """A fake compiler and an empty cache; returns (compiler, number of compiles so far)."""
+    log = tmp_path / "compiles.log"
+    log.touch()
+    for name in ("NANOATTN_NATIVE_SANITIZE", "NANOATTN_NATIVE_CFLAGS", "FAKE_VERSION", "FAKE_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("NANOATTN_CACHE_DIR", str(tmp_path / "cache"))
+    cxx = str(script(tmp_path / "fake-c++", FAKE_CXX))
+    return cxx, lambda: len(log.read_text().splitlines())
+
+
+def test_a_build_with_other_inputs_never_reuses_a_library(fake_cxx, tmp_path, monkeypatch):
+    cxx, compiles = fake_cxx
+    edited = tmp_path / "attention.cc"
+    edited.write_bytes(_build.SOURCE.read_bytes() + b"// edited\n")
+    built = {"default": _build._build(cxx)}
+    assert compiles() == 1 and "-march=native" in built["default"].read_text()
+    assert _build._build(cxx) == built["default"] and compiles() == 1  # the same inputs: reused
+
+    def variant(name, env=None, change=None):
+        """Builds with one input changed, twice: a new library, then that one reused."""
+        with monkeypatch.context() as m:
+            for var, value in (env or {}).items():
+                m.setenv(var, value)
+            if change:
+                change(m)
+            built[name] = _build._build(cxx)
+            assert _build._build(cxx) == built[name], name
+        assert compiles() == len(built), (name, compiles(), len(built))
+
+    variant("asan", {"NANOATTN_NATIVE_SANITIZE": "address"})
+    variant("asan+ubsan", {"NANOATTN_NATIVE_SANITIZE": "address,undefined"})
+    variant("blocks 128x64", {"NANOATTN_NATIVE_CFLAGS": "-DNANOATTN_BQ=128 -DNANOATTN_BK=64"})
+    variant("blocks 32x64", {"NANOATTN_NATIVE_CFLAGS": "-DNANOATTN_BQ=32 -DNANOATTN_BK=64"})
+    variant("no AVX-512", {"NANOATTN_NATIVE_CFLAGS": "-mno-avx512f"})
+    variant("-march=x86-64-v3", {"NANOATTN_NATIVE_CFLAGS": "-march=x86-64-v3"})
+    variant("-O2", change=lambda m: m.setattr(_build, "FLAGS", ("-O2", *_build.FLAGS[1:])))
+    variant("another compiler", {"FAKE_VERSION": "2.0"})
+    # The same flags, -march=native, on a machine of another instruction set sharing
+    # the cache: the compiler's predefined macros differ, so must the library.
+    variant("another machine", {"FAKE_ISA": "avx512"})
+    variant("source", change=lambda m: m.setattr(_build, "SOURCE", edited))
+    variant("jaxlib", change=lambda m: m.setattr(_build.jaxlib, "__version__", "0.0.1"))
+    assert len(set(built.values())) == len(built), built
+    assert "-fsanitize=address " in built["asan"].read_text()
+    assert "-DNANOATTN_BQ=32" in built["blocks 32x64"].read_text()
+    assert _build._build(cxx) == built["default"]  # every input as at first: reused
+    assert compiles() == len(built)
+
+
+def test_the_build_key_is_stable_and_keeps_the_flags_apart(fake_cxx):
+    cxx, compiles = fake_cxx
+    flags = _build.flags()
+    assert _build.build_key(cxx, flags) == _build.build_key(cxx, list(flags))
+    # Flags that only ran together differently are other flags.
+    assert _build.build_key(cxx, ["-DA", "-DB"]) != _build.build_key(cxx, ["-DA -DB"])
+    assert compiles() == 0
+
+
+FAILING_CXX = "#!/bin/sh\nprintf 'attention.cc:1: error: \\377 not UTF-8\\n' >&2\nexit 1\n"
+SILENT_CXX = "#!/bin/sh\nexit 0\n"  # exits 0, writes nothing
+# name: (the compiler script or None for none at all, why the kernel is not available)
+WITHOUT_THE_KERNEL = {
+    "without_a_compiler": (None, "no C++ compiler was found (set CXX, or install g++ or clang++)"),
+    "compile_fails": (FAILING_CXX, "building it failed: {cxx} failed: attention.cc:1: error: "
+                      "\ufffd not UTF-8"),
+    "compile_writes_no_library": (SILENT_CXX, "building it failed: {cxx} exited 0 but wrote "
+                                  "no library"),
+}  # fmt: skip
+
+# In one process, for each compiler in turn as on a first use (the build's answer is
+# cached per process: cleared between them): the automatic choice for a long call,
+# then a call the native kernel would serve (float32, no mask, enough cells) under
+# jit, saved for the float64 reference; then the same call asked of "native" by name,
+# which must say why not; and the warnings of all three.
+FALLBACK_SCRIPT = """
+import json, os, sys, warnings, jax, jax.numpy as jnp, numpy as np, nanoattn
+from nanoattn._dispatch import choose
+from nanoattn._native import _build
+from nanoattn._spec import attention_spec
+compilers, folder = json.loads(sys.argv[1]), sys.argv[2]
+z = jnp.ones((1, 300, 2, 8))
+q, k, v = (np.load(os.path.join(folder, 'qkv.npz'))[x] for x in 'qkv')
+said = {}
+for name, cxx in compilers.items():
+    os.environ['CXX'] = cxx
+    _build.load.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        choice = choose(None, attention_spec(z, z, z, is_causal=True), z.dtype, 0.0)
+        attend = jax.jit(lambda q, k, v: nanoattn.dot_product_attention(q, k, v, is_causal=True))
+        np.save(os.path.join(folder, name + '.npy'), attend(q, k, v))
+        try:
+            nanoattn.dot_product_attention(q, k, v, is_causal=True, implementation='native')
+            by_name = 'served'
+        except ValueError as error:
+            by_name = str(error)
+    said[name] = [choice, [str(w.message) for w in caught], by_name]
+print(json.dumps(said))
+"""
+B, T, N, K, H = 2, 37, 6, 2, 8  # T * T cells: enough for the native kernel to pay off
+
+
+def test_without_the_kernel_it_says_so_once_and_the_pure_jax_kernels_serve(tmp_path):
+    compilers = {}
+    for name, (text, _) in WITHOUT_THE_KERNEL.items():
+        cxx = tmp_path / name / "c++"
+        cxx.parent.mkdir()
+        if text is not None:
+            script(cxx, text)
+        compilers[name] = str(cxx)
+    q, k, v = randn(1, B, T, N, H), randn(2, B, T, K, H), randn(3, B, T, K, H)
+    if _build.load()[0] is not None:  # here, with the kernel, the automatic choice takes it
+        assert choose(None, attention_spec(q, k, v, is_causal=True), q.dtype, 0.0) == "native"
+    np.savez(tmp_path / "qkv.npz", q=q, k=k, v=v)
+    env = dict(os.environ, NANOATTN_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("NANOATTN_NATIVE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT, json.dumps(compilers), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    want = np_attention(q, k, v, np_causal(T, T))
+    for name, (_, says) in WITHOUT_THE_KERNEL.items():
+        says = says.format(cxx=compilers[name])
+        choice, warnings, by_name = said[name]
+        assert choice == "flash", name
+        assert warnings == [
+            f"nanoattn: the native CPU kernel is not available ({says}); "
+            "the pure-JAX kernels serve every call"
+        ], name
+        assert by_name == (
+            f"implementation='native' cannot serve this call: the kernel is not available: {says}"
+        ), name
+        out = np.load(tmp_path / f"{name}.npy")
+        np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5, err_msg=name)
+    assert not list((tmp_path / "cache").glob("**/*.so"))
