@@ -8,6 +8,8 @@ from . import parallel as parallel
 from ._attention import attention_weights as attention_weights
 from ._attention import dot_product_attention as dot_product_attention
 from ._attention import flash_attention as flash_attention
+from ._block_mask import BlockMask as BlockMask
+from ._block_mask import block_mask as block_mask
 from ._flax_attention_fn import flax_attention_fn as flax_attention_fn
 from ._jax_nn_attention import jax_nn_attention as jax_nn_attention
 from ._masks import causal_mask as causal_mask

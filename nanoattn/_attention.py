@@ -1,12 +1,14 @@
 """The public functional API: ``dot_product_attention`` and ``attention_weights``."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from . import _dispatch, _flash, _reference
 from ._dropout import check_dropout
+from ._merge import add_sinks
 from ._registry import Implementation, get
 from ._spec import AttentionSpec, attention_spec, batched
 from ._validate import check_scale, check_tiles
@@ -29,6 +31,9 @@ def dot_product_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    mask_fn=None,
+    score_fn=None,
+    sinks=None,
     return_residual: bool = False,
     implementation: Implementation | None = None,
 ):
@@ -91,9 +96,26 @@ def dot_product_attention(
       scale: factor on ``q . k``; defaults to ``1 / sqrt(H)``.
       dropout_rate: dropout on the weights (inverted scaling); 0 disables it.
       dropout_rng: a ``jax.random`` key, needed when ``dropout_rate > 0``.
+      mask_fn: ``mask_fn(b, n, q_pos, k_pos) -> bool``, any mask as a function
+        of a score cell's indices: int32 arrays that broadcast to (B, N, T, S)
+        (or to a block of it): the batch row, the query head, the query's
+        position ``q_offset + i`` (``q_offset`` defaults to 0 here, per row when
+        it is per row) and the key's position j. True = may attend. It must be
+        elementwise and may close over arrays (document ids, per-head widths);
+        it is ANDed with every other rule. A :func:`nanoattn.block_mask` of it
+        carries its block classification for reuse. The blockwise kernel skips
+        the blocks it hides entirely (docs/masks.md).
+      score_fn: ``score_fn(score, b, n, q_pos, k_pos) -> score``: modifies the
+        float32 scores after ``scale`` and ``bias``, before ``logit_soft_cap``
+        (ALiBi, relative biases); elementwise, differentiable (gradients reach
+        q, k and the arrays it closes over).
+      sinks: optional float (N,), one logit per query head: each row's softmax
+        denominator gains ``exp(sinks[n])`` and no value is attended for it
+        (attention sinks, gpt-oss); differentiable. A row with no visible key
+        still gives zeros.
       return_residual: also return the log-sum-exp of each row's logits, as
         ``jax.nn.dot_product_attention`` does (docs/conventions.md): gradients
-        flow through both results.
+        flow through both results; with ``sinks`` the sink is in the sum.
       implementation: ``"xla"`` (the reference: full score tensor, every
         feature), ``"flash"`` (blockwise kernel, O(T) memory, no dropout),
         ``"native"`` (C++ CPU kernel, float32, O(T) memory, no dense mask,
@@ -106,7 +128,7 @@ def dot_product_attention(
       (B, T, N, H), the query's dtype; with ``return_residual``, ``(out, lse)``
       with ``lse`` (B, T, N) in the softmax's dtype (float32, or float64 for
       float64 inputs): ``log sum_s exp(logit_s)`` over the visible keys, ``-inf``
-      for a row that sees none.
+      for a row that sees none (with ``sinks``: the sink's logit there).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -119,14 +141,12 @@ def dot_product_attention(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
         kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
-        return_residual=return_residual,
+        mask_fn=mask_fn, score_fn=score_fn, sinks=sinks, return_residual=return_residual,
     )  # fmt: skip
     backend = get(_dispatch.choose(implementation, call.spec, call.query.dtype, dropout_rate))
-    result = backend(
-        call.query, call.key, call.value, call.spec,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-    )  # fmt: skip
-    return call.unbatch(result)
+    kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    sinks_inside = getattr(backend, "applies_sinks", False)
+    return call.unbatch(_with_sinks(kernel, call, sinks_inside))
 
 
 def attention_weights(
@@ -143,12 +163,16 @@ def attention_weights(
     kv_segment_ids=None,
     logit_soft_cap: float | None = None,
     scale: float | None = None,
+    mask_fn=None,
+    score_fn=None,
+    sinks=None,
 ):
     r"""The normalised attention weights of :func:`dot_product_attention`.
 
     ``P_{bnts} = softmax_s(scale * q . k + bias)`` over the allowed keys, exactly
     0 at blocked keys; a row with no allowed key is all zeros. Every argument
-    follows the rules of :func:`dot_product_attention`.
+    follows the rules of :func:`dot_product_attention` (``mask_fn``, ``score_fn``
+    and ``sinks`` included; with sinks a row sums to less than 1).
 
     Args:
       query: (B, T, N, H), or unbatched (T, N, H).
@@ -156,7 +180,7 @@ def attention_weights(
 
     Returns:
       (B, N, T, S), the query's dtype ((N, T, S) unbatched). Every row with an
-      allowed key sums to 1.
+      allowed key sums to 1 (without ``sinks``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -170,6 +194,7 @@ def attention_weights(
         query, key, None, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
         kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
+        mask_fn=mask_fn, score_fn=score_fn, sinks=sinks,
     )  # fmt: skip
     weights = _reference.weights(call.query, call.key, call.spec).astype(call.query.dtype)
     return weights[0] if call.unbatched else weights
@@ -190,6 +215,9 @@ def flash_attention(
     kv_segment_ids=None,
     logit_soft_cap: float | None = None,
     scale: float | None = None,
+    mask_fn=None,
+    score_fn=None,
+    sinks=None,
     return_residual: bool = False,
     forward_tiles: tuple[int, int, int] | None = None,
     backward_tiles: tuple[int, int, int] | None = None,
@@ -215,14 +243,26 @@ def flash_attention(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
         kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
-        return_residual=return_residual,
+        mask_fn=mask_fn, score_fn=score_fn, sinks=sinks, return_residual=return_residual,
     )  # fmt: skip
     _dispatch.choose("flash", call.spec, call.query.dtype, 0.0)  # raises if it cannot serve
-    result = _flash.flash_attention(
-        call.query, call.key, call.value, call.spec,
-        forward_tiles=forward_tiles, backward_tiles=backward_tiles,
-    )  # fmt: skip
-    return call.unbatch(result)
+    kernel = functools.partial(
+        _flash.flash_attention, forward_tiles=forward_tiles, backward_tiles=backward_tiles
+    )
+    return call.unbatch(_with_sinks(kernel, call, sinks_inside=False))
+
+
+def _with_sinks(kernel, call: "_Call", sinks_inside: bool):
+    """``kernel(query, key, value, spec)`` for the call; when the call has ``sinks``
+    and the kernel does not apply them itself, the kernel attends over the keys alone
+    and the sinks are merged into its output through its log-sum-exp."""
+    spec = call.spec
+    if spec.sinks is None or sinks_inside:
+        return kernel(call.query, call.key, call.value, spec)
+    keys_only = dataclasses.replace(spec, sinks=None, return_residual=True)
+    out, lse = kernel(call.query, call.key, call.value, keys_only)
+    out, lse = add_sinks(out, lse, spec.sinks)
+    return (out, lse) if spec.return_residual else out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._block_mask import EMPTY, BlockMask, block_mask
 from ._flash_plan import Plan, kernel_plans
+from ._mask_fn import evaluate_mask, evaluate_score
 from ._reference import compute_dtype, large_negative
 from ._schedule import Schedule
 from ._shard_map import sum_to_varying, varying_like
@@ -59,6 +61,12 @@ class BlockInputs:
         None otherwise.
       kv_lengths: int (B,), or None.
       q_segment_ids, kv_segment_ids: int (B, T) and (B, S), both or neither.
+      kinds: int8 (nQ, nK), a ``mask_fn``'s block classification at the forward
+        plan's blocks and ``backward_kinds`` at the backward plan's, when they are
+        traced (``plan.traced_kinds``); None otherwise.
+      score_consts: the arrays ``score_fn`` closes over, hoisted for the forward
+        and for the backward plan's ``score_fn`` (a pair of tuples; gradients flow
+        to them); None without ``score_fn``.
     """
 
     query: jax.Array
@@ -70,6 +78,9 @@ class BlockInputs:
     kv_lengths: jax.Array | None = None
     q_segment_ids: jax.Array | None = None
     kv_segment_ids: jax.Array | None = None
+    kinds: jax.Array | None = None
+    backward_kinds: jax.Array | None = None
+    score_consts: tuple | None = None
 
 
 class Residuals(NamedTuple):
@@ -90,12 +101,14 @@ class Residuals(NamedTuple):
 
 class BlockGrads(NamedTuple):
     """Gradients of a block: dq (B, T, N, H), dk and dv (B, S, K, H) in the inputs'
-    dtypes, and dbias in the bias's shape and dtype (None without a bias)."""
+    dtypes, dbias in the bias's shape and dtype (None without a bias), and those of
+    ``score_fn``'s hoisted arrays, as ``BlockInputs.score_consts`` (None without)."""
 
     query: jax.Array
     key: jax.Array
     value: jax.Array
     bias: jax.Array | None
+    score_consts: tuple | None = None
 
 
 def _pad(x, axis: int, size: int, value=0):
@@ -187,7 +200,51 @@ def _scatter_pairs(blocks, qi, kj, grad):
     return blocks.at[:, :, qi, :, kj, :].add(jnp.moveaxis(grad, 1, 0))
 
 
-def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_blocks):
+def _cells(plan: Plan, qc, kj, q_offset):
+    """The indices of each lane's item as ``mask_fn`` and ``score_fn`` see them, one
+    block of (B, N, T, S) per lane: b (B, 1, 1, 1), n (1, N, 1, 1), q_pos
+    (L, 1 or B, 1, bq, 1) and k_pos (L, 1, 1, 1, bk), the last two with a lane axis."""
+    N = plan.K * plan.G
+    b = jnp.arange(plan.B, dtype=jnp.int32).reshape(plan.B, 1, 1, 1)
+    n = jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1)
+    offset = plan.index_offset if plan.index_offset is not None else q_offset
+    offset = jnp.reshape(jnp.asarray(offset, jnp.int32), (1, -1, 1, 1, 1))  # (1, 1|B, 1, 1, 1)
+    rows = qc.astype(jnp.int32)[:, None] * plan.block_q + jnp.arange(plan.block_q, dtype=jnp.int32)
+    q = offset + rows[:, None, None, :, None]  # (L, 1|B, 1, bq, 1)
+    cols = kj.astype(jnp.int32)[:, None] * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
+    k = cols[:, None, None, None, :]  # (L, 1, 1, 1, bk)
+    return b, n, q, k
+
+
+def _per_lane(fn):
+    """``fn(*lane_args, b, n, q, k)`` mapped over the lanes: the lane axis of the
+    scores is 1 (B, L, ...), of the positions 0, b and n are shared."""
+
+    def call(lane_args, cells):
+        b, n, q, k = cells
+
+        def one(lane_args, q, k):
+            return fn(*lane_args, b, n, q, k)
+
+        axes = tuple(1 for _ in lane_args)
+        return jax.vmap(one, in_axes=(axes, 0, 0), out_axes=1)(lane_args, q, k)
+
+    return call
+
+
+def _mask_of(plan: Plan, cells):
+    """``mask_fn`` on each lane's item: bool (B or 1, L, K or 1, G or 1, bq, bk)."""
+
+    def one(b, n, q, k):
+        m = evaluate_mask(plan.mask_fn, b, n, q, k)  # (xB, xN, bq|1, bk|1)
+        return jnp.broadcast_to(m, (*m.shape[:2], plan.block_q, plan.block_k))
+
+    m = _per_lane(one)((), cells)  # (xB, L, xN, bq, bk)
+    heads = (plan.K, plan.G) if m.shape[2] > 1 else (1, 1)
+    return m.reshape(m.shape[0], m.shape[1], *heads, plan.block_q, plan.block_k)
+
+
+def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells=None):
     """Which cells of each lane's item are visible: bool, broadcastable to
     (B, L, K, G, bq, bk)."""
     k_pos = kj[:, None] * plan.block_k + jnp.arange(plan.block_k)[None, :]  # (L, bk)
@@ -217,6 +274,8 @@ def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_bloc
         q_ids, kv_ids = segment_blocks  # (B, nQ, bq), (B, nK, bk)
         same = jnp.take(q_ids, qi, axis=1)[..., None] == jnp.take(kv_ids, kj, axis=1)[:, :, None]
         parts.append(same[:, :, None, None])  # (B, L, 1, 1, bq, bk)
+    if plan.mask_fn is not None:
+        parts.append(_mask_of(plan, cells))
     return functools.reduce(jnp.logical_and, parts)
 
 
@@ -227,15 +286,35 @@ def _zero_unseen_keys(x, allowed):
     return jnp.where(sees, x, jnp.zeros((), x.dtype))
 
 
-def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks, allowed=None):
-    """Logits of each lane's item (the query blocks are pre-scaled), soft-capped,
-    and ``tanh(logits / cap)`` (None without a cap) for the backward pass.
+def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks, allowed=None, cells=None, consts=None,
+            with_vjp=False):  # fmt: skip
+    """Logits of each lane's item (the query blocks are pre-scaled), through
+    ``score_fn`` and soft-capped; ``tanh(logits / cap)`` (None without a cap) for the
+    backward pass; and with ``with_vjp`` the VJP of ``score_fn`` (None without one),
+    which maps a cotangent of its output to those of its input and of ``consts``.
 
     Blocked cells hold ``large_negative`` when ``allowed`` is given; their
     ``tanh`` is 0, so a NaN there cannot reach a gradient."""
     s = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", qs, ks)
     if bias_blocks is not None:
         s = s + _gather_pairs(bias_blocks, qi, kj, plan)
+    score_vjp = None
+    if plan.score_fn is not None:
+        if allowed is not None:  # a blocked cell's score is never looked at
+            s = jnp.where(allowed, s, 0)
+        shape = s.shape
+
+        def modify(s, consts):
+            def one(s, b, n, q, k):
+                return evaluate_score(lambda *a: plan.score_fn(*a, *consts), s, b, n, q, k)
+
+            flat = s.reshape(shape[0], shape[1], plan.K * plan.G, *shape[4:])  # (B, L, N, ., .)
+            return _per_lane(one)((flat,), cells).reshape(shape)
+
+        if with_vjp:
+            s, score_vjp = jax.vjp(modify, s, tuple(consts))
+        else:
+            s = modify(s, tuple(consts))
     tanh = None
     if plan.soft_cap is not None:
         if allowed is not None:
@@ -244,6 +323,8 @@ def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks, allowed=None):
         s = plan.soft_cap * tanh
     if allowed is not None:
         s = jnp.where(allowed, s, large_negative(s.dtype))
+    if with_vjp:
+        return s, tanh, score_vjp
     return s, tanh
 
 
@@ -270,6 +351,8 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
     bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
     segment_blocks = _segment_blocks(q_ids, kv_ids, plan)
+    kinds = inputs.kinds
+    consts = () if inputs.score_consts is None else inputs.score_consts[0]
     rows = (plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q)  # one spare row for idle slots
     values = (plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H)
     state = (jnp.full(rows, neg, acc), jnp.zeros(rows, acc), jnp.zeros(values, acc))
@@ -283,31 +366,43 @@ def forward_block(plan: Plan, inputs: BlockInputs):
             m, l, o = state
             qi, kj = item
             qc = jnp.minimum(qi, plan.n_q - 1)
-            qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
-            ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)  # (B, L, K, bk, H)
-            allowed = None
-            if masked:
-                allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks)
-                ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
-            s, _ = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed)
             m_old, l_old = jnp.take(m, qi, axis=1), jnp.take(l, qi, axis=1)
-            o_old = _take_queries(o, qi)
-            # The block's own softmax, shifted twice: by its row maximum, then by the
-            # maximum of the very values that are exponentiated (XLA may compute the
-            # first from a differently rounded copy of s; see _reference.masked_softmax).
-            top = s.max(-1)
-            shifted = s - top[..., None]
-            peak = shifted.max(-1)
-            p = jnp.exp(jnp.minimum(shifted - peak[..., None], 0))
-            if masked:
-                p = jnp.where(allowed, p, 0)  # exact zeros, also in a row that sees nothing
-            m_block = top + peak
-            m_new = jnp.maximum(m_old, m_block)
-            rescale, weight = jnp.exp(m_old - m_new), jnp.exp(m_block - m_new)
-            l_new = l_old * rescale + p.sum(-1) * weight
-            pv = jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", p, vs)
-            o_new = o_old * rescale[..., None] + pv * weight[..., None]
-            o_new = jnp.einsum("BLKGqH->BLqKGH", o_new)
+            o_old = jnp.take(o, qi, axis=1)  # (B, L, bq, K, G, H)
+
+            def update():
+                qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
+                ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)  # (B, L, K, bk, H)
+                cells = _cells(plan, qc, kj, q_offset) if plan.mask_fn or plan.score_fn else None
+                allowed = None
+                if masked:
+                    allowed = _allowed(
+                        plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells
+                    )
+                    ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
+                s, _ = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed, cells, consts)
+                # The block's own softmax, shifted twice: by its row maximum, then by the
+                # maximum of the very values that are exponentiated (XLA may compute the
+                # first from a differently rounded copy of s; see _reference.masked_softmax).
+                top = s.max(-1)
+                shifted = s - top[..., None]
+                peak = shifted.max(-1)
+                p = jnp.exp(jnp.minimum(shifted - peak[..., None], 0))
+                if masked:
+                    p = jnp.where(allowed, p, 0)  # exact zeros, also in a row that sees nothing
+                m_block = top + peak
+                m_new = jnp.maximum(m_old, m_block)
+                rescale, weight = jnp.exp(m_old - m_new), jnp.exp(m_block - m_new)
+                l_new = l_old * rescale + p.sum(-1) * weight
+                pv = jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", p, vs)
+                o_prev = jnp.einsum("BLqKGH->BLKGqH", o_old)
+                o_new = o_prev * rescale[..., None] + pv * weight[..., None]
+                return m_new, l_new, jnp.einsum("BLKGqH->BLqKGH", o_new)
+
+            if plan.traced_kinds:  # skip a step whose every item mask_fn hides
+                live = jnp.any((kinds[qc, kj] != EMPTY) & (qi < plan.n_q))
+                m_new, l_new, o_new = jax.lax.cond(live, update, lambda: (m_old, l_old, o_old))
+            else:
+                m_new, l_new, o_new = update()
             return (m.at[:, qi].set(m_new), l.at[:, qi].set(l_new), o.at[:, qi].set(o_new)), None
 
         state, _ = jax.lax.scan(
@@ -355,11 +450,14 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
     mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
     bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
     segment_blocks = _segment_blocks(q_ids, kv_ids, plan)
+    kinds = inputs.backward_kinds
+    consts = () if inputs.score_consts is None else tuple(inputs.score_consts[1])
     grads = (
         jnp.zeros((plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H), acc),
         jnp.zeros_like(kb),
         jnp.zeros_like(vb),
         None if bias is None else jnp.zeros_like(bias_blocks),
+        tuple(jnp.zeros_like(c) for c in consts),
     )
     grads = varying_like(grads, inputs, d_out)
 
@@ -368,34 +466,58 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
             return grads
 
         def step(grads, item):
-            dq, dk, dv, dbias = grads
+            dq, dk, dv, dbias, dconsts = grads
             qi, kj = item
             qc = jnp.minimum(qi, plan.n_q - 1)
-            live = (qi < plan.n_q).astype(acc)[None, :, None, None, None]  # idle slots add nothing:
-            qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
-            dos = _take_queries(dob, qc) * live[..., None]  # with dO = 0 and D = 0 there,
-            delta_i = jnp.take(delta, qc, axis=1) * live  # both p dO and dS vanish
-            lse_i = jnp.take(lse, qc, axis=1)
-            ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
-            allowed = None
-            if masked:
-                allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks)
-                ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
-            s, tanh = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed)
-            # p <= 1 exactly; the clamp keeps a differently rounded s from overflowing.
-            p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0))
-            if masked:
-                p = jnp.where(allowed, p, 0)
-            dp = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", dos, vs)
-            ds = p * (dp - delta_i[..., None])
-            if tanh is not None:
-                ds = ds * (1 - tanh * tanh)  # through cap * tanh(s / cap)
-            dq = dq.at[:, qi].add(jnp.einsum(f"{_ITEM},BLKkH->BLqKGH", ds, ks))
-            dk = dk.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", ds, qs))
-            dv = dv.at[:, kj].add(jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", p, dos))
+
+            def contributions():
+                live = (qi < plan.n_q).astype(acc)[None, :, None, None, None]  # idle slots add
+                qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)      nothing: with dO = 0
+                dos = _take_queries(dob, qc) * live[..., None]  # and D = 0 there, both p dO
+                delta_i = jnp.take(delta, qc, axis=1) * live  # and dS vanish
+                lse_i = jnp.take(lse, qc, axis=1)
+                ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
+                cells = _cells(plan, qc, kj, q_offset) if plan.mask_fn or plan.score_fn else None
+                allowed = None
+                if masked:
+                    allowed = _allowed(
+                        plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells
+                    )
+                    ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
+                s, tanh, score_vjp = _scores(
+                    plan, qs, ks, qc, kj, bias_blocks, allowed, cells, consts, with_vjp=True
+                )
+                # p <= 1 exactly; the clamp keeps a differently rounded s from overflowing.
+                p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0))
+                if masked:
+                    p = jnp.where(allowed, p, 0)
+                dp = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", dos, vs)
+                ds = p * (dp - delta_i[..., None])
+                if tanh is not None:
+                    ds = ds * (1 - tanh * tanh)  # through cap * tanh(s / cap)
+                d_consts = ()
+                if score_vjp is not None:  # through score_fn, to its input and its arrays
+                    ds, d_consts = score_vjp(ds)
+                dq_c = jnp.einsum(f"{_ITEM},BLKkH->BLqKGH", ds, ks)
+                dk_c = jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", ds, qs)
+                dv_c = jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", p, dos)
+                return dq_c, dk_c, dv_c, ds, d_consts
+
+            if plan.traced_kinds:  # skip a step whose every item mask_fn hides
+                live = jnp.any((kinds[qc, kj] != EMPTY) & (qi < plan.n_q))
+                zeros = jax.tree.map(
+                    lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(contributions)
+                )
+                dq_c, dk_c, dv_c, ds, d_consts = jax.lax.cond(live, contributions, lambda: zeros)
+            else:
+                dq_c, dk_c, dv_c, ds, d_consts = contributions()
+            dq = dq.at[:, qi].add(dq_c)
+            dk = dk.at[:, kj].add(dk_c)
+            dv = dv.at[:, kj].add(dv_c)
             if dbias is not None:
                 dbias = _scatter_pairs(dbias, qc, kj, ds)
-            return (dq, dk, dv, dbias), None
+            dconsts = jax.tree.map(jnp.add, dconsts, d_consts)
+            return (dq, dk, dv, dbias, dconsts), None
 
         grads, _ = jax.lax.scan(
             step, grads, (jnp.asarray(schedule.q_block), jnp.asarray(schedule.k_block))
@@ -403,7 +525,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
         return grads
 
     masked, full = plan.schedules()
-    dq, dk, dv, dbias = run(run(grads, masked, True), full, False)
+    dq, dk, dv, dbias, dconsts = run(run(grads, masked, True), full, False)
     dq = _unblock_queries(dq[:, :-1] * jnp.asarray(plan.scale, acc), plan).astype(q.dtype)
     dk = dk.reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
     dv = dv.reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
@@ -411,7 +533,14 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
         xB, xN, xT, xS = bias.shape
         dbias = dbias.reshape(xB, xN, -1, dbias.shape[4] * dbias.shape[5])[:, :, :xT, :xS]
         dbias = dbias.astype(bias.dtype)
-    return BlockGrads(dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias)
+    score_grads = None
+    if inputs.score_consts is not None:  # the forward's copies get nothing: one use each
+        forward, backward = inputs.score_consts
+        score_grads = (
+            tuple(jnp.zeros_like(c) for c in forward),
+            tuple(g.astype(c.dtype) for g, c in zip(dconsts, backward)),
+        )
+    return BlockGrads(dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, score_grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -438,6 +567,7 @@ def _attend_bwd(plan, backward_plan, residuals: Residuals, cotangents):
         key=sum_to_varying(grads.key, inputs.key),
         value=sum_to_varying(grads.value, inputs.value),
         bias=None if grads.bias is None else sum_to_varying(grads.bias, inputs.bias),
+        score_consts=grads.score_consts,
     )
     return (BlockInputs(**differentiable),)  # no gradient for the masks, offsets and ids
 
@@ -467,12 +597,45 @@ def flash_attention(
         out = jnp.zeros(query.shape, query.dtype)
         lse = jnp.full(query.shape[:3], -jnp.inf, compute_dtype(query.dtype, key.dtype))
         return (out, lse) if spec.return_residual else out
-    plans = kernel_plans(spec, forward_tiles, backward_tiles)
-    traced_offset = spec.positional and spec.static_q_offset is None
+    mask = None
+    if spec.mask_fn is not None:
+        mask = spec.mask_fn
+        if not isinstance(mask, BlockMask):
+            mask = block_mask(mask, spec.B, spec.N, spec.T, spec.S, q_offset=spec.q_offset)
+    plans = kernel_plans(spec, forward_tiles, backward_tiles, mask)
+    kinds = [
+        None if mask is None or mask.static else mask.kinds_at(p.block_q, p.block_k)
+        for p in plans
+    ]
+    score_consts = None
+    if spec.score_fn is not None:
+        acc = compute_dtype(query.dtype, key.dtype, value.dtype)
+        converted = [_converted_score_fn(spec, p, acc) for p in plans]
+        plans = type(plans)(*(dataclasses.replace(p, score_fn=c[0]) for p, c in zip(plans, converted)))
+        score_consts = tuple(tuple(c[1]) for c in converted)
+    traced_offset = spec.q_offset is not None and not isinstance(spec.q_offset, int)
     inputs = BlockInputs(
         query=query, key=key, value=value, bias=spec.bias, mask=spec.mask,
         q_offset=spec.q_offset if traced_offset else None, kv_lengths=spec.kv_lengths,
         q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.kv_segment_ids,
+        kinds=kinds[0], backward_kinds=kinds[1], score_consts=score_consts,
     )  # fmt: skip
     out, lse = _attend(*plans, inputs)
     return (out, lse) if spec.return_residual else out
+
+
+def _converted_score_fn(spec: AttentionSpec, plan: Plan, acc):
+    """``spec.score_fn`` closure-converted for one block of ``plan``'s (B, N, bq, bk):
+    ``(fn(score, b, n, q_pos, k_pos, *arrays), arrays)``, the arrays it closes over
+    that may carry a gradient hoisted out, so that they cross the kernel's
+    ``custom_vjp`` as inputs and receive their gradients."""
+    N = plan.K * plan.G
+    rows = 1 if spec.q_offset is None or jnp.ndim(spec.q_offset) == 0 else plan.B
+    example = (
+        jnp.zeros((plan.B, N, plan.block_q, plan.block_k), acc),
+        jnp.zeros((plan.B, 1, 1, 1), jnp.int32),
+        jnp.zeros((1, N, 1, 1), jnp.int32),
+        jnp.zeros((rows, 1, plan.block_q, 1), jnp.int32),
+        jnp.zeros((1, 1, 1, plan.block_k), jnp.int32),
+    )
+    return jax.closure_convert(spec.score_fn, *example)

@@ -9,8 +9,10 @@ the forward and backward plans of a call, sizing the tiles with
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
+from ._block_mask import BlockMask
 from ._schedule import Schedule, block_schedules
 from ._spec import AttentionSpec
 
@@ -46,6 +48,15 @@ class Plan:
     has_mask: bool
     has_segments: bool
     soft_cap: float | None
+    # mask_fn (called on each masked block), and its kinds at this plan's blocks when they
+    # are static (a tuple of rows of EMPTY/PARTIAL/FULL); with traced kinds the kernel
+    # reads them from its inputs and skips the empty items as it meets them.
+    mask_fn: Callable | None = None
+    kinds: tuple[tuple[int, ...], ...] | None = None
+    traced_kinds: bool = False
+    # score_fn as the kernel calls it (closure-converted: its hoisted arrays are inputs).
+    score_fn: Callable | None = None
+    index_offset: int | None = None  # a Python int offset for mask_fn and score_fn
 
     @property
     def n_q(self) -> int:
@@ -58,11 +69,14 @@ class Plan:
     def schedules(self) -> tuple[Schedule, Schedule]:
         """The (masked, full) schedules."""
         traced_offset = self.band is not None and self.static_offset is None
-        all_masked = self.has_lengths or self.has_mask or self.has_segments or traced_offset
+        all_masked = (
+            self.has_lengths or self.has_mask or self.has_segments or traced_offset
+            or self.traced_kinds
+        )  # fmt: skip
         offset = self.static_offset if self.band is not None else None
         return block_schedules(
             self.T, self.S, self.block_q, self.block_k, self.lanes, offset, all_masked,
-            self.band or (None, None),
+            self.band or (None, None), self.kinds,
         )  # fmt: skip
 
 
@@ -73,11 +87,15 @@ class Plans(NamedTuple):
     backward: Plan
 
 
-def kernel_plans(spec: AttentionSpec, forward_tiles=None, backward_tiles=None) -> Plans:
+def kernel_plans(
+    spec: AttentionSpec, forward_tiles=None, backward_tiles=None, mask: BlockMask | None = None
+) -> Plans:
     """The (forward, backward) plans of a call: its static sizes and rules, and the
     tiles of each pass (``forward_tiles``/``backward_tiles``, else :func:`fit_tiles`).
     Only the flags of ``spec``'s arrays are read (whether there are lengths, a mask,
-    segment ids), so the ring (:mod:`nanoattn.parallel`) plans its blocks with it."""
+    segment ids), so the ring (:mod:`nanoattn.parallel`) plans its blocks with it.
+    ``mask`` is the classification of ``spec.mask_fn`` (needed when it is set); its
+    static kinds become each plan's, at the plan's blocks."""
     static_offset = spec.static_q_offset
     shared = Plan(
         B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H, block_q=0, block_k=0,
@@ -94,10 +112,28 @@ def kernel_plans(spec: AttentionSpec, forward_tiles=None, backward_tiles=None) -
         if tiles is not None and min(tiles) < 1:
             raise ValueError(f"block sizes and lanes must be >= 1, got {tiles}")
         block_q, block_k, lanes = tiles or fit_tiles(default, budget, spec)
-        plans.append(dataclasses.replace(
+        plan = dataclasses.replace(
             shared, block_q=min(block_q, spec.T), block_k=min(block_k, spec.S), lanes=lanes
-        ))  # fmt: skip
+        )
+        plans.append(_with_mask_fn(plan, spec, mask))
     return Plans(*plans)
+
+
+def _with_mask_fn(plan: Plan, spec: AttentionSpec, mask: BlockMask | None) -> Plan:
+    """``plan`` with the call's ``mask_fn`` and its kinds at the plan's blocks."""
+    offset = spec.index_offset
+    index_offset = offset if isinstance(offset, int) else None
+    if spec.mask_fn is None:
+        return dataclasses.replace(plan, index_offset=index_offset)
+    if not mask.static:
+        return dataclasses.replace(
+            plan, mask_fn=mask.mask_fn, traced_kinds=True, index_offset=index_offset
+        )
+    kinds = mask.kinds_at(plan.block_q, plan.block_k)
+    return dataclasses.replace(
+        plan, mask_fn=mask.mask_fn, kinds=tuple(map(tuple, kinds.tolist())),
+        index_offset=index_offset,
+    )  # fmt: skip
 
 
 def fit_tiles(tiles, budget: int, spec: AttentionSpec) -> tuple[int, int, int]:

@@ -134,7 +134,11 @@ def merge_attention(outputs, lses):
     >>> bool(jnp.allclose(out, whole, atol=1e-6) and jnp.allclose(lse, whole_lse, atol=1e-6))
     True
     """
-    outputs, lses = _checked(outputs, lses)
+    return merge(*_checked(outputs, lses))
+
+
+def merge(outputs, lses):
+    """:func:`merge_attention` on parts already checked: lists of jax arrays."""
     dtype = outputs[0].dtype
     acc = compute_dtype(dtype, *(lse.dtype for lse in lses))
     lses = [lse.astype(acc) for lse in lses]
@@ -154,3 +158,13 @@ def merge_attention(outputs, lses):
         unseen = (lse_p == -jnp.inf)[..., None]  # (B, T, N, 1)
         out = out + (w / total)[..., None] * jnp.where(unseen, 0, o.astype(acc))
     return out.astype(dtype), lse
+
+
+def add_sinks(out, lse, sinks):
+    """Attention (B, T, N, H) with log-sum-exp (B, T, N) over the keys, made attention
+    over the keys and one sink per head (``sinks`` (N,)): a part whose log-sum-exp is the
+    sink's logit and whose output is 0 (the sink attends no value), merged in. A row
+    with no visible key stays zeros and gets the sink's log-sum-exp; gradients reach
+    ``sinks`` through the merge."""
+    sink_lse = jnp.broadcast_to(sinks.astype(lse.dtype), lse.shape)  # (B, T, N)
+    return merge([out, jnp.zeros_like(out)], [lse, sink_lse])

@@ -6,6 +6,7 @@ It defines the output contract that every other backend is tested against.
 import jax
 import jax.numpy as jnp
 
+from ._mask_fn import evaluate_mask, evaluate_score, grid
 from ._masks import band_mask, combine_masks, lengths_to_valid, segment_mask
 from ._spec import AttentionSpec
 from ._trace import record
@@ -34,9 +35,9 @@ def compute_dtype(*dtypes):
 
 
 def allowed_mask(spec: AttentionSpec):
-    """ANDs the spec's mask, positional band (causality, window), key lengths and
-    segments: bool, rank 4, or None."""
-    band = lengths = segments = None
+    """ANDs the spec's mask, positional band (causality, window), key lengths,
+    segments and ``mask_fn`` on every cell: bool, rank 4, or None."""
+    band = lengths = segments = by_fn = None
     if spec.band is not None:
         band = band_mask(spec.T, spec.S, *spec.band, q_offset=spec.q_offset)  # (T, S) or (B, T, S)
         band = band[None, None] if band.ndim == 2 else band[:, None]
@@ -44,13 +45,21 @@ def allowed_mask(spec: AttentionSpec):
         lengths = lengths_to_valid(spec.kv_lengths, spec.S)[:, None, None, :]  # (B, 1, 1, S)
     if spec.q_segment_ids is not None:
         segments = segment_mask(spec.q_segment_ids, spec.kv_segment_ids)  # (B, 1, T, S)
-    return combine_masks(spec.mask, band, lengths, segments)
+    if spec.mask_fn is not None:
+        cells = grid(spec.B, spec.N, spec.T, spec.S, spec.index_offset)
+        by_fn = evaluate_mask(spec.mask_fn, *cells)  # (B|1, N|1, T|1, S|1)
+    return combine_masks(spec.mask, band, lengths, segments, by_fn)
 
 
-def masked_softmax(logits, allowed, return_lse: bool = False):
+def masked_softmax(logits, allowed, return_lse: bool = False, sinks=None):
     """Softmax over the last axis that gives exactly 0 at blocked cells, and with
     ``return_lse`` the log of each row's denominator, ``-inf`` for a row with no
     allowed cell (docs/conventions.md), whose gradient is the softmax itself.
+
+    With ``sinks`` (broadcastable to the logits without their last axis: one logit
+    per head) every row's denominator gains ``exp(sink)``, a cell that is always
+    allowed and attends no value; a row with no allowed cell still gives zeros, and
+    its log-sum-exp is the sink's.
 
     A row with no allowed cell gives all zeros, with zero, finite gradients.
     The exponent is shifted twice: by the row maximum, then by the maximum of
@@ -66,13 +75,20 @@ def masked_softmax(logits, allowed, return_lse: bool = False):
         logits = jnp.where(allowed, logits, neg)
     # The softmax is invariant to the subtracted maxima, so no gradient flows through them.
     top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=neg))
+    if sinks is not None:
+        sinks = sinks.astype(logits.dtype)[..., None]
+        top = jnp.maximum(top, jax.lax.stop_gradient(sinks))
     shifted = logits - top
     peak = jax.lax.stop_gradient(jnp.max(shifted, axis=-1, keepdims=True, initial=neg))
+    if sinks is not None:
+        peak = jnp.maximum(peak, jax.lax.stop_gradient(sinks - top))
     shifted = shifted - peak
     unnormalized = jnp.exp(shifted)
     if allowed is not None:
         unnormalized = jnp.where(allowed, unnormalized, 0)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - top - peak)
     probs = unnormalized / jnp.where(total == 0, 1, total)
     if not return_lse:
         return probs
@@ -122,9 +138,15 @@ def _weights(query, key, spec: AttentionSpec, allowed):
     logits = logits.reshape(spec.score_shape) * jnp.asarray(spec.scale, acc)  # (B, N, T, S)
     if spec.bias is not None:
         logits = logits + spec.bias.astype(acc)
+    if spec.score_fn is not None:
+        if allowed is not None:  # a blocked cell's score is never looked at
+            logits = jnp.where(allowed, logits, 0)
+        cells = grid(spec.B, spec.N, spec.T, spec.S, spec.index_offset)
+        logits = evaluate_score(spec.score_fn, logits, *cells)
     logits = soft_cap(logits, spec.logit_soft_cap, allowed)
     record(logits, "scores", "B N T S", op="einsum")
-    probs, lse = masked_softmax(logits, allowed, return_lse=True)
+    sinks = None if spec.sinks is None else spec.sinks.astype(acc)[None, :, None]  # (1, N, 1)
+    probs, lse = masked_softmax(logits, allowed, return_lse=True, sinks=sinks)
     record(probs, "weights", "B N T S", op="softmax")
     return probs, lse
 

@@ -23,6 +23,8 @@ import functools
 
 import numpy as np
 
+from ._block_mask import EMPTY, FULL
+
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -84,6 +86,7 @@ def block_schedules(
     q_offset: int | None,
     all_masked: bool,
     band: tuple[int | None, int | None] = (None, 0),
+    kinds: tuple[tuple[int, ...], ...] | None = None,
 ) -> tuple[Schedule, Schedule]:
     """The (masked, full) schedules of an attention call.
 
@@ -97,6 +100,8 @@ def block_schedules(
       band: ``(left, right)``: query at position p may see keys
         ``p - left .. p + right`` (None = unbounded). The default ``(None, 0)``
         is causality; a causal sliding window is ``(left, 0)``.
+      kinds: a ``mask_fn``'s block classification at these blocks, (nQ, nK) rows of
+        0 (empty: never computed), 1 (partial: masked) or 2 (full), or None.
     """
     n_q, n_k = -(-T // block_q), -(-S // block_k)
     left, right = band if q_offset is not None else (None, None)
@@ -112,8 +117,12 @@ def block_schedules(
                 continue  # every key is right of every query's band: never computed
             if left is not None and min(last_k, S - 1) < first_p - left:
                 continue  # every key is left of every query's band
+            kind = FULL if kinds is None else kinds[i][j]
+            if kind == EMPTY:
+                continue  # mask_fn hides every cell
             whole = (
-                last_k < S
+                kind == FULL
+                and last_k < S
                 and (right is None or last_k <= first_p + right)
                 and (left is None or first_k >= last_p - left)
             )

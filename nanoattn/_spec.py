@@ -14,6 +14,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ._block_mask import BlockMask
+from ._mask_fn import check_mask_fn, check_score_fn
 from ._validate import (
     as_array,
     expect_bool,
@@ -82,6 +84,11 @@ class AttentionSpec:
       logit_soft_cap: the cap of ``cap * tanh(logits / cap)``, or None.
       scale: the factor applied to ``q . k``.
       return_residual: whether the call also returns the log-sum-exp (B, T, N).
+      mask_fn: ``mask_fn(b, n, q_pos, k_pos) -> bool`` (:mod:`nanoattn._mask_fn`),
+        a :class:`~nanoattn._block_mask.BlockMask`, or None.
+      score_fn: ``score_fn(score, b, n, q_pos, k_pos) -> score``, or None.
+      sinks: float (N,), one logit per query head added to each row's softmax
+        denominator, or None.
     """
 
     B: int
@@ -101,6 +108,20 @@ class AttentionSpec:
     kv_segment_ids: Any = None
     logit_soft_cap: float | None = None
     return_residual: bool = False
+    mask_fn: Any = None
+    score_fn: Any = None
+    sinks: Any = None
+
+    @property
+    def indexed(self) -> bool:
+        """Whether a function of the cells' indices (``mask_fn``, ``score_fn``) applies."""
+        return self.mask_fn is not None or self.score_fn is not None
+
+    @property
+    def index_offset(self):
+        """The position of the first query as ``mask_fn`` and ``score_fn`` see it:
+        ``q_offset``, 0 when none is given."""
+        return 0 if self.q_offset is None else self.q_offset
 
     @property
     def positional(self) -> bool:
@@ -159,6 +180,9 @@ def attention_spec(
     logit_soft_cap=None,
     scale=None,
     return_residual=False,
+    mask_fn=None,
+    score_fn=None,
+    sinks=None,
 ) -> AttentionSpec:
     """Checks an attention call (batched: :func:`batched` adds the axis to an
     unbatched one) and returns its :class:`AttentionSpec`.
@@ -202,13 +226,25 @@ def attention_spec(
     is_causal = expect_flag("is_causal", is_causal)
     return_residual = expect_flag("return_residual", return_residual)
     window = normalize_window(window)
-    if not is_causal and window is None and q_offset is not None:
+    indexed = mask_fn is not None or score_fn is not None
+    if not is_causal and window is None and not indexed and q_offset is not None:
         raise ValueError(
-            "q_offset only applies to causal or windowed attention; pass is_causal=True or a window"
+            "q_offset only applies to causal or windowed attention, or to the positions "
+            "mask_fn and score_fn see; pass is_causal=True, a window, mask_fn or score_fn"
         )
     if is_causal or window is not None:
         what = "is_causal=True" if is_causal else f"window={window}"
         q_offset = _check_q_offset(q_offset, B, T, S, what)
+    elif q_offset is not None:  # positions for mask_fn and score_fn only: 0 by default
+        q_offset = _check_q_offset(q_offset, B, T, S, "mask_fn or score_fn")
+    mask_fn = check_mask_fn(mask_fn, B, N, T, S, q_offset)
+    if isinstance(mask_fn, BlockMask):
+        mask_fn.check_fits(B, N, T, S, q_offset)
+    score_fn = check_score_fn(score_fn, B, N, T, S, q_offset)
+    if sinks is not None:
+        sinks = as_array("sinks", sinks, "a float array (N,), one logit per query head")
+        expect_floating("sinks", sinks.dtype)
+        expect_shape("sinks", sinks.shape, "N", (N,))
     if kv_lengths is not None:
         kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
         expect_integer("kv_lengths", kv_lengths.dtype)
@@ -230,7 +266,8 @@ def attention_spec(
         scale = 1.0 / math.sqrt(H)
     return AttentionSpec(
         B, T, S, N, K, H, mask, bias, is_causal, q_offset, kv_lengths, scale, window,
-        q_segment_ids, kv_segment_ids, logit_soft_cap, return_residual,
+        q_segment_ids, kv_segment_ids, logit_soft_cap, return_residual, mask_fn, score_fn,
+        sinks,
     )  # fmt: skip
 
 

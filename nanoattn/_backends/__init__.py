@@ -20,6 +20,10 @@ class Backend(Protocol):
       name: the ``implementation=`` name that selects it.
       priority: its rank in the automatic choice (the highest that can serve a
         call and pays off there is taken), or None: chosen only by name.
+      applies_sinks: optional, False when missing: whether it applies
+        ``spec.sinks`` itself; otherwise it is called without them and with
+        ``return_residual`` set, and the sinks are merged into its output
+        through its log-sum-exp (``nanoattn._merge.add_sinks``).
     """
 
     name: str

@@ -19,6 +19,8 @@ class Cudnn:
             return f"it supports bfloat16 and float16 inputs only, got {jnp.dtype(dtype)}"
         if dropout_rate > 0:
             return NO_DROPOUT
+        if spec.indexed or spec.sinks is not None:
+            return "mask_fn, score_fn and sinks are served by 'xla' and 'flash' only"
         if spec.window is not None or spec.q_segment_ids is not None or spec.logit_soft_cap:
             return "window, segment ids and logit_soft_cap are served by 'xla' and 'flash' only"
         if spec.is_causal and spec.static_q_offset != 0:

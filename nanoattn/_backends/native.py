@@ -31,6 +31,8 @@ class Native:
             return f"it supports float32 and bfloat16 inputs only, got {jnp.dtype(dtype)}"
         if spec.mask is not None or spec.bias is not None:
             return "a dense mask or a bias is served by 'xla' and 'flash' only"
+        if spec.indexed:
+            return "mask_fn and score_fn are served by 'xla' and 'flash' only"
         if not spec.static_scale:
             return "it needs a Python number for scale, not a traced array"
         _, reason = _native.load()  # last: this builds the kernel on first use

@@ -8,6 +8,7 @@ from .. import _reference
 class Xla:
     name = "xla"
     priority = 0  # the automatic choice's fallback: it serves every call
+    applies_sinks = True  # its softmax has them; other backends get them merged in
 
     def unsupported(self, spec, dtype, dropout_rate: float) -> str | None:
         return None
