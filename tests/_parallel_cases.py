@@ -141,7 +141,8 @@ def compare(name, P, layout, *, T=None, dtype=jnp.float32, lengths=False, ids=Fa
         return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
     return {
-        "case": name, "P": P, "layout": layout, "dtype": jnp.dtype(dtype).name,
+        "case": name, "P": P, "layout": layout, "dtype": jnp.dtype(dtype).name, "T": T,
+        "window": options.get("window"), "is_causal": options.get("is_causal", False),
         "out_err": err(out, ref_out), "grad_err": max(map(err, grads, ref_grads)),
         "out_scale": float(np.max(np.abs(ref_out))),
         "seconds": seconds,
@@ -332,6 +333,39 @@ def layer_case(name, shape, names, framework="linen", **axes):
     }  # fmt: skip
 
 
+def rope_layer(name, P: int = 2, layout: str = "zigzag"):
+    """The causal layer with RoPE and ``sequence_axis`` over P devices, its input in
+    ``layout`` order, against the same layer and parameters on one device. Every
+    token must be rotated by its true position, not by its slot in the layout's
+    order (T = 20 over P = 2: the zigzag order is 0-4, 15-19, 5-9, 10-14). Outputs
+    only: the rotation's gradient is its transpose at the same positions, and the
+    ring's gradients inside shard_map are the ring cases' (a backward pass would
+    double the compile time)."""
+    from jax.sharding import AxisType
+
+    from nanoattn import linen as nl
+
+    T, D = 20, 48
+    sizes = dict(d_model=D, n_heads=6, n_kv_heads=2, rope_base=100.0)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((B, T, D), np.float32))
+    plain = nl.CausalSelfAttention(nl.AttentionConfig(**sizes))
+    params = jax.jit(lambda key: plain.init(key, x, deterministic=True))(jax.random.key(0))
+    expected = jax.jit(lambda p, x: plain.apply(p, x, deterministic=True))(params, x)
+    cfg = nl.AttentionConfig(**sizes, sequence_axis="sp", sequence_layout=layout)
+    layer = nl.CausalSelfAttention(cfg)
+    mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
+    with jax.set_mesh(mesh):
+        y = jax.jit(lambda p, x: layer.apply(p, x, deterministic=True))(
+            params, to_layout(x, P, layout)
+        )
+    y = from_layout(y, P, layout)
+    return {
+        "case": name, "P": P, "layout": layout,
+        "err": float(np.max(np.abs(np.asarray(y) - np.asarray(expected)))),
+        "out_scale": float(np.max(np.abs(np.asarray(expected)))),
+    }  # fmt: skip
+
+
 def replicated_kv(name, P: int = 2):
     """The kernel (not the ring) inside shard_map over P devices: queries split over
     the batch, keys, values and a bias replicated. Their gradients must be the sum
@@ -374,6 +408,13 @@ CASES = [
                     ids=True),
     lambda: compare("p2-contiguous-causal-window", 2, "contiguous", T=16, is_causal=True,
                     window=(5, 0)),
+    # Windows whose edges fall inside chunk pairs, C = 3 (test_parallel.py checks that
+    # each reaches wholly visible pairs, pairs on an edge, one with a single visible
+    # cell, and skipped pairs).
+    lambda: compare("p8-contiguous-window-edges", 8, "contiguous", T=24, window=(7, 4)),
+    lambda: compare("p2-zigzag-causal-window-edges", 2, "zigzag", T=12, is_causal=True,
+                    window=(7, 0)),
+    lambda: rope_layer("layer-sequence-rope-linen"),
     lambda: leak("leak-honest"),
     lambda: leak("leak-planted", planted=True),
     lambda: layer_case("layer-heads-linen", (2,), ("model",), head_axis="model"),
@@ -404,6 +445,16 @@ SLOW_CASES = (
     ]
     + [
         lambda: compare("p2-zigzag-window-two-sided", 2, "zigzag", T=16, window=(3, 6)),
+        lambda: compare(
+            "p4-zigzag-causal-window-edges",
+            4,
+            "zigzag",
+            T=24,
+            is_causal=True,
+            window=(7, 0),
+            lengths=True,
+            ids=True,
+        ),
         lambda: compare(
             "p4-zigzag-soft-cap-lengths",
             4,

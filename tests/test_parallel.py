@@ -51,7 +51,10 @@ RING_CASES = [
     "p8-zigzag-causal-lengths-segments",
     "p4-contiguous-full-lengths-segments",
     "p2-contiguous-causal-window",
+    "p8-contiguous-window-edges",
+    "p2-zigzag-causal-window-edges",
 ]
+WINDOW_EDGE_CASES = ["p8-contiguous-window-edges", "p2-zigzag-causal-window-edges"]
 
 
 @pytest.mark.parametrize("name", RING_CASES)
@@ -59,6 +62,74 @@ def test_ring_equals_the_one_device_reference(cases, name):
     case = cases[name]
     assert case["out_err"] <= 1e-5 and case["grad_err"] <= 1e-4, case
     assert case["out_scale"] > 0.5  # a real output, not zeros everywhere
+
+
+def _cells(rel: int, C: int, band) -> np.ndarray:
+    """Which (query, key) cells of a pair of C-token chunks, the queries ``rel``
+    positions after the keys, lie in ``band`` = (left, right): (C, C) bool."""
+    left, right = band
+    d = rel + np.arange(C)[:, None] - np.arange(C)[None, :]  # query position - key position
+    return (d >= -right) & (d <= left)
+
+
+def _kind(cells: np.ndarray) -> str:
+    return "skip" if not cells.any() else "full" if cells.all() else "general"
+
+
+def _ring_pairs(P: int, layout: str, T: int, band):
+    """The visible cells of every off-diagonal chunk pair the ring computes, by brute
+    force: device r's query chunks against the key chunks of every device."""
+    n = 2 if layout == "zigzag" else 1
+    C = T // (n * P)
+
+    def chunks(r):
+        return (r, 2 * P - 1 - r) if layout == "zigzag" else (r,)
+
+    return [
+        _cells((qc - kc) * C, C, band)
+        for r in range(P)
+        for source in range(P)
+        for qc in chunks(r)
+        for kc in chunks(source)
+        if qc != kc
+    ]
+
+
+@pytest.mark.parametrize("name", WINDOW_EDGE_CASES)
+def test_window_edge_cases_reach_every_kind_of_chunk_pair(cases, name):
+    """The sizes of the window cases are chosen so that the ring meets every kind of
+    chunk pair: wholly visible, wholly hidden, on the band's edge, and on an edge
+    with a single visible cell (only one corner inside the band)."""
+    case = cases[name]
+    left, right = case["window"]
+    band = (left, min(right, 0) if case["is_causal"] else right)
+    pairs = _ring_pairs(case["P"], case["layout"], case["T"], band)
+    assert {_kind(cells) for cells in pairs} == {"skip", "full", "general"}, case
+    assert any(cells.sum() == 1 for cells in pairs), case
+
+
+def test_a_chunk_pair_is_full_only_when_every_cell_is_in_the_band():
+    """The ring's classification of a chunk pair (skip / full / general) against
+    every cell of the pair, for many chunk lengths, bands and relative offsets;
+    a pair counted full with a corner outside the band would skip its mask."""
+    from nanoattn.parallel import _blocks
+
+    for C in (1, 2, 3, 5):
+        rels = np.arange(-4 * C - 1, 4 * C + 2)
+        for band in [(0, 0), (1, 0), (4, 0), (7, 0), (0, 5), (3, 6), (7, 4), (11, 2)]:
+            plans = _blocks.StepPlans("contiguous", 4, C, True, band, (), _blocks.PAIR_KINDS)
+            got = np.asarray(_blocks._pair_kind(plans, jnp.asarray(rels)))
+            want = [_kind(_cells(int(rel), C, band)) for rel in rels]
+            assert [_blocks.PAIR_KINDS[g] for g in got] == want, (C, band)
+
+
+def test_sequence_parallel_layer_rotates_each_token_by_its_global_position(cases):
+    """The causal layer with RoPE on 2 devices, zigzag input, against the same layer
+    and parameters on one device (rotating by the slot in the zigzag order, or by
+    the index within a device's shard, is off by about 1.5)."""
+    case = cases["layer-sequence-rope-linen"]
+    assert case["err"] <= 1e-5, case
+    assert case["out_scale"] > 0.5, case
 
 
 def test_forward_sends_p_minus_1_hops_and_gathers_nothing(cases):
@@ -97,14 +168,15 @@ SLOW_RING_CASES = [
     for P in (2, 4, 8)
     for layout in ("zigzag", "contiguous")
     for causal in ("causal", "full")
-] + ["p2-zigzag-window-two-sided", "p4-zigzag-soft-cap-lengths"]
+] + ["p2-zigzag-window-two-sided", "p4-zigzag-soft-cap-lengths", "p4-zigzag-causal-window-edges"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SLOW_RING_CASES)
 def test_ring_grid_equals_the_reference(slow_cases, name):
     """P = 2, 4, 8 x zigzag/contiguous x causal/not, a two-sided window on the
-    zigzag chunk pairs, soft-capping with lengths."""
+    zigzag chunk pairs, soft-capping with lengths, a causal window with edges inside
+    the chunk pairs of 4 devices (with lengths and segments)."""
     case = slow_cases[name]
     assert case["out_err"] <= 1e-5 and case["grad_err"] <= 1e-4, case
 
