@@ -159,7 +159,8 @@ def _classify(mask_fn, B, N, T, S, q_offset, block_q, block_k):
         seen = evaluate_mask(mask_fn, b, n, q, k)
         seen = jnp.broadcast_to(seen, (xB, xN, chunk * block_q, S_pad))
         seen = seen.reshape(xB, xN, chunk, block_q, n_k, block_k)
-        real = (rows < T).reshape(chunk, block_q)[:, :, None, None] & real_k  # (c, bq, nK, bk)
+        real = (rows < T).reshape(chunk, block_q)[:, :, None, None] & real_k[None, None]
+        real = real[None, None]  # (1, 1, c, bq, nK, bk)
         some = (seen & real).any(axis=(3, 5))  # (xB, xN, c, nK)
         every = (seen | ~real).all(axis=(3, 5))
         return jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int8)

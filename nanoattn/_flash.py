@@ -209,9 +209,9 @@ def _cells(plan: Plan, qc, kj, q_offset):
     n = jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1)
     offset = plan.index_offset if plan.index_offset is not None else q_offset
     offset = jnp.reshape(jnp.asarray(offset, jnp.int32), (1, -1, 1, 1, 1))  # (1, 1|B, 1, 1, 1)
-    rows = qc.astype(jnp.int32)[:, None] * plan.block_q + jnp.arange(plan.block_q, dtype=jnp.int32)
+    rows = qc.astype(jnp.int32)[:, None] * plan.block_q + jnp.arange(plan.block_q)[None]  # (L, bq)
     q = offset + rows[:, None, None, :, None]  # (L, 1|B, 1, bq, 1)
-    cols = kj.astype(jnp.int32)[:, None] * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
+    cols = kj.astype(jnp.int32)[:, None] * plan.block_k + jnp.arange(plan.block_k)[None]
     k = cols[:, None, None, None, :]  # (L, 1, 1, 1, bk)
     return b, n, q, k
 

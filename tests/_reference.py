@@ -12,8 +12,9 @@ and friends) so that a swapped axis changes a shape or a value and fails.
 import numpy as np
 
 
-def _np_weights(q, k, allowed, bias, scale, soft_cap):
-    """Float64 logits (before the cap) and weights (B, N, T, S), and k repeated per head."""
+def _np_weights(q, k, allowed, bias, scale, soft_cap, sinks=None):
+    """Float64 logits (before the cap) and weights (B, N, T, S), and k repeated per head.
+    With ``sinks`` (N,), each row's denominator also holds ``exp(sinks[n])``."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     k = np.repeat(k, N // K, axis=2)  # (B, S, N, H): heads n*G .. n*G+G-1 share one
@@ -29,30 +30,37 @@ def _np_weights(q, k, allowed, bias, scale, soft_cap):
         row = allowed[idx]
         if row.any():
             z = capped[idx][row]
-            e = np.exp(z - z.max())
-            weights[idx][row] = e / e.sum()
+            top = z.max() if sinks is None else max(z.max(), float(sinks[idx[1]]))
+            e = np.exp(z - top)
+            extra = 0.0 if sinks is None else np.exp(float(sinks[idx[1]]) - top)
+            weights[idx][row] = e / (e.sum() + extra)
     return logits, weights, k
 
 
-def np_attention(q, k, v, allowed=None, bias=None, scale=None, return_weights=False, soft_cap=None):
+def np_attention(
+    q, k, v, allowed=None, bias=None, scale=None, return_weights=False, soft_cap=None, sinks=None
+):
     """Attention in float64 numpy, written without the library's code.
 
     q: (B, T, N, H); k, v: (B, S, K, H); query head n uses key/value head
     n // (N // K). ``allowed``/``bias`` broadcast to (B, N, T, S). A row with no
     allowed key gives zeros. ``soft_cap`` c turns the logits s into
-    c * tanh(s / c) before the softmax.
+    c * tanh(s / c) before the softmax. ``sinks`` (N,): one more logit per head in
+    every row's denominator, attending no value.
     """
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    _, weights, _ = _np_weights(q, k, allowed, bias, scale, soft_cap)
+    sinks = None if sinks is None else np.asarray(sinks, np.float64)
+    _, weights, _ = _np_weights(q, k, allowed, bias, scale, soft_cap, sinks)
     v = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
     out = np.einsum("bnts,bsnh->btnh", weights, v)
     return weights if return_weights else out
 
 
-def np_lse(q, k, allowed=None, bias=None, scale=None, soft_cap=None):
+def np_lse(q, k, allowed=None, bias=None, scale=None, soft_cap=None, sinks=None):
     """The float64 log-sum-exp (B, T, N) of each row's logits over its allowed keys,
     ``log sum_s exp(z_s)`` with z the scaled, biased, capped logits; ``-inf`` for a
-    row with no allowed key (the log-sum-exp of an empty set)."""
+    row with no allowed key (the log-sum-exp of an empty set). With ``sinks`` (N,),
+    ``exp(sinks[n])`` is in every row's sum."""
     q, k = (np.asarray(a, np.float64) for a in (q, k))
     H, N = q.shape[3], q.shape[2]
     k = np.repeat(k, N // k.shape[2], axis=2)  # (B, S, N, H)
@@ -66,13 +74,20 @@ def np_lse(q, k, allowed=None, bias=None, scale=None, soft_cap=None):
     safe = np.where(np.isfinite(top), top, 0)
     with np.errstate(divide="ignore"):
         lse = np.log(np.where(allowed, np.exp(z - safe), 0).sum(-1)) + safe[..., 0]
+    if sinks is not None:
+        sink = np.asarray(sinks, np.float64)[None, :, None]  # (1, N, 1)
+        lse = np.logaddexp(lse, sink)
     return np.moveaxis(lse, 1, 2)  # (B, N, T) -> (B, T, N)
 
 
-def np_attention_vjp(q, k, v, d_out, allowed=None, bias=None, scale=None, soft_cap=None):
+def np_attention_vjp(
+    q, k, v, d_out, allowed=None, bias=None, scale=None, soft_cap=None, sinks=None
+):
     """The output of :func:`np_attention` and its gradients, derived by hand in float64.
 
-    Returns ``out, (dq, dk, dv, dbias)`` for the cotangent ``d_out`` (B, T, N, H);
+    Returns ``out, (dq, dk, dv, dbias)`` for the cotangent ``d_out`` (B, T, N, H),
+    and ``dsinks`` (N,) fifth with ``sinks`` (a sink attends no value, so its weight
+    w gets dZ = -w * rowsum(P * dP));
     ``dbias`` has the full shape (B, N, T, S) (sum it to the bias's shape with
     :func:`sum_to_shape`). With P the weights, dP = dO V^T, the softmax gives
     dZ = P * (dP - rowsum(P * dP)); the cap multiplies it by 1 - tanh^2(s / c);
@@ -83,17 +98,24 @@ def np_attention_vjp(q, k, v, d_out, allowed=None, bias=None, scale=None, soft_c
     B, _, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     scale = 1 / np.sqrt(H) if scale is None else scale
-    logits, w, k_rep = _np_weights(q, k, allowed, bias, scale, soft_cap)
+    sinks = None if sinks is None else np.asarray(sinks, np.float64)
+    logits, w, k_rep = _np_weights(q, k, allowed, bias, scale, soft_cap, sinks)
     v_rep = np.repeat(v, N // K, axis=2)  # (B, S, N, H)
     out = np.einsum("bnts,bsnh->btnh", w, v_rep)
     dw = np.einsum("btnh,bsnh->bnts", d_out, v_rep)
-    ds = w * (dw - (w * dw).sum(-1, keepdims=True))
+    row_term = (w * dw).sum(-1, keepdims=True)  # (B, N, T, 1)
+    ds = w * (dw - row_term)
     if soft_cap is not None:
         ds = ds * (1 - np.tanh(logits / soft_cap) ** 2)
     dq = scale * np.einsum("bnts,bsnh->btnh", ds, k_rep)
     dk = scale * np.einsum("bnts,btnh->bsnh", ds, q).reshape(B, S, K, N // K, H).sum(3)
     dv = np.einsum("bnts,btnh->bsnh", w, d_out).reshape(B, S, K, N // K, H).sum(3)
-    return out, (dq, dk, dv, ds)
+    if sinks is None:
+        return out, (dq, dk, dv, ds)
+    seen = w.sum(-1, keepdims=True) > 0  # a row with no allowed key gives zeros: no gradient
+    w_sink = np.where(seen, 1 - w.sum(-1, keepdims=True), 0)  # the sink's weight
+    dsinks = -(w_sink * row_term).sum(axis=(0, 2, 3))
+    return out, (dq, dk, dv, ds, dsinks)
 
 
 def sum_to_shape(x, shape):
