@@ -604,14 +604,15 @@ def flash_attention(
             mask = block_mask(mask, spec.B, spec.N, spec.T, spec.S, q_offset=spec.q_offset)
     plans = kernel_plans(spec, forward_tiles, backward_tiles, mask)
     kinds = [
-        None if mask is None or mask.static else mask.kinds_at(p.block_q, p.block_k)
-        for p in plans
+        None if mask is None or mask.static else mask.kinds_at(p.block_q, p.block_k) for p in plans
     ]
     score_consts = None
     if spec.score_fn is not None:
         acc = compute_dtype(query.dtype, key.dtype, value.dtype)
         converted = [_converted_score_fn(spec, p, acc) for p in plans]
-        plans = type(plans)(*(dataclasses.replace(p, score_fn=c[0]) for p, c in zip(plans, converted)))
+        plans = type(plans)(
+            *(dataclasses.replace(p, score_fn=c[0]) for p, c in zip(plans, converted))
+        )
         score_consts = tuple(tuple(c[1]) for c in converted)
     traced_offset = spec.q_offset is not None and not isinstance(spec.q_offset, int)
     inputs = BlockInputs(

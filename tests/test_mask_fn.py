@@ -284,8 +284,12 @@ def test_soft_capping_through_score_fn_equals_logit_soft_cap(implementation):
     def capped(score, b, n, qp, kp):
         return 5.0 * jnp.tanh(score / 5.0)
 
-    want = jax.jit(jax.value_and_grad(functools.partial(loss, logit_soft_cap=5.0), (0, 1, 2), has_aux=True))(q, k, v)
-    got = jax.jit(jax.value_and_grad(functools.partial(loss, score_fn=capped), (0, 1, 2), has_aux=True))(q, k, v)
+    want = jax.jit(
+        jax.value_and_grad(functools.partial(loss, logit_soft_cap=5.0), (0, 1, 2), has_aux=True)
+    )(q, k, v)
+    got = jax.jit(
+        jax.value_and_grad(functools.partial(loss, score_fn=capped), (0, 1, 2), has_aux=True)
+    )(q, k, v)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
 
@@ -321,7 +325,9 @@ def test_sinks_match_the_float64_reference_with_their_gradient(implementation):
     np.testing.assert_array_equal(out[1], 0)
     np.testing.assert_allclose(lse, np_lse(q, k, allowed=allowed, sinks=SINKS), atol=ATOL)
     np.testing.assert_allclose(lse[1], np.broadcast_to(SINKS, (T, N)), atol=1e-6)
-    for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, (*want_grads[:3], want_grads[4])):
+    for name, got, ref in zip(
+        ("dq", "dk", "dv", "dsinks"), grads, (*want_grads[:3], want_grads[4])
+    ):
         np.testing.assert_allclose(got, ref, atol=ATOL, rtol=1e-5, err_msg=name)
 
 
@@ -339,7 +345,9 @@ def test_sinks_in_the_weights_and_with_mask_fn():
             nanoattn.dot_product_attention, mask_fn=prefix_lm, implementation=implementation
         )
         out = jax.jit(attend)(q, k, v, sinks=SINKS)
-        np.testing.assert_allclose(out, np_attention(q, k, v, allowed=allowed, sinks=SINKS), atol=ATOL)
+        np.testing.assert_allclose(
+            out, np_attention(q, k, v, allowed=allowed, sinks=SINKS), atol=ATOL
+        )
 
 
 # --- masked content, transformations -------------------------------------------------
@@ -361,7 +369,9 @@ def test_keys_mask_fn_hides_are_never_read(implementation):
     @jax.jit
     def run(q, k, v):
         def loss(q, k, v):
-            out = nanoattn.dot_product_attention(q, k, v, mask_fn=mask_fn, implementation=implementation)
+            out = nanoattn.dot_product_attention(
+                q, k, v, mask_fn=mask_fn, implementation=implementation
+            )
             return jnp.sum(out**2), out
 
         return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
@@ -378,7 +388,9 @@ def test_vmap_over_a_batch_axis_with_mask_fn_score_fn_and_sinks():
     rules = dict(mask_fn=prefix_lm, score_fn=lambda s, b, n, qp, kp: s - 0.1 * (qp - kp),
                  sinks=jnp.asarray(SINKS))  # fmt: skip
     for implementation in ("xla", "flash"):
-        one = functools.partial(nanoattn.dot_product_attention, implementation=implementation, **rules)
+        one = functools.partial(
+            nanoattn.dot_product_attention, implementation=implementation, **rules
+        )
         mapped = jax.jit(jax.vmap(one))(q, k, v)  # unbatched calls, one per row
         np.testing.assert_allclose(mapped, jax.jit(one)(q, k, v), atol=1e-6)
 

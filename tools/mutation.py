@@ -77,7 +77,13 @@ TARGETS = {
     ),
     "native": (
         ["nanoattn/_native/_kernel.py"],
-        ["test_native.py", "test_native_blocks.py", "test_native_build.py", "test_lse.py", "test_bad_input.py"],
+        [
+            "test_native.py",
+            "test_native_blocks.py",
+            "test_native_build.py",
+            "test_lse.py",
+            "test_bad_input.py",
+        ],
     ),
     "verify": (
         ["nanoattn/verify/*"],
