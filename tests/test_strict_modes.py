@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec
 
 import nanoattn
 from nanoattn import linen
+from nanoattn._registry import get
+from nanoattn._spec import attention_spec
 from nanoattn import nnx as nanoattn_nnx
 from nanoattn.parallel import ring_attention
 from nanoattn.verify import check_causality
@@ -53,12 +55,29 @@ RULES = {
         logit_soft_cap=5.0,
     ),
     "mask-bias": dict(mask=jnp.ones((B, 1, T, T), bool), bias=jnp.zeros((1, N, T, T))),
+    "mask_fn-sinks": dict(
+        mask_fn=lambda b, n, q, k: (k <= q) | (k < 3), q_offset=jnp.array([0, 2]),
+        sinks=jnp.linspace(-1.0, 1.0, N),
+    ),  # fmt: skip
+    "score_fn": dict(
+        score_fn=lambda s, b, n, q, k: s - jnp.linspace(0.1, 0.4, N)[n] * (q - k).astype(s.dtype),
+        is_causal=True,
+    ),  # fmt: skip
 }
+
+
+def _serves(implementation, rules) -> bool:
+    """Whether the backend serves a call with these rules (the native kernel has no dense
+    mask, bias or score_fn)."""
+    q, k, v = _qkv()
+    spec = attention_spec(q, k, v, **rules)
+    return get(implementation).unsupported(spec, q.dtype, 0.0) is None
 
 
 @pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
 def test_every_backend_forward_and_backward(strict, implementation):
-    rules = {n: r for n, r in RULES.items() if implementation != "native" or n != "mask-bias"}
+    rules = {n: r for n, r in RULES.items() if _serves(implementation, r)}
+    assert len(rules) >= len(RULES) - 3, rules.keys()  # native: no mask, bias, score_fn
 
     def loss(q, k, v):  # every rule in one program: one compilation per backend and mode
         total = 0.0
