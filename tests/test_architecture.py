@@ -22,7 +22,7 @@ LAYERS = {
         "_validate", "_trace", "_norm", "_axes", "_dropout", "_zigzag", "_shard_map",
         "_registry", "_backends",
     ],
-    "rules": ["_spec", "_masks", "_mask_fn", "_block_mask", "_rope", "_schedule"],
+    "rules": ["_spec", "_masks", "_mask_fn", "_block_mask", "_rolling", "_rope", "_schedule"],
     "kernels": [
         "_reference", "_flash_plan", "_flash", "_native", "_native._build",
         "_native._kernel", "_backends.*",
