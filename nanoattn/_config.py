@@ -49,6 +49,11 @@ class AttentionConfig:
         ``cap * tanh(logits / cap)`` before the softmax (Gemma 2).
       qk_norm: RMSNorm over H on every query and key head, with a learned
         scale per feature, before RoPE (Gemma 3, OLMo 2).
+      sinks: attention sinks (gpt-oss): a learned parameter ``sinks`` (N,),
+        one logit per query head, initialised to zeros, in ``param_dtype``;
+        each row's softmax denominator gains ``exp(sinks[n])`` and no value is
+        attended for it (``nanoattn.dot_product_attention(..., sinks=...)``),
+        in training, decoding and cross-attention.
       use_bias: whether the projections have biases.
       dtype: the compute dtype of projections and attention, and the dtype of
         the KV cache; None means the input's dtype.
@@ -88,6 +93,7 @@ class AttentionConfig:
     head_axis: str | None = None
     sequence_axis: str | None = None
     sequence_layout: str = "zigzag"
+    sinks: bool = False
 
     def __post_init__(self):
         for name in ("d_model", "n_heads"):
@@ -110,7 +116,7 @@ class AttentionConfig:
         self._check_mesh_axes()
         object.__setattr__(self, "window", normalize_window(self.window))
         object.__setattr__(self, "logit_soft_cap", check_soft_cap(self.logit_soft_cap))
-        for name in ("qk_norm", "use_bias"):
+        for name in ("qk_norm", "use_bias", "sinks"):
             expect_flag(name, getattr(self, name))
         if self.dtype is not None:
             object.__setattr__(self, "dtype", float_dtype("dtype", self.dtype))

@@ -30,6 +30,10 @@ class Parameters(Protocol):
     def norm(self, name: str, x: jax.Array, dtype) -> jax.Array:
         """The head RMSNorm called ``name`` (``q_norm`` or ``k_norm``) over the last axis."""
 
+    def sinks(self) -> jax.Array:
+        """The learned attention sinks (N,), one logit per query head, named
+        ``sinks``; only asked for when ``config.sinks`` is on."""
+
     def dropout_rng(self) -> jax.Array:
         """A fresh key for dropout; only asked for when dropout is on."""
 
@@ -80,10 +84,17 @@ def core_options(cfg: AttentionConfig, *, positional: bool) -> dict:
 def attend(
     params: Parameters, q, k, v, cfg: AttentionConfig, deterministic: bool, dtype, **mask_args
 ):
-    """Core attention, then heads concatenated and the output projection: (B, T, D)."""
+    """Core attention, then heads concatenated and the output projection: (B, T, D).
+
+    ``mask_args`` are the core's rules of the call (``mask``, ``is_causal``,
+    ``q_offset``, ``mask_fn``, ``score_fn``, ...); the config's ``sinks``
+    parameter (N,) joins them here, the one place every layer call passes.
+    """
     B, T, _, _ = q.shape
     rate = 0.0 if deterministic else cfg.dropout
     rng = params.dropout_rng() if rate > 0.0 else None
+    if cfg.sinks:
+        mask_args["sinks"] = params.sinks()  # (N,), in param_dtype; the core upcasts it
     if cfg.head_axis is None and cfg.sequence_axis is None:
         out = dot_product_attention(
             q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=cfg.implementation,

@@ -88,11 +88,15 @@ def self_attention(
     mask=None,
     positions=None,
     segment_ids=None,
+    mask_fn=None,
+    score_fn=None,
 ):
     """Causal self-attention over the whole of x (B, T, D) -> (B, T, D).
 
     ``positions`` (B, T) or (T,) int (default ``arange(T)``) are what RoPE
     rotates by; ``segment_ids`` (B, T) int restrict attention to equal ids.
+    ``mask_fn`` and ``score_fn`` see query and key positions ``0 .. T - 1``
+    (``q_offset`` 0: the index in the sequence, not ``positions``).
     """
     B, T, _ = x.shape
     dtype = compute_dtype(cfg, x)
@@ -108,7 +112,10 @@ def self_attention(
         options |= {"q_segment_ids": segment_ids, "kv_segment_ids": segment_ids}
     q, k, v = _project_qkv(params, cfg, x, dtype)
     q, k = rotate_qk(cfg, q, k, positions)
-    return attend(params, q, k, v, cfg, deterministic, dtype, mask=mask, is_causal=True, **options)
+    return attend(
+        params, q, k, v, cfg, deterministic, dtype, mask=mask, is_causal=True, mask_fn=mask_fn,
+        score_fn=score_fn, **options,
+    )  # fmt: skip
 
 
 def decode(
@@ -120,6 +127,8 @@ def decode(
     deterministic: bool,
     mask=None,
     lengths=None,
+    mask_fn=None,
+    score_fn=None,
     hint: str,
 ):
     """One decoding step: writes the chunk x (B, T, D) into the cache and attends.
@@ -133,6 +142,9 @@ def decode(
     message ends with ``hint``) when concrete; under ``jit``, where they cannot
     be checked, those rows' outputs are NaN, and a row with bad ``lengths``
     stays NaN in every later call (its position is set past the capacity).
+    ``mask_fn`` and ``score_fn`` see each query at its position in the row
+    (``q_offset = cache.position``, per row) and each key at its cache slot, so
+    decoding equals the full forward with the same functions.
 
     Returns:
       (y (B, T, D), the advanced cache).
@@ -167,6 +179,8 @@ def decode(
         is_causal=True,
         q_offset=position,
         kv_lengths=end,
+        mask_fn=mask_fn,
+        score_fn=score_fn,
         **core_options(cfg, positional=True),
     )
     real = jnp.arange(T)[None, :] < lengths[:, None]  # (B, T)
@@ -178,12 +192,21 @@ def decode(
 
 
 def cross_attention(
-    params: Parameters, cfg: AttentionConfig, x, context, *, deterministic: bool, context_mask=None
+    params: Parameters,
+    cfg: AttentionConfig,
+    x,
+    context,
+    *,
+    deterministic: bool,
+    context_mask=None,
+    mask_fn=None,
+    score_fn=None,
 ):
     """T queries from x (B, T, D) attend to S keys from context (B, S, D) -> (B, T, D).
 
     ``context_mask``: boolean (B, S), True at real context tokens, or any mask
-    broadcastable to (B, N, T, S) of rank other than 2.
+    broadcastable to (B, N, T, S) of rank other than 2. ``mask_fn`` and
+    ``score_fn`` see query positions ``0 .. T - 1`` and key positions ``0 .. S - 1``.
     """
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
     expect_shape("x", jnp.shape(x), "B T D", (None, None, D))
@@ -214,4 +237,7 @@ def cross_attention(
     v = split_heads(v, "v", f"B S {label.kv_heads} H", K, cfg)
     q, k = normalize_qk(params, cfg, q, k, dtype)
     options = core_options(cfg, positional=False)
-    return attend(params, q, k, v, cfg, deterministic, dtype, mask=mask, **options)
+    return attend(
+        params, q, k, v, cfg, deterministic, dtype, mask=mask, mask_fn=mask_fn, score_fn=score_fn,
+        **options,
+    )  # fmt: skip

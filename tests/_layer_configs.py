@@ -1,8 +1,9 @@
 """The layer configurations of the decoding tests: ``CONFIGS`` maps a name to the
 options of ``AttentionConfig(D, N, **options)`` (multi-head, grouped and multi-query
-heads, RoPE, a window, soft-capping, QK norm, and all of them at once in bfloat16
-and on each backend). Shared by test_kv_cache.py, which decodes each through the
-KV cache, and test_verify_decoding.py, which runs check_decoding on each.
+heads, RoPE, a window, soft-capping, QK norm, attention sinks, and all of them at
+once in bfloat16 and on each backend). Shared by test_kv_cache.py, which decodes
+each through the KV cache, and test_verify_decoding.py, which runs check_decoding
+on each.
 """
 
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ CONFIGS = {
     "window": dict(n_kv_heads=2, window=(4, 0)),
     "soft_cap": dict(n_kv_heads=2, logit_soft_cap=1.5),
     "qk_norm": dict(n_kv_heads=2, qk_norm=True),
+    "sinks": dict(n_kv_heads=2, window=(4, 0), sinks=True),
     "bfloat16": dict(EVERYTHING, dtype=jnp.bfloat16),
     "xla": dict(EVERYTHING, implementation="xla"),
     "flash": dict(EVERYTHING, implementation="flash"),

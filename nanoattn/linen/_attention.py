@@ -50,6 +50,10 @@ class _Parameters:
     def norm(self, name, x, dtype):
         return HeadRMSNorm(dtype=dtype, param_dtype=self.cfg.param_dtype, name=name)(x)
 
+    def sinks(self):
+        N = self.cfg.n_heads
+        return self.module.param("sinks", nn.initializers.zeros_init(), (N,), self.cfg.param_dtype)
+
     def dropout_rng(self):
         try:
             return self.module.make_rng("dropout")
@@ -79,14 +83,18 @@ class CausalSelfAttention(nn.Module):
     their positions (``rope_base``), query head n reading key/value head
     ``n // G``, and ``c = logit_soft_cap`` (no tanh when None). Query i may
     see key j iff ``j <= i``, ``i - left <= j <= i + right`` (``window``),
-    the ``mask`` allows it and, when packing, both have the same segment id.
+    the ``mask`` and the call's ``mask_fn`` allow it and, when packing, both
+    have the same segment id. With ``sinks`` the softmax's denominator also
+    holds ``exp(sinks[n])`` for head n (no value is attended for it), and a
+    call's ``score_fn`` modifies the scaled logits before the soft-cap.
 
     Parameters, with K = N and ``use_bias=True`` exactly the seed's
     (``Dense_0`` -> ``qkv``, ``Dense_1`` -> ``out``)::
 
         {"qkv": {"kernel": (D, (N + 2K) H), "bias": ((N + 2K) H,)},   # (D, 3D) when K = N
          "out": {"kernel": (D, D), "bias": (D,)},
-         "q_norm": {"scale": (H,)}, "k_norm": {"scale": (H,)}}        # with qk_norm only
+         "q_norm": {"scale": (H,)}, "k_norm": {"scale": (H,)},        # with qk_norm only
+         "sinks": (N,)}                                               # with sinks only, zeros
 
     **Decoding** (the flax convention): ``layer.init(key, jnp.zeros((B,
     max_len, D)), decode=True)`` also returns a ``"cache"`` collection of
@@ -97,9 +105,11 @@ class CausalSelfAttention(nn.Module):
     at each row's position, attends causally with the row's position as
     ``q_offset`` over the keys written so far, and advances the row by
     ``lengths[b]`` (default L). Outputs equal those of one causal call on the
-    whole sequence. A write past the capacity raises ValueError when the
-    position is concrete; under ``jit`` it cannot raise, and the overflowing
-    rows' outputs are NaN instead (their excess tokens are not stored).
+    whole sequence (with the same ``mask_fn`` and ``score_fn``, which see each
+    query at its position in the row and each key at its cache slot). A write
+    past the capacity raises ValueError when the position is concrete; under
+    ``jit`` it cannot raise, and the overflowing rows' outputs are NaN instead
+    (their excess tokens are not stored).
 
     Attributes:
       config: an :class:`AttentionConfig` (or any object with ``d_model``,
@@ -149,6 +159,8 @@ class CausalSelfAttention(nn.Module):
         segment_ids=None,
         decode: bool = False,
         lengths=None,
+        mask_fn=None,
+        score_fn=None,
     ):
         """Attends every token to itself and the tokens before it.
 
@@ -170,6 +182,16 @@ class CausalSelfAttention(nn.Module):
           lengths: only with ``decode=True``: optional int (B,), the real
             tokens of each row of a right-padded chunk, in [0, T]. Row b
             advances by ``lengths[b]``; its outputs at padded tokens are zeros.
+          mask_fn: optional ``mask_fn(b, n, q_pos, k_pos) -> bool`` (True = may
+            attend), ANDed with causality, the window, ``mask``, ``lengths``
+            and the segment ids (``nanoattn.dot_product_attention``). Positions
+            are indices in the sequence, ``0 .. T - 1``; with ``decode=True``
+            ``q_pos`` is each row's position in the cache (its position plus
+            ``t``) and ``k_pos`` the cache slot, so decoding equals the full
+            forward with the same ``mask_fn``. Not RoPE's ``positions``.
+          score_fn: optional ``score_fn(score, b, n, q_pos, k_pos) -> score``
+            (ALiBi, relative biases), on the float32 scaled logits before the
+            soft-cap, with the positions of ``mask_fn``.
 
         Returns:
           (B, T, D) in the compute dtype (``config.dtype``, else ``x``'s).
@@ -192,6 +214,8 @@ class CausalSelfAttention(nn.Module):
                 mask=mask,
                 positions=positions,
                 segment_ids=segment_ids,
+                mask_fn=mask_fn,
+                score_fn=score_fn,
             )
         B, T, _ = x.shape
         fresh = not self.has_variable(CACHE, "key")
@@ -212,7 +236,10 @@ class CausalSelfAttention(nn.Module):
             for name in _kv_cache.KVCache._fields
         ]
         if fresh:  # init: an empty cache of capacity T; the output is the full forward of x
-            return _layer.self_attention(params, cfg, x, deterministic=deterministic, mask=mask)
+            return _layer.self_attention(
+                params, cfg, x, deterministic=deterministic, mask=mask, mask_fn=mask_fn,
+                score_fn=score_fn,
+            )  # fmt: skip
         cache = _kv_cache.KVCache(*(v.value for v in variables))
         y, cache = _layer.decode(
             params,
@@ -222,6 +249,8 @@ class CausalSelfAttention(nn.Module):
             deterministic=deterministic,
             mask=mask,
             lengths=lengths,
+            mask_fn=mask_fn,
+            score_fn=score_fn,
             hint=_OVERFLOW_HINT,
         )
         for variable, value in zip(variables, cache, strict=True):
@@ -245,12 +274,14 @@ class CrossAttention(nn.Module):
     head with ``qk_norm``, and ``c = logit_soft_cap`` (no tanh when None). No
     causal triangle and no cache (the keys do not grow). The positional
     options of the config, ``rope_base`` and ``window``, do not apply between
-    two sequences and are ignored. Parameters::
+    two sequences and are ignored; ``sinks`` applies as in
+    :class:`CausalSelfAttention`. Parameters::
 
         {"q": {"kernel": (D, D), "bias": (D,)},
          "kv": {"kernel": (D, 2KH), "bias": (2KH,)},                # (D, 2D) when K = N
          "out": {"kernel": (D, D), "bias": (D,)},
-         "q_norm": {"scale": (H,)}, "k_norm": {"scale": (H,)}}     # with qk_norm only
+         "q_norm": {"scale": (H,)}, "k_norm": {"scale": (H,)},     # with qk_norm only
+         "sinks": (N,)}                                            # with sinks only, zeros
 
     Attributes:
       config: an :class:`AttentionConfig`.
@@ -274,7 +305,16 @@ class CrossAttention(nn.Module):
     sow_weights: bool = False
 
     @nn.compact
-    def __call__(self, x, context, deterministic: bool = False, *, context_mask=None):
+    def __call__(
+        self,
+        x,
+        context,
+        deterministic: bool = False,
+        *,
+        context_mask=None,
+        mask_fn=None,
+        score_fn=None,
+    ):
         """Attends each query token to the context tokens.
 
         Args:
@@ -283,6 +323,11 @@ class CrossAttention(nn.Module):
           deterministic: disables dropout (evaluation mode).
           context_mask: optional boolean; either (B, S), True at real context
             tokens, or any mask broadcastable to (B, N, T, S) of rank other than 2.
+          mask_fn: optional ``mask_fn(b, n, q_pos, k_pos) -> bool``, ANDed with
+            ``context_mask``; query positions ``0 .. T - 1``, key positions
+            ``0 .. S - 1``.
+          score_fn: optional ``score_fn(score, b, n, q_pos, k_pos) -> score``,
+            with the same positions.
 
         Returns:
           (B, T, D) in the compute dtype (``config.dtype``, else ``x``'s).
@@ -295,4 +340,6 @@ class CrossAttention(nn.Module):
             context,
             deterministic=deterministic,
             context_mask=context_mask,
+            mask_fn=mask_fn,
+            score_fn=score_fn,
         )

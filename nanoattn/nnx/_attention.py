@@ -10,6 +10,7 @@ H head width, D model width.
 import numbers
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from .. import _kv_cache, _layer
@@ -60,8 +61,8 @@ def _dropout_stream(rngs: nnx.Rngs, cfg: AttentionConfig):
 
 
 class _Attention(nnx.Module):
-    """What both NNX modules share: config, output projection, QK norms, dropout
-    stream and the train/eval flag."""
+    """What both NNX modules share: config, output projection, QK norms, sinks,
+    dropout stream and the train/eval flag."""
 
     def __init__(self, config, *, sow_weights: bool, deterministic: bool, rngs: nnx.Rngs):
         cfg = AttentionConfig.from_config(config)
@@ -73,6 +74,8 @@ class _Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
             self.k_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
+        if cfg.sinks:  # one logit per query head, as linen's zeros-initialised "sinks"
+            self.sinks = nnx.Param(jnp.zeros((cfg.n_heads,), cfg.param_dtype))  # (N,)
         self.sow_weights = sow_weights
         self.deterministic = deterministic
         self.rngs = nnx.data(_dropout_stream(rngs, cfg) if cfg.dropout > 0 else None)
@@ -110,7 +113,10 @@ class CausalSelfAttention(_Attention):
     their positions (``rope_base``), query head n reading key/value head
     ``n // G``, and ``c = logit_soft_cap`` (no tanh when None). Query i may
     see key j iff ``j <= i``, ``i - left <= j <= i + right`` (``window``),
-    the ``mask`` allows it and, when packing, both have the same segment id.
+    the ``mask`` and the call's ``mask_fn`` allow it and, when packing, both
+    have the same segment id. With ``sinks`` the softmax's denominator also
+    holds ``exp(sinks[n])`` for head n (no value is attended for it), and a
+    call's ``score_fn`` modifies the scaled logits before the soft-cap.
 
     Parameters (``nnx.Param``), named and shaped as the linen module's, so
     ``from_linen``/``to_linen`` convert them::
@@ -118,6 +124,7 @@ class CausalSelfAttention(_Attention):
         qkv: Linear, kernel (D, (N + 2K) H), bias ((N + 2K) H,)
         out: Linear, kernel (D, D), bias (D,)
         q_norm, k_norm: HeadRMSNorm, scale (H,)          # with qk_norm only
+        sinks: (N,), zeros                               # with sinks only
 
     **Dropout** (on the attention weights, rate ``config.dropout``) follows
     NNX: as ``nnx.Dropout(rate, rngs=rngs)``, the module forks its own stream
@@ -133,9 +140,11 @@ class CausalSelfAttention(_Attention):
     any length L >= 1, writes its keys and values at each row's position,
     attends causally over the keys written so far and advances the row by
     ``lengths[b]`` (default L): outputs equal those of one causal call on the
-    whole sequence, with zeros at padded tokens. A write past the capacity
-    raises ValueError when the position is concrete; under ``nnx.jit`` it
-    cannot raise, and the overflowing rows' outputs are NaN instead.
+    whole sequence (with the same ``mask_fn`` and ``score_fn``, which see each
+    query at its position in the row and each key at its cache slot), with
+    zeros at padded tokens. A write past the capacity raises ValueError when
+    the position is concrete; under ``nnx.jit`` it cannot raise, and the
+    overflowing rows' outputs are NaN instead.
 
     Args:
       config: an :class:`AttentionConfig` (or any object with ``d_model``,
@@ -202,6 +211,8 @@ class CausalSelfAttention(_Attention):
         segment_ids=None,
         decode: bool = False,
         lengths=None,
+        mask_fn=None,
+        score_fn=None,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
@@ -220,6 +231,16 @@ class CausalSelfAttention(_Attention):
             over everything cached.
           lengths: only with ``decode=True``: optional int (B,), the real
             tokens of each row of a right-padded chunk, in [0, T].
+          mask_fn: optional ``mask_fn(b, n, q_pos, k_pos) -> bool`` (True = may
+            attend), ANDed with causality, the window, ``mask``, ``lengths``
+            and the segment ids (``nanoattn.dot_product_attention``). Positions
+            are indices in the sequence, ``0 .. T - 1``; with ``decode=True``
+            ``q_pos`` is each row's position in the cache (its position plus
+            ``t``) and ``k_pos`` the cache slot, so decoding equals the full
+            forward with the same ``mask_fn``. Not RoPE's ``positions``.
+          score_fn: optional ``score_fn(score, b, n, q_pos, k_pos) -> score``
+            (ALiBi, relative biases), on the float32 scaled logits before the
+            soft-cap, with the positions of ``mask_fn``.
           deterministic: overrides the module's flag for this call.
           rngs: overrides the module's dropout stream for this call.
 
@@ -241,6 +262,8 @@ class CausalSelfAttention(_Attention):
                 mask=mask,
                 positions=positions,
                 segment_ids=segment_ids,
+                mask_fn=mask_fn,
+                score_fn=score_fn,
             )
         if self.cache is None:
             raise ValueError(
@@ -254,6 +277,8 @@ class CausalSelfAttention(_Attention):
             deterministic=deterministic,
             mask=mask,
             lengths=lengths,
+            mask_fn=mask_fn,
+            score_fn=score_fn,
             hint=_OVERFLOW_HINT,
         )
         self.cache.set(cache)
@@ -276,12 +301,14 @@ class CrossAttention(_Attention):
     query head n reading key/value head ``n // G``, q and k RMS-normalised per
     head with ``qk_norm``, and ``c = logit_soft_cap``. No causal triangle and
     no cache; ``rope_base`` and ``window`` do not apply between two sequences
-    and are ignored. Parameters::
+    and are ignored; ``sinks`` applies as in :class:`CausalSelfAttention`.
+    Parameters::
 
         q: Linear, kernel (D, D), bias (D,)
         kv: Linear, kernel (D, 2KH), bias (2KH,)                  # (D, 2D) when K = N
         out: Linear, kernel (D, D), bias (D,)
         q_norm, k_norm: HeadRMSNorm, scale (H,)                   # with qk_norm only
+        sinks: (N,), zeros                                        # with sinks only
 
     Dropout and ``sow_weights`` work as in :class:`CausalSelfAttention`.
 
@@ -309,6 +336,8 @@ class CrossAttention(_Attention):
         context,
         *,
         context_mask=None,
+        mask_fn=None,
+        score_fn=None,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
@@ -319,6 +348,11 @@ class CrossAttention(_Attention):
           context: (B, S, D) keys and values.
           context_mask: optional boolean; either (B, S), True at real context
             tokens, or any mask broadcastable to (B, N, T, S) of rank other than 2.
+          mask_fn: optional ``mask_fn(b, n, q_pos, k_pos) -> bool``, ANDed with
+            ``context_mask``; query positions ``0 .. T - 1``, key positions
+            ``0 .. S - 1``.
+          score_fn: optional ``score_fn(score, b, n, q_pos, k_pos) -> score``,
+            with the same positions.
           deterministic: overrides the module's flag for this call.
           rngs: overrides the module's dropout stream for this call.
 
@@ -332,4 +366,6 @@ class CrossAttention(_Attention):
             context,
             deterministic=self._deterministic(deterministic),
             context_mask=context_mask,
+            mask_fn=mask_fn,
+            score_fn=score_fn,
         )

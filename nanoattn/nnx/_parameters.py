@@ -51,6 +51,9 @@ class Parameters:
     def norm(self, name, x, dtype):
         return getattr(self.module, name)(x, dtype)
 
+    def sinks(self):
+        return self.module.sinks[...]
+
     def dropout_rng(self):
         if self.rngs is not None:
             return self.rngs.dropout()

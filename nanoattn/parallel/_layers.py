@@ -104,13 +104,13 @@ def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_arg
         return jax.lax.with_sharding_constraint(out, heads)
     unsupported = [
         name
-        for name in ("mask", "q_offset", "kv_lengths", "bias")
+        for name in ("mask", "q_offset", "kv_lengths", "bias", "mask_fn", "score_fn", "sinks")
         if mask_args.get(name) is not None
     ]
     if unsupported or dropout_rate > 0 or not mask_args.get("is_causal"):
         raise ValueError(
             f"sequence_axis={cfg.sequence_axis!r} runs causal self-attention over the whole "
-            f"sequence without dropout, a dense mask or a KV cache; got "
+            f"sequence without dropout, a dense mask, mask_fn, score_fn, sinks or a KV cache; got "
             f"{', '.join(unsupported) or ('dropout' if dropout_rate > 0 else 'is_causal=False')}"
         )
     _axis_size(cfg.sequence_axis, "sequence_axis")
