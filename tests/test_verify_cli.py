@@ -1,7 +1,7 @@
 """`nanoattn verify MODULE:OBJECT` (cli/_verify.py) on the causality check: exit statuses,
 JSON, one-line errors, a run from the target's directory (targets in
-tests/_verify_targets.py), and what a slow stage says on stderr. `--decode` and `--vocab`
-are in test_verify_decoding.py."""
+tests/_verify_targets.py), and what a slow stage says on stderr; `--mask MODULE:MASK_FN`
+(check_mask). `--decode` and `--vocab` are in test_verify_decoding.py."""
 
 import json
 import re
@@ -132,3 +132,47 @@ def test_cli_verify_says_what_a_slow_stage_is_doing_on_a_terminal(capsys, monkey
         "nanoattn verify: checking causality at 12 lengths up to 513 ...",
         "nanoattn verify: error: calling _verify_targets:broken failed: RuntimeError: boom",
     ]
+
+
+MASKS = """
+def causal(b, n, q, k):
+    return k <= q
+
+
+def everything(b, n, q, k):  # claims more than a causal layer sees
+    return q >= 0
+
+
+def as_ints(b, n, q, k):
+    return (k <= q).astype(int)
+"""
+
+
+def test_cli_verify_mask(capsys, monkeypatch, tmp_path):
+    (tmp_path / "cli_masks.py").write_text(MASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    target = ["verify", "_verify_targets:causal_attention", "--d-model", "16", "--seq-lens", "5"]
+    code, out, err = run(capsys, *target, "--mask", "cli_masks:causal")
+    assert code == 0 and err == ""
+    assert out.startswith(
+        "nanoattn verify _verify_targets:causal_attention --mask cli_masks:causal "
+        "(d_model 16, batch 2, lengths 5)\nmask: PASS\n"
+    )
+    code, out, _ = run(
+        capsys, *target, "--mask", "cli_masks:everything", "--n-heads", "2", "--json"
+    )
+    report = json.loads(out)
+    assert code == 1 and report["title"] == "mask"
+    assert [c["status"] for c in report["checks"]] == ["PASS", "FAIL", "PASS", "PASS"]
+    for argv, message in [
+        (["--mask", "cli_masks"], "--mask must look like MODULE:MASK_FN, got 'cli_masks'"),
+        (["--mask", "cli_masks:causal", "--decode"], "--mask checks one attention layer"),
+        (["--n-heads", "2"], "--n-heads only applies with --mask"),
+        (
+            ["--mask", "cli_masks:as_ints"],
+            "checking _verify_targets:causal_attention against cli_masks:as_ints failed: "
+            "TypeError: mask_fn must return booleans",
+        ),
+    ]:
+        code, out, err = run(capsys, *target, *argv)
+        assert code == 2 and out == "" and message in err and len(err.splitlines()) == 1

@@ -1,5 +1,6 @@
 """``nanoattn verify MODULE:OBJECT``: check any attention function, model or decoder:
-causality (``check_causality``), or with ``--decode`` the KV-cache path
+causality (``check_causality``), with ``--mask MODULE:MASK_FN`` the receptive field a
+mask claims (``check_mask``), or with ``--decode`` the KV-cache path
 (``check_decoding``)."""
 
 import argparse
@@ -10,10 +11,11 @@ import os
 import sys
 
 from .._validate import describe
-from ..verify import check_causality, check_decoding
+from ..verify import check_causality, check_decoding, check_mask
 from ..verify._bounds import raised_everywhere, within
 from ..verify._causality import DEFAULT_SEQ_LENS
 from ..verify._decoding import DEFAULT_SEQ_LEN
+from ..verify._mask import DEFAULT_SEQ_LENS as MASK_SEQ_LENS
 from . import _stages
 from ._common import UsageError, int_list
 
@@ -28,7 +30,9 @@ def add_parser(commands) -> None:
         description="Import OBJECT from MODULE and check it. By default OBJECT is a callable "
         "fn(x) -> y in evaluation mode (or a zero-argument factory returning one), x float32 "
         "(B, T, D) (--d-model D) or int token ids (B, T) (--vocab V), and "
-        "nanoattn.verify.check_causality runs on it. With --decode, OBJECT is a decoder "
+        "nanoattn.verify.check_causality runs on it. With --mask MODULE:MASK_FN, OBJECT is a "
+        "single self-attention layer and nanoattn.verify.check_mask proves that it sees exactly "
+        "what MASK_FN(b, n, q_pos, k_pos) -> bool claims. With --decode, OBJECT is a decoder "
         "(full, init, step) (or a zero-argument factory returning one; "
         "nanoattn.verify.decoders builds it for nanoattn's and flax's modules) and "
         "nanoattn.verify.check_decoding runs on it. On a terminal, a stage still running after "
@@ -52,15 +56,34 @@ def add_parser(commands) -> None:
         help="OBJECT is a decoder (full, init, step): run check_decoding",
     )
     verify.add_argument(
+        "--mask",
+        metavar="MODULE:MASK_FN",
+        help="OBJECT is one self-attention layer and MASK_FN(b, n, q_pos, k_pos) -> bool the "
+        "mask it should realise (True = may attend; or a zero-argument factory returning it): "
+        "run check_mask, which proves that each output depends on exactly the inputs MASK_FN "
+        "lets it see",
+    )
+    verify.add_argument(
+        "--n-heads",
+        type=_positive_int,
+        metavar="N",
+        help="--mask: the query heads MASK_FN is asked about (default 1); an output sees the "
+        "union of its heads' keys",
+    )
+    verify.add_argument(
         "--seq-lens",
         type=int_list,
-        help="causality: lengths to test (default " + ",".join(map(str, DEFAULT_SEQ_LENS)) + ")",
+        help="causality: lengths to test (default "
+        + ",".join(map(str, DEFAULT_SEQ_LENS))
+        + "; with --mask "
+        + ",".join(map(str, MASK_SEQ_LENS))
+        + ")",
     )
     verify.add_argument(
         "--max-len",
         type=_positive_int,
         metavar="N",
-        help="causality: try no length above N (a model with a fixed context, such as "
+        help="causality and --mask: try no length above N (a model with a fixed context, such as "
         "nanoGPT's block_size); without it a length where the target raises fails the check "
         "and the other lengths still run",
     )
@@ -86,7 +109,7 @@ def add_parser(commands) -> None:
 
 
 def _positive_int(text: str) -> int:
-    """Parses ``--max-len``: an int >= 1."""
+    """Parses ``--max-len`` and ``--n-heads``: an int >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -96,12 +119,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def load_target(target: str, decode: bool = False):
+def load_target(
+    target: str, decode: bool = False, what: str = "target must look like MODULE:OBJECT"
+):
     """Imports ``MODULE:OBJECT`` and returns the function (or with ``decode`` the
-    ``(full, init, step)`` decoder) to check; a zero-argument factory is called."""
+    ``(full, init, step)`` decoder) to check; a zero-argument factory is called.
+    ``what``: the start of the error for a ``target`` of another form."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"target must look like MODULE:OBJECT, got {target!r}")
+        raise UsageError(f"{what}, got {target!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -162,6 +188,10 @@ def _check_options(args) -> None:
         raise UsageError(f"--batch must be >= 1, got {args.batch}")
     if args.atol is not None and not args.atol >= 0:
         raise UsageError(f"--atol must be >= 0, got {args.atol}")
+    if args.mask is not None and args.decode:
+        raise UsageError("--mask checks one attention layer, --decode a decoder: give one")
+    if args.n_heads is not None and args.mask is None:
+        raise UsageError("--n-heads only applies with --mask")
     if args.decode:
         if args.seq_lens is not None:
             raise UsageError("--seq-lens is for the causality check; with --decode use --seq-len")
@@ -204,22 +234,7 @@ def run(args) -> int:
                 )
             what = f"--decode ({width}, batch {args.batch}, length {seq_len})"
         else:
-            seq_lens = within(args.seq_lens or list(DEFAULT_SEQ_LENS), args.max_len, "seq_lens")
-            with stage(f"checking causality at {len(seq_lens)} lengths up to {max(seq_lens)}"):
-                report = check_causality(
-                    target,
-                    **inputs,
-                    seq_lens=seq_lens,
-                    max_len=args.max_len,
-                    batch=args.batch,
-                    atol=CAUSALITY_ATOL if args.atol is None else args.atol,
-                )
-                error = raised_everywhere(report)  # at some lengths only, a check fails
-                if error is not None:
-                    raise UsageError(f"calling {args.target} failed: {error}")
-            bound = "" if args.max_len is None else f", max-len {args.max_len}"
-            lengths = ",".join(map(str, seq_lens))
-            what = f"({width}, batch {args.batch}, lengths {lengths}{bound})"
+            report, what = _check_field(args, target, inputs, width, stage)
     except UsageError:
         raise
     except Exception as e:
@@ -230,3 +245,40 @@ def run(args) -> int:
         print(f"nanoattn verify {args.target} {what}")
         print(report)
     return 0 if report.passed else 1
+
+
+def _check_field(args, target, inputs: dict, width: str, stage):
+    """``check_causality``, or with ``--mask`` ``check_mask``, on ``target``: the report
+    and what was checked, for the title line."""
+    mask_fn = None
+    if args.mask is not None:
+        with stage(f"loading {args.mask}"):
+            mask_fn = load_target(args.mask, what="--mask must look like MODULE:MASK_FN")
+    defaults = DEFAULT_SEQ_LENS if mask_fn is None else MASK_SEQ_LENS
+    seq_lens = within(args.seq_lens or list(defaults), args.max_len, "seq_lens")
+    common = dict(
+        inputs,
+        seq_lens=seq_lens,
+        max_len=args.max_len,
+        batch=args.batch,
+        atol=CAUSALITY_ATOL if args.atol is None else args.atol,
+    )
+    checking = "causality" if mask_fn is None else f"the mask {args.mask}"
+    with stage(f"checking {checking} at {len(seq_lens)} lengths up to {max(seq_lens)}"):
+        if mask_fn is None:
+            report = check_causality(target, **common)
+        else:
+            try:
+                report = check_mask(target, mask_fn, n_heads=args.n_heads or 1, **common)
+            except Exception as e:  # a bad mask_fn, or fn's output is not (B, T, ...)
+                raise UsageError(
+                    f"checking {args.target} against {args.mask} failed: {describe(e)}"
+                ) from None
+        error = raised_everywhere(report)  # at some lengths only, a check fails
+        if error is not None:
+            raise UsageError(f"calling {args.target} failed: {error}")
+    bound = "" if args.max_len is None else f", max-len {args.max_len}"
+    heads = "" if args.n_heads is None else f", {args.n_heads} heads"
+    lengths = ",".join(map(str, seq_lens))
+    mask = "" if mask_fn is None else f"--mask {args.mask} "
+    return report, f"{mask}({width}, batch {args.batch}{heads}, lengths {lengths}{bound})"

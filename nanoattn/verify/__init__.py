@@ -1,6 +1,7 @@
 """Verification toolkit: prove that an attention implementation hides the future,
-ignores padding, normalises its rows, keeps its axes straight, and decodes
-through its KV cache exactly what it computes on the whole sequence.
+sees exactly what its mask claims, ignores padding, normalises its rows, keeps its
+axes straight, and decodes through its KV cache exactly what it computes on the
+whole sequence.
 
 Works on nanoattn's modules and on anyone else's attention function, decoder
 or whole model (on float inputs or token ids). See docs/verify.md.
@@ -9,6 +10,7 @@ or whole model (on float inputs or token ids). See docs/verify.md.
 from . import decoders as decoders
 from ._causality import check_causality as check_causality
 from ._decoding import check_decoding as check_decoding
+from ._mask import check_mask as check_mask
 from ._padding import check_padding as check_padding
 from ._report import CheckResult as CheckResult
 from ._report import Report as Report
