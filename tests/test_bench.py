@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nanoattn.bench import _generation, _measure, _report, _run, _torch, _window
+import nanoattn
+from nanoattn.bench import _generation, _masks, _measure, _report, _run, _torch, _window
 from nanoattn.cli import main
 
 TINY = ["bench", "--lengths", "32,64", "--shapes", "2x8", "--tokens", "64", "--no-targets"]
@@ -139,6 +140,7 @@ def test_cli_bench_exits_1_when_a_target_is_missed(tmp_path, monkeypatch, capsys
         (["--only", "grid,speed"], "expected parts from grid, targets, generation, window"),
         (["--contexts", "0"], "--contexts must be >= 1"),
         (["--window-length", "0"], "--window-length must be >= 1"),
+        (["--masks-length", "0"], "--masks-length must be >= 1"),
     ],
 )
 def test_cli_bench_bad_input(capsys, argv, message):
@@ -376,6 +378,13 @@ def test_cli_bench_parts():
         grid_only = config(*argv)
         assert grid_only.grid and not grid_only.targets
         assert grid_only.generation == () and not grid_only.window_length
+        assert not grid_only.masks_length
+    assert full.masks_length == 8192 and not quick.masks_length
+    masks = config("--only", "masks")
+    assert masks.masks_length == 8192 and not masks.grid and not masks.targets
+    assert masks.generation == () and not masks.window_length and masks.native_lengths == ()
+    assert config("--quick", "--only", "masks").masks_length == 1024
+    assert config("--only", "masks", "--masks-length", "512").masks_length == 512
 
 
 class FakeClock:
@@ -565,3 +574,163 @@ def test_native_targets_are_issue_22s():
     table = "\n".join(native_markdown(cells, "AVX2 (8 floats a vector, 3x4 register tiles)"))
     assert "built for AVX2 (8 floats a vector" in table
     assert "| bfloat16 | 4x32 | 1 | 2048 | fwd+bwd | 1.0 | 1.0 | 1.00x | 50% |" in table
+
+
+# Masks as functions (issue #23): mask_fn, block sparsity, sinks and return_residual.
+
+
+def native_serves_mask_fn() -> bool:
+    """Whether implementation="native" takes a call with mask_fn now (it may, later)."""
+    q = jnp.zeros((1, 8, 2, 8))
+    try:
+        nanoattn.dot_product_attention(
+            q, q, q, mask_fn=lambda b, n, qp, kp: kp <= qp, implementation="native"
+        )
+    except ValueError as error:
+        assert "cannot serve this call" in str(error)
+        return False
+    return True
+
+
+def test_measure_masks_rows_and_targets():
+    # Functional, at a tiny size: every case on both backends, forward (and one
+    # forward+backward pair, with the sinks differentiated and the log-sum-exp in the
+    # loss), timed in turn; a backend that cannot serve a call gets a row saying so.
+    rows = _masks.measure_masks(64, n_heads=2, head_dim=8, rounds=1, passes=(False,))
+    rows.append(_masks.measure_pair("sinks", "xla", True, 64, n_heads=2, head_dim=8, rounds=1))
+    assert [(r["case"], r["backend"], r["pass"]) for r in rows] == [
+        *((case, backend, "fwd") for case in _masks.CASES for backend in ("flash", "native")),
+        ("sinks", "xla", "fwd+bwd"),
+    ]
+    unserved = set() if native_serves_mask_fn() else {"documents", "block-sparse"}
+    for row in rows:
+        if row["backend"] == "native" and row["case"] in unserved:
+            assert row["status"] == "native does not serve mask_fn", row
+            assert "mask_fn" in row["reason"] and "subject_median_ms" not in row
+            continue
+        assert row["status"] == "ok", row
+        for name in ("subject", "baseline"):
+            assert 0 < row[f"{name}_min_ms"] <= row[f"{name}_median_ms"]
+        assert row["ratio"] == row["subject_median_ms"] / row["baseline_median_ms"]
+    assert rows[0]["detail"] == "8 documents, causal within each"
+    assert rows[2]["detail"] == "2 of 10 causal blocks of 16 x 16 kept"
+    targets = _masks.masks_targets(rows)
+    assert [t["passed"] is None for t in targets] == [r["status"] != "ok" for r in rows]
+    assert all(isinstance(t["passed"], bool) for t, r in zip(targets, rows) if r["status"] == "ok")
+    assert targets[0]["target"] == (
+        "masks documents flash fwd T=64: mask_fn takes <= 1.2x the time of segment ids"
+    )
+    text = "\n".join(_masks.masks_markdown(rows))
+    assert "### Masks as functions: B=1, T=64, 2 heads of width 8, float32" in text
+    flash = rows[0]
+    assert (
+        f"| documents | mask_fn | segment ids | flash | fwd | {flash['subject_median_ms']:.1f} ("
+        in text
+    )
+    assert f"| {flash['ratio']:.2f}x | <= 1.2x |" in text
+
+
+def masks_row(case, ratio, status="ok"):
+    row = {"case": case, "subject": _masks.SUBJECTS[case][0], "baseline": _masks.SUBJECTS[case][1],
+           "backend": "flash", "pass": "fwd", "T": 8192, "bound": _masks.BOUNDS[case],
+           "status": status}  # fmt: skip
+    if status == "ok":
+        row |= {"subject_median_ms": 10.0 * ratio, "baseline_median_ms": 10.0, "ratio": ratio}
+    return row
+
+
+def test_masks_targets_compare_the_right_way_round():
+    cases = [("documents", 1.2, True), ("documents", 1.21, False),
+             ("block-sparse", 0.35, True), ("block-sparse", 0.36, False),
+             ("sinks", 1.05, True), ("sinks", 1.06, False)]  # fmt: skip
+    targets = _masks.masks_targets([masks_row(case, ratio) for case, ratio, _ in cases])
+    assert [t["passed"] for t in targets] == [passed for *_, passed in cases]
+    assert targets[0] == {
+        "target": "masks documents flash fwd T=8192: mask_fn takes <= 1.2x the time of segment ids",
+        "measured": "mask_fn 12.0 ms, segment ids 10.0 ms: 1.20x",
+        "passed": True,
+    }
+    assert targets[2]["target"].endswith("mask_fn keeping 25% of the causal blocks takes <= 35% "
+                                         "of causal")  # fmt: skip
+    assert targets[5]["measured"] == "sinks + return_residual 10.6 ms, causal 10.0 ms: 1.06x"
+    (unserved,) = _masks.masks_targets([masks_row("documents", 0, "native does not serve mask_fn")])
+    assert unserved["passed"] is None and unserved["measured"] == "native does not serve mask_fn"
+
+
+def test_mask_cases_documents_and_blocks():
+    ids = _masks.document_ids(8192)
+    lengths = np.bincount(ids)
+    assert len(lengths) == 8 and lengths.min() >= 1 and lengths.sum() == 8192
+    assert (np.diff(ids) >= 0).all() and len(set(lengths.tolist())) > 1  # uneven, in order
+    np.testing.assert_array_equal(ids, _masks.document_ids(8192))  # fixed
+    keep = _masks.kept_blocks(16)
+    assert keep.sum() == 34 and not np.triu(keep, 1).any()  # 25% of the 136 causal blocks
+
+
+def test_block_sparse_case_leaves_a_quarter_of_the_flash_kernels_work():
+    # The pattern's blocks are whole kernel blocks at the issue's size, so the kernel's
+    # schedule (static: the choice is a concrete array) holds a quarter of causal's
+    # items in both passes. With a pattern of 64-blocks nearly every 256 x 512 forward
+    # block would be partial and nothing skipped. Deterministic: no time is measured.
+    from nanoattn import _flash_plan, _spec
+
+    T = _masks.LENGTH
+    q = jnp.zeros((1, T, _masks.N, _masks.H))
+    subject, _, detail = _masks.calls("block-sparse", T)
+    assert detail == "34 of 136 causal blocks of 512 x 512 kept"
+    mask = nanoattn.block_mask(subject["mask_fn"], 1, _masks.N, T, T)
+    assert mask.static
+
+    def items(plans):
+        return [sum(s.items for s in plan.schedules()) for plan in plans]
+
+    sparse = items(_flash_plan.kernel_plans(_spec.attention_spec(q, q, mask_fn=mask), mask=mask))
+    causal = items(_flash_plan.kernel_plans(_spec.attention_spec(q, q, is_causal=True)))
+    assert all(s <= 0.26 * c for s, c in zip(sparse, causal)), (sparse, causal)
+
+
+def test_cli_bench_only_masks(tmp_path, capsys, monkeypatch):
+    # The part's registration: measured through measure_pair, reported, judged at
+    # T = 8192 only (a missed target exits 1); every measurement faked.
+    measured, ratios = [], {"documents": 1.0, "block-sparse": 0.3, "sinks": 1.0}
+
+    def fake_pair(case, backend, backward, T):
+        measured.append((case, backend, backward, T))
+        if backend == "native" and case != "sinks":
+            row = masks_row(case, 0, status="native does not serve mask_fn")
+        else:
+            row = masks_row(case, ratios[case]) | {"subject_min_ms": 1.0, "baseline_min_ms": 1.0}
+        row |= {"backend": backend, "pass": "fwd+bwd" if backward else "fwd", "T": T}
+        return row | {"B": 1, "N": 4, "H": 32, "dtype": "float32", "detail": f"{case} detail"}
+
+    monkeypatch.setattr(_masks, "measure_pair", fake_pair)
+    monkeypatch.setattr(_run, "matmul_peak_gflops", lambda dtype: 100.0)
+    argv = ["bench", "--only", "masks", "--out", str(tmp_path)]
+    assert main([*argv, "--masks-length", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert measured == [(c, b, p, 64) for c in _masks.CASES for b in _masks.BACKENDS
+                        for p in (False, True)]  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["masks"]) == 12 and results["targets"] == []  # not judged at 64
+    assert "[masks 1/12] documents flash fwd T=64" in err and "[masks] 12 items in" in err
+    assert "- block-sparse: block-sparse detail" in out
+    assert (
+        "| documents | mask_fn | segment ids | native | fwd | native does not serve mask_fn |"
+        in out
+    )
+    assert (
+        "| block-sparse | mask_fn, 25% of the blocks | causal | flash | fwd+bwd | 3.0 (1.0) " in out
+    )
+
+    measured.clear()
+    assert main(argv) == 0  # at T = 8192: judged, every served target met
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {m[3] for m in measured} == {8192} and len(results["targets"]) == 12
+    assert [t["passed"] for t in results["targets"]] == [
+        True if r["status"] == "ok" else None for r in results["masks"]
+    ]
+    ratios["sinks"] = 1.06
+    assert main(argv) == 1
+    assert (
+        "sinks and return_residual cost <= 5% over the call without them" in capsys.readouterr().out
+    )

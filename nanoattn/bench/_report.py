@@ -3,6 +3,7 @@
 import json
 import pathlib
 
+from ._masks import masks_markdown
 from ._native import native_markdown
 
 
@@ -91,6 +92,7 @@ def markdown(results: dict) -> str:
     lines += generation_markdown(results.get("generation") or [])
     lines += window_markdown(results.get("window"))
     lines += native_markdown(results.get("native") or [], m.get("native_isa"))
+    lines += masks_markdown(results.get("masks") or [])
     if results["targets"]:
         lines += [
             "",

@@ -8,7 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from . import _generation, _native, _targets, _torch, _window
+from . import _generation, _masks, _native, _targets, _torch, _window
 from ._cell import measure_cell
 from ._measure import matmul_peak_gflops
 from ._peers import PEERS
@@ -41,6 +41,9 @@ class BenchConfig:
       window_length: T of the sliding-window benchmark (causal
         ``window=(512, 0)`` against full causal, :mod:`nanoattn.bench._window`);
         0 to skip it.
+      masks_length: T of the masks-as-functions benchmark (``mask_fn`` against
+        segment ids and full causal, sinks and ``return_residual`` against the call
+        without them, :mod:`nanoattn.bench._masks`); 0 to skip it.
     """
 
     lengths: tuple[int, ...] = FULL_LENGTHS
@@ -54,6 +57,7 @@ class BenchConfig:
     generation: tuple[int, ...] = (1024, 4096)
     window_length: int = 16384
     native_lengths: tuple[int, ...] = ()
+    masks_length: int = 0
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -140,12 +144,12 @@ def _part(report, part: str, items: list, measure) -> list:
 
 
 def run_bench(config: BenchConfig, progress=None) -> dict:
-    """Runs the grid, the targets, the generation and the window benchmarks that
-    ``config`` asks for, and returns every measurement as plain data.
+    """Runs the grid, the targets and the generation, window, native and masks
+    benchmarks that ``config`` asks for, and returns every measurement as plain data.
 
     ``progress(part, done, total, label)`` (e.g. :class:`nanoattn.bench._progress.ItemLines`)
     is called before each measured item of each part ("peak", "grid", "targets",
-    "generation", "window", "native"), ``done`` of the part's ``total`` items being
+    "generation", "window", "native", "masks"), ``done`` of the part's ``total`` items being
     finished, and once with ``done == total`` when the part ends. Items skipped without
     being measured (torch missing, scores over ``max_score_gib``) are neither reported
     nor counted; a part with nothing left to measure is reported once, with
@@ -204,6 +208,12 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         if relay:
             relay.end()
         targets += _native.native_targets(native)
+    masks = []
+    if config.masks_length:
+        items = _masks.jobs(config.masks_length)
+        masks = _part(report, "masks", items, lambda *job: _masks.measure_pair(*job))
+        if config.masks_length == _masks.LENGTH:  # judged at the issue's length only
+            targets += _masks.masks_targets(masks)
     return {
         "machine": machine() | {"matmul_peak_gflops": peak},
         "config": dataclasses.asdict(config),
@@ -212,4 +222,5 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         "generation": generation,
         "window": window,
         "native": native,
+        "masks": masks,
     }

@@ -6,6 +6,8 @@ import sys
 
 from ..bench import BenchConfig, run_bench, write
 from ..bench._generation import CONTEXTS
+from ..bench._masks import LENGTH as MASKS_LENGTH
+from ..bench._masks import QUICK_LENGTH as MASKS_QUICK_LENGTH
 from ..bench._native import LENGTHS as NATIVE_LENGTHS
 from ..bench._peers import PEERS
 from ..bench._progress import ItemLines
@@ -25,7 +27,10 @@ def add_parser(commands) -> None:
         "peak, and XLA's compiled temporary memory. Then the performance targets, the "
         "generation benchmark (ms per token of nanoattn's layer with its KV cache, of "
         "recomputing the whole context, and of flax's cached decode step) and the "
-        "sliding-window benchmark (causal window=(512, 0) against full causal, fwd+bwd). "
+        "sliding-window benchmark (causal window=(512, 0) against full causal, fwd+bwd), "
+        "the native kernel against torch, and masks as functions (mask_fn against segment "
+        "ids and against full causal, sinks and return_residual against the call without "
+        "them, on flash and native). "
         "Writes results.json, results.md and results.png (with matplotlib) to --out. "
         "Progress goes to stderr, a line per measured item: its part, the time elapsed in "
         "that part and an estimate of what is left.",
@@ -34,7 +39,8 @@ def add_parser(commands) -> None:
         "--quick",
         action="store_true",
         help=f"a short run: T in {','.join(map(str, QUICK_LENGTHS))}, the seed's "
-        "head shape, generation at context 1024 (reported, not judged), no targets",
+        "head shape, generation at context 1024 (reported, not judged), no targets; "
+        f"with --only masks, the masks part at T={MASKS_QUICK_LENGTH} (reported, not judged)",
     )
     bench.add_argument(
         "--only",
@@ -48,7 +54,11 @@ def add_parser(commands) -> None:
         "judged at context 4096; window: window="
         + f"{WINDOW} against full causal at T={LENGTH}, judged; native: the native "
         "kernel against torch SDPA in float32 and bfloat16 over --lengths, judged, when "
-        "torch is installed). Example: --only generation,window",
+        "torch is installed; masks: a document mask through mask_fn against segment ids, "
+        "a block-sparse mask_fn against full causal and sinks with return_residual against "
+        "the call without them, on flash and native, judged at T="
+        + f"{MASKS_LENGTH}; --quick --only masks: at T={MASKS_QUICK_LENGTH}, not judged). "
+        "Example: --only generation,window",
     )
     bench.add_argument(
         "--contexts",
@@ -63,6 +73,13 @@ def add_parser(commands) -> None:
         type=int,
         default=LENGTH,
         help=f"T of the sliding-window benchmark (default {LENGTH}; judged only at {LENGTH})",
+    )
+    bench.add_argument(
+        "--masks-length",
+        type=int,
+        default=None,
+        help=f"T of the masks benchmark (default {MASKS_LENGTH}, with --quick "
+        f"{MASKS_QUICK_LENGTH}; judged only at {MASKS_LENGTH})",
     )
     bench.add_argument(
         "--lengths",
@@ -107,7 +124,7 @@ def add_parser(commands) -> None:
     bench.set_defaults(run=run)
 
 
-PARTS = ("grid", "targets", "generation", "window", "native")
+PARTS = ("grid", "targets", "generation", "window", "native", "masks")
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -146,6 +163,9 @@ def config_from_args(args) -> BenchConfig:
         raise UsageError(f"--max-score-gib must be >= 0, got {args.max_score_gib}")
     if args.window_length < 1:
         raise UsageError(f"--window-length must be >= 1, got {args.window_length}")
+    if args.masks_length is not None and args.masks_length < 1:
+        raise UsageError(f"--masks-length must be >= 1, got {args.masks_length}")
+    masks_length = args.masks_length or (MASKS_QUICK_LENGTH if args.quick else MASKS_LENGTH)
     parts = args.only or (("grid", "generation") if args.quick else PARTS)
     if args.no_targets or (args.only is None and args.dtype != "float32"):
         parts = tuple(p for p in parts if p == "grid")
@@ -161,6 +181,7 @@ def config_from_args(args) -> BenchConfig:
         generation=tuple(contexts) if "generation" in parts else (),
         window_length=args.window_length if "window" in parts else 0,
         native_lengths=(tuple(args.lengths or NATIVE_LENGTHS) if "native" in parts else ()),
+        masks_length=masks_length if "masks" in parts else 0,
     )
 
 
