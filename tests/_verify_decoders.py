@@ -143,3 +143,103 @@ def language_model():
 
 def not_a_triple():
     return jnp.zeros(3)
+
+
+# A rolling (ring-buffer) cache with sink tokens and a rewind, for check_decoding's
+# capacity, max_chunk and rewind: the layer above with its window of 5 keys and the
+# first SINKS positions visible to every later query, decoding into CAPACITY slots.
+# Its cache keeps the sinks in slots 0 .. SINKS - 1 and position j >= SINKS in slot
+# SINKS + (j - SINKS) mod (CAPACITY - SINKS); a slot's position is recomputed from the
+# row's end (nanoattn._rolling), and a write pointer says where the next token goes.
+# ``rolling(bug)`` plants one of:
+#
+# * ``"ring_one_slot_off"``: past the first lap the ring writes one slot further on;
+# * ``"stale_after_rewind"``: the rewind moves the positions back but not the write
+#   pointer, so a query reads the dropped tokens' slots as its own;
+# * ``"sinks_overwritten"``: the ring spans all CAPACITY slots, overwriting the sinks;
+# * ``"chunk_limit_plus_one"``: the decoder claims chunks of C - W - S0 + 1 tokens,
+#   whose first query has lost its oldest key when the chunk is written.
+SINKS, CAPACITY = 2, 10
+CHUNK_LIMIT = CAPACITY - WINDOW - SINKS  # 3
+ROLLING_BUGS = (
+    "ring_one_slot_off",
+    "stale_after_rewind",
+    "sinks_overwritten",
+    "chunk_limit_plus_one",
+)
+
+
+def _sink_window(q_pos, k_pos):
+    return (k_pos <= q_pos) & ((q_pos - k_pos <= WINDOW) | (k_pos < SINKS))
+
+
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+def _rolling_full(x):
+    B, T, _ = x.shape
+    q, k, v = _project(x, jnp.arange(T))
+    mask = _sink_window(jnp.arange(T)[:, None], jnp.arange(T)[None, :])  # (T, S)
+    y = dot_product_attention(q, k, v, mask=mask)
+    return y.reshape(B, T, D) @ WO
+
+
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+def _rolling_decode(cache, chunk, lengths, bug):
+    from nanoattn._rolling import slot_positions, visible
+
+    off, overwrite_sinks = bug
+    B, L, _ = chunk.shape
+    C, ring = CAPACITY, CAPACITY - SINKS
+    position, written = cache["position"], cache["written"]
+    steps = jnp.arange(L)[None, :]  # (1, L)
+    q, k, v = _project(chunk, position[:, None] + steps)
+    w = written[:, None] + steps  # (B, L): the write pointer of each token
+    slot = jnp.where(w < SINKS, w, SINKS + (w - SINKS) % ring)
+    slot = jnp.where(off & (w >= C), SINKS + (w - SINKS + 1) % ring, slot)
+    slot = jnp.where(overwrite_sinks, w % C, slot)
+    slot = jnp.where(steps < lengths[:, None], slot, C)  # padded tokens: dropped
+    rows = jnp.arange(B)[:, None]
+    keys = cache["key"].at[rows, slot].set(k, mode="drop")
+    values = cache["value"].at[rows, slot].set(v, mode="drop")
+    end = position + lengths
+    held = slot_positions(end, C, SINKS)[:, None, :]  # (B, 1, C)
+    query = (position[:, None] + steps)[..., None]  # (B, L, 1)
+    mask = visible(query, held, WINDOW, SINKS)  # (B, L, C)
+    y = dot_product_attention(q, keys, values, mask=mask[:, None])
+    state = {"key": keys, "value": values, "position": end, "written": written + lengths}
+    return state, y.reshape(B, L, D) @ WO
+
+
+def rolling(bug: str | None = None):
+    """The rolling decoder, ``bug`` planted (None: correct), as a
+    :class:`nanoattn.verify.decoders.Decoder` with ``rewind``, ``capacity`` and
+    ``max_chunk``."""
+    from nanoattn.verify.decoders import Decoder
+
+    if bug not in (None, *ROLLING_BUGS):
+        raise ValueError(f"bug must be one of {ROLLING_BUGS}, got {bug!r}")
+    switches = jnp.asarray([bug == "ring_one_slot_off", bug == "sinks_overwritten"])
+
+    def init(batch, max_len):
+        zeros = jnp.zeros((batch, max_len, N, H))
+        start = jnp.zeros((batch,), jnp.int32)
+        return {"key": zeros, "value": zeros, "position": start, "written": start}
+
+    def step(state, chunk, lengths):
+        if lengths is None:
+            lengths = np.full(chunk.shape[0], chunk.shape[1], np.int32)
+        return _rolling_decode(state, chunk, jnp.asarray(lengths, jnp.int32), switches)
+
+    def rewind(state, n):
+        n = jnp.asarray(n, jnp.int32)
+        written = state["written"] if bug == "stale_after_rewind" else state["written"] - n
+        return {**state, "position": state["position"] - n, "written": written}
+
+    limit = CHUNK_LIMIT + (bug == "chunk_limit_plus_one")
+    return Decoder(
+        lambda x: _rolling_full(x), init, step, rewind=rewind, capacity=CAPACITY, max_chunk=limit
+    )
+
+
+def rewind_tiny(state, n):
+    """The rewind of ``tiny``'s full cache: each row's position back by n[b]."""
+    return {**state, "position": state["position"] - jnp.asarray(n, jnp.int32)}

@@ -21,8 +21,8 @@ from flax import nnx
 from nanoattn import nnx as nanoattn_nnx
 from nanoattn.cli import main
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
-from nanoattn.verify import Report, check_decoding, decoders
-from nanoattn.verify._decoding import ragged_schedule
+from nanoattn.verify import Decoder, Report, check_decoding, decoders
+from nanoattn.verify._decoding import ragged_schedule, rewind_schedule
 
 import _verify_decoders
 from _layer_configs import CONFIGS, D, N  # the configurations of the decoding issue
@@ -509,3 +509,126 @@ def test_a_linen_layer_with_dropout_decodes_deterministically():
     params = layer.init(jax.random.key(0), jnp.ones((1, 2, D)), deterministic=True)
     report = check_decoding(*decoders.linen(layer, params), d_model=D, seq_len=5, chunked=False)
     assert report.passed, report
+
+
+# Rolling caches, sink tokens and rewinding: check_decoding(capacity, max_chunk, rewind)
+# on the rolling decoder of tests/_verify_decoders.py (C = 10 slots, W = 5, 2 sinks).
+
+
+@functools.cache
+def rolling_report(bug) -> Report:
+    return check_decoding(_verify_decoders.rolling(bug), d_model=_verify_decoders.D)
+
+
+def test_a_correct_rolling_decoder_passes_far_past_its_capacity():
+    report = rolling_report(None)
+    assert report.passed, report
+    assert [c.name for c in report.checks][-1] == "rewinding"
+    assert not any(c.skipped for c in report.checks)
+    equivalence = by_name(report)["cache equivalence"].detail
+    # 4 C + 3 tokens through C slots; the largest chunk, C - W - S0, is fed
+    assert equivalence.startswith("3 chunkings (1 token per call; chunks of 3; chunks 3,1,3,1,")
+    assert "at all 43 positions of 2 rows through a cache of 10 slots" in equivalence
+    assert "2 rows fed 28 right-padded chunks of 3" in by_name(report)["ragged rows"].detail
+
+
+# bug -> the checks that fail
+ROLLING_PLANTED = {
+    "ring_one_slot_off": {
+        "cache equivalence",
+        "ragged rows",
+        "no future in the cache",
+        "rewinding",
+    },
+    "stale_after_rewind": {"rewinding"},
+    "sinks_overwritten": {
+        "cache equivalence",
+        "ragged rows",
+        "no future in the cache",
+        "rewinding",
+    },
+    "chunk_limit_plus_one": {"cache equivalence", "ragged rows", "rewinding"},
+}
+
+
+@pytest.mark.parametrize("bug", list(ROLLING_PLANTED))
+def test_planted_rolling_and_rewind_bugs_are_caught(bug):
+    report = rolling_report(bug)
+    assert failed(report) == ROLLING_PLANTED[bug], report
+    first = by_name(report)["rewinding"].data["first"]
+    assert first["deviation"] > 0.1
+    if bug != "stale_after_rewind":  # the ring bugs show only in a chunk that wraps it
+        assert by_name(report)["cache equivalence"].data["first"]["position"] >= (
+            _verify_decoders.CAPACITY - _verify_decoders.CHUNK_LIMIT
+        )
+
+
+@pytest.mark.parametrize("bug", ["ring_one_slot_off", "sinks_overwritten"])
+def test_ring_bugs_hide_within_the_capacity(bug):
+    # Why the check decodes past the capacity: until the ring wraps these bugs are right.
+    report = check_decoding(
+        _verify_decoders.rolling(bug), d_model=_verify_decoders.D, seq_len=_verify_decoders.CAPACITY
+    )
+    assert report.passed, report
+
+
+def test_rewinding_a_full_cache_and_the_schedule():
+    full, init, step = _verify_decoders.tiny()
+    report = check_decoding(full, init, step, rewind=_verify_decoders.rewind_tiny, d_model=12)
+    assert report.passed, report
+    assert by_name(report)["rewinding"].detail.startswith(
+        "2 rows fed 9 chunks of up to 4 new tokens, each call followed by a rewind "
+        "(tokens dropped per call row 0: 4,0,2,2,1,2,2,2,0; row 1: 0,1,4,0,1,1,0,0,0)"
+    )
+
+    def no_rewind(state, n):  # the rejected tokens stay: caught
+        return state
+
+    report = check_decoding(full, init, step, rewind=no_rewind, d_model=12)
+    assert failed(report) == {"rewinding"}
+    calls = rewind_schedule(3, 13, 4)
+    lengths, dropped = (np.stack(a) for a in zip(*calls))
+    assert ((0 <= dropped) & (dropped <= lengths)).all()
+    assert (lengths - dropped).sum(0).tolist() == [13, 13, 13]
+    assert dropped[0, 0] == lengths[0, 0] == 4 and dropped[0, 1] == 0  # all, and none
+    assert ((0 < dropped) & (dropped < lengths)).any()  # and part of a chunk
+
+
+def test_a_decoder_object_and_its_protocol():
+    decoder = _verify_decoders.rolling()
+    full, init, step = decoder  # unpacks as the core triple
+    assert isinstance(decoder, Decoder) and isinstance(decoder, tuple) and len(decoder) == 3
+    assert (decoder.capacity, decoder.max_chunk) == (10, 3) and decoder.rewind is not None
+    with pytest.raises(AttributeError):
+        decoder.capacity = 11
+    inits, widths = [], set()
+
+    def spy_init(batch, max_len):
+        inits.append(max_len)
+        return init(batch, max_len)
+
+    def spy_step(state, chunk, lengths):
+        widths.add(chunk.shape[1])
+        return step(state, chunk, lengths)
+
+    spied = Decoder(full, spy_init, spy_step, capacity=10, max_chunk=3)
+    report = check_decoding(spied, d_model=12, seq_len=17)
+    assert report.passed and "rewinding" not in by_name(report)  # no rewind: not checked
+    assert set(inits) == {10} and widths == {1, 3}  # told the capacity; chunks at most 3
+    report = check_decoding(spied, d_model=12, seq_len=17, rewind=decoder.rewind)  # added here
+    assert "rewinding" in by_name(report)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(capacity=0), "capacity must be None or an int >= 1, got capacity=0"),
+        (dict(max_chunk=2.0), "max_chunk must be None or an int >= 1, got max_chunk=2.0"),
+        (dict(rewind=3), "rewind must be None or a function (state, n) -> state, got 3"),
+    ],
+)
+def test_rolling_argument_errors(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_decoding(*_verify_decoders.tiny(), d_model=12, **kwargs)
+    with pytest.raises(ValueError, match="pass a Decoder alone"):
+        check_decoding(_verify_decoders.rolling(), lambda b, n: None, d_model=12)

@@ -11,6 +11,14 @@ adapters to nanoattn's and flax's modules):
   (B, L, ...) and returns the outputs for those L positions; ``lengths`` is
   None or int (B,), the real tokens of each row of a right-padded chunk.
 
+Optionally (a :class:`Decoder` carries them, or pass them to the check):
+
+* ``rewind(state, n) -> state``: row b drops its last ``n[b]`` tokens, int (B,),
+  ``0 <= n[b] <=`` the real tokens of its last call (speculative decoding);
+* ``capacity``: the decoder is bounded (a rolling cache): ``init`` is given this
+  many slots and the check decodes far past them;
+* ``max_chunk``: the most tokens one call may take (a rolling cache's C - W - S0).
+
 Every run starts from a fresh ``init`` and threads the state linearly, so a
 decoder that mutates its state in place is checked as well as a pure one.
 """
@@ -29,17 +37,65 @@ CAPACITY_SLACK = 3  # init(batch, seq_len + 3): unwritten slots that no output m
 CHUNK_CYCLE = (4, 1)  # the uneven chunking: sizes 4, 1, 4, 1, ..., then 1s up to T
 RAGGED_WIDTH = 4  # every ragged call is a right-padded chunk of 4 tokens
 TOLERANCE = {2: 3e-2, 4: 1e-5, 8: 1e-5}  # by the full forward's bytes per output element
+LAPS = 4  # with a capacity C, the default length decodes 4 C + 3 tokens: the ring wraps 4 times
 
 
-def _chunkings(T: int, chunked: bool) -> dict[str, list[int]]:
+class Decoder(tuple):
+    """A decoder for :func:`check_decoding`: the triple ``(full, init, step)`` (it
+    unpacks as one, so ``check_decoding(*decoder)`` checks the core protocol) plus the
+    optional ``rewind``, ``capacity`` and ``max_chunk`` (``check_decoding(decoder)``
+    checks them too).
+
+    Args:
+      full: ``full(x) -> y`` on the whole sequence.
+      init: ``init(batch, max_len) -> state``, a fresh cache of ``max_len`` slots.
+      step: ``step(state, chunk, lengths) -> (state, y_chunk)``.
+      rewind: None, or ``rewind(state, n) -> state``: row b drops its last ``n[b]``
+        tokens (int (B,), at most the real tokens of its last call).
+      capacity: None (the cache holds the whole sequence), or the slots of a bounded
+        (rolling) cache: ``init`` gets them and decoding goes on past them.
+      max_chunk: None (any chunk length), or the most tokens one call may take.
+    """
+
+    def __new__(cls, full, init, step, *, rewind=None, capacity=None, max_chunk=None):
+        self = super().__new__(cls, (full, init, step))
+        for name, value in (("rewind", rewind), ("capacity", capacity), ("max_chunk", max_chunk)):
+            object.__setattr__(self, name, value)
+        return self
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a Decoder is immutable")
+
+    full = property(lambda self: self[0])
+    init = property(lambda self: self[1])
+    step = property(lambda self: self[2])
+
+    def __repr__(self) -> str:
+        extras = "".join(
+            f", {n}={getattr(self, n)!r}"
+            for n in ("rewind", "capacity", "max_chunk")
+            if getattr(self, n) is not None
+        )
+        return f"Decoder({self[0]!r}, {self[1]!r}, {self[2]!r}{extras})"
+
+
+def _chunkings(T: int, chunked: bool, max_chunk: int | None = None) -> dict[str, list[int]]:
     """The chunk sizes of each decoding run: one token per call, and with ``chunked``
     the whole sequence in one call and the uneven cycle 4, 1, 4, 1, ... (three chunk
-    lengths, and the ragged width 4: few programs to compile)."""
+    lengths, and the ragged width 4: few programs to compile). With ``max_chunk`` M
+    below T, chunks of M (the rest one by one) replace the one call, and the cycle
+    is M, 1 when M < 4: the largest chunk the decoder takes is always fed."""
     runs = {"1 token per call": [1] * T}
     if chunked:
-        runs[f"all {T} in one call"] = [T]
+        if max_chunk is None or max_chunk >= T:
+            runs[f"all {T} in one call"] = [T]
+        elif max_chunk > 1:
+            runs[f"chunks of {max_chunk}"] = [max_chunk] * (T // max_chunk) + [1] * (T % max_chunk)
+        big = CHUNK_CYCLE[0] if max_chunk is None else min(CHUNK_CYCLE[0], max_chunk)
+        if big == 1:
+            return runs
         sizes = []
-        for n in itertools.cycle(CHUNK_CYCLE):
+        for n in itertools.cycle((big, *CHUNK_CYCLE[1:])):
             if sum(sizes) + n > T:
                 break
             sizes.append(n)
@@ -110,12 +166,15 @@ def _tolerance(atol, y: np.ndarray, itemsize: int) -> float:
 
 def check_decoding(
     full,
-    init,
-    step,
+    init=None,
+    step=None,
     *,
+    rewind=None,
+    capacity: int | None = None,
+    max_chunk: int | None = None,
     d_model: int | None = None,
     vocab: int | None = None,
-    seq_len: int = DEFAULT_SEQ_LEN,
+    seq_len: int | None = None,
     chunked: bool = True,
     ragged: bool | None = None,
     batch: int = 2,
@@ -130,8 +189,12 @@ def check_decoding(
     empty cache; ``step(state, chunk, lengths) -> (state, y_chunk)``, the next
     chunk (B, L, ...) and its outputs (B, L, ...), ``lengths`` None or int (B,),
     the real tokens per row of a right-padded chunk. :mod:`nanoattn.verify.decoders`
-    builds the triple for nanoattn's and flax's modules. With T = ``seq_len``
-    and a capacity of T + 3 slots, from random x:
+    builds the triple for nanoattn's and flax's modules. ``full`` may instead be a
+    :class:`Decoder`, which brings ``init``, ``step`` and its optional ``rewind``,
+    ``capacity`` and ``max_chunk`` (an argument given here wins). With T =
+    ``seq_len`` (default 13) and a capacity of T + 3 slots, or with ``capacity`` C
+    (a bounded, rolling cache) C slots and T = 4 C + 3 by default, so that the ring
+    wraps several times, from random x:
 
     * cache equivalence: decoding one token per call, and with ``chunked`` all T
       in one call and in chunks of 4, 1, 4, 1, ..., gives ``full(x)`` at every
@@ -147,12 +210,25 @@ def check_decoding(
       (p = 1, T//2, T-1; fed later) changes no decoded output before p;
     * positive control: changing the first token changes some later output
       decoded one token per call (which reaches it only through the cache) by
-      more than 10 times the tolerance: a decoder that ignores its cache fails.
+      more than 10 times the tolerance: a decoder that ignores its cache fails;
+    * rewinding, with ``rewind``: rows fed right-padded chunks of up to 4 new
+      random tokens, each call followed by ``rewind(state, n)`` with a random
+      ``n[b]`` in ``[0, lengths[b]]`` per row (none, part or all of the chunk),
+      until every row keeps T tokens: every output at a kept token equals the full
+      forward of what its row kept. The tokens after a rewind differ from the
+      dropped ones, so a stale slot that stays readable changes the outputs.
 
+    ``max_chunk`` M bounds every chunk: the one-call run becomes chunks of M, and
+    the cycle, the ragged and the rewinding chunks are at most M wide; a chunk of
+    exactly M is always fed, so a limit claimed one too large is caught.
     A decoder that takes one token per call is checked with ``chunked=False``
     (its ragged rows then get chunks of 1 with lengths 0 or 1).
 
     Args:
+      rewind: None (not checked) or ``rewind(state, n) -> state``, ``n`` int32 (B,).
+      capacity: None, or the slots ``init`` gets for a decoder whose cache is bounded.
+      max_chunk: None, or the most tokens one call may take.
+      seq_len: the decoded length T >= 2; None: 13, or 4 C + 3 with a capacity C.
       atol: the largest allowed difference of one output feature; None: 1e-5
         (3e-2 for 16-bit outputs) times the largest ``|full(x)|``, at least 1.
 
@@ -177,20 +253,43 @@ def check_decoding(
       >>> check_decoding(full, init, step, d_model=3).passed
       True
     """
+    if isinstance(full, Decoder):
+        if init is not None or step is not None:
+            raise ValueError("pass a Decoder alone, or the functions full, init and step")
+        full, init, step, rewind, capacity, max_chunk = (
+            full.full,
+            full.init,
+            full.step,
+            full.rewind if rewind is None else rewind,
+            full.capacity if capacity is None else capacity,
+            full.max_chunk if max_chunk is None else max_chunk,
+        )
+    elif init is None or step is None:
+        raise ValueError("pass the decoder's full, init and step, or a Decoder")
     inputs = Inputs.of(d_model, vocab)
+    if rewind is not None and not callable(rewind):
+        raise ValueError(f"rewind must be None or a function (state, n) -> state, got {rewind!r}")
+    for name, value, least in (("capacity", capacity, 1), ("max_chunk", max_chunk, 1)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < least
+        ):
+            raise ValueError(f"{name} must be None or an int >= {least}, got {name}={value!r}")
+    if seq_len is None:
+        seq_len = DEFAULT_SEQ_LEN if capacity is None else LAPS * capacity + CAPACITY_SLACK
     for name, value, least in (("seq_len", seq_len, 2), ("batch", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {name}={value!r}")
     if ragged not in (None, True, False):
         raise ValueError(f"ragged must be None, True or False, got ragged={ragged!r}")
-    T, max_len = seq_len, seq_len + CAPACITY_SLACK
+    T = seq_len
+    max_len = seq_len + CAPACITY_SLACK if capacity is None else capacity
     rng = np.random.default_rng(0)
     x = inputs.random(rng, batch, T)
     y_raw = full(x)
     y = as_features(y_raw, x.shape, "full")
     tol = _tolerance(atol, y, np.asarray(y_raw).dtype.itemsize)
 
-    runs = _chunkings(T, chunked)
+    runs = _chunkings(T, chunked, max_chunk)
     equivalence, decoded, diverged = Leaks(tol), {}, []
     for name, sizes in runs.items():
         decoded[name] = _decode(init, step, x, sizes, max_len)
@@ -209,7 +308,7 @@ def check_decoding(
         "cache equivalence",
         f"{len(runs)} chunking{'s' if len(runs) > 1 else ''} ({names}) reproduce"
         f"{'' if len(runs) > 1 else 's'} the full forward at all {T} positions "
-        f"of {batch} rows",
+        f"of {batch} rows" + ("" if capacity is None else f" through a cache of {capacity} slots"),
         first="first divergence",
     )
     if not result.passed:
@@ -220,7 +319,9 @@ def check_decoding(
         result = dataclasses.replace(result, detail=detail)
     checks = [result]
 
-    checks.append(_ragged(init, step, inputs, x, y, tol, ragged, chunked, max_len))
+    width = RAGGED_WIDTH if chunked else 1
+    width = width if max_chunk is None else min(width, max_chunk)
+    checks.append(_ragged(init, step, inputs, x, y, tol, ragged, width, max_len))
 
     future = Leaks(tol)
     for name, sizes in runs.items():
@@ -254,14 +355,71 @@ def check_decoding(
             moved, tol, "the later outputs decoded one token per call", {"chunking": one}
         )
     )
+    if rewind is not None:
+        checks.append(_rewinding(full, init, step, rewind, inputs, batch, T, width, tol, max_len))
     return Report("decoding", checks)
 
 
-def _ragged(init, step, inputs, x, y, tol, ragged, chunked, max_len) -> CheckResult:
+def rewind_schedule(batch: int, T: int, width: int, seed: int = 2):
+    """The calls of the rewinding run: ``[(lengths, n), ...]``, int (B,) each. Row b's
+    chunk brings ``min(width, T - kept)`` tokens, 0 once it keeps T, then drops
+    ``n[b]`` of them, random in ``[0, lengths[b]]``; the first call drops all of row
+    0's chunk and none of row 1's. Every row ends keeping T tokens."""
+    rng, kept, calls = np.random.default_rng(seed), np.zeros(batch, int), []
+    while (kept < T).any():
+        lengths = np.minimum(width, T - kept)
+        n = rng.integers(0, lengths + 1)
+        if not calls:
+            n[0] = lengths[0]
+            n[1:2] = 0
+        calls.append((lengths, n))
+        kept += lengths - n
+    return calls
+
+
+def _rewinding(full, init, step, rewind, inputs, batch, T, width, tol, max_len) -> CheckResult:
+    """Decode, rewind a random amount per row, decode on: the kept tokens' outputs
+    must be the full forward of what each row kept."""
+    rng = np.random.default_rng(3)
+    state, kept = init(batch, max_len), [[] for _ in range(batch)]
+    outs = [[] for _ in range(batch)]
+    calls = rewind_schedule(batch, T, width)
+    for lengths, n in calls:
+        chunk = inputs.random(rng, batch, width)  # new tokens, unlike the dropped ones
+        state, y = step(state, chunk, lengths.astype(np.int32))
+        y = as_features(y, chunk.shape, "step")
+        state = rewind(state, n.astype(np.int32))
+        for b in range(batch):
+            keep = lengths[b] - n[b]
+            kept[b] += list(chunk[b, :keep])
+            outs[b] += list(y[b, :keep])
+    x = np.stack([np.stack(row) for row in kept])  # (B, T, ...): what each row kept
+    y_full = as_features(full(x), x.shape, "full")
+    got = np.stack([np.stack(row) for row in outs])
+    dropped = np.stack([n for _, n in calls], axis=1)  # (B, calls)
+    text = "; ".join(f"row {b}: " + ",".join(map(str, r.tolist())) for b, r in enumerate(dropped))
+    leaks = Leaks(tol)
+    leaks.add(
+        per_feature(got, y_full),
+        {"width": width},
+        (),
+        "position {position} of row {batch} (feature {feature}) differs from the full "
+        "forward of what the row kept by {deviation:.3g}, decoding right-padded chunks of "
+        f"{width}, each call followed by a rewind (tokens dropped per call {text})",
+    )
+    return leaks.result(
+        "rewinding",
+        f"{batch} rows fed {len(calls)} chunks of up to {width} new tokens, each call "
+        f"followed by a rewind (tokens dropped per call {text}), reproduce the full "
+        f"forward of the {T} tokens each row kept",
+        first="first divergence",
+    )
+
+
+def _ragged(init, step, inputs, x, y, tol, ragged, width, max_len) -> CheckResult:
     name = "ragged rows"
     if ragged is False:
         return CheckResult(name, True, "skipped: ragged=False", skipped=True)
-    width = RAGGED_WIDTH if chunked else 1
     rng = np.random.default_rng(1)
     got = _decode_ragged(init, step, inputs, rng, x, width, max_len, ragged is None)
     if isinstance(got, str):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx as _nnx
 
+from ._decoding import Decoder as Decoder
 from ._inputs import jit
 
 
