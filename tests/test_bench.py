@@ -734,3 +734,71 @@ def test_cli_bench_only_masks(tmp_path, capsys, monkeypatch):
     assert (
         "sinks and return_residual cost <= 5% over the call without them" in capsys.readouterr().out
     )
+
+
+# Generation targets of issue #24: a rolling cache far past its window, a speculative step.
+
+
+def test_speculative_step_row_at_a_tiny_size():
+    row = _generation.measure_speculative(C, draft=3, d_model=D, n_heads=N, rounds=1)
+    assert row["status"] == "ok", row
+    assert row["verify_vs_one"] == row["verify_median_ms"] / row["one_token_median_ms"]
+    assert 0 < row["verify_min_ms"] <= row["verify_median_ms"]
+    assert row["verify_fed"] == 3 * row["one_token_fed"] == 3 * 2 * _generation.PAIRS
+
+
+def test_slot_bytes_counts_keys_and_values_only():
+    cache = {
+        "key": jnp.zeros((2, 7, 2, 8)),
+        "value": jnp.zeros((2, 7, 2, 8), jnp.bfloat16),
+        "position": jnp.zeros((2,), jnp.int32),
+    }
+    assert _generation.slot_bytes(cache, 7) == 2 * 7 * 2 * 8 * (4 + 2)
+
+
+def long_rows(rolling_bytes, rolling_ms, full_ms, verify_ms, one_ms, status="ok"):
+    rolling = {
+        "context": 32768,
+        "full_context": 4096,
+        "window": 1024,
+        "chunk": 64,
+        "sinks": 4,
+        "capacity": 1092,
+        "status": status,
+        "rolling_bytes": rolling_bytes,
+        "full_bytes": 32768 * 1024,
+        "rolling_median_ms": rolling_ms,
+        "full_median_ms": full_ms,
+    }
+    speculative = {
+        "context": 4096,
+        "draft": 4,
+        "status": status,
+        "verify_median_ms": verify_ms,
+        "one_token_median_ms": one_ms,
+        "verify_vs_one": verify_ms / one_ms,
+    }
+    return rolling, speculative
+
+
+def test_long_generation_targets_compare_the_right_way_round():
+    memory, speed, speculative = _generation.long_targets(
+        *long_rows(1092 * 1024, 1.0, 1.0, 1.5, 1.0)
+    )
+    assert memory["passed"] and speed["passed"] and speculative["passed"]
+    assert memory["target"] == (
+        "rolling cache W=1024 at C=32768: cache memory <= (W + chunk + sinks) / C of the full "
+        "cache's"
+    )
+    assert "(bound 0.0333)" in memory["measured"]
+    assert speculative["measured"] == "4 tokens 1.500 ms, 1 token 1.000 ms: 1.50x"
+    memory, speed, speculative = _generation.long_targets(
+        *long_rows(1093 * 1024, 1.01, 1.0, 1.51, 1.0)
+    )
+    assert memory["passed"] is speed["passed"] is speculative["passed"] is False
+    rows = _generation.long_targets(*long_rows(0, 1, 1, 1, 1, status="error: boom"))
+    assert [r["passed"] for r in rows] == [None] * 3 and rows[0]["measured"] == "error: boom"
+    # measure_generation's row at the target context carries them after its own two
+    row = generation_row(2.0, 2.0, 20.0)
+    row["rolling"], row["speculative"] = long_rows(1092 * 1024, 1.0, 1.0, 1.5, 1.0)
+    assert len(_generation.generation_targets([row])) == 5

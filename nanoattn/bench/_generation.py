@@ -25,6 +25,19 @@ step, alternating (nanoattn first), recomputes once, decodes ``PAIRS`` more
 alternating (flax first) and recomputes again: steps run back to back as in a
 generation loop, and each cached step follows a recompute (whose cold caches
 slow the next call) equally often. Times are the median and minimum per call.
+
+At the target context the row also carries two measures of issue #24, each
+timed in turn against its baseline:
+
+* ``rolling``: a windowed layer (``window=(WINDOW, 0)``, ``SINK_TOKENS`` sinks)
+  with ``rolling_cache=True`` and C = W + ``ROLLING_CHUNK`` + sinks slots,
+  prefilled in chunks of ``ROLLING_CHUNK`` to ``LONG_CONTEXT`` tokens, one
+  token per step, against the same layer with a full cache at the target
+  context; and the bytes of the cache slots (keys and values, from shapes) of
+  the rolling cache against a full cache holding ``LONG_CONTEXT`` tokens.
+* ``speculative``: the seed layer with a full cache at the target context, a
+  step that takes ``DRAFT`` tokens in one chunk (the target verifying a draft)
+  against a one-token step.
 """
 
 import flax.linen as nn
@@ -39,6 +52,11 @@ CONTEXTS = (1024, 4096)
 TARGET_CONTEXT = 4096  # where the targets are judged; other contexts are reported
 ROUNDS = 8
 PAIRS = 8  # alternating cached steps between two recomputes
+LONG_CONTEXT = 32768  # where the rolling cache decodes
+WINDOW = 1024  # the windowed layer's W
+ROLLING_CHUNK = 64  # the rolling cache's chunk limit, C - W - sinks (its prefill chunk)
+SINK_TOKENS = 4
+DRAFT = 4  # draft tokens a speculative step verifies in one chunk
 
 
 def round_order() -> list[str]:
@@ -162,8 +180,10 @@ def measure_generation(
     batch: int = 1,
     dtype: str = "float32",
     rounds: int = ROUNDS,
+    long: bool = True,
 ) -> dict:
-    """ms per generated token of the three ways at one context length (see the module)."""
+    """ms per generated token of the three ways at one context length (see the module);
+    at the target context (with ``long``) also the rolling and speculative measures."""
     row = {
         "context": context,
         "capacity": context + 2 * PAIRS * (rounds + 1),  # a warm-up round, then `rounds`
@@ -191,16 +211,205 @@ def measure_generation(
         row[f"{name}_median_ms"] = median * 1e3
         row[f"{name}_min_ms"] = best * 1e3
     cached_ms = row["cached_median_ms"]
-    return row | {
+    row |= {
         "status": "ok",
         "recompute_vs_cached": row["recompute_median_ms"] / cached_ms,
         "flax_vs_cached": row["flax_median_ms"] / cached_ms,
     }
+    if context == TARGET_CONTEXT and long:
+        shape = dict(d_model=d_model, n_heads=n_heads, batch=batch, dtype=dtype, rounds=rounds)
+        row["rolling"] = measure_rolling(full_context=context, **shape)
+        row["speculative"] = measure_speculative(context, **shape)
+    return row
+
+
+def windowed_layer(
+    d_model: int, n_heads: int, rolling: bool, window: int = WINDOW, sinks: int = SINK_TOKENS
+) -> CausalSelfAttention:
+    """The seed layer with ``window=(window, 0)`` and sink tokens, its cache rolling or full."""
+    config = AttentionConfig(
+        d_model=d_model,
+        n_heads=n_heads,
+        window=(window, 0),
+        sink_tokens=sinks,
+        rolling_cache=rolling,
+    )
+    return CausalSelfAttention(config)
+
+
+def slot_bytes(cache, capacity: int) -> int:
+    """The bytes of a cache's slot arrays (B, capacity, ...): its keys and values, without
+    the per-row bookkeeping (positions), which does not grow with the context."""
+    return sum(
+        a.size * jnp.dtype(a.dtype).itemsize
+        for a in jax.tree.leaves(cache)
+        if len(a.shape) >= 2 and a.shape[1] == capacity
+    )
+
+
+def rolling_decoder(layer, params, x, context: int, capacity: int, chunk: int):
+    """A rolling cache of ``capacity`` slots prefilled with ``context`` tokens in chunks of
+    ``chunk`` (untimed), and its one-token step, as a :class:`Decoder`."""
+    B, _, D = x.shape
+
+    def apply(params, cache, chunk):
+        return layer.apply(
+            {"params": params, "cache": cache}, chunk, True, decode=True, mutable=["cache"]
+        )
+
+    init = lambda x: layer.init(jax.random.key(0), x, decode=True)  # noqa: E731
+    cache = empty_cache(init, B, capacity, D, x.dtype)
+    step = jax.jit(apply, donate_argnums=1)
+    for t in range(0, context - context % chunk, chunk):
+        _, state = step(params, cache, x[:, t : t + chunk])
+        cache = state["cache"]
+    for t in range(context - context % chunk, context):
+        _, state = step(params, cache, x[:, t : t + 1])
+        cache = state["cache"]
+    inputs = [x[:, i : i + 1] for i in range(context, x.shape[1])]
+    return Decoder(step, params, cache, inputs)
+
+
+def measure_rolling(
+    long_context: int = LONG_CONTEXT,
+    full_context: int = TARGET_CONTEXT,
+    *,
+    window: int = WINDOW,
+    chunk: int = ROLLING_CHUNK,
+    sinks: int = SINK_TOKENS,
+    d_model: int = 128,
+    n_heads: int = 4,
+    batch: int = 1,
+    dtype: str = "float32",
+    rounds: int = ROUNDS,
+) -> dict:
+    """ms per token of a rolling cache at ``long_context`` and of a full cache at
+    ``full_context`` (same windowed layer and parameters), and their slot bytes."""
+    capacity = window + chunk + sinks
+    steps = PAIRS * (rounds + 1)
+    row = {
+        "context": long_context,
+        "full_context": full_context,
+        "window": window,
+        "chunk": chunk,
+        "sinks": sinks,
+        "capacity": capacity,
+    }
+    try:
+        x = tokens(batch, long_context + steps, d_model, dtype)
+        rolling = windowed_layer(d_model, n_heads, True, window, sinks)
+        full = windowed_layer(d_model, n_heads, False, window, sinks)
+        params = init_params(full, x[:, :1], True)
+        runs = {
+            "rolling": rolling_decoder(rolling, params, x, long_context, capacity, chunk),
+            "full": nanoattn_decoder(full, params, x, full_context, full_context + steps)[0],
+        }
+        times = time_interleaved(runs, rounds=rounds, order=["rolling", "full"] * PAIRS)
+        shape = jax.ShapeDtypeStruct((batch, long_context, d_model), jnp.dtype(dtype))
+        full_cache = jax.eval_shape(lambda x: full.init(jax.random.key(0), x, decode=True), shape)
+        shape = jax.ShapeDtypeStruct((batch, capacity, d_model), jnp.dtype(dtype))
+        ring = jax.eval_shape(lambda x: rolling.init(jax.random.key(0), x, decode=True), shape)
+    except Exception as e:  # reported, not fatal to the rest of the bench
+        return row | {"status": f"error: {describe(e)[:200]}"}
+    for name, (median, best) in times.items():
+        row[f"{name}_median_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
+    return row | {
+        "status": "ok",
+        "rolling_bytes": slot_bytes(ring["cache"], capacity),
+        "full_bytes": slot_bytes(full_cache["cache"], long_context),
+    }
+
+
+def measure_speculative(
+    context: int = TARGET_CONTEXT,
+    *,
+    draft: int = DRAFT,
+    d_model: int = 128,
+    n_heads: int = 4,
+    batch: int = 1,
+    dtype: str = "float32",
+    rounds: int = ROUNDS,
+) -> dict:
+    """ms of a step verifying ``draft`` tokens in one chunk and of a one-token step, both
+    through a full cache at ``context``."""
+    row = {"context": context, "draft": draft}
+    try:
+        capacity = context + draft * PAIRS * (rounds + 1)
+        x = tokens(batch, capacity, d_model, dtype)
+        layer = nanoattn_layer(d_model, n_heads)
+        params = init_params(layer, x[:, :1], True)
+        one, _ = nanoattn_decoder(layer, params, x, context, capacity)
+        chunked, _ = nanoattn_decoder(layer, params, x, context, capacity)
+        chunked.inputs = [x[:, i : i + draft] for i in range(context, capacity - draft + 1, draft)]
+        runs = {"one_token": one, "verify": chunked}
+        times = time_interleaved(runs, rounds=rounds, order=["one_token", "verify"] * PAIRS)
+    except Exception as e:
+        return row | {"status": f"error: {describe(e)[:200]}"}
+    for name, (median, best) in times.items():
+        row[f"{name}_median_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
+    return row | {
+        "status": "ok",
+        "verify_vs_one": row["verify_median_ms"] / row["one_token_median_ms"],
+        # tokens each way took in: a verify step takes `draft` per call
+        "one_token_fed": int(one.cache["position"][0]) - context,
+        "verify_fed": int(chunked.cache["position"][0]) - context,
+    }
+
+
+def long_targets(rolling: dict, speculative: dict) -> list[dict]:
+    """The targets of issue #24 from :func:`measure_rolling` and :func:`measure_speculative`."""
+    out = []
+    r, ok = rolling, rolling.get("status") == "ok"
+    C, W = r["context"], r["window"]
+    bound = (W + r["chunk"] + r["sinks"]) / C
+    out.append(
+        {
+            "target": f"rolling cache W={W} at C={C}: cache memory <= (W + chunk + sinks) / C "
+            "of the full cache's",
+            "measured": (
+                f"rolling {r['rolling_bytes'] / 2**20:.2f} MiB, "
+                f"full {r['full_bytes'] / 2**20:.1f} MiB: "
+                f"{r['rolling_bytes'] / r['full_bytes']:.4f} (bound {bound:.4f})"
+                if ok
+                else r["status"]
+            ),
+            "passed": r["rolling_bytes"] <= bound * r["full_bytes"] if ok else None,
+        }
+    )
+    out.append(
+        {
+            "target": f"rolling cache W={W} at C={C}: ms/token <= the full cache's at "
+            f"C={r['full_context']}",
+            "measured": (
+                f"rolling {r['rolling_median_ms']:.3f} ms/token, full {r['full_median_ms']:.3f} "
+                "ms/token"
+                if ok
+                else r["status"]
+            ),
+            "passed": r["rolling_median_ms"] <= r["full_median_ms"] if ok else None,
+        }
+    )
+    s, ok = speculative, speculative.get("status") == "ok"
+    out.append(
+        {
+            "target": f"speculative step C={s['context']}: verifying {s['draft']} draft tokens in "
+            "one chunk <= 1.5x a one-token step",
+            "measured": (
+                f"{s['draft']} tokens {s['verify_median_ms']:.3f} ms, 1 token "
+                f"{s['one_token_median_ms']:.3f} ms: {s['verify_vs_one']:.2f}x"
+                if ok
+                else s["status"]
+            ),
+            "passed": s["verify_vs_one"] <= 1.5 if ok else None,
+        }
+    )
+    return out
 
 
 def generation_targets(rows: list[dict]) -> list[dict]:
     """The targets at context 4096: the cache >= 10x faster per token than
-    recomputing, and nanoattn's step at least as fast as flax's."""
+    recomputing, and nanoattn's step at least as fast as flax's; then those of
+    :func:`long_targets` where the row has them."""
     out = []
     for row in rows:
         if row["context"] != TARGET_CONTEXT:
@@ -232,4 +441,6 @@ def generation_targets(rows: list[dict]) -> list[dict]:
                 "passed": row["flax_vs_cached"] >= 1.0 if ok else None,
             },
         ]
+        if "rolling" in row and "speculative" in row:
+            out += long_targets(row["rolling"], row["speculative"])
     return out
