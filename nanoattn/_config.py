@@ -54,6 +54,15 @@ class AttentionConfig:
         each row's softmax denominator gains ``exp(sinks[n])`` and no value is
         attended for it (``nanoattn.dot_product_attention(..., sinks=...)``),
         in training, decoding and cross-attention.
+      rolling_cache: a rolling (ring-buffer) KV cache for a local layer: needs
+        ``window=(W, 0)``; a cache of C slots (C >= W + 1 + ``sink_tokens``)
+        keeps the sink tokens and the keys still in view, decodes past any
+        length in chunks of at most C - W - ``sink_tokens`` tokens, and
+        equals the full windowed forward (docs/decoding.md).
+      sink_tokens: S0 >= 0, needs a ``window``: the first S0 positions stay
+        visible to every later query in addition to the window (StreamingLLM),
+        in training and decoding; a rolling cache keeps their slots. Not the
+        learned logit ``sinks``.
       use_bias: whether the projections have biases.
       dtype: the compute dtype of projections and attention, and the dtype of
         the KV cache; None means the input's dtype.
@@ -94,6 +103,8 @@ class AttentionConfig:
     sequence_axis: str | None = None
     sequence_layout: str = "zigzag"
     sinks: bool = False
+    rolling_cache: bool = False
+    sink_tokens: int = 0
 
     def __post_init__(self):
         for name in ("d_model", "n_heads"):
@@ -116,8 +127,9 @@ class AttentionConfig:
         self._check_mesh_axes()
         object.__setattr__(self, "window", normalize_window(self.window))
         object.__setattr__(self, "logit_soft_cap", check_soft_cap(self.logit_soft_cap))
-        for name in ("qk_norm", "use_bias", "sinks"):
+        for name in ("qk_norm", "use_bias", "sinks", "rolling_cache"):
             expect_flag(name, getattr(self, name))
+        self._check_streaming()
         if self.dtype is not None:
             object.__setattr__(self, "dtype", float_dtype("dtype", self.dtype))
         object.__setattr__(self, "param_dtype", float_dtype("param_dtype", self.param_dtype))
@@ -148,6 +160,27 @@ class AttentionConfig:
                 f"{self.head_axis!r} for both"
             )
         check_layout(self.sequence_layout, "sequence_layout")
+
+    def _check_streaming(self) -> None:
+        S0 = self.sink_tokens
+        if not _is_int(S0):
+            raise TypeError(f"sink_tokens must be an int >= 0, got sink_tokens={S0!r}")
+        if S0 < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got sink_tokens={S0}")
+        if S0 and self.window is None:
+            raise ValueError(
+                f"sink_tokens={S0} needs a window: the sink tokens stay visible in addition "
+                f"to window=(W, 0), and without a window every key is visible already"
+            )
+        if S0 and self.sequence_axis is not None:
+            raise ValueError(
+                f"sink_tokens={S0} is not supported with sequence_axis={self.sequence_axis!r}: "
+                f"the ring attends with the plain window only"
+            )
+        if self.rolling_cache and (self.window is None or self.window[1] != 0):
+            raise ValueError(
+                f"rolling_cache=True needs window=(W, 0) (no look-ahead), got window={self.window}"
+            )
 
     def _check_rope(self) -> None:
         if positive_number("rope_base", self.rope_base, optional=True) is None:

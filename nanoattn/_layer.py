@@ -10,7 +10,7 @@ width, D model width.
 
 import jax.numpy as jnp
 
-from . import _kv_cache
+from . import _kv_cache, _rolling
 from ._axes import labels
 from ._config import AttentionConfig
 from ._heads import (
@@ -79,6 +79,41 @@ def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids
         )
 
 
+def sink_window(cfg: AttentionConfig):
+    """With ``sink_tokens``, the window as a mask_fn (``core_options`` then leaves the
+    window out): causal, and within ``W`` positions or one of the first S0. None
+    without sink tokens."""
+    if not cfg.sink_tokens:
+        return None
+    W, S0 = cfg.window[0], cfg.sink_tokens
+
+    def window_or_sink(b, n, q_pos, k_pos):
+        return _rolling.visible(q_pos, k_pos, W, S0)
+
+    return window_or_sink
+
+
+def and_masks(first, second):
+    """The mask_fn allowing what both allow; either may be None."""
+    if first is None or second is None:
+        return first if second is None else second
+
+    def both(b, n, q_pos, k_pos):
+        return first(b, n, q_pos, k_pos) & second(b, n, q_pos, k_pos)
+
+    return both
+
+
+def _at_positions(fn, key_positions, scores: bool):
+    """``mask_fn`` or ``score_fn`` called with each slot's position (``key_positions``
+    (B, S)) in place of the slot index, for a rolling cache."""
+    if fn is None:
+        return None
+    if scores:
+        return lambda score, b, n, q_pos, k: fn(score, b, n, q_pos, key_positions[b, k])
+    return lambda b, n, q_pos, k: fn(b, n, q_pos, key_positions[b, k])
+
+
 def self_attention(
     params: Parameters,
     cfg: AttentionConfig,
@@ -101,6 +136,7 @@ def self_attention(
     B, T, _ = x.shape
     dtype = compute_dtype(cfg, x)
     options = core_options(cfg, positional=True)
+    mask_fn = and_masks(sink_window(cfg), mask_fn)
     if positions is None:
         positions = jnp.arange(T) if cfg.sequence_axis is None else default_positions(cfg, T)
     elif jnp.ndim(positions) == 1:
@@ -143,8 +179,18 @@ def decode(
     be checked, those rows' outputs are NaN, and a row with bad ``lengths``
     stays NaN in every later call (its position is set past the capacity).
     ``mask_fn`` and ``score_fn`` see each query at its position in the row
-    (``q_offset = cache.position``, per row) and each key at its cache slot, so
-    decoding equals the full forward with the same functions.
+    (``q_offset = cache.position``, per row) and each key at its position (its
+    cache slot in a full cache), so decoding equals the full forward with the same
+    functions.
+
+    With ``cfg.rolling_cache`` the cache is a ring of S slots (``nanoattn._rolling``):
+    the chunk goes to the slots ``slot_of(position + t)``, and one mask_fn holds
+    every rule: a query at p sees a slot iff the position it holds (recomputed from
+    the row's new end, ``slot_positions``) is causal and within the window, or a
+    sink token. Each call takes at most ``S - W - sink_tokens`` real tokens per row
+    (a longer one raises when concrete, and poisons the row under ``jit``: NaN, and
+    position -1 from then on). ``last`` records each row's real tokens for
+    ``rewind``.
 
     Returns:
       (y (B, T, D), the advanced cache).
@@ -157,16 +203,40 @@ def decode(
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
     lengths = _int_per_token("lengths", lengths, "B", (B,))
-    _kv_cache.check_chunk(position, lengths, T, capacity, hint)
-    # Under jit nothing could be checked: a row whose lengths are out of range is
-    # poisoned below, writes nothing, and stays poisoned (its position past the end).
-    bad = (lengths < 0) | (lengths > T)  # (B,)
+    rolling = cfg.rolling_cache
+    W, S0 = (cfg.window[0] if cfg.window else 0), cfg.sink_tokens
+    if rolling:
+        _kv_cache.check_rolling_capacity(capacity, W, S0, hint)
+    limit = _rolling.chunk_limit(capacity, W, S0) if rolling else None
+    _kv_cache.check_chunk(position, lengths, T, capacity, hint, limit)
+    # Under jit nothing could be checked: a row whose lengths are out of range (or, in a
+    # rolling cache, past the chunk limit, or already poisoned) writes nothing and is
+    # poisoned: NaN now and in every later call (its position past the end of a full
+    # cache, -1 in a rolling one, which never fills).
+    bad = (lengths < 0) | (lengths > T) | (position < 0)  # (B,)
+    if rolling:
+        bad = _kv_cache.broken_rows(position, lengths, T, capacity, limit)
     lengths = jnp.where(bad, 0, lengths)
+    start = jnp.maximum(position, 0)
     q, k, v = _project_qkv(params, cfg, x, dtype)
-    q, k = rotate_qk(cfg, q, k, position[:, None] + jnp.arange(T)[None, :])  # (B, T) positions
-    keys = _kv_cache.write(cache.key, k, position, lengths)
-    values = _kv_cache.write(cache.value, v, position, lengths)
-    end = position + lengths  # (B,)
+    q, k = rotate_qk(cfg, q, k, start[:, None] + jnp.arange(T)[None, :])  # (B, T) positions
+    ring = S0 if rolling else None
+    keys = _kv_cache.write(cache.key, k, start, lengths, ring)
+    values = _kv_cache.write(cache.value, v, start, lengths, ring)
+    end = start + lengths  # (B,)
+    options = core_options(cfg, positional=True)
+    if rolling:  # every rule in one mask_fn over the positions the slots hold
+        held = _rolling.slot_positions(end, capacity, S0)  # (B, S), -1: never written
+
+        def in_view(b, n, q_pos, k):
+            return _rolling.visible(q_pos, held[b, k], W, S0)
+
+        rules = dict(mask_fn=and_masks(in_view, _at_positions(mask_fn, held, False)))
+        rules["score_fn"] = _at_positions(score_fn, held, True)
+        options.pop("window", None)
+    else:
+        rules = dict(mask_fn=and_masks(sink_window(cfg), mask_fn), score_fn=score_fn)
+        rules |= dict(is_causal=True, kv_lengths=end)
     y = attend(
         params,
         q,
@@ -176,19 +246,20 @@ def decode(
         deterministic,
         dtype,
         mask=mask,
-        is_causal=True,
-        q_offset=position,
-        kv_lengths=end,
-        mask_fn=mask_fn,
-        score_fn=score_fn,
-        **core_options(cfg, positional=True),
+        q_offset=start,
+        **rules,
+        **options,
     )
     real = jnp.arange(T)[None, :] < lengths[:, None]  # (B, T)
     y = jnp.where(real[..., None], y, 0)
-    broken = bad | (end > capacity)  # only reachable under jit: the ValueErrors above
+    broken = bad if rolling else bad | (end > capacity)  # only under jit: the errors above
     y = jnp.where(broken[:, None, None], jnp.nan, y).astype(y.dtype)
-    end = jnp.where(bad, capacity + 1, end)  # every later call of the row overflows
-    return y, _kv_cache.KVCache(keys, values, end.astype(jnp.int32))
+    if rolling:
+        end = jnp.where(bad, -1, end)
+    else:
+        end = jnp.where(bad, capacity + 1, end)  # every later call of the row overflows
+    last = jnp.where(bad, 0, lengths)
+    return y, _kv_cache.KVCache(keys, values, end.astype(jnp.int32), last.astype(jnp.int32))
 
 
 def cross_attention(

@@ -145,6 +145,7 @@ def test_init_creates_an_empty_cache_of_the_input_length():
         "key": ((B, CAP, K, H), jnp.bfloat16),  # the compute dtype
         "value": ((B, CAP, K, H), jnp.bfloat16),
         "position": ((B,), jnp.int32),
+        "last": ((B,), jnp.int32),
     }
     for leaf in jax.tree.leaves(variables["cache"]):
         np.testing.assert_array_equal(leaf, 0)

@@ -211,7 +211,7 @@ def test_unpadded_chunks_and_the_cache_state():
     module, x, full = decode_case("everything-flash")
     cache = nnx.state(module, nnx.Cache)
     assert jax.tree.map(jnp.shape, nnx.to_pure_dict(cache)) == {
-        "cache": {"key": (B, CAP, K, H), "value": (B, CAP, K, H), "position": (B,)}
+        "cache": {"key": (B, CAP, K, H), "value": (B, CAP, K, H), "position": (B,), "last": (B,)}
     }
     assert module.cache.key[...].dtype == jnp.float32
     y = nnx.jit(lambda m, x: m(x, decode=True))(module, x)  # the whole sequence as one chunk
@@ -251,7 +251,8 @@ def test_the_cache_takes_config_dtype_else_param_dtype_as_linen_does(dtype, para
         shapes = jax.eval_shape(lambda x=x: layer.init(jax.random.key(0), x, decode=True))
         expected = x_dtype if dtype is None else dtype
         got = {name: a.dtype for name, a in shapes["cache"].items()}
-        assert got == {"key": expected, "value": expected, "position": jnp.int32}, x_dtype
+        counters = {"position": jnp.int32, "last": jnp.int32}
+        assert got == {"key": expected, "value": expected, **counters}, x_dtype
 
 
 @pytest.mark.parametrize("garbage", [np.nan, np.inf])

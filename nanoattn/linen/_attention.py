@@ -16,11 +16,55 @@ from .._heads import compute_dtype
 from ..parallel._layers import parameter_axes
 from ._norm import HeadRMSNorm
 
-# The "cache" collection: {"key": (B, S, K, H), "value": (B, S, K, H), "position": (B,)}.
+# The "cache" collection: {"key": (B, S, K, H), "value": (B, S, K, H), "position": (B,),
+# "last": (B,)}.
 CACHE = "cache"
 _OVERFLOW_HINT = (
     "create the cache with a longer input (init with jnp.zeros((B, max_len, D)), decode=True)"
 )
+
+_ROLLING_HINT = "init with a longer input (jnp.zeros((B, C, D)), decode=True makes C slots)"
+
+
+def rewind(cache, n):
+    """Moves each row b of a KV cache back by ``n[b]`` tokens; returns the new cache.
+
+    ``cache``: one layer's ``"cache"`` collection (``{"key", "value", "position",
+    "last"}``), or any nested mapping of them (a model's whole collection: every
+    layer is rewound alike). ``n``: an int or (B,) int with 0 <= n[b] <= the tokens
+    row b took in its last call (``cache["last"][b]``), e.g. the rejected draft
+    tokens of a speculative step. Works on full and rolling caches: the slots past
+    the new position are never read again (docs/decoding.md says why that holds for
+    a rolling cache too). Raises ValueError when ``n`` is concrete and out of range;
+    under ``jit`` such a row is poisoned instead (NaN outputs until reset).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> layer = CausalSelfAttention(AttentionConfig(d_model=16, n_heads=2))
+      >>> variables = layer.init(jax.random.key(0), jnp.zeros((2, 8, 16)), decode=True)
+      >>> _, state = layer.apply(variables, jnp.ones((2, 3, 16)), True, decode=True,
+      ...                        lengths=jnp.array([3, 2]), mutable=["cache"])
+      >>> cache = rewind(state["cache"], jnp.array([1, 2]))  # row 0 keeps 2, row 1 none
+      >>> cache["position"], cache["last"]
+      (Array([2, 0], dtype=int32), Array([1, 0], dtype=int32))
+    """
+    if _kv_cache.is_cache(cache):
+        return _kv_cache.rewind(_kv_cache.KVCache(**cache), n)._asdict()
+    if not hasattr(cache, "items"):
+        raise TypeError(
+            f"cache must be a layer's 'cache' collection (a mapping of key, value, position "
+            f"and last) or a mapping of them, got {type(cache).__name__}"
+        )
+    return {name: rewind(child, n) for name, child in cache.items()}
+
+
+def cache_bytes(cache) -> dict[str, int]:
+    """The bytes of each layer's KV cache in a ``"cache"`` collection:
+    ``{"path/to/layer": bytes}`` (``""`` for one layer's own cache), counting
+    ``2 * B * S * K * H * itemsize`` for keys and values plus ``8 * B`` for
+    ``position`` and ``last``. Takes arrays or shapes (``jax.eval_shape``); for NNX
+    pass ``nnx.to_pure_dict(nnx.state(model, nnx.Cache))``."""
+    return _kv_cache.cache_bytes(cache)
 
 
 class _Parameters:
@@ -125,7 +169,8 @@ class CausalSelfAttention(nn.Module):
       >>> init = jax.jit(lambda key: layer.init(key, jnp.zeros((2, 8, 128)), decode=True))
       >>> variables = init(jax.random.key(0))
       >>> jax.tree.map(jnp.shape, variables)  # qkv: (N + 2K) H = 256 columns
-      {'cache': {'key': (2, 8, 2, 32), 'position': (2,), 'value': (2, 8, 2, 32)},
+      {'cache': {'key': (2, 8, 2, 32), 'last': (2,), 'position': (2,),
+                 'value': (2, 8, 2, 32)},
        'params': {'out': {'bias': (128,), 'kernel': (128, 128)},
                   'qkv': {'bias': (256,), 'kernel': (128, 256)}}}
       >>> params = {"params": variables["params"]}
@@ -228,6 +273,9 @@ class CausalSelfAttention(nn.Module):
                 "'cache': variables['cache']}, ..., decode=True, mutable=['cache'])"
             )
 
+        if fresh and cfg.rolling_cache:
+            _kv_cache.check_rolling_capacity(T, cfg.window[0], cfg.sink_tokens, _ROLLING_HINT)
+
         def empty():  # called only by init, when the cache is created
             return _kv_cache.empty(B, T, cfg.kv_heads, cfg.head_dim, dtype)
 
@@ -251,7 +299,7 @@ class CausalSelfAttention(nn.Module):
             lengths=lengths,
             mask_fn=mask_fn,
             score_fn=score_fn,
-            hint=_OVERFLOW_HINT,
+            hint=_ROLLING_HINT if cfg.rolling_cache else _OVERFLOW_HINT,
         )
         for variable, value in zip(variables, cache, strict=True):
             variable.value = value

@@ -20,12 +20,15 @@ from ..parallel._layers import parameter_axes
 from ._parameters import HeadRMSNorm, Parameters
 
 _OVERFLOW_HINT = "create a larger cache with module.init_cache(batch, max_len)"
+_ROLLING_HINT = "create the cache with module.init_cache(batch, max_len) (max_len slots)"
 
 
 class KVCache(nnx.Module):
     """The decoding cache of one layer as ``nnx.Cache`` variables: ``key`` and
     ``value`` (B, S, K, H) in the cache dtype, ``position`` (B,) int32 (the
-    tokens each row holds). Slots at and past ``position[b]`` are never read."""
+    tokens each row has taken) and ``last`` (B,) int32 (the tokens of its last
+    call, what ``rewind`` may take back). Slots at and past ``position[b]`` are
+    never read (in a rolling cache: slots holding positions out of view)."""
 
     def __init__(self, cache: _kv_cache.KVCache):
         if not isinstance(cache, _kv_cache.KVCache):
@@ -36,12 +39,13 @@ class KVCache(nnx.Module):
         self.key = nnx.Cache(cache.key)
         self.value = nnx.Cache(cache.value)
         self.position = nnx.Cache(cache.position)
+        self.last = nnx.Cache(cache.last)
 
     def get(self) -> _kv_cache.KVCache:
-        return _kv_cache.KVCache(self.key[...], self.value[...], self.position[...])
+        return _kv_cache.KVCache(self.key[...], self.value[...], self.position[...], self.last[...])
 
     def set(self, cache: _kv_cache.KVCache) -> None:
-        self.key[...], self.value[...], self.position[...] = cache
+        self.key[...], self.value[...], self.position[...], self.last[...] = cache
 
 
 def _positive_int(name: str, value) -> int:
@@ -186,9 +190,12 @@ class CausalSelfAttention(_Attention):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
         """Allocates an empty KV cache: capacity ``max_len`` tokens for ``batch`` rows.
 
+        With ``config.rolling_cache`` the cache is a ring of ``max_len`` slots
+        (at least window + 1 + ``sink_tokens``) that decodes past any length.
+
         Args:
           batch: B, the rows every decoding call must have.
-          max_len: S, the most tokens a row can hold.
+          max_len: S, the most tokens a row can hold (the slots of a rolling cache).
           dtype: the dtype of the cached keys and values; default
             ``config.dtype``, else ``config.param_dtype`` (linen's
             ``init(x, decode=True)``, which has an input, takes ``config.dtype``,
@@ -200,6 +207,8 @@ class CausalSelfAttention(_Attention):
             dtype = cfg.param_dtype if cfg.dtype is None else cfg.dtype
         else:
             dtype = float_dtype("dtype", dtype)
+        if cfg.rolling_cache:
+            _kv_cache.check_rolling_capacity(max_len, cfg.window[0], cfg.sink_tokens, _ROLLING_HINT)
         self.cache = KVCache(_kv_cache.empty(batch, max_len, cfg.kv_heads, cfg.head_dim, dtype))
 
     def __call__(
@@ -279,10 +288,19 @@ class CausalSelfAttention(_Attention):
             lengths=lengths,
             mask_fn=mask_fn,
             score_fn=score_fn,
-            hint=_OVERFLOW_HINT,
+            hint=_ROLLING_HINT if cfg.rolling_cache else _OVERFLOW_HINT,
         )
         self.cache.set(cache)
         return y
+
+    def rewind(self, n) -> None:
+        """Moves each row b of the cache back by ``n[b]`` tokens (an int or (B,) int,
+        0 <= n[b] <= the tokens row b took in its last call): ``nanoattn.linen.rewind``
+        on ``module.cache``, full or rolling. Raises ValueError when ``n`` is concrete
+        and out of range; under ``nnx.jit`` such a row is poisoned (NaN outputs)."""
+        if self.cache is None:
+            raise ValueError("rewind needs a cache: call module.init_cache(batch, max_len) first")
+        self.cache.set(_kv_cache.rewind(self.cache.get(), n))
 
 
 MultiHeadAttention = CausalSelfAttention
