@@ -427,3 +427,30 @@ def test_per_layer_capacities_in_one_model():
         "layer_1": local_bytes,
         "layer_2": 2 * B * context * 1 * H * 4 + 8 * B,
     }
+
+
+def test_mask_fn_and_score_fn_see_true_key_positions_through_a_rolling_cache():
+    """A per-head causal window and ALiBi, as functions of positions: through the ring
+    they see each key's position (not its slot), so decoding equals the full forward."""
+    c = case("gqa_rope")
+    widths = jnp.array([0, 1, 2, 3])
+
+    def fns():
+        return dict(
+            mask_fn=lambda b, n, q, k: q - k <= widths[n],
+            score_fn=lambda s, b, n, q, k: s - 0.5 ** (n + 1) * (q - k),
+        )
+
+    full = jax.jit(lambda x: c.layer.apply({"params": c.params}, x, True, **fns()))(c.x)
+    step = jax.jit(
+        lambda cache, x: c.layer.apply(
+            {"params": c.params, "cache": cache}, x, True, decode=True, mutable=["cache"], **fns()
+        )
+    )
+    cache, outs = c.cache, []
+    for t in range(0, 27, 3):
+        y, state = step(cache, c.x[:, t : t + 3])
+        cache = state["cache"]
+        outs.append(y)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full[:, :27], atol=2e-5, rtol=1e-5)
+    assert np.abs(full - c.full(c.params, c.x)).max() > 1e-2  # the functions mattered
