@@ -46,7 +46,7 @@ def rewind(cache, n):
       ...                        lengths=jnp.array([3, 2]), mutable=["cache"])
       >>> cache = rewind(state["cache"], jnp.array([1, 2]))  # row 0 keeps 2, row 1 none
       >>> cache["position"], cache["last"]
-      (Array([2, 0], dtype=int32), Array([1, 0], dtype=int32))
+      (Array([2, 0], dtype=int32), Array([2, 0], dtype=int32))
     """
     if _kv_cache.is_cache(cache):
         return _kv_cache.rewind(_kv_cache.KVCache(**cache), n)._asdict()

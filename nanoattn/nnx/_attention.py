@@ -148,7 +148,10 @@ class CausalSelfAttention(_Attention):
     query at its position in the row and each key at its cache slot), with
     zeros at padded tokens. A write past the capacity raises ValueError when
     the position is concrete; under ``nnx.jit`` it cannot raise, and the
-    overflowing rows' outputs are NaN instead.
+    overflowing rows' outputs are NaN instead. With ``config.rolling_cache`` the
+    cache is a ring of ``max_len`` slots that decodes past any length (chunks of at
+    most ``max_len - W - sink_tokens`` tokens); ``module.rewind(n)`` takes back up
+    to the tokens of each row's last call, on either kind (docs/decoding.md).
 
     Args:
       config: an :class:`AttentionConfig` (or any object with ``d_model``,
