@@ -632,3 +632,50 @@ def test_rolling_argument_errors(kwargs, message):
         check_decoding(*_verify_decoders.tiny(), d_model=12, **kwargs)
     with pytest.raises(ValueError, match="pass a Decoder alone"):
         check_decoding(_verify_decoders.rolling(), lambda b, n: None, d_model=12)
+
+
+# nanoattn's own layers as Decoders: rewind through nanoattn.linen.rewind / module.rewind,
+# and a rolling cache bounded by its capacity C = W + S0 + 4 and max_chunk C - W - S0.
+
+TINY_D = 16
+TINY_LAYERS = {  # name: AttentionConfig options
+    "full": dict(),
+    "rolling_sinks": dict(window=(3, 0), rolling_cache=True, sink_tokens=2),
+}
+
+
+def tiny_layer_decoder(framework: str, name: str) -> Decoder:
+    config = AttentionConfig(TINY_D, 2, **TINY_LAYERS[name])
+    if framework == "nnx":
+        return decoders.nnx(nanoattn_nnx.CausalSelfAttention(config, rngs=nnx.Rngs(0)))
+    layer = CausalSelfAttention(config)
+    params = layer.init(jax.random.key(0), jnp.ones((1, 2, TINY_D)), deterministic=True)
+    return decoders.linen(layer, params)
+
+
+@pytest.mark.parametrize("name", list(TINY_LAYERS))
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_nanoattn_layers_as_decoders_rewind_and_roll_past_their_capacity(framework, name):
+    decoder = tiny_layer_decoder(framework, name)
+    assert decoder.rewind is not None
+    report = check_decoding(decoder, d_model=TINY_D)  # the Decoder whole: rewind, capacity
+    assert report.passed, report
+    assert not any(c.skipped for c in report.checks)
+    assert "rewinding" in by_name(report)
+    equivalence = by_name(report)["cache equivalence"].detail
+    if name == "full":
+        assert (decoder.capacity, decoder.max_chunk) == (None, None)
+        assert "all 13 in one call" in equivalence
+    else:  # C = W + S0 + 4 = 9 slots, chunks of at most 4, 4 C + 3 = 39 tokens
+        assert (decoder.capacity, decoder.max_chunk) == (9, 4)
+        assert "at all 39 positions of 2 rows through a cache of 9 slots" in equivalence
+        assert "chunks of 4" in equivalence
+
+
+def test_a_rolling_layer_decoder_takes_a_capacity_and_refuses_too_few_slots():
+    config = AttentionConfig(TINY_D, 2, **TINY_LAYERS["rolling_sinks"])
+    layer = nanoattn_nnx.CausalSelfAttention(config, rngs=nnx.Rngs(0))
+    decoder = decoders.nnx(layer, capacity=7)
+    assert (decoder.capacity, decoder.max_chunk) == (7, 2)
+    with pytest.raises(ValueError, match=r"capacity >= window \+ 1 \+ sink_tokens = 6, got "):
+        decoders.nnx(layer, capacity=5)

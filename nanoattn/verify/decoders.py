@@ -3,6 +3,11 @@
 
     check_decoding(*decoders.linen(layer, params), d_model=48).raise_if_failed()
 
+:func:`linen` and :func:`nnx` return a :class:`~nanoattn.verify.Decoder`, which
+unpacks as that triple and also carries ``rewind`` (and, for a rolling cache,
+``capacity`` and ``max_chunk``): ``check_decoding(decoders.linen(layer, params))``
+checks those too.
+
 The protocol (B batch, T time, L chunk length, D model width):
 
 * ``full(x) -> y``: the whole sequence at once, x (B, T, D) -> y (B, T, ...);
@@ -64,6 +69,27 @@ def _params(variables) -> dict:
     return {"params": variables["params"] if "params" in variables else variables}
 
 
+ROLLING_SLACK = 4  # the default rolling capacity C = W + S0 + 4: chunks of up to 4 tokens
+
+
+def _bounds(module, capacity: int | None) -> dict:
+    """``capacity`` and ``max_chunk`` for a :class:`Decoder` of ``module``: with a
+    rolling-cache config (``module.config.rolling_cache``) C = ``capacity`` (default
+    W + S0 + 4) and ``max_chunk = C - W - S0``; otherwise ``capacity`` as given (a
+    full cache: None) and no chunk limit."""
+    cfg = getattr(module, "config", None)
+    if not getattr(cfg, "rolling_cache", False):
+        return {"capacity": capacity}
+    W, S0 = cfg.window[0], cfg.sink_tokens
+    C = W + S0 + ROLLING_SLACK if capacity is None else capacity
+    if C < W + 1 + S0:
+        raise ValueError(
+            f"a rolling cache needs capacity >= window + 1 + sink_tokens = {W + 1 + S0}, "
+            f"got capacity={C}"
+        )
+    return {"capacity": C, "max_chunk": C - W - S0}
+
+
 def _no_lengths(name: str, lengths) -> None:
     if lengths is not None:
         raise ValueError(
@@ -72,20 +98,27 @@ def _no_lengths(name: str, lengths) -> None:
         )
 
 
-def linen(module: nn.Module, params):
+def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder:
     """nanoattn's linen ``CausalSelfAttention`` (or any linen module or model with its
-    decode API) as ``(full, init, step)``.
+    decode API) as a :class:`~nanoattn.verify.Decoder` ``(full, init, step)`` with
+    ``rewind``.
 
     ``full(x) = module.apply(params, x, deterministic=True)``; ``init`` returns an
     empty ``"cache"`` collection (zeros, every row at position 0, created at the
     first chunk from its dtype and width); ``step`` is ``module.apply({"params": p,
     "cache": c}, chunk, deterministic=True, decode=True, lengths=lengths,
-    mutable=["cache"])``.
+    mutable=["cache"])``; ``rewind(cache, n)`` is :func:`nanoattn.linen.rewind`
+    (every layer of a model's collection alike). With a rolling-cache config
+    (``module.config.rolling_cache``, ``window=(W, 0)``, ``sink_tokens`` S0) the
+    decoder is bounded: ``capacity`` C slots (default W + S0 + 4) and
+    ``max_chunk = C - W - S0``, so the check decodes far past C.
 
     Args:
       module: the linen module.
       params: its variables ``{"params": ...}`` (a ``"cache"`` in them is ignored)
         or the bare parameters.
+      capacity: the slots of a rolling cache (default W + S0 + 4), or for another
+        module with a bounded cache (e.g. a model of rolling layers) its slots.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -124,18 +157,28 @@ def linen(module: nn.Module, params):
             state = empty(state, chunk)
         return decode(state, chunk, lengths)
 
-    return full, init, step
+    rewind = jit(_linen_rewind)
+    return Decoder(full, init, step, rewind=rewind, **_bounds(module, capacity))
 
 
-def nnx(module: _nnx.Module):
+def _linen_rewind(cache, n):
+    from ..linen import rewind  # nanoattn.linen imports nothing from verify: no cycle
+
+    return rewind(cache, n)
+
+
+def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder:
     """nanoattn's NNX ``CausalSelfAttention`` (or any NNX module with its decode API:
     ``init_cache(batch, max_len)`` and ``module(chunk, decode=True, lengths=...)``)
-    as ``(full, init, step)``.
+    as a :class:`~nanoattn.verify.Decoder` ``(full, init, step)``, with ``rewind``
+    when the module has ``rewind(n)``.
 
     ``full(x) = module(x, deterministic=True)``; ``init`` calls ``init_cache`` on a
     copy of the module and returns the copy's graph definition and state; ``step``
     merges them, calls ``module(chunk, decode=True, lengths=lengths,
-    deterministic=True)`` and returns the new state.
+    deterministic=True)`` and returns the new state; ``rewind(state, n)`` merges
+    them and calls ``module.rewind(n)``. A rolling-cache config is bounded as in
+    :func:`linen`: ``capacity`` C (default W + S0 + 4), ``max_chunk = C - W - S0``.
 
     Example:
       >>> from flax import nnx
@@ -170,7 +213,20 @@ def nnx(module: _nnx.Module):
         cache_state, y = decode(graph, cache_state, chunk, lengths)
         return (graph, cache_state), y
 
-    return full, init, step
+    @functools.partial(jit, static_argnums=0)
+    def take_back(graph, cache_state, n):
+        copy = _nnx.merge(graph, cache_state)
+        copy.rewind(n)
+        return _nnx.split(copy)[1]
+
+    def rewind(decoder_state, n):
+        graph, cache_state = decoder_state
+        return graph, take_back(graph, cache_state, n)
+
+    has_rewind = callable(getattr(module, "rewind", None))
+    return Decoder(
+        full, init, step, rewind=rewind if has_rewind else None, **_bounds(module, capacity)
+    )
 
 
 def flax_linen(module: nn.Module, variables):
