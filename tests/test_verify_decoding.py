@@ -679,3 +679,16 @@ def test_a_rolling_layer_decoder_takes_a_capacity_and_refuses_too_few_slots():
     assert (decoder.capacity, decoder.max_chunk) == (7, 2)
     with pytest.raises(ValueError, match=r"capacity >= window \+ 1 \+ sink_tokens = 6, got "):
         decoders.nnx(layer, capacity=5)
+
+
+def test_cli_decode_checks_a_decoder_whole(capsys):
+    # A Decoder keeps its rewind, capacity and max_chunk through the CLI: the ring wraps
+    # (4 C + 3 tokens through C = 10 slots) and the rewinding check runs.
+    code, out, _ = run(capsys, "verify", "_verify_decoders:rolling", "--decode", "--d-model", "12")
+    assert code == 0, out
+    assert out.startswith(
+        "nanoattn verify _verify_decoders:rolling --decode (d_model 12, batch 2, length 43, "
+        "capacity 10)\ndecoding: PASS"
+    )
+    assert "through a cache of 10 slots" in out
+    assert re.search(r"^  rewinding +PASS", out, re.M)

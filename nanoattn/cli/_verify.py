@@ -11,10 +11,10 @@ import os
 import sys
 
 from .._validate import describe
-from ..verify import check_causality, check_decoding, check_mask
+from ..verify import Decoder, check_causality, check_decoding, check_mask
 from ..verify._bounds import raised_everywhere, within
 from ..verify._causality import DEFAULT_SEQ_LENS
-from ..verify._decoding import DEFAULT_SEQ_LEN
+from ..verify._decoding import CAPACITY_SLACK, DEFAULT_SEQ_LEN, LAPS
 from ..verify._mask import DEFAULT_SEQ_LENS as MASK_SEQ_LENS
 from . import _stages
 from ._common import UsageError, int_list
@@ -34,7 +34,8 @@ def add_parser(commands) -> None:
         "single self-attention layer and nanoattn.verify.check_mask proves that it sees exactly "
         "what MASK_FN(b, n, q_pos, k_pos) -> bool claims. With --decode, OBJECT is a decoder "
         "(full, init, step) (or a zero-argument factory returning one; "
-        "nanoattn.verify.decoders builds it for nanoattn's and flax's modules) and "
+        "nanoattn.verify.decoders builds it for nanoattn's and flax's modules; a "
+        "nanoattn.verify.Decoder also brings its rewind, capacity and max_chunk) and "
         "nanoattn.verify.check_decoding runs on it. On a terminal, a stage still running after "
         "about 2 s says on stderr what it is doing (nothing with --json). "
         "Exit status 0 when every check passes, 1 when one fails (also when the target raises "
@@ -90,7 +91,8 @@ def add_parser(commands) -> None:
     verify.add_argument(
         "--seq-len",
         type=int,
-        help=f"--decode: the length of the decoded sequence (default {DEFAULT_SEQ_LEN})",
+        help=f"--decode: the length of the decoded sequence (default {DEFAULT_SEQ_LEN}; "
+        f"{LAPS} C + {CAPACITY_SLACK} for a Decoder with a capacity of C slots)",
     )
     verify.add_argument(
         "--one-token",
@@ -123,7 +125,9 @@ def load_target(
     target: str, decode: bool = False, what: str = "target must look like MODULE:OBJECT"
 ):
     """Imports ``MODULE:OBJECT`` and returns the function (or with ``decode`` the
-    ``(full, init, step)`` decoder) to check; a zero-argument factory is called.
+    decoder, as a :class:`~nanoattn.verify.Decoder`: one given whole keeps its
+    ``rewind``, ``capacity`` and ``max_chunk``) to check; a zero-argument factory is
+    called.
     ``what``: the start of the error for a ``target`` of another form."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
@@ -139,7 +143,7 @@ def load_target(
             raise UsageError(f"{module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if decode and _is_decoder(obj):
-        return tuple(obj)
+        return _as_decoder(obj)
     if not callable(obj):
         wanted = "a (full, init, step) decoder" if decode else "a callable"
         raise UsageError(f"{target} is a {type(obj).__name__}, not {wanted}")
@@ -159,7 +163,11 @@ def load_target(
             )
     elif decode:
         raise UsageError(f"{target} takes arguments: --decode needs a (full, init, step) decoder")
-    return obj
+    return _as_decoder(obj) if decode else obj
+
+
+def _as_decoder(obj) -> Decoder:
+    return obj if isinstance(obj, Decoder) else Decoder(*obj)
 
 
 def _is_decoder(obj) -> bool:
@@ -221,18 +229,23 @@ def run(args) -> int:
     width = f"d_model {args.d_model}" if args.vocab is None else f"vocab {args.vocab}"
     try:
         if args.decode:
-            seq_len = args.seq_len or DEFAULT_SEQ_LEN
+            seq_len = args.seq_len or (
+                DEFAULT_SEQ_LEN
+                if target.capacity is None
+                else LAPS * target.capacity + CAPACITY_SLACK  # check_decoding's default
+            )
             chunked = "" if args.one_token else " and in chunks"
             with stage(f"checking decoding of {seq_len} tokens one by one{chunked}"):
                 report = check_decoding(
-                    *target,
+                    target,  # whole: its rewind, capacity and max_chunk are checked too
                     **inputs,
                     seq_len=seq_len,
                     chunked=not args.one_token,
                     batch=args.batch,
                     atol=args.atol,
                 )
-            what = f"--decode ({width}, batch {args.batch}, length {seq_len})"
+            bound = "" if target.capacity is None else f", capacity {target.capacity}"
+            what = f"--decode ({width}, batch {args.batch}, length {seq_len}{bound})"
         else:
             report, what = _check_field(args, target, inputs, width, stage)
     except UsageError:
