@@ -54,7 +54,8 @@ SANITIZE_FUZZ_EXAMPLES ?= 200
 sanitize: $(VENV)/.installed-test
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
 	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
-	$(BIN)/python -m pytest -p no:xdist -q tests/test_native.py tests/test_native_blocks.py
+	$(BIN)/python -m pytest -p no:xdist -q tests/test_native.py tests/test_native_blocks.py \
+	  tests/test_native_mask_fn.py
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
 	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
 	NANOATTN_FUZZ_NATIVE_EXAMPLES=$(SANITIZE_FUZZ_EXAMPLES) \

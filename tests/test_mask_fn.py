@@ -395,7 +395,17 @@ def test_vmap_over_a_batch_axis_with_mask_fn_score_fn_and_sinks():
         np.testing.assert_allclose(mapped, jax.jit(one)(q, k, v), atol=1e-6)
 
 
-def test_the_native_kernel_leaves_mask_fn_and_score_fn_to_others():
-    q, k, v = map(jnp.asarray, inputs(37, 37))
-    with pytest.raises(ValueError, match="mask_fn and score_fn are served by 'xla' and 'flash'"):
-        nanoattn.dot_product_attention(q, k, v, mask_fn=prefix_lm, implementation="native")
+def test_the_native_kernel_serves_mask_fn_and_leaves_score_fn_to_others():
+    # Its mask_fn tests: tests/test_native_mask_fn.py.
+    from nanoattn import _native
+
+    if _native.load()[0] is None:
+        pytest.skip("the native kernel could not be built here")
+    q, k, v = inputs(37, 37)
+    out = nanoattn.dot_product_attention(q, k, v, mask_fn=prefix_lm, implementation="native")
+    allowed = MASKS["prefix_lm"][1](*positions(37, 37))
+    np.testing.assert_allclose(out, np_attention(q, k, v, allowed=allowed), atol=ATOL)
+    with pytest.raises(ValueError, match=r"score_fn is served by 'xla' and 'flash' only$"):
+        nanoattn.dot_product_attention(
+            q, k, v, score_fn=lambda s, b, n, qp, kp: s, implementation="native"
+        )

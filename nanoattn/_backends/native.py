@@ -1,11 +1,13 @@
 """``"native"``: the C++ CPU kernel (:mod:`nanoattn._native`) through XLA's FFI;
-float32 or bfloat16, no dense mask, bias or dropout, a Python number for ``scale``;
-built on the first call it may serve."""
+float32 or bfloat16, no dense mask, bias, ``score_fn`` or dropout, a Python number for
+``scale``; ``mask_fn`` served from its block classification and the bits of its partial
+blocks (a traced one while those bits stay small); built on the first call it may serve."""
 
 import jax
 import jax.numpy as jnp
 
 from .. import _native
+from .._native._kernel import mask_fn_unsupported
 from . import NO_DROPOUT
 
 # Where it can serve the call, from this many score cells per batch row and head
@@ -31,14 +33,14 @@ class Native:
             return f"it supports float32 and bfloat16 inputs only, got {jnp.dtype(dtype)}"
         if spec.mask is not None or spec.bias is not None:
             return "a dense mask or a bias is served by 'xla' and 'flash' only"
-        if spec.indexed:
-            return "mask_fn and score_fn are served by 'xla' and 'flash' only"
+        if spec.score_fn is not None:
+            return "score_fn is served by 'xla' and 'flash' only"
         if not spec.static_scale:
             return "it needs a Python number for scale, not a traced array"
-        _, reason = _native.load()  # last: this builds the kernel on first use
+        _, reason = _native.load()  # this builds the kernel on first use
         if reason is not None:
             return f"the kernel is not available: {reason}"
-        return None
+        return mask_fn_unsupported(spec)  # last: it needs the built kernel's blocks
 
     def pays_off(self, spec, dtype) -> bool:
         least = CPU_MIN_CELLS_BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else CPU_MIN_CELLS

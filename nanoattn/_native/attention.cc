@@ -17,9 +17,15 @@
 // Visibility, the contract of the other backends: query i (position
 // p = q_offset[b] + i) sees key j when p - left <= j <= p + right (a side of -1 is
 // unbounded; causality is right = 0), j < kv_lengths[b], and, with segment ids,
-// q_segment_ids[b, i] == kv_segment_ids[b, j]. A query that sees no key gives zeros
-// and zero gradients; a key that no query of its row sees is never read, so NaN or
-// inf there cannot reach any result.
+// q_segment_ids[b, i] == kv_segment_ids[b, j], and, with a mask_fn, where its bits say
+// so. A mask_fn arrives classified (docs/conventions.md, "Masks and scores as
+// functions"): one kind per (b, n, query block, key block), empty, full or partial, and
+// for each partial block its BQ x BK bits, packed twice (rows of queries over keys, and
+// rows of keys over queries, for the two layouts of the scores). An empty block is
+// skipped; a full one is masked by the other rules only; a partial one by the bits too.
+// A query that sees no key gives zeros and zero gradients; a key that no query of its
+// row (and, with a mask_fn, of its key/value head's group) sees is never read, so NaN
+// or inf there cannot reach any result.
 
 #include <algorithm>
 #include <atomic>
@@ -32,6 +38,7 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -285,6 +292,20 @@ constexpr int BK = NANOATTN_BK;  // keys per block
 static_assert(BQ % MR == 0 && BQ % VW == 0 && BK % VW == 0 && VW % MR == 0,
               "blocks must tile the products");
 
+// A mask_fn's blocks, as the Python side classified them: kind and slot (V, xB, xN, nQ,
+// nK), where V is the product of the axes a vmap put in front of B0 (the call's own
+// batch, B = V * B0), xB is 1 or B0 and xN is 1 or N (axes the mask does not depend
+// on); bits (V, P, kBitsBytes), the P partial blocks' cells, slot[...] naming a partial
+// block's (-1 for the others). kind null: no mask_fn.
+enum : int8_t { kFnEmpty = 0, kFnPartial = 1, kFnFull = 2 };  // nanoattn._block_mask's
+constexpr int64_t kBitsBytes = 2 * BQ * BK / 8;  // rows (BQ, BK / 8), then columns (BK, BQ / 8)
+struct MaskFn {
+  const int8_t* kind = nullptr;
+  const int32_t* slot = nullptr;
+  const uint8_t* bits = nullptr;
+  int64_t B0 = 1, xB = 1, xN = 1, P = 0;
+};
+
 struct Problem {
   int64_t B, T, S, N, K, G, H, Hp;
   float scale, soft_cap;  // soft_cap 0: none
@@ -293,18 +314,61 @@ struct Problem {
   const int32_t* kv_lengths;  // (B,)
   const int32_t* q_seg;  // (B, T) or null
   const int32_t* kv_seg;  // (B, S) or null
+  MaskFn fn;
   int64_t n_q() const { return (T + BQ - 1) / BQ; }
   int64_t n_k() const { return (S + BK - 1) / BK; }
 };
+
+// One block of the mask_fn: its kind and, for a partial block, its bits: `rows` (BQ,
+// BK / 8), bit c of row r (little-endian bytes) for query i0 + r and key j0 + c, and
+// `cols` (BK, BQ / 8), the same cells with keys as rows. Without a mask_fn every block
+// is full.
+struct FnBlock {
+  int8_t kind;
+  const uint8_t* rows;
+  const uint8_t* cols;
+};
+
+inline FnBlock fn_block(const Problem& p, int64_t b, int64_t n, int64_t qb, int64_t kb) {
+  const MaskFn& f = p.fn;
+  if (!f.kind) return {kFnFull, nullptr, nullptr};
+  const int64_t v = b / f.B0, bb = f.xB > 1 ? b % f.B0 : 0, nn = f.xN > 1 ? n : 0;
+  const int64_t at = (((v * f.xB + bb) * f.xN + nn) * p.n_q() + qb) * p.n_k() + kb;
+  const int8_t kind = f.kind[at];
+  if (kind != kFnPartial) return {kind, nullptr, nullptr};
+  const uint8_t* bits = f.bits + (v * f.P + f.slot[at]) * kBitsBytes;
+  return {kind, bits, bits + BQ * BK / 8};
+}
+
+// VW bits from `at` (little-endian bytes) as lanes of 0 or 1: lane l holds bit l.
+inline vi lane_bits(const uint8_t* at) {
+  uint32_t word = 0;
+  std::memcpy(&word, at, VW / 8);
+  vi lane;
+  for (int l = 0; l < VW; ++l) lane[l] = l;
+  return (splat_int(static_cast<int32_t>(word)) >> lane) & 1;
+}
 
 // Per batch row: query i sees keys in [lo[i], hi[i]] (empty when lo > hi), those
 // of its segment only with segment ids; q_sees[i] and k_seen[j] say whether a
 // query sees any key and whether any query sees a key. lo and hi never decrease
 // with i, so the queries that may see key j are a contiguous range.
+// With a mask_fn, fn_q_sees (N, T) and fn_k_seen (K, S) say the same by every rule
+// together, per query head and per key/value head (some query of its group): q_sees and
+// k_seen are what the positional rules and segments let through, a superset.
 struct Geometry {
   std::vector<int64_t> lo, hi;
   std::vector<uint8_t> q_sees, k_seen;
+  std::vector<uint8_t> fn_q_sees, fn_k_seen;
 };
+
+// Which queries of head n see a key, and which keys of head kh a query sees, by every rule.
+inline const uint8_t* sees(const Problem& p, const Geometry& g, int64_t n) {
+  return p.fn.kind ? g.fn_q_sees.data() + n * p.T : g.q_sees.data();
+}
+inline const uint8_t* seen(const Problem& p, const Geometry& g, int64_t kh) {
+  return p.fn.kind ? g.fn_k_seen.data() + kh * p.S : g.k_seen.data();
+}
 
 // Whether some index in [first, last] of the sorted (id, index) pairs has this id.
 bool has_id_in(const std::vector<std::pair<int32_t, int64_t>>& sorted, int32_t id, int64_t first,
@@ -390,6 +454,51 @@ std::pair<int64_t, int64_t> query_blocks(const Problem& p, const Geometry& g, in
   return {first / BQ, (end - 1) / BQ};
 }
 
+// A block by every rule: skipped when the other rules or the mask_fn hide all of it,
+// masked cell by cell when either shows only part of it.
+inline Block combine(Block kind, const FnBlock& fn) {
+  if (kind == Block::kSkip || fn.kind == kFnEmpty) return Block::kSkip;
+  return fn.kind == kFnPartial ? Block::kPartial : kind;
+}
+
+// Bit c of row r of a partial block's rows layout.
+inline bool bit(const uint8_t* rows, int64_t r, int64_t c) {
+  return rows[r * (BK / 8) + c / 8] >> (c % 8) & 1;
+}
+
+// fn_q_sees of heads [n0, n1) and fn_k_seen of key/value head kh (those heads' keys) in
+// batch row b, from every block the heads may see: a full one shows all its cells, a
+// partial one is looked at cell by cell, skipping queries and keys already known to see
+// or be seen.
+void fn_sight(const Problem& p, Geometry& g, int64_t b, int64_t n0, int64_t n1, int64_t kh) {
+  uint8_t* k_seen = g.fn_k_seen.data() + kh * p.S;
+  for (int64_t n = n0; n < n1; ++n) {
+    uint8_t* q_sees = g.fn_q_sees.data() + n * p.T;
+    for (int64_t qb = 0; qb < p.n_q(); ++qb) {
+      const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
+      auto [first, last] = key_blocks(p, g, i0, i1);
+      for (int64_t kb = first; kb <= last; ++kb) {
+        const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
+        const FnBlock fn = fn_block(p, b, n, qb, kb);
+        const Block kind = combine(classify(p, g, i0, i1, j0, j1), fn);
+        if (kind == Block::kSkip) continue;
+        if (kind == Block::kFull) {
+          std::fill(q_sees + i0, q_sees + i1, 1);
+          std::fill(k_seen + j0, k_seen + j1, 1);
+          continue;
+        }
+        auto shows = [&](int64_t i, int64_t j) {
+          return visible(p, g, b, i, j) && (!fn.rows || bit(fn.rows, i - i0, j - j0));
+        };
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t j = j0; j < j1 && g.q_sees[i] && !q_sees[i]; ++j) q_sees[i] = shows(i, j);
+        for (int64_t j = j0; j < j1; ++j)
+          for (int64_t i = i0; i < i1 && g.k_seen[j] && !k_seen[j]; ++i) k_seen[j] = shows(i, j);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Packing blocks into padded, contiguous scratch.
 
@@ -442,10 +551,11 @@ inline int64_t query_tile(const Problem& p, int64_t b, int64_t n, int64_t qb) {
 template <class In>
 void pack_rows(const Problem& p, const In* x, const Geometry& g, int64_t b, int64_t n,
                int64_t i0, float factor, float* out) {
+  const uint8_t* q_sees = sees(p, g, n);
   for (int64_t r = 0; r < BQ; ++r) {
     float* dst = out + r * p.Hp;
     const int64_t i = i0 + r;
-    if (i < p.T && g.q_sees[i]) {
+    if (i < p.T && q_sees[i]) {
       const In* src = x + ((b * p.T + i) * p.N + n) * p.H;
       for (int64_t h = 0; h < p.H; ++h) dst[h] = widen(src[h]) * factor;
       std::fill(dst + p.H, dst + p.Hp, 0.0f);
@@ -461,9 +571,10 @@ template <class In>
 void pack_keys(const Problem& p, const In* x, const Geometry& g, int64_t b, int64_t kh,
                int64_t j0, float* rows, float* cols) {
   if (cols && p.Hp > p.H) std::fill(cols + p.H * BK, cols + p.Hp * BK, 0.0f);  // padded widths
+  const uint8_t* k_seen = seen(p, g, kh);
   for (int64_t c = 0; c < BK; ++c) {
     const int64_t j = j0 + c;
-    const bool real = j < p.S && g.k_seen[j];
+    const bool real = j < p.S && k_seen[j];
     const In* src = real ? x + ((b * p.S + j) * p.K + kh) * p.H : nullptr;
     if (rows) {
       float* dst = rows + c * p.Hp;
@@ -481,22 +592,14 @@ void pack_keys(const Problem& p, const In* x, const Geometry& g, int64_t b, int6
     float* dst = cols + h * BK;
     for (int64_t c = 0; c < BK; ++c) {
       const int64_t j = j0 + c;
-      dst[c] = j < p.S && g.k_seen[j] ? widen(base[c * stride + h]) : 0.0f;
+      dst[c] = j < p.S && k_seen[j] ? widen(base[c * stride + h]) : 0.0f;
     }
   }
 }
 
-// Soft-capping and the mask on the first `width` logits of one row, in place.
-// `tanh_out` keeps tanh(logit / cap) for the backward pass.
-void cap_and_mask(const Problem& p, const Geometry& g, int64_t b, int64_t i, int64_t j0,
-                  int64_t width, Block kind, float* row, float* tanh_out) {
-  if (p.soft_cap > 0) {
-    for (int c = 0; c < width; ++c) {
-      float t = std::tanh(row[c] / p.soft_cap);
-      if (tanh_out) tanh_out[c] = t;
-      row[c] = p.soft_cap * t;
-    }
-  }
+// The positional rules, lengths and segments on the first `width` logits of one row.
+void mask_row(const Problem& p, const Geometry& g, int64_t b, int64_t i, int64_t j0,
+              int64_t width, Block kind, float* row) {
   if (kind == Block::kFull && j0 + width <= p.S) return;
   if (kind == Block::kPartial && p.q_seg) {
     for (int c = 0; c < width; ++c)
@@ -514,6 +617,26 @@ void cap_and_mask(const Problem& p, const Geometry& g, int64_t b, int64_t i, int
   for (int c = 0; c < width; c += VW, column += VW) {
     const vf x = load(row + c);
     store(row + c, (column < first) | (column > last) ? splat(-kInf) : x);
+  }
+}
+
+// Soft-capping and the mask on the first `width` logits of one row, in place: the other
+// rules, then the row's bits of a partial mask_fn block (`bits`: its BK / 8 bytes, or
+// null). `tanh_out` keeps tanh(logit / cap) for the backward pass.
+void cap_and_mask(const Problem& p, const Geometry& g, int64_t b, int64_t i, int64_t j0,
+                  int64_t width, Block kind, const uint8_t* bits, float* row, float* tanh_out) {
+  if (p.soft_cap > 0) {
+    for (int c = 0; c < width; ++c) {
+      float t = std::tanh(row[c] / p.soft_cap);
+      if (tanh_out) tanh_out[c] = t;
+      row[c] = p.soft_cap * t;
+    }
+  }
+  mask_row(p, g, b, i, j0, width, kind, row);
+  if (!bits) return;
+  for (int c = 0; c < width; c += VW) {
+    const vf x = load(row + c);
+    store(row + c, lane_bits(bits + c / 8) == 0 ? splat(-kInf) : x);
   }
 }
 
@@ -563,10 +686,12 @@ void forward_rows_task(const Problem& p, const std::vector<Geometry>& geo, const
   std::fill(l, l + BQ, 0.0f);
   std::fill(o.data, o.data + BQ * Hp, 0.0f);
   pack_rows(p, q, g, b, n, i0, p.scale, qs.data);
+  const uint8_t* q_sees = sees(p, g, n);
   auto [first, last] = key_blocks(p, g, i0, i1);
   for (int64_t kb = first; kb <= last; ++kb) {
     const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kc = round_up(j1 - j0, VW);
-    const Block kind = classify(p, g, i0, i1, j0, j1);
+    const FnBlock fn = fn_block(p, b, n, qb, kb);
+    const Block kind = combine(classify(p, g, i0, i1, j0, j1), fn);
     if (kind == Block::kSkip) continue;
     gemm(mr, kc, Hp, qs.data, Hp, 1, keys_t.at(key_tile(p, b, kh, kb)), BK, s.data, BK, false);
     // Each row's new maximum; maxima keep a NaN: a row whose logits are all NaN (a NaN
@@ -575,9 +700,10 @@ void forward_rows_task(const Problem& p, const std::vector<Geometry>& geo, const
     alignas(64) float m_new[BQ];
     for (int64_t r = 0; r < BQ; ++r) {
       m_new[r] = m[r];
-      if (r >= rows || !g.q_sees[i0 + r]) continue;
+      if (r >= rows || !q_sees[i0 + r]) continue;
       float* row = s.data + r * BK;
-      cap_and_mask(p, g, b, i0 + r, j0, kc, kind, row, nullptr);
+      const uint8_t* bits = fn.rows ? fn.rows + r * (BK / 8) : nullptr;
+      cap_and_mask(p, g, b, i0 + r, j0, kc, kind, bits, row, nullptr);
       vf mx = splat(-kInf);
       for (int c = 0; c < kc; c += VW) mx = nan_max(load(row + c), mx);
       m_new[r] = nan_max(m[r], hmax(mx));
@@ -621,8 +747,9 @@ template <class In>
 void pack_queries_t(const Problem& p, const In* x, const Geometry& g, int64_t b, int64_t n,
                     int64_t i0, float factor, float* out) {
   std::fill(out, out + p.Hp * BQ, 0.0f);
+  const uint8_t* q_sees = sees(p, g, n);
   for (int64_t c = 0; c < BQ && i0 + c < p.T; ++c) {
-    if (!g.q_sees[i0 + c]) continue;
+    if (!q_sees[i0 + c]) continue;
     const In* src = x + ((b * p.T + i0 + c) * p.N + n) * p.H;
     for (int64_t h = 0; h < p.H; ++h) out[h * BQ + c] = widen(src[h]) * factor;
   }
@@ -638,10 +765,11 @@ inline uint32_t pair(uint16_t first, uint16_t second) {
 void pack_key_pairs(const Problem& p, const uint16_t* x, const Geometry& g, int64_t b,
                     int64_t kh, int64_t j0, uint32_t* out) {
   const int64_t W = p.Hp / 2;
+  const uint8_t* k_seen = seen(p, g, kh);
   for (int64_t c = 0; c < BK; ++c) {
     const int64_t j = j0 + c;
     const uint16_t* src = x + ((b * p.S + j) * p.K + kh) * p.H;
-    const bool real = j < p.S && g.k_seen[j];
+    const bool real = j < p.S && k_seen[j];
     for (int64_t w = 0; w < W; ++w) {
       const uint16_t first = real && 2 * w < p.H ? src[2 * w] : 0;
       const uint16_t second = real && 2 * w + 1 < p.H ? src[2 * w + 1] : 0;
@@ -656,8 +784,9 @@ void pack_query_pairs(const Problem& p, const uint16_t* x, const Geometry& g, in
                       int64_t n, int64_t i0, uint32_t* out) {
   const int64_t W = p.Hp / 2;
   std::fill(out, out + W * BQ, 0u);
+  const uint8_t* q_sees = sees(p, g, n);
   for (int64_t c = 0; c < BQ && i0 + c < p.T; ++c) {
-    if (!g.q_sees[i0 + c]) continue;
+    if (!q_sees[i0 + c]) continue;
     const uint16_t* src = x + ((b * p.T + i0 + c) * p.N + n) * p.H;
     for (int64_t w = 0; w < W; ++w) {
       const uint16_t first = 2 * w < p.H ? src[2 * w] : 0;
@@ -673,11 +802,12 @@ struct Columns {
   alignas(64) int32_t lo[BQ], hi[BQ], seg[BQ];
 };
 
-Columns columns(const Problem& p, const Geometry& g, int64_t b, int64_t i0) {
+Columns columns(const Problem& p, const Geometry& g, int64_t b, int64_t n, int64_t i0) {
   Columns c;
+  const uint8_t* q_sees = sees(p, g, n);
   for (int64_t r = 0; r < BQ; ++r) {
     const int64_t i = i0 + r;
-    const bool real = i < p.T && g.q_sees[i];
+    const bool real = i < p.T && q_sees[i];
     c.lo[r] = real ? static_cast<int32_t>(g.lo[i]) : 1;
     c.hi[r] = real ? static_cast<int32_t>(g.hi[i]) : 0;
     c.seg[r] = real && p.q_seg ? p.q_seg[b * p.T + i] : 0;
@@ -709,11 +839,12 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
                      reinterpret_cast<uint32_t*>(qt.data));
   else
     pack_queries_t(p, q, g, b, n, i0, p.scale, qt.data);
-  const Columns cols = columns(p, g, b, i0);
+  const Columns cols = columns(p, g, b, n, i0);
   auto [first, last] = key_blocks(p, g, i0, i1);
   for (int64_t kb = first; kb <= last; ++kb) {
     const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kr = round_up(j1 - j0, MR);
-    const Block kind = classify(p, g, i0, i1, j0, j1);
+    const FnBlock fn = fn_block(p, b, n, qb, kb);
+    const Block kind = combine(classify(p, g, i0, i1, j0, j1), fn);
     if (kind == Block::kSkip) continue;
 #if defined(__AVX512BF16__)
     if constexpr (pairs) {
@@ -749,6 +880,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
           const vi j = splat_int(static_cast<int32_t>(j0 + r));
           vi hidden = (j < lo) | (j > hi);
           if (p.q_seg) hidden |= seg != splat_int(j0 + r < p.S ? p.kv_seg[b * p.S + j0 + r] : 0);
+          if (fn.cols) hidden |= lane_bits(fn.cols + r * (BQ / 8) + c / 8) == 0;
           x = hidden ? splat(-kInf) : x;
           store(at, x);
         }
@@ -817,10 +949,12 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
   }
   const bool capped = p.soft_cap > 0;
   for (int64_t n = kh * p.G; n < (kh + 1) * p.G && first <= last; ++n) {
+    const uint8_t* q_sees = sees(p, g, n);
     for (int64_t qb = first; qb <= last; ++qb) {
       const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
       const int64_t mr = round_up(rows, MR);
-      const Block kind = classify(p, g, i0, i1, j0, j1);
+      const FnBlock fn = fn_block(p, b, n, qb, kb);
+      const Block kind = combine(classify(p, g, i0, i1, j0, j1), fn);
       if (kind == Block::kSkip) continue;
       const float* qs = queries.at(query_tile(p, b, n, qb));
       const float* dos = d_out.at(query_tile(p, b, n, qb));
@@ -828,12 +962,13 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
       for (int64_t r = 0; r < mr; ++r) {
         float* row = ps.data + r * BK;
         const int64_t i = i0 + r;
-        if (r >= rows || !g.q_sees[i]) {
+        if (r >= rows || !q_sees[i]) {
           std::fill(row, row + kc, 0.0f);
           if (capped) std::fill(th.data + r * BK, th.data + r * BK + kc, 0.0f);
           continue;
         }
-        cap_and_mask(p, g, b, i, j0, kc, kind, row, capped ? th.data + r * BK : nullptr);
+        const uint8_t* bits = fn.rows ? fn.rows + r * (BK / 8) : nullptr;
+        cap_and_mask(p, g, b, i, j0, kc, kind, bits, row, capped ? th.data + r * BK : nullptr);
         const vf shift = splat(in.lse[(b * p.T + i) * p.N + n]);
         for (int c = 0; c < kc; c += VW) store(row + c, vexp(load(row + c) - shift));
       }
@@ -873,13 +1008,50 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
 // ---------------------------------------------------------------------------
 // The FFI boundary: shapes, then the passes.
 
+// A mask_fn's kinds (V, xB, xN, nQ, nK), slots (the same) and bits (V, P, kBitsBytes),
+// checked against the call (B0 the call's own batch, B = V * B0) and against each other.
+ffi::Error mask_fn_of(const ffi::Buffer<ffi::S8>& kind, const ffi::Buffer<ffi::S32>& slot,
+                      const ffi::Buffer<ffi::U8>& bits, int64_t B0, Problem& p) {
+  const auto kd = kind.dimensions(), bd = bits.dimensions();
+  const size_t rank = kd.size(), bits_rank = bd.size();
+  auto bad = [](const char* what) {
+    return ffi::Error::InvalidArgument(std::string("nanoattn native: mask_fn's ") + what);
+  };
+  if (rank < 4 || bits_rank < 2 || bits_rank - 2 != rank - 4)
+    return bad("kinds need (xB, xN, nQ, nK) and bits (P, bytes), after the same mapped axes");
+  int64_t V = 1;
+  for (size_t a = 0; a + 4 < rank; ++a) {
+    if (kd[a] != bd[a]) return bad("kinds and bits have different mapped axes");
+    V *= kd[a];
+  }
+  const int64_t xB = kd[rank - 4], xN = kd[rank - 3];
+  if (V * B0 != p.B || (xB != 1 && xB != B0) || (xN != 1 && xN != p.N) ||
+      kd[rank - 2] != p.n_q() || kd[rank - 1] != p.n_k())
+    return bad("kinds need (1 or B, 1 or N, ceil(T / BQ), ceil(S / BK)) blocks");
+  if (bd[bits_rank - 1] != kBitsBytes) return bad("bits need 2 * BQ * BK / 8 bytes a block");
+  if (slot.element_count() != kind.element_count()) return bad("slots need one per block");
+  const int64_t P = bd[bits_rank - 2];
+  const int8_t* kinds = kind.typed_data();
+  const int32_t* slots = slot.typed_data();
+  for (size_t t = 0; t < kind.element_count(); ++t) {
+    if (kinds[t] != kFnEmpty && kinds[t] != kFnPartial && kinds[t] != kFnFull)
+      return bad("kinds must be 0 (empty), 1 (partial) or 2 (full)");
+    if (kinds[t] == kFnPartial && (slots[t] < 0 || slots[t] >= P))
+      return bad("partial blocks need a slot in the bits");
+  }
+  p.fn = MaskFn{kinds, slots, bits.typed_data(), B0, xB, xN, P};
+  return ffi::Error::Success();
+}
+
 // The sizes, rules and per-row inputs of a call, checked against each other.
 template <ffi::DataType DT>
 ffi::Error make_problem(const ffi::Buffer<DT>& q, const ffi::Buffer<DT>& k,
                         const ffi::Buffer<DT>& v, const ffi::Buffer<ffi::S32>& q_offset,
                         const ffi::Buffer<ffi::S32>& kv_lengths,
                         const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& kv_seg,
-                        float scale, float soft_cap, int64_t left, int64_t right, Problem& p) {
+                        const ffi::Buffer<ffi::S8>& fn_kind, const ffi::Buffer<ffi::S32>& fn_slot,
+                        const ffi::Buffer<ffi::U8>& fn_bits, float scale, float soft_cap,
+                        int64_t left, int64_t right, Problem& p) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const size_t rank = qd.size();
   if (rank < 4 || kd.size() != rank || vd.size() != rank)
@@ -917,7 +1089,9 @@ ffi::Error make_problem(const ffi::Buffer<DT>& q, const ffi::Buffer<DT>& k,
   p.kv_lengths = kv_lengths.typed_data();
   p.q_seg = segments ? q_seg.typed_data() : nullptr;
   p.kv_seg = segments ? kv_seg.typed_data() : nullptr;
-  return ffi::Error::Success();
+  p.fn = MaskFn{};
+  if (fn_kind.element_count() == 0) return ffi::Error::Success();  // empty: no mask_fn
+  return mask_fn_of(fn_kind, fn_slot, fn_bits, qd[rank - 4], p);
 }
 
 // Task indices [0, total) by decreasing cost(task), ties in index order: the
@@ -934,7 +1108,29 @@ std::vector<int64_t> costliest_first(int64_t total, const Cost& cost) {
 
 std::vector<Geometry> all_geometry(ffi::ThreadPool& pool, int threads, const Problem& p) {
   std::vector<Geometry> geo(p.B);
-  parallel_for(pool, threads, p.B, [&](int64_t b, int) { geo[b] = geometry(p, b); });
+  parallel_for(pool, threads, p.B, [&](int64_t b, int) {
+    geo[b] = geometry(p, b);
+    if (p.fn.kind) {
+      geo[b].fn_q_sees.assign(p.N * p.T, 0);
+      geo[b].fn_k_seen.assign(p.K * p.S, 0);
+    }
+  });
+  if (!p.fn.kind) return geo;
+  // A mask the same for every head: its sight once per batch row, copied to every head.
+  const bool per_head = p.fn.xN > 1;
+  parallel_for(pool, threads, per_head ? p.B * p.K : p.B, [&](int64_t t, int) {
+    if (per_head) {
+      const int64_t b = t / p.K, kh = t % p.K;
+      fn_sight(p, geo[b], b, kh * p.G, (kh + 1) * p.G, kh);
+      return;
+    }
+    Geometry& g = geo[t];
+    fn_sight(p, g, t, 0, 1, 0);
+    for (int64_t n = 1; n < p.N; ++n)
+      std::copy(g.fn_q_sees.begin(), g.fn_q_sees.begin() + p.T, g.fn_q_sees.begin() + n * p.T);
+    for (int64_t kh = 1; kh < p.K; ++kh)
+      std::copy(g.fn_k_seen.begin(), g.fn_k_seen.begin() + p.S, g.fn_k_seen.begin() + kh * p.S);
+  });
   return geo;
 }
 
@@ -942,23 +1138,28 @@ std::vector<Geometry> all_geometry(ffi::ThreadPool& pool, int threads, const Pro
 template <ffi::DataType DT>
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
                    ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_lengths,
-                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, float scale,
-                   float soft_cap, int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> out,
+                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                   ffi::Buffer<ffi::S8> fn_kind, ffi::Buffer<ffi::S32> fn_slot,
+                   ffi::Buffer<ffi::U8> fn_bits, float scale, float soft_cap, int64_t left,
+                   int64_t right, ffi::ResultBuffer<ffi::F32> out,
                    ffi::ResultBuffer<ffi::F32> lse) {
   Problem p;
-  ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, scale, soft_cap,
-                                left, right, p);
+  ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, fn_kind, fn_slot,
+                                fn_bits, scale, soft_cap, left, right, p);
   if (err.failure()) return err;
   if (p.B * p.T * p.N == 0) return ffi::Error::Success();
   const int threads = max_threads(pool);
   const std::vector<Geometry> geo = all_geometry(pool, threads, p);
-  // A task's cost is the number of key blocks it may see: causal work balances
-  // without a static split.
+  // A task's cost is the number of key blocks it may see (those a mask_fn leaves):
+  // causal work balances without a static split.
   const int64_t total = p.B * p.N * p.n_q();
   const std::vector<int64_t> order = costliest_first(total, [&](int64_t t) {
-    const int64_t qb = t % p.n_q(), b = t / (p.n_q() * p.N);
+    const int64_t qb = t % p.n_q(), n = (t / p.n_q()) % p.N, b = t / (p.n_q() * p.N);
     auto [first, last] = key_blocks(p, geo[b], qb * BQ, std::min((qb + 1) * BQ, p.T));
-    return last - first + 1;
+    if (!p.fn.kind) return last - first + 1;
+    int64_t cost = 0;
+    for (int64_t kb = first; kb <= last; ++kb) cost += fn_block(p, b, n, qb, kb).kind != kFnEmpty;
+    return cost;
   });
   // Keys as (BK, Hp) rows for the transposed scores, or transposed (Hp, BK) for a
   // decode step's, and values as (BK, Hp) rows, packed once for every query block.
@@ -994,13 +1195,15 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
                     ffi::Buffer<DT> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
                     ffi::Buffer<DT> dout, ffi::Buffer<ffi::F32> dlse,
                     ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_lengths,
-                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, float scale,
-                    float soft_cap, int64_t left, int64_t right, ffi::ResultBuffer<DT> dq,
-                    ffi::ResultBuffer<DT> dk, ffi::ResultBuffer<DT> dv) {
+                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                    ffi::Buffer<ffi::S8> fn_kind, ffi::Buffer<ffi::S32> fn_slot,
+                    ffi::Buffer<ffi::U8> fn_bits, float scale, float soft_cap, int64_t left,
+                    int64_t right, ffi::ResultBuffer<DT> dq, ffi::ResultBuffer<DT> dk,
+                    ffi::ResultBuffer<DT> dv) {
   using In = ffi::NativeType<DT>;
   Problem p;
-  ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, scale, soft_cap,
-                                left, right, p);
+  ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, fn_kind, fn_slot,
+                                fn_bits, scale, soft_cap, left, right, p);
   if (err.failure()) return err;
   if (out.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
       static_cast<int64_t>(lse.element_count()) != p.B * p.T * p.N ||
@@ -1033,9 +1236,13 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
   });
   const int64_t total = p.B * p.K * p.n_k();
   const std::vector<int64_t> order = costliest_first(total, [&](int64_t t) {
-    const int64_t kb = t % p.n_k(), b = t / (p.n_k() * p.K);
+    const int64_t kb = t % p.n_k(), kh = (t / p.n_k()) % p.K, b = t / (p.n_k() * p.K);
     auto [first, last] = query_blocks(p, geo[b], kb * BK, std::min((kb + 1) * BK, p.S));
-    return last - first + 1;
+    if (!p.fn.kind) return last - first + 1;
+    int64_t cost = 0;
+    for (int64_t n = kh * p.G; n < (kh + 1) * p.G; ++n)
+      for (int64_t qb = first; qb <= last; ++qb) cost += fn_block(p, b, n, qb, kb).kind != kFnEmpty;
+    return cost;
   });
   std::vector<std::unique_ptr<Aligned>> parts(threads);
   const int64_t Tp = p.n_q() * BQ;
@@ -1082,6 +1289,9 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */    \
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* q_segment_ids */ \
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* kv_segment_ids */\
+                                    .Arg<ffi::Buffer<ffi::S8>>()   /* mask_fn kinds */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* mask_fn slots */ \
+                                    .Arg<ffi::Buffer<ffi::U8>>()   /* mask_fn bits */  \
                                     .Attr<float>("scale")                              \
                                     .Attr<float>("soft_cap")                           \
                                     .Attr<int64_t>("left")                             \
@@ -1102,6 +1312,9 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */    \
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* q_segment_ids */ \
                                     .Arg<ffi::Buffer<ffi::S32>>()  /* kv_segment_ids */\
+                                    .Arg<ffi::Buffer<ffi::S8>>()   /* mask_fn kinds */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* mask_fn slots */ \
+                                    .Arg<ffi::Buffer<ffi::U8>>()   /* mask_fn bits */  \
                                     .Attr<float>("scale")                              \
                                     .Attr<float>("soft_cap")                           \
                                     .Attr<int64_t>("left")                             \
@@ -1109,6 +1322,10 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
                                     .Ret<ffi::Buffer<DT>>()  /* dq */                  \
                                     .Ret<ffi::Buffer<DT>>()  /* dk */                  \
                                     .Ret<ffi::Buffer<DT>>()) /* dv */
+
+// The blocks of queries and keys of every pass (a mask_fn is classified at these).
+extern "C" int NanoattnBlockQ() { return BQ; }
+extern "C" int NanoattnBlockK() { return BK; }
 
 // The instruction set this build's vectors and tiles were chosen for.
 extern "C" const char* NanoattnIsa() {
