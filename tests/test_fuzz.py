@@ -5,15 +5,22 @@ just past the native kernel's 64-row blocks and the flash kernel's tiles), the
 dtype (float32, bfloat16, float16) and any valid combination of ``is_causal``,
 ``q_offset`` (a static int, a traced scalar or a traced per-row array),
 ``window``, segment ids, ``kv_lengths`` (0 and S included), a dense boolean
-mask, a bias, ``logit_soft_cap`` and ``scale``. NaN or inf goes into every
-slot that no query may see (keys and values no query of their row sees, query
-rows that see nothing, bias cells that are blocked wherever they broadcast):
-the contract says such content is never read.
+mask, a bias, ``logit_soft_cap`` and ``scale``; and in half of the programs each: a
+``mask_fn`` (documents, prefix-LM, per-head windows, chunked-local or a block-sparse
+pattern, with random parameters closed over or passed through jit, sometimes as a
+``nanoattn.block_mask``), a ``score_fn`` (ALiBi, a relative-bias table, a tanh
+soft-cap), ``sinks`` (float32 calls only, _fuzz.SINK_DTYPES says why) and
+``return_residual``. NaN or inf goes into
+every slot that no query may see (keys and values no query of their row sees,
+mask_fn's hidden ones included, query rows that see nothing, bias cells that are
+blocked wherever they broadcast): the contract says such content is never read.
 
 Every backend that can serve the call (``"xla"``, ``"flash"`` with its default
 tiles or with drawn small ones, ``"native"``) must then match the float64
-numpy reference of _reference.py on the output and on dq, dk, dv (and dbias),
-with FlashAttention's criterion: an error at most twice the reference's own
+numpy reference of _reference.py on the output and on dq, dk, dv (and dbias, the
+log-sum-exp, the gradients to the sinks and to score_fn's slopes or table), given the
+mask_fn as a literal numpy mask and the score_fn as a bias or soft cap, with
+FlashAttention's criterion: an error at most twice the reference's own
 error in that dtype (the same formulas computed in float32 numpy and rounded
 to the dtype), plus a floor of a few float32 rounding errors of the largest
 true value. The backends must also agree with each other within that bound.
@@ -230,6 +237,20 @@ def _broken(name: str, B, T, S, N, K, H):
             return q, k, v, dict(bias=np.ones((T, S), f32), implementation="native")
         case "flash tiles of 0":
             return q, k, v, dict(forward_tiles=(0, 16, 1))
+        case "mask_fn not a function":
+            return q, k, v, dict(mask_fn=np.ones((T, S), bool))
+        case "mask_fn not boolean":
+            return q, k, v, dict(mask_fn=lambda b, n, qp, kp: (kp <= qp).astype(np.int32))
+        case "mask_fn not broadcastable":
+            return q, k, v, dict(mask_fn=lambda b, n, qp, kp: jnp.ones((B, N + 1, 1, 1), bool))
+        case "score_fn of ints":
+            return q, k, v, dict(score_fn=lambda s, b, n, qp, kp: qp - kp)
+        case "sinks of the wrong shape":
+            return q, k, v, dict(sinks=np.zeros((N + 1,), f32))
+        case "integer sinks":
+            return q, k, v, dict(sinks=np.zeros((N,), np.int32))
+        case "native with score_fn":
+            return q, k, v, dict(score_fn=lambda s, b, n, qp, kp: s, implementation="native")
     raise AssertionError(name)
 
 
@@ -245,11 +266,13 @@ BROKEN = (
     "query of rank 3", "key of another head width", "value of another length",
     "key of another batch", "integer query", "unknown implementation", "dropout rate 1",
     "dropout without a key", "dropout on flash", "native with float16",
-    "native with a mask", "native with a bias", "flash tiles of 0",
+    "native with a mask", "native with a bias", "flash tiles of 0", "mask_fn not a function",
+    "mask_fn not boolean", "mask_fn not broadcastable", "score_fn of ints",
+    "sinks of the wrong shape", "integer sinks", "native with score_fn",
 )  # fmt: skip
 ONLY_DOT_PRODUCT = {"unknown implementation", "dropout rate 1", "dropout without a key",
                     "dropout on flash", "native with float16", "native with a mask",
-                    "native with a bias"}  # fmt: skip
+                    "native with a bias", "native with score_fn"}  # fmt: skip
 NO_VALUE = {"value of another length"}  # attention_weights takes no value
 INVALID_COUNTS = collections.Counter()
 
