@@ -9,7 +9,7 @@ mask, a bias, ``logit_soft_cap`` and ``scale``; and in half of the programs each
 ``mask_fn`` (documents, prefix-LM, per-head windows, chunked-local or a block-sparse
 pattern, with random parameters closed over or passed through jit, sometimes as a
 ``nanoattn.block_mask``), a ``score_fn`` (ALiBi, a relative-bias table, a tanh
-soft-cap), ``sinks`` (float32 calls only, _fuzz.SINK_DTYPES says why) and
+soft-cap), ``sinks`` (every dtype) and
 ``return_residual``. NaN or inf goes into
 every slot that no query may see (keys and values no query of their row sees,
 mask_fn's hidden ones included, query rows that see nothing, bias cells that are
