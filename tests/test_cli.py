@@ -141,7 +141,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
 
 def test_audit_fails_with_exit_1_when_masking_is_broken(capsys, monkeypatch):
     # A plain softmax ignores the mask: row sums stay 1 but blocked cells get weight.
-    def unmasked_softmax(logits, allowed, return_lse=False):
+    def unmasked_softmax(logits, allowed, return_lse=False, sinks=None):
         probs = jax.nn.softmax(logits, axis=-1)
         return (probs, jax.nn.logsumexp(logits, axis=-1)) if return_lse else probs
 

@@ -151,8 +151,8 @@ FUNCTIONS = ENTRY_POINTS
         (
             dict(q_offset=1),
             ValueError,
-            r"q_offset only applies to causal or windowed attention; "
-            r"pass is_causal=True or a window",
+            r"q_offset only applies to causal or windowed attention, or to the positions "
+            r"mask_fn and score_fn see; pass is_causal=True, a window, mask_fn or score_fn",
         ),
         (
             dict(window=2, q_offset=True),
