@@ -115,6 +115,7 @@ def test_cli_bench_writes_json_markdown_and_plot(tmp_path, capsys):
     assert "### 2 heads of width 8, fwd+bwd" in out
 
 
+@pytest.mark.slow  # 7.5 s; the comparisons are pinned without the CLI here
 def test_cli_bench_exits_1_when_a_target_is_missed(tmp_path, monkeypatch, capsys):
     import nanoattn.bench._targets as targets
 

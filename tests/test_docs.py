@@ -50,6 +50,7 @@ def test_python_block_runs(block):
         ) from e
 
 
+@pytest.mark.slow  # a subprocess with 8 devices, 20 s; in `make test-all`
 def test_multi_device_blocks_run_in_a_subprocess():
     by_devices = {}
     for block in MULTI_DEVICE:

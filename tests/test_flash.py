@@ -342,7 +342,12 @@ def test_window_memory_is_at_most_linear_in_sequence_length():
 VARYING = ["q", "k", "v", "bias", "q_ids", "kv_ids", "kv_lengths", "q_offset", "d_out"]
 
 
-@pytest.mark.parametrize("which", VARYING)
+FAST_VARYING = ("q", "bias", "kv_lengths")  # one of each kind; the rest in `make test-all`
+
+
+@pytest.mark.parametrize(
+    "which", [w if w in FAST_VARYING else pytest.param(w, marks=pytest.mark.slow) for w in VARYING]
+)
 def test_under_shard_map_any_one_varying_input(which):
     # On a one-device mesh, so in-process: shard_map types each value as varying
     # over the mesh axis or not. The kernel's scan carries start as zeros and must be

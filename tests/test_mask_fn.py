@@ -89,7 +89,7 @@ def check_against_reference(implementation, mask_fn, allowed, T, S, q_offset=Non
         np.testing.assert_allclose(got, ref, atol=ATOL, err_msg=name)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "flash"])
+@pytest.mark.parametrize("implementation", [pytest.param("xla", marks=pytest.mark.slow), "flash"])
 @pytest.mark.parametrize("name", list(MASKS))
 def test_masks_as_functions_match_the_float64_reference(implementation, name):
     mask_fn, literal = MASKS[name]

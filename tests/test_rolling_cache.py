@@ -154,7 +154,12 @@ def cut(sizes, total=T):
     return out
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+SLOW_CONFIGS = ("bfloat16", "flash")  # in `make test-all`
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n for n in CONFIGS]
+)
 def test_one_token_steps_far_past_the_capacity_equal_the_full_forward(name):
     c = case(name)
     got, cache = run(c, [[1] * T, [1] * (T - 4)], width=1)

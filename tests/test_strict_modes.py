@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec
 
 import nanoattn
 from nanoattn import linen
+from nanoattn import nnx as nanoattn_nnx
 from nanoattn._registry import get
 from nanoattn._spec import attention_spec
-from nanoattn import nnx as nanoattn_nnx
 from nanoattn.parallel import ring_attention
 from nanoattn.verify import check_causality
 
@@ -31,7 +31,9 @@ MODES = {
 }
 
 
-@pytest.fixture(params=list(MODES))
+# dtype-strict in `make test`; enable-checks (jax re-checking every jaxpr, about as long
+# again) with the slow cases in `make test-all`.
+@pytest.fixture(params=["dtype-strict", pytest.param("enable-checks", marks=pytest.mark.slow)])
 def strict(request):
     assert jax.config.jax_numpy_rank_promotion == "raise"  # the suite's own mode
     with MODES[request.param]():
@@ -56,13 +58,14 @@ RULES = {
     ),
     "mask-bias": dict(mask=jnp.ones((B, 1, T, T), bool), bias=jnp.zeros((1, N, T, T))),
     "mask_fn-sinks": dict(
-        mask_fn=lambda b, n, q, k: (k <= q) | (k < 3), q_offset=jnp.array([0, 2]),
+        mask_fn=lambda b, n, q, k: (k <= q) | (k < 3),
+        q_offset=jnp.array([0, 2]),
         sinks=jnp.linspace(-1.0, 1.0, N),
-    ),  # fmt: skip
+    ),
     "score_fn": dict(
         score_fn=lambda s, b, n, q, k: s - jnp.linspace(0.1, 0.4, N)[n] * (q - k).astype(s.dtype),
         is_causal=True,
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -126,7 +126,12 @@ def statuses(report) -> dict[str, str]:
     return {check.name: check.status for check in report.checks}
 
 
-@pytest.mark.parametrize("name", LAYERS)
+FAST_LAYERS = ("causal", "documents")  # the others with the slow cases, `make test-all`
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST_LAYERS else pytest.param(n, marks=pytest.mark.slow) for n in LAYERS]
+)
 def test_passes_on_each_mask_the_layers_realise(name):
     fn, mask_fn = layer(name), LAYERS[name][1]
     d_model = 16 if name.startswith("grouped") else D
