@@ -593,6 +593,7 @@ def native_serves_mask_fn() -> bool:
     return True
 
 
+@pytest.mark.slow  # 8 s; the targets' comparisons and the block-sparse schedule stay
 def test_measure_masks_rows_and_targets():
     # Functional, at a tiny size: every case on both backends, forward (and one
     # forward+backward pair, with the sinks differentiated and the log-sum-exp in the

@@ -122,7 +122,8 @@ def test_mask_fn_is_anded_with_every_other_rule():
     "builtin, mask_fn",
     [
         (dict(is_causal=True), lambda b, n, q, k: k <= q),
-        (dict(is_causal=True, window=(45, 0)), lambda b, n, q, k: (k <= q) & (q - k <= 45)),
+        pytest.param(dict(is_causal=True, window=(45, 0)),
+                     lambda b, n, q, k: (k <= q) & (q - k <= 45), marks=pytest.mark.slow),
         (dict(q_segment_ids=IDS[:, :300], kv_segment_ids=IDS[:, :300]),
          lambda b, n, q, k: jnp.asarray(IDS)[b, q] == jnp.asarray(IDS)[b, k]),
     ],

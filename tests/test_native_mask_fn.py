@@ -167,7 +167,7 @@ def test_bfloat16_is_as_close_to_the_truth_as_the_reference_in_bfloat16(
         assert error <= 2 * own + floor, (name, error, own, floor)
 
 
-@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("block", [32, pytest.param(128, marks=pytest.mark.slow)])
 def test_a_static_block_mask_is_reused_and_taken_at_the_kernels_blocks(block, monkeypatch):
     # Built once outside jit and passed to two calls: classified at 32 it is coarsened
     # to the kernel's 64 (per batch row, not reduced over the rows), at 128 classified

@@ -394,6 +394,7 @@ def test_sow_weights_stores_the_attention_weights():
 # Transforms --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 9 s; in `make test-all`
 def test_grad_split_merge_and_an_optax_step_agree_with_linen():
     config = AttentionConfig(D, N, **EVERYTHING)
     layer, params = linen_params(config)

@@ -122,6 +122,7 @@ CONFIG = linen.AttentionConfig(
 )  # fmt: skip
 
 
+@pytest.mark.slow  # 17 s a mode; the NNX layer and every backend stay in `make test`
 def test_linen_layers_training_decoding_and_cross_attention(strict):
     layer = linen.CausalSelfAttention(CONFIG, sow_weights=True)
     x = jax.random.normal(jax.random.key(3), (B, T, D))
@@ -181,6 +182,7 @@ def test_flax_adapter_with_dropout_and_sown_weights(strict):
     assert np.isfinite(np.asarray(dropped, np.float32)).all()
 
 
+@pytest.mark.slow  # 10 s a mode; in `make test-all`
 def test_verify_on_a_layer(strict):
     layer = linen.CausalSelfAttention(linen.AttentionConfig(d_model=D, n_heads=N))
     params = layer.init(jax.random.key(0), jnp.ones((1, 2, D)), deterministic=True)

@@ -654,7 +654,7 @@ def tiny_layer_decoder(framework: str, name: str) -> Decoder:
 
 
 @pytest.mark.parametrize("name", list(TINY_LAYERS))
-@pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.parametrize("framework", ["linen", pytest.param("nnx", marks=pytest.mark.slow)])
 def test_nanoattn_layers_as_decoders_rewind_and_roll_past_their_capacity(framework, name):
     decoder = tiny_layer_decoder(framework, name)
     assert decoder.rewind is not None
