@@ -286,6 +286,26 @@ def _zero_unseen_keys(x, allowed):
     return jnp.where(sees, x, jnp.zeros((), x.dtype))
 
 
+def _item_keys(plan: Plan, masked: bool, kb, vb, q_offset, kv_lengths, mask_blocks,
+               segment_blocks, qc, kj):  # fmt: skip
+    """Each lane's keys and values (B, L, K, bk, H), the indices of its cells for
+    ``mask_fn`` and ``score_fn`` (None without them) and, for a masked schedule, which
+    cells are visible, with the keys and values no query of the item sees zeroed (None
+    for a full one): what both passes read of an item before its scores."""
+    ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
+    cells = _cells(plan, qc, kj, q_offset) if plan.mask_fn or plan.score_fn else None
+    allowed = None
+    if masked:
+        allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells)
+        ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
+    return ks, vs, cells, allowed
+
+
+def _any_item_seen(plan: Plan, kinds, qi, qc, kj):
+    """Whether mask_fn's traced kinds leave any real (not idle) item of a step visible."""
+    return jnp.any((kinds[qc, kj] != EMPTY) & (qi < plan.n_q))
+
+
 def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks, allowed=None, cells=None, consts=None,
             with_vjp=False):  # fmt: skip
     """Logits of each lane's item (the query blocks are pre-scaled), through
@@ -361,6 +381,9 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     def run(state, schedule: Schedule, masked: bool):
         if schedule.steps == 0:
             return state
+        item_keys = functools.partial(
+            _item_keys, plan, masked, kb, vb, q_offset, kv_lengths, mask_blocks, segment_blocks
+        )
 
         def step(state, item):
             m, l, o = state
@@ -371,14 +394,7 @@ def forward_block(plan: Plan, inputs: BlockInputs):
 
             def update():
                 qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
-                ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)  # (B, L, K, bk, H)
-                cells = _cells(plan, qc, kj, q_offset) if plan.mask_fn or plan.score_fn else None
-                allowed = None
-                if masked:
-                    allowed = _allowed(
-                        plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells
-                    )
-                    ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
+                ks, vs, cells, allowed = item_keys(qc, kj)  # (B, L, K, bk, H) twice
                 s, _ = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed, cells, consts)
                 # The block's own softmax, shifted twice: by its row maximum, then by the
                 # maximum of the very values that are exponentiated (XLA may compute the
@@ -399,7 +415,7 @@ def forward_block(plan: Plan, inputs: BlockInputs):
                 return m_new, l_new, jnp.einsum("BLKGqH->BLqKGH", o_new)
 
             if plan.traced_kinds:  # skip a step whose every item mask_fn hides
-                live = jnp.any((kinds[qc, kj] != EMPTY) & (qi < plan.n_q))
+                live = _any_item_seen(plan, kinds, qi, qc, kj)
                 m_new, l_new, o_new = jax.lax.cond(live, update, lambda: (m_old, l_old, o_old))
             else:
                 m_new, l_new, o_new = update()
@@ -464,6 +480,9 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
     def run(grads, schedule: Schedule, masked: bool):
         if schedule.steps == 0:
             return grads
+        item_keys = functools.partial(
+            _item_keys, plan, masked, kb, vb, q_offset, kv_lengths, mask_blocks, segment_blocks
+        )
 
         def step(grads, item):
             dq, dk, dv, dbias, dconsts = grads
@@ -476,14 +495,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
                 dos = _take_queries(dob, qc) * live[..., None]  # and D = 0 there, both p dO
                 delta_i = jnp.take(delta, qc, axis=1) * live  # and dS vanish
                 lse_i = jnp.take(lse, qc, axis=1)
-                ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
-                cells = _cells(plan, qc, kj, q_offset) if plan.mask_fn or plan.score_fn else None
-                allowed = None
-                if masked:
-                    allowed = _allowed(
-                        plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells
-                    )
-                    ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
+                ks, vs, cells, allowed = item_keys(qc, kj)
                 s, tanh, score_vjp = _scores(
                     plan, qs, ks, qc, kj, bias_blocks, allowed, cells, consts, with_vjp=True
                 )
@@ -504,7 +516,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
                 return dq_c, dk_c, dv_c, ds, d_consts
 
             if plan.traced_kinds:  # skip a step whose every item mask_fn hides
-                live = jnp.any((kinds[qc, kj] != EMPTY) & (qi < plan.n_q))
+                live = _any_item_seen(plan, kinds, qi, qc, kj)
                 zeros = jax.tree.map(
                     lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(contributions)
                 )

@@ -3,10 +3,13 @@ options of ``AttentionConfig(D, N, **options)`` (multi-head, grouped and multi-q
 heads, RoPE, a window, soft-capping, QK norm, attention sinks, and all of them at
 once in bfloat16 and on each backend). Shared by test_kv_cache.py, which decodes
 each through the KV cache, and test_verify_decoding.py, which runs check_decoding
-on each.
+on each; and ``random_params``, the random weights of the decoding tests' layers.
 """
 
+import jax
 import jax.numpy as jnp
+
+from _reference import randn
 
 D, N, K = 48, 6, 2  # model width, query heads and key/value heads: H = 8
 EVERYTHING = dict(n_kv_heads=K, rope_base=100.0, window=(4, 0), logit_soft_cap=2.0, qk_norm=True)
@@ -23,3 +26,14 @@ CONFIGS = {
     "xla": dict(EVERYTHING, implementation="xla"),
     "flash": dict(EVERYTHING, implementation="flash"),
 }
+
+
+def random_params(shapes, seed=7):
+    """Random parameters of the given shapes: kernels scaled by 1/sqrt(fan-in), biases
+    and norm scales clearly non-zero, so a misplaced slice or a skipped norm shows."""
+    leaves, tree = jax.tree.flatten(shapes)
+    values = [
+        randn(seed + i, *a.shape) * (a.shape[0] ** -0.5 if len(a.shape) == 2 else 0.5) + 0.1
+        for i, a in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(tree, [jnp.asarray(v, a.dtype) for v, a in zip(values, leaves)])

@@ -126,6 +126,18 @@ def sum_to_shape(x, shape):
     return x.sum(axis=axes, keepdims=True).reshape(shape)
 
 
+def np_index_grids(B, N, T, S, q_offset=0):
+    """The four index arrays of the cells (B, N, T, S), broadcast to it, as a literal
+    mask written in numpy sees them: b, n, q_pos (``q_offset + i``, per row with a (B,)
+    offset) and k_pos."""
+    off = np.broadcast_to(np.asarray(q_offset), (B,))
+    b = np.arange(B)[:, None, None, None]
+    n = np.arange(N)[None, :, None, None]
+    q = (off[:, None] + np.arange(T))[:, None, :, None]
+    k = np.arange(S)[None, None, None, :]
+    return np.broadcast_arrays(b, n, q, k)
+
+
 def np_causal(T, S, q_offset=0):
     """Literal positional rule: query i (at q_offset + i) sees key j iff j <= q_offset + i."""
     return np.array([[j <= q_offset + i for j in range(S)] for i in range(T)])

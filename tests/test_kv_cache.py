@@ -18,23 +18,12 @@ from hypothesis import strategies as st
 from nanoattn import _kv_cache, padding_mask
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
-from _layer_configs import CONFIGS, D, K, N
+from _layer_configs import CONFIGS, D, K, N, random_params
 from _reference import randn
 
 B, T, CAP = 2, 11, 13  # D, N and K come with the configurations
 WIDTH = 5  # the width of the padded chunks of the jitted step
 H = D // N
-
-
-def random_params(shapes, seed=7):
-    """Random parameters of the given shapes: kernels scaled by 1/sqrt(fan-in), biases
-    and norm scales clearly non-zero, so a misplaced slice or a skipped norm shows."""
-    leaves, tree = jax.tree.flatten(shapes)
-    values = [
-        randn(seed + i, *a.shape) * (a.shape[0] ** -0.5 if len(a.shape) == 2 else 0.5) + 0.1
-        for i, a in enumerate(leaves)
-    ]
-    return jax.tree.unflatten(tree, [jnp.asarray(v, a.dtype) for v, a in zip(values, leaves)])
 
 
 class Case:

@@ -18,7 +18,7 @@ import nanoattn
 from nanoattn import _block_mask, _flash_plan, _spec
 
 from _fuzz import check, concrete_call
-from _reference import np_attention, np_attention_vjp, np_lse, randn
+from _reference import np_attention, np_attention_vjp, np_index_grids, np_lse, randn
 
 B, N, K, H = 2, 6, 2, 8
 ATOL = 2e-5
@@ -29,13 +29,8 @@ def inputs(T, S, seed=0):
 
 
 def positions(T, S, q_offset=0):
-    """Numpy index grids (B, N, T, S): b, n, q_pos (per row with a (B,) offset), k_pos."""
-    off = np.broadcast_to(np.asarray(q_offset), (B,))
-    b = np.arange(B)[:, None, None, None]
-    n = np.arange(N)[None, :, None, None]
-    q = (off[:, None] + np.arange(T))[:, None, :, None]
-    k = np.arange(S)[None, None, None, :]
-    return np.broadcast_arrays(b, n, q, k)
+    """Numpy index grids (B, N, T, S) of this file's sizes (``np_index_grids``)."""
+    return np_index_grids(B, N, T, S, q_offset)
 
 
 IDS = np.repeat(np.arange(7), 50)[None].repeat(B, 0)[:, :350]  # documents of 50 tokens

@@ -23,7 +23,7 @@ from nanoattn._dispatch import choose
 from nanoattn._native import _kernel
 from nanoattn._spec import attention_spec
 
-from _reference import np_attention_vjp, randn
+from _reference import np_attention_vjp, np_index_grids, randn
 
 pytestmark = pytest.mark.skipif(
     _native.load()[0] is None, reason="the native kernel could not be built here"
@@ -36,13 +36,8 @@ KEEP = np.random.default_rng(7).random((B, N, 7, 7)) < 0.4  # blocks of 50: not 
 
 
 def positions(T, S, q_offset=0):
-    """Numpy index grids (B, N, T, S): b, n, q_pos (per row with a (B,) offset), k_pos."""
-    off = np.broadcast_to(np.asarray(q_offset), (B,))
-    b = np.arange(B)[:, None, None, None]
-    n = np.arange(N)[None, :, None, None]
-    q = (off[:, None] + np.arange(T))[:, None, :, None]
-    k = np.arange(S)[None, None, None, :]
-    return np.broadcast_arrays(b, n, q, k)
+    """Numpy index grids (B, N, T, S) of this file's sizes (``np_index_grids``)."""
+    return np_index_grids(B, N, T, S, q_offset)
 
 
 def documents(b, n, q, k):

@@ -25,6 +25,7 @@ from nanoattn import _kv_cache, _rolling
 from nanoattn import nnx as nanoattn_nnx
 from nanoattn.linen import AttentionConfig, CausalSelfAttention, cache_bytes, rewind
 
+from _layer_configs import random_params
 from _reference import randn
 
 B, D, N, K, W = 2, 24, 4, 2, 3
@@ -49,15 +50,6 @@ def config(name, rolling=True):
 def capacity(name):
     _, sinks, limit = CONFIGS[name]
     return W + limit + sinks
-
-
-def random_params(shapes, seed):
-    leaves, tree = jax.tree.flatten(shapes)
-    values = [
-        randn(seed + i, *a.shape) * (a.shape[0] ** -0.5 if len(a.shape) == 2 else 0.5) + 0.1
-        for i, a in enumerate(leaves)
-    ]
-    return jax.tree.unflatten(tree, [jnp.asarray(v, a.dtype) for v, a in zip(values, leaves)])
 
 
 class Case:

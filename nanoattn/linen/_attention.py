@@ -232,8 +232,9 @@ class CausalSelfAttention(nn.Module):
             and the segment ids (``nanoattn.dot_product_attention``). Positions
             are indices in the sequence, ``0 .. T - 1``; with ``decode=True``
             ``q_pos`` is each row's position in the cache (its position plus
-            ``t``) and ``k_pos`` the cache slot, so decoding equals the full
-            forward with the same ``mask_fn``. Not RoPE's ``positions``.
+            ``t``) and ``k_pos`` the key's position (in a full cache its slot),
+            so decoding equals the full forward with the same ``mask_fn``. Not
+            RoPE's ``positions``.
           score_fn: optional ``score_fn(score, b, n, q_pos, k_pos) -> score``
             (ALiBi, relative biases), on the float32 scaled logits before the
             soft-cap, with the positions of ``mask_fn``.
