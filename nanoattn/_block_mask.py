@@ -129,6 +129,13 @@ def coarsen(kinds, fq: int, fk: int):
     return xp.where(least == FULL, FULL, xp.where(most == EMPTY, EMPTY, PARTIAL)).astype(xp.int8)
 
 
+def _off_mesh():
+    """A context without the caller's mesh, for evaluation at trace time: eager
+    arrays made inside ``jax.shard_map`` under ``jax.set_mesh`` would take its manual
+    axes."""
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+
+
 def classify(mask_fn, B: int, N: int, T: int, S: int, q_offset, block_q: int, block_k: int):
     """The kinds (xB, xN, ceil(T / block_q), ceil(S / block_k)) of ``mask_fn``'s blocks:
     numpy when they can be found at trace time, a jax array otherwise. Padding cells
@@ -140,12 +147,13 @@ def classify(mask_fn, B: int, N: int, T: int, S: int, q_offset, block_q: int, bl
     return np.asarray(kinds)
 
 
-def _classify(mask_fn, B, N, T, S, q_offset, block_q, block_k):
+def _classify(mask_fn, B, N, T, S, q_offset, block_q, block_k, k_start=0):
     n_q, n_k = -(-T // block_q), -(-S // block_k)
     S_pad = n_k * block_k
-    b, n, q, k = grid(B, N, block_q, S_pad, q_offset)
-    shape = jax.eval_shape(lambda *a: evaluate_mask(mask_fn, *a), b, n, q, k).shape
-    xB, xN = shape[0], shape[1]
+    b, n, q, k = grid(B, N, block_q, S_pad, q_offset, k_start)
+    # The axes it depends on, from one block's result (not eval_shape, which loses the
+    # mesh axes of arguments that vary inside shard_map).
+    xB, xN = evaluate_mask(mask_fn, b, n, q, k).shape[:2]
     # Query blocks per chunk: as many as CHUNK_CELLS allows, at least one.
     per_block = xB * xN * block_q * S_pad
     chunk = max(1, min(n_q, CHUNK_CELLS // max(per_block, 1)))
@@ -154,7 +162,7 @@ def _classify(mask_fn, B, N, T, S, q_offset, block_q, block_k):
 
     def kinds_of(first_block):
         rows = first_block * block_q + jnp.arange(chunk * block_q, dtype=jnp.int32)  # (R,)
-        b, n, q, k = grid(B, N, chunk * block_q, S_pad, q_offset)
+        b, n, q, k = grid(B, N, chunk * block_q, S_pad, q_offset, k_start)
         q = q + first_block * block_q
         seen = evaluate_mask(mask_fn, b, n, q, k)
         seen = jnp.broadcast_to(seen, (xB, xN, chunk * block_q, S_pad))
@@ -169,6 +177,36 @@ def _classify(mask_fn, B, N, T, S, q_offset, block_q, block_k):
     kinds = jax.lax.map(kinds_of, starts)  # (n_chunks, xB, xN, c, nK)
     kinds = jnp.moveaxis(kinds, 0, 2).reshape(xB, xN, n_chunks * chunk, n_k)
     return kinds[:, :, :n_q]
+
+
+def chunk_pair_kinds(mask_fn, B: int, N: int, C: int, q_chunks, k_chunks, block_q: int,
+                     block_k: int):  # fmt: skip
+    """The kinds of ``mask_fn``'s blocks within each (query chunk, key chunk) pair of a
+    sequence cut into chunks of ``C`` positions (chunk ``c`` holds ``c C .. c C + C - 1``),
+    reduced over B and N: int8 (len(q_chunks), len(k_chunks), ceil(C / block_q),
+    ceil(C / block_k)); numpy when found at trace time, else a jax array computed one
+    pair at a time (as :func:`classify`, so no (C, C) array per pair is held at once
+    beyond ``CHUNK_CELLS``). ``q_chunks`` and ``k_chunks`` are int sequences (the
+    query chunks may be traced: then the kinds are computed at run time)."""
+    n_q, n_k = -(-C // block_q), -(-C // block_k)
+
+    def one(pair):
+        qc, kc = pair
+        kinds = _classify(mask_fn, B, N, C, C, qc * C, block_q, block_k, k_start=kc * C)
+        return coarsen(kinds, 1, 1)  # (nQ, nK), reduced over B and N
+
+    def kinds_of(xp):
+        qs, ks = xp.asarray(q_chunks, np.int32), np.asarray(k_chunks, np.int32)
+        pairs = (xp.repeat(qs, len(ks)), xp.tile(ks, len(q_chunks)))
+        return jax.lax.map(one, pairs).reshape(len(q_chunks), len(ks), n_q, n_k)
+
+    if any(isinstance(c, jax.core.Tracer) for c in q_chunks):  # run time (and in shard_map,
+        return kinds_of(jnp)  # whose mesh axes compile-time evaluation would lose)
+    with _off_mesh(), jax.ensure_compile_time_eval():
+        kinds = kinds_of(np)
+    if isinstance(kinds, jax.core.Tracer):
+        return kinds
+    return np.asarray(kinds)
 
 
 def block_mask(

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from ._block_mask import EMPTY, BlockMask, block_mask
 from ._flash_plan import Plan, kernel_plans
-from ._mask_fn import evaluate_mask, evaluate_score
+from ._mask_fn import closure_converted, evaluate_mask, evaluate_score
 from ._reference import compute_dtype, large_negative
 from ._schedule import Schedule
 from ._shard_map import sum_to_varying, varying_like
@@ -67,6 +67,10 @@ class BlockInputs:
       score_consts: the arrays ``score_fn`` closes over, hoisted for the forward
         and for the backward plan's ``score_fn`` (a pair of tuples; gradients flow
         to them); None without ``score_fn``.
+      index_shift: int (), added to the query and the key positions ``mask_fn`` and
+        ``score_fn`` see (not to the positional rule's, which are relative): the
+        global position of the first key when the call is one piece of a longer
+        sequence (the ring's chunk pairs); None means 0.
     """
 
     query: jax.Array
@@ -81,6 +85,7 @@ class BlockInputs:
     kinds: jax.Array | None = None
     backward_kinds: jax.Array | None = None
     score_consts: tuple | None = None
+    index_shift: jax.Array | None = None
 
 
 class Residuals(NamedTuple):
@@ -200,10 +205,11 @@ def _scatter_pairs(blocks, qi, kj, grad):
     return blocks.at[:, :, qi, :, kj, :].add(jnp.moveaxis(grad, 1, 0))
 
 
-def _cells(plan: Plan, qc, kj, q_offset):
+def _cells(plan: Plan, qc, kj, q_offset, shift):
     """The indices of each lane's item as ``mask_fn`` and ``score_fn`` see them, one
     block of (B, N, T, S) per lane: b (B, 1, 1, 1), n (1, N, 1, 1), q_pos
-    (L, 1 or B, 1, bq, 1) and k_pos (L, 1, 1, 1, bk), the last two with a lane axis."""
+    (L, 1 or B, 1, bq, 1) and k_pos (L, 1, 1, 1, bk), the last two with a lane axis,
+    both moved by ``shift`` (``BlockInputs.index_shift``; None = 0)."""
     N = plan.K * plan.G
     b = jnp.arange(plan.B, dtype=jnp.int32).reshape(plan.B, 1, 1, 1)
     n = jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1)
@@ -213,6 +219,9 @@ def _cells(plan: Plan, qc, kj, q_offset):
     q = offset + rows[:, None, None, :, None]  # (L, 1|B, 1, bq, 1)
     cols = kj.astype(jnp.int32)[:, None] * plan.block_k + jnp.arange(plan.block_k)[None]
     k = cols[:, None, None, None, :]  # (L, 1, 1, 1, bk)
+    if shift is not None:
+        shift = jnp.asarray(shift, jnp.int32)
+        q, k = q + shift, k + shift
     return b, n, q, k
 
 
@@ -286,14 +295,14 @@ def _zero_unseen_keys(x, allowed):
     return jnp.where(sees, x, jnp.zeros((), x.dtype))
 
 
-def _item_keys(plan: Plan, masked: bool, kb, vb, q_offset, kv_lengths, mask_blocks,
+def _item_keys(plan: Plan, masked: bool, kb, vb, q_offset, shift, kv_lengths, mask_blocks,
                segment_blocks, qc, kj):  # fmt: skip
     """Each lane's keys and values (B, L, K, bk, H), the indices of its cells for
     ``mask_fn`` and ``score_fn`` (None without them) and, for a masked schedule, which
     cells are visible, with the keys and values no query of the item sees zeroed (None
     for a full one): what both passes read of an item before its scores."""
     ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
-    cells = _cells(plan, qc, kj, q_offset) if plan.mask_fn or plan.score_fn else None
+    cells = _cells(plan, qc, kj, q_offset, shift) if plan.mask_fn or plan.score_fn else None
     allowed = None
     if masked:
         allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells)
@@ -382,8 +391,9 @@ def forward_block(plan: Plan, inputs: BlockInputs):
         if schedule.steps == 0:
             return state
         item_keys = functools.partial(
-            _item_keys, plan, masked, kb, vb, q_offset, kv_lengths, mask_blocks, segment_blocks
-        )
+            _item_keys, plan, masked, kb, vb, q_offset, inputs.index_shift, kv_lengths,
+            mask_blocks, segment_blocks,
+        )  # fmt: skip
 
         def step(state, item):
             m, l, o = state
@@ -481,8 +491,9 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
         if schedule.steps == 0:
             return grads
         item_keys = functools.partial(
-            _item_keys, plan, masked, kb, vb, q_offset, kv_lengths, mask_blocks, segment_blocks
-        )
+            _item_keys, plan, masked, kb, vb, q_offset, inputs.index_shift, kv_lengths,
+            mask_blocks, segment_blocks,
+        )  # fmt: skip
 
         def step(grads, item):
             dq, dk, dv, dbias, dconsts = grads
@@ -520,7 +531,13 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
                 zeros = jax.tree.map(
                     lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(contributions)
                 )
-                dq_c, dk_c, dv_c, ds, d_consts = jax.lax.cond(live, contributions, lambda: zeros)
+                # Inside shard_map both branches vary over the same mesh axes (the ring).
+                def alike(tree):
+                    return varying_like(tree, inputs, d_out, residuals)
+
+                dq_c, dk_c, dv_c, ds, d_consts = jax.lax.cond(
+                    live, lambda: alike(contributions()), lambda: alike(zeros)
+                )
             else:
                 dq_c, dk_c, dv_c, ds, d_consts = contributions()
             dq = dq.at[:, qi].add(dq_c)
@@ -638,17 +655,8 @@ def flash_attention(
 
 
 def _converted_score_fn(spec: AttentionSpec, plan: Plan, acc):
-    """``spec.score_fn`` closure-converted for one block of ``plan``'s (B, N, bq, bk):
-    ``(fn(score, b, n, q_pos, k_pos, *arrays), arrays)``, the arrays it closes over
-    that may carry a gradient hoisted out, so that they cross the kernel's
-    ``custom_vjp`` as inputs and receive their gradients."""
-    N = plan.K * plan.G
-    rows = 1 if spec.q_offset is None or jnp.ndim(spec.q_offset) == 0 else plan.B
-    example = (
-        jnp.zeros((plan.B, N, plan.block_q, plan.block_k), acc),
-        jnp.zeros((plan.B, 1, 1, 1), jnp.int32),
-        jnp.zeros((1, N, 1, 1), jnp.int32),
-        jnp.zeros((rows, 1, plan.block_q, 1), jnp.int32),
-        jnp.zeros((1, 1, 1, plan.block_k), jnp.int32),
+    """``spec.score_fn`` closure-converted for one block of ``plan``'s (B, N, bq, bk)
+    (:func:`~nanoattn._mask_fn.closure_converted`)."""
+    return closure_converted(
+        spec.score_fn, plan.B, plan.K * plan.G, plan.block_q, plan.block_k, spec.q_offset, acc
     )
-    return jax.closure_convert(spec.score_fn, *example)

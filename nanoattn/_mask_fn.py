@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ._shard_map import eval_alike
 from ._validate import describe, expect_broadcastable
 
 SCORE_AXES = "B N T S"
@@ -49,6 +50,29 @@ def grid(B: int, N: int, T: int, S: int, q_offset, k_start=0):
     q = query_positions(q_offset, B, T)[:, None, :, None]
     k = (k_start + jnp.arange(S, dtype=jnp.int32)).reshape(1, 1, 1, S)
     return b, n, q, k
+
+
+def closure_converted(score_fn, B: int, N: int, T: int, S: int, q_offset, dtype):
+    """``score_fn`` traced on scores (B, N, T, S) of ``dtype`` (one block of a
+    kernel's) and the index grid: ``(fn(score, b, n, q_pos, k_pos, *arrays),
+    arrays)``, the floating arrays it closes over hoisted out (as
+    ``jax.closure_convert``), so that they can cross a kernel's ``custom_vjp`` as
+    inputs and receive their gradients. ``fn`` evaluates the traced program with
+    :func:`~nanoattn._shard_map.eval_alike`, so it may be called inside
+    ``jax.shard_map`` with arguments that vary over its axes."""
+    example = (jax.ShapeDtypeStruct((B, N, T, S), dtype), *_abstract_grid(B, N, T, S, q_offset))
+    closed = jax.make_jaxpr(score_fn)(*(jnp.zeros(x.shape, x.dtype) for x in example))
+    hoisted = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in closed.consts]
+    arrays = [c for c, h in zip(closed.consts, hoisted, strict=True) if h]
+    kept = [c for c, h in zip(closed.consts, hoisted, strict=True) if not h]
+
+    def fn(score, b, n, q_pos, k_pos, *arrays):
+        given, rest = iter(arrays), iter(kept)
+        consts = [next(given) if h else next(rest) for h in hoisted]
+        (out,) = eval_alike(closed.jaxpr, consts, score, b, n, q_pos, k_pos)
+        return out
+
+    return fn, arrays
 
 
 def _abstract_grid(B: int, N: int, T: int, S: int, q_offset):

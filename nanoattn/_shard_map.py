@@ -7,6 +7,7 @@ own ``shard_map``).
 """
 
 import jax
+from jax.extend import core as jex
 
 
 def varying_axes(x) -> set:
@@ -40,3 +41,47 @@ def sum_to_varying(grad, primal):
     the sum of every device's gradient (the transpose of its implicit broadcast)."""
     extra = tuple(sorted(varying_axes(grad) - varying_axes(primal)))
     return jax.lax.psum(grad, extra) if extra else grad
+
+
+def eval_alike(jaxpr, consts, *args) -> list:
+    """Evaluates ``jaxpr`` (a ``jax.extend.core.Jaxpr``) on ``args`` as tracing its
+    function anew would: each equation's inputs first marked as varying over the
+    mesh axes any of them varies over, as jax.numpy does (``core.eval_jaxpr`` binds
+    them as they come, and a program traced outside ``jax.shard_map``, or with other
+    arguments, fails inside it). Calls to inner programs (jit, custom derivatives)
+    are inlined; ``pvary`` casts become these casts. Returns the outputs (a list)."""
+    env = {}
+
+    def read(var):
+        return var.val if isinstance(var, jex.Literal) else env[var]
+
+    for var, x in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = x
+    for var, x in zip(jaxpr.invars, args, strict=True):
+        env[var] = x
+    for eqn in jaxpr.eqns:
+        ins = [read(var) for var in eqn.invars]
+        ins = varying_like(ins, *ins)
+        inner = _inner_jaxpr(eqn)
+        if eqn.primitive.name == "pvary":
+            outs = ins
+        elif inner is not None:
+            outs = eval_alike(inner.jaxpr, inner.consts, *ins)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, x in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, jex.DropVar):
+                env[var] = x
+    return [read(var) for var in jaxpr.outvars]
+
+
+_INLINED = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")
+
+
+def _inner_jaxpr(eqn):
+    """The ClosedJaxpr an equation calls, when it is a call to inline; else None."""
+    if eqn.primitive.name not in _INLINED:
+        return None
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return inner if isinstance(inner, jex.ClosedJaxpr) else None

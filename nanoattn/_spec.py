@@ -241,10 +241,7 @@ def attention_spec(
     if isinstance(mask_fn, BlockMask):
         mask_fn.check_fits(B, N, T, S, q_offset)
     score_fn = check_score_fn(score_fn, B, N, T, S, q_offset)
-    if sinks is not None:
-        sinks = as_array("sinks", sinks, "a float array (N,), one logit per query head")
-        expect_floating("sinks", sinks.dtype)
-        expect_shape("sinks", sinks.shape, "N", (N,))
+    sinks = check_sinks(sinks, N)
     if kv_lengths is not None:
         kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
         expect_integer("kv_lengths", kv_lengths.dtype)
@@ -269,6 +266,16 @@ def attention_spec(
         q_segment_ids, kv_segment_ids, logit_soft_cap, return_residual, mask_fn, score_fn,
         sinks,
     )  # fmt: skip
+
+
+def check_sinks(sinks, N: int):
+    """``sinks`` as a float array (N,), one logit per query head, or None."""
+    if sinks is None:
+        return None
+    sinks = as_array("sinks", sinks, "a float array (N,), one logit per query head")
+    expect_floating("sinks", sinks.dtype)
+    expect_shape("sinks", sinks.shape, "N", (N,))
+    return sinks
 
 
 def _check_q_offset(q_offset, B: int, T: int, S: int, what: str):

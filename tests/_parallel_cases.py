@@ -26,6 +26,9 @@ import nanoattn
 from nanoattn._zigzag import zigzag_order
 from nanoattn.parallel import ring_attention
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _reference import np_attention_vjp, np_lse  # noqa: E402
+
 B, N, K, H = 2, 6, 3, 8
 
 
@@ -147,6 +150,166 @@ def compare(name, P, layout, *, T=None, dtype=jnp.float32, lengths=False, ids=Fa
         "out_scale": float(np.max(np.abs(ref_out))),
         "seconds": seconds,
     }  # fmt: skip
+
+
+def _documents(T: int):
+    """Document ids (B, T): row 0 in documents of 7 tokens, row 1 of 11 (both cross
+    chunk and shard edges)."""
+    return np.stack([np.arange(T) // 7, np.arange(T) // 11]).astype(np.int32)
+
+
+def _np_mask(kind: str, T: int, ids, hidden):
+    """The numpy literal (B, 1, T, T) of a mask family (no library code)."""
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    if kind == "documents":
+        allowed = (ids[:, :, None] == ids[:, None, :])[:, None] & (j <= i)
+    elif kind == "prefix":  # bidirectional over the first 5 tokens, then causal
+        allowed = np.broadcast_to((j < 5) | (j <= i), (B, 1, T, T))
+    else:  # "stripes": blocks of 8 positions see blocks of the same parity, causally
+        allowed = np.broadcast_to(((i // 8) % 2 == (j // 8) % 2) & (j <= i), (B, 1, T, T))
+    if hidden is not None:
+        allowed = allowed & ~((j >= hidden[0]) & (j < hidden[1]))
+    return allowed
+
+
+def _mask_fn(kind: str, ids, hidden):
+    """The same family as ``mask_fn`` of jax index arrays (global positions); ``ids``
+    numpy (static) or a traced jax array."""
+
+    def mask_fn(b, n, q, k):
+        if kind == "documents":  # numpy ids: static (classified at trace time)
+            seen = (jnp.asarray(ids)[b, q] == jnp.asarray(ids)[b, k]) & (k <= q)
+        elif kind == "prefix":
+            seen = (k < 5) | (k <= q)
+        else:
+            seen = ((q // 8) % 2 == (k // 8) % 2) & (k <= q)
+        if hidden is not None:
+            seen = seen & ~((k >= hidden[0]) & (k < hidden[1]))
+        return seen
+
+    return mask_fn
+
+
+def masked(name, P, layout, kind, *, T, traced=False, alibi=False, sinks=False, hidden=None,
+           window=None):  # fmt: skip
+    """The ring with ``mask_fn`` (a family of :func:`_np_mask`), optionally ALiBi through
+    ``score_fn`` (its slopes differentiated), ``sinks`` and a key range no query sees
+    holding NaN, against the float64 reference: output, log-sum-exp and the gradients
+    to q, k, v, the slopes and the sinks. ``traced``: the document ids are a jit
+    argument, so the classification runs at run time."""
+    q, k, v, probe = inputs(T)
+    ids = _documents(T)
+    rng = np.random.default_rng(7)
+    slopes = jnp.asarray(rng.uniform(0.1, 0.6, N), jnp.float32)
+    sink = jnp.asarray(rng.standard_normal(N), jnp.float32)
+    k_in, v_in = np.array(k), np.array(v)
+    if hidden is not None:  # content no query may read
+        k_in[:, hidden[0] : hidden[1]] = np.nan
+        v_in[:, hidden[0] : hidden[1], 0] = np.inf
+    mesh = mesh_of(P)
+
+    def run(q, k, v, probe, ids, slopes, sink):
+        def fn(q, k, v, slopes, sink):
+            def alibi_fn(s, b, n, qp, kp):
+                return s - slopes[n] * jnp.abs(qp - kp).astype(s.dtype)
+
+            return ring_attention(
+                q, k, v, axis_name="sp", mesh=mesh, layout=layout, is_causal=kind != "prefix",
+                window=window, mask_fn=_mask_fn(kind, ids if traced else _documents(T), hidden),
+                score_fn=alibi_fn if alibi else None, sinks=sink if sinks else None,
+                return_residual=True,
+            )  # fmt: skip
+
+        (out, lse), vjp = jax.vjp(fn, q, k, v, slopes, sink)
+        return out, lse, vjp((probe, jnp.zeros_like(lse)))
+
+    placed = [to_layout(x, P, layout) for x in (q, k_in, v_in, probe)]
+    out, lse, grads = jax.jit(run)(*placed, jnp.asarray(ids), slopes, sink)
+    out, lse = from_layout(out, P, layout), from_layout(lse, P, layout)
+    grads = [from_layout(g, P, layout) for g in grads[:3]] + list(grads[3:])
+
+    allowed = _np_mask(kind, T, ids, hidden)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    if window is not None:
+        allowed = allowed & (j >= i - window[0]) & (j <= i + window[1])
+    distance = np.abs(i - j).astype(np.float64)
+    bias = -np.asarray(slopes, np.float64)[None, :, None, None] * distance if alibi else None
+    ref_sinks = np.asarray(sink) if sinks else None
+    ref_out, ref = np_attention_vjp(q, k, v, probe, allowed, bias, sinks=ref_sinks)
+    ref_lse = np_lse(q, k, allowed, bias, sinks=ref_sinks)
+    dslopes = -(ref[3] * distance).sum(axis=(0, 2, 3)) if alibi else np.zeros(N)
+    dsink = ref[4] if sinks else np.zeros(N)
+    wanted = [ref[0], ref[1], ref[2], dslopes, dsink]
+
+    def rel(a, b):  # error relative to the reference's largest magnitude
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+    finite_lse = np.isfinite(ref_lse)
+    return {
+        "case": name, "P": P, "layout": layout, "T": T, "kind": kind,
+        "out_err": rel(out, ref_out),
+        "lse_err": float(np.max(np.abs(np.asarray(lse)[finite_lse] - ref_lse[finite_lse]))),
+        "lse_empty_match": bool(np.all(np.isneginf(np.asarray(lse)) == ~finite_lse)),
+        "grad_errs": [rel(g, w) for g, w in zip(grads, wanted)],
+        "finite": bool(all(np.isfinite(np.asarray(x)).all() for x in [out, *grads])),
+        "empty_rows": int((~allowed.any(-1)).sum()),  # rows that see no key
+        "out_scale": float(np.max(np.abs(ref_out))),
+    }  # fmt: skip
+
+
+def masked_layer(name, P: int = 2):
+    """The causal linen layer with sinks, a document mask_fn and ALiBi through
+    score_fn, with ``sequence_axis`` (zigzag) and ``head_axis`` over a (P, 2) mesh,
+    against the same layer on one device: outputs and parameter gradients."""
+    from jax.sharding import AxisType, PartitionSpec
+
+    from nanoattn.linen import AttentionConfig, CausalSelfAttention
+
+    T, D, heads = 8 * P, 32, 4
+    ids = jnp.asarray(np.arange(T)[None].repeat(2, 0) // 5)  # documents of 5 tokens
+    slopes = jnp.linspace(0.1, 0.4, heads)
+
+    def mask_fn(b, n, q, k):  # per-head: head 0 sees only its document's last 2 tokens
+        return (ids[b, q] == ids[b, k]) & ((n > 0) | (q - k <= 1))
+
+    def score_fn(s, b, n, q, k):
+        return s - slopes[n] * jnp.abs(q - k).astype(s.dtype)
+
+    def make(**axes):
+        cfg = AttentionConfig(d_model=D, n_heads=heads, n_kv_heads=2, sinks=True, **axes)
+        return CausalSelfAttention(cfg)
+
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, T, D)), jnp.float32)
+    one = make()
+    params = one.init(jax.random.key(0), x)
+    params = jax.tree.map(lambda p: p + 0.1, params)  # sinks away from zero
+
+    def loss(module, params, x):
+        out = module.apply(params, x, mask_fn=mask_fn, score_fn=score_fn)
+        return jnp.sum(jnp.sin(out)), out
+
+    want, want_grads = jax.value_and_grad(lambda p: loss(one, p, x), has_aux=True)(params)
+    mesh = jax.make_mesh((P, 2), ("sp", "model"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[: 2 * P])  # fmt: skip
+    sharded = make(sequence_axis="sp", head_axis="model")
+    zig = jnp.asarray(to_layout(x, P, "zigzag"))
+    order = np.asarray(to_layout(np.arange(T)[None], P, "zigzag"))[0]
+
+    def zigzag_loss(p):  # the same loss, the sequence in zigzag order (a row's sum)
+        out = sharded.apply(p, zig, mask_fn=zig_mask, score_fn=zig_score)
+        return jnp.sum(jnp.sin(out)), out
+
+    # mask_fn and score_fn see global positions either way: the same functions
+    zig_mask, zig_score = mask_fn, score_fn
+    with jax.set_mesh(mesh):
+        got, got_grads = jax.jit(jax.value_and_grad(zigzag_loss, has_aux=True))(params)
+    out_err = float(np.max(np.abs(np.asarray(got[1]) - np.asarray(want[1])[:, order])))
+    errs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), got_grads,
+                                        want_grads))  # fmt: skip
+    scales = [float(np.max(np.abs(np.asarray(g)))) for g in jax.tree.leaves(want_grads)]
+    return {"case": name, "out_err": out_err, "grad_err": max(errs), "grad_scale": min(scales),
+            "out_scale": float(np.max(np.abs(np.asarray(want[1]))))}  # fmt: skip
 
 
 def hlo_counts(name, P, layout, **options):
@@ -419,6 +582,8 @@ CASES = [
     lambda: leak("leak-planted", planted=True),
     lambda: layer_case("layer-heads-linen", (2,), ("model",), head_axis="model"),
     lambda: replicated_kv("flash-replicated-kv"),
+    lambda: masked("mask-p2-zigzag-documents-alibi-sinks", 2, "zigzag", "documents", T=48,
+                   alibi=True, sinks=True, hidden=(21, 28)),
 ]  # fmt: skip
 
 
@@ -455,6 +620,15 @@ SLOW_CASES = (
             lengths=True,
             ids=True,
         ),
+        # the ring's programs with mask_fn are large (a switch over five pair kinds per
+        # chunk pair): beyond CASES' static P = 2 case, these run with make test-all
+        lambda: masked("mask-p2-contiguous-prefix-traced-nan", 2, "contiguous", "prefix", T=36,
+                       traced=True, hidden=(24, 30)),
+        lambda: masked_layer("mask-layer-sequence-heads"),
+        lambda: masked("mask-p4-zigzag-documents-alibi-sinks", 4, "zigzag", "documents", T=72,
+                       alibi=True, sinks=True, hidden=(21, 28)),
+        lambda: masked("mask-p4-zigzag-stripes-window-traced", 4, "zigzag", "stripes", T=56,
+                       traced=True, window=(13, 0), sinks=True),
         lambda: compare(
             "p4-zigzag-soft-cap-lengths",
             4,

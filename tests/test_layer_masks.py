@@ -385,26 +385,8 @@ def test_bad_inputs_get_one_line_errors():
         "^linen_params has sinks, which the config does not use$",
         lambda: nanoattn_nnx.from_linen(plain, params, rngs=nnx.Rngs(0)),
     )
-    # the sequence-parallel layer (ring attention) serves none of them: it says which
-    x8 = jnp.ones((B, 8, D))  # the zigzag layout over P = 1 needs an even T
-
-    def ring_call(options, **fns):
-        ring = linen.CausalSelfAttention(linen.AttentionConfig(D, N, sequence_axis="sp", **options))
-        shapes = jax.eval_shape(lambda: ring.init(jax.random.key(0), x8, True))
-        params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-        with jax.set_mesh(jax.make_mesh((1,), ("sp",))):
-            return jax.jit(lambda x: ring.apply(params, x, True, **fns))(x8)
-
-    for options, fns, name in [
-        (dict(), dict(mask_fn=streaming), "mask_fn"),
-        (dict(), dict(score_fn=alibi), "score_fn"),
-        (dict(sinks=True), dict(), "sinks"),
-    ]:
-        one_line(
-            ValueError,
-            rf"^sequence_axis='sp' runs causal self-attention .* got {name}$",
-            lambda options=options, fns=fns: ring_call(options, **fns),
-        )
+    # (the sequence-parallel layer serves mask_fn, score_fn and sinks through the ring:
+    # tests/test_parallel.py's mask-layer-sequence-heads case)
     # flax's attention_fn convention has no such arguments: Python names the one passed
     q = jnp.ones((B, T, N, H))
     one_line(

@@ -123,6 +123,100 @@ def test_a_chunk_pair_is_full_only_when_every_cell_is_in_the_band():
             assert [_blocks.PAIR_KINDS[g] for g in got] == want, (C, band)
 
 
+MASK_CASES = ["mask-p2-zigzag-documents-alibi-sinks"]
+SLOW_MASK_CASES = [  # run-time classification (traced ids), no band, 4 devices
+    "mask-p2-contiguous-prefix-traced-nan",
+    "mask-p4-zigzag-documents-alibi-sinks",
+    "mask-p4-zigzag-stripes-window-traced",
+]
+
+
+@pytest.mark.parametrize("name", MASK_CASES)
+def test_ring_with_mask_fn_score_fn_and_sinks_equals_the_float64_reference(cases, name):
+    _check_masked_case(cases[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_MASK_CASES)
+def test_ring_with_mask_fn_on_4_devices_equals_the_float64_reference(slow_cases, name):
+    _check_masked_case(slow_cases[name])
+
+
+def _check_masked_case(case):
+    """mask_fn at global positions (static and traced), ALiBi through score_fn, sinks
+    and return_residual on the ring: the output, the log-sum-exp (-inf exactly where
+    a row sees nothing) and the gradients to q, k, v, the slopes score_fn closes over
+    and the sinks, relative to the reference's largest value; NaN and inf in keys and
+    values no query sees reach nothing."""
+    assert case["out_err"] <= 1e-5 and case["lse_err"] <= 1e-5, case
+    assert case["lse_empty_match"] and case["finite"], case
+    assert max(case["grad_errs"]) <= 2e-5, case
+    assert case["out_scale"] > 0.5, case
+    if case["kind"] == "documents":  # a hidden document: rows that see no key
+        assert case["empty_rows"] > 0, case
+
+
+@pytest.mark.slow
+def test_sequence_and_head_parallel_layer_with_masks_and_sinks_equals_one_device(slow_cases):
+    """The linen layer with sinks, a per-head document mask_fn and ALiBi on a (2, 2)
+    mesh (zigzag sequence x heads): each device's heads see their global index."""
+    case = slow_cases["mask-layer-sequence-heads"]
+    assert case["out_err"] <= 1e-6 * case["out_scale"], case
+    assert case["grad_err"] <= 1e-5 * max(case["grad_scale"], 1.0) + 2e-5, case
+
+
+@pytest.mark.parametrize("layout, P", [("zigzag", 4), ("contiguous", 8)])
+def test_ring_skips_every_chunk_pair_mask_fn_hides_and_unmasks_the_full_ones(layout, P):
+    """The kind the ring picks for every chunk pair it computes under mask_fn, causality
+    and a window, against the pair's cells by brute force: skipped when the window or
+    mask_fn hides every cell, run without mask_fn when mask_fn shows every cell, with
+    it (and its block kinds) otherwise; the sweep reaches every kind."""
+    from nanoattn._spec import attention_spec
+    from nanoattn.parallel import _blocks
+
+    T, left = 192, 60  # chunks of C = 24: adjacent pairs wholly in the window, others not
+    n = 2 if layout == "zigzag" else 1
+    C = T // (n * P)
+    ids = (np.arange(T) + 12) // 72  # documents of 72 tokens, their edges inside chunks
+
+    def mask_fn(b, n, q, k):  # the first 72 queries see every document
+        return (jnp.asarray(ids)[q] == jnp.asarray(ids)[k]) | (q < 72)
+
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    by_fn = (ids[i] == ids[j]) | (i < 72)
+    by_band = (j <= i) & (i - j <= left)
+    x = jnp.zeros((1, T // P, 2, 4))
+    spec = attention_spec(x, x, x, is_causal=True, window=(left, 0))
+    tiles = ((8, 8, 1), (8, 8, 1))  # 3 x 3 blocks per pair: the pair's kind sums its blocks'
+    plans = _blocks.step_plans(spec, layout, P, tiles, mask_fn)
+    forward, _ = _blocks.pair_kinds(plans, None, 1, 2)
+    assert forward.shape[2:] == (3, 3)
+    assert plans.all_rows and plans.kinds == _blocks.MASKED_PAIR_KINDS
+
+    def kind(cells):
+        return "empty" if not cells.any() else "all" if cells.all() else "some"
+
+    seen = set()
+    for r in range(P):
+        for step in range(P):
+            for a, _, qc, kc, diagonal in _blocks._pair_calls(plans, step == 0, r, (r - step) % P):
+                rows, cols = slice(qc * C, (qc + 1) * C), slice(kc * C, (kc + 1) * C)
+                fn, band = kind(by_fn[rows, cols]), kind(by_band[rows, cols])
+                kinds = _blocks._kinds_of(plans, forward, a, qc, kc)
+                index = int(_blocks._kind_index(plans, (qc - kc) * C, kinds, diagonal))
+                got = (plans.diagonal_kinds if diagonal else plans.kinds)[index]
+                if diagonal:
+                    want = {"empty": "skip", "all": "own", "some": "own_masked"}[fn]
+                elif "empty" in (fn, band):
+                    want = "skip"
+                else:
+                    want = ("full" if band == "all" else "general") + ("_masked" * (fn == "some"))
+                assert got == want, (layout, r, step, qc, kc, fn, band)
+                seen.add(got)
+    assert seen == {"skip", "own", "own_masked", "full", "general", "full_masked",
+                    "general_masked"}, seen  # fmt: skip
+
+
 def test_sequence_parallel_layer_rotates_each_token_by_its_global_position(cases):
     """The causal layer with RoPE on 2 devices, zigzag input, against the same layer
     and parameters on one device (rotating by the slot in the zigzag order, or by

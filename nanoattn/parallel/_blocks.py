@@ -14,12 +14,18 @@ Two strategies, chosen once per call from its positional rule:
   (``source < r``) or the second query chunk sees every key
   (``source > r``), the same work on every device. Key lengths become a key
   mask (B, 1, 1, S) from the keys' global positions.
-* **Pairs of chunks** (a sliding window). Each (query chunk, key chunk) pair
-  of C tokens is a kernel call with the queries at
-  ``q_offset = (qc - kc) * C`` relative to the keys, chosen by ``lax.switch``
-  among ``skip`` (outside the band), ``full`` (inside it) and ``general``
-  (on its edge: a traced offset, masked); a chunk against itself uses
-  ``q_offset=0`` statically.
+* **Pairs of chunks** (a sliding window, ``mask_fn`` or ``score_fn``). Each
+  (query chunk, key chunk) pair of C tokens is a kernel call with the queries
+  at ``q_offset = (qc - kc) * C`` relative to the keys, chosen by
+  ``lax.switch`` among ``skip`` (outside the band), ``full`` (inside it) and
+  ``general`` (on its edge: a traced offset, masked); a chunk against itself
+  uses ``q_offset=0`` statically. ``mask_fn`` and ``score_fn`` see the global
+  positions (the kernel's ``index_shift`` is the key chunk's first position).
+  With ``mask_fn`` each pair's blocks are classified once per call
+  (:func:`pair_kinds`): a pair ``mask_fn`` hides wholly is skipped, one it
+  shows wholly runs without it (``full``, ``general``, ``own``), and the
+  others (``*_masked``) run the kernel with the pair's kinds, which skips
+  their empty blocks as it meets them.
 
 Axis letters (docs/conventions.md): B batch, T this device's query time, S its
 key time (T = S), N query heads, K key/value heads, G = N / K, H head width,
@@ -33,13 +39,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _zigzag
+from .._block_mask import EMPTY, FULL, PARTIAL, chunk_pair_kinds
 from .._flash import BlockInputs, Residuals, backward_block, forward_block
-from .._flash_plan import Plans, kernel_plans
+from .._flash_plan import Plan, Plans, kernel_plans
 from .._merge import merge_attention
 from .._shard_map import varying_like
 from .._spec import AttentionSpec
 
 PAIR_KINDS = ("skip", "full", "general")
+MASKED_PAIR_KINDS = (*PAIR_KINDS, "full_masked", "general_masked")
+DIAGONAL_KINDS = ("own",)
+MASKED_DIAGONAL_KINDS = ("skip", "own", "own_masked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +58,18 @@ class StepPlans:
 
     Attributes:
       layout, P, C: the layout, the ring size and the chunk length.
-      pairs: True for the chunk-pair strategy (a window), else whole shards.
+      pairs: True for the chunk-pair strategy (a window, mask_fn or score_fn),
+        else whole shards.
       band: ``(left, right)`` of the positional rule, or None.
       plans: name -> its :class:`~nanoattn._flash_plan.Plans`, as a sorted tuple of pairs.
       kinds: the kinds an off-diagonal chunk pair can take (pairs only).
+      diagonal_kinds: the kinds a chunk against itself can take (pairs only).
+      mask_fn: the call's ``mask_fn`` (pairs only), or None.
+      scored: whether the plans carry a (closure-converted) ``score_fn``, whose arrays
+        travel as ``score_consts``.
+      all_rows: whether :func:`pair_kinds` classified every query chunk (a static
+        ``mask_fn``: its tables are indexed by the global chunk) or only this
+        device's (indexed by the local one).
     """
 
     layout: str
@@ -61,6 +79,15 @@ class StepPlans:
     band: tuple | None
     plans: tuple
     kinds: tuple[str, ...] = ()
+    diagonal_kinds: tuple[str, ...] = ()
+    mask_fn: object = None
+    scored: bool = False
+    all_rows: bool = True
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the kernel calls see global positions (``mask_fn`` or ``score_fn``)."""
+        return self.mask_fn is not None or self.scored
 
     def __getitem__(self, name: str) -> Plans:
         return dict(self.plans)[name]
@@ -70,13 +97,21 @@ def _plans(spec: AttentionSpec, T: int, S: int, tiles, **changes) -> Plans:
     return kernel_plans(dataclasses.replace(spec, T=T, S=S, **changes), *tiles)
 
 
-def step_plans(spec: AttentionSpec, layout: str, P: int, tiles=(None, None)) -> StepPlans:
-    """The plans of a ring call whose per-device call is ``spec`` (T = S = T/P)."""
+def step_plans(
+    spec: AttentionSpec, layout: str, P: int, tiles=(None, None), mask_fn=None, score_fn=None,
+    all_rows: bool = True,
+) -> StepPlans:  # fmt: skip
+    """The plans of a ring call whose per-device call is ``spec`` (T = S = T/P, no
+    ``mask_fn`` or ``score_fn`` in it): ``mask_fn`` as the user gave it,
+    ``score_fn`` closure-converted (its arrays are the kernel's ``score_consts``),
+    ``all_rows`` as :attr:`StepPlans.all_rows`."""
     n = _zigzag.check_layout(layout)
     T, C = spec.T, spec.T // n
     band = spec.band
-    flat = dict(is_causal=False, window=None, q_offset=None)
-    if band is None or band == (None, 0):  # whole shards; lengths become a key mask
+    indexed = mask_fn is not None or score_fn is not None
+    # Without a band a pair that mask_fn or score_fn reads still needs its offset.
+    flat = dict(is_causal=False, window=None, q_offset=np.int32(0) if indexed else None)
+    if not indexed and (band is None or band == (None, 0)):  # whole shards; lengths: a key mask
         whole = dict(kv_lengths=None, mask=True if spec.kv_lengths is not None else None)
         plans = {
             "own": _plans(spec, T, T, tiles, q_offset=0, **whole),
@@ -92,7 +127,51 @@ def step_plans(spec: AttentionSpec, layout: str, P: int, tiles=(None, None)) -> 
         # An offset that is not a Python int stands for the traced one: the kernel masks.
         "general": _plans(spec, C, C, tiles, q_offset=np.int32(0)),
     }
-    return StepPlans(layout, P, C, True, band, tuple(sorted(plans.items())), PAIR_KINDS)
+    if score_fn is not None:
+        plans = {name: _with(p, score_fn=score_fn) for name, p in plans.items()}
+    kinds, diagonal = PAIR_KINDS, DIAGONAL_KINDS
+    if mask_fn is not None:
+        masked = {name: _with(p, mask_fn=mask_fn, traced_kinds=True) for name, p in plans.items()}
+        plans |= {f"{name}_masked": p for name, p in masked.items()}
+        kinds, diagonal = MASKED_PAIR_KINDS, MASKED_DIAGONAL_KINDS
+    return StepPlans(
+        layout, P, C, True, band, tuple(sorted(plans.items())), kinds, diagonal, mask_fn,
+        score_fn is not None, all_rows,
+    )  # fmt: skip
+
+
+def _with(plans: Plans, **changes) -> Plans:
+    """Both passes' plans with ``changes``."""
+    return Plans(*(dataclasses.replace(p, **changes) for p in plans))
+
+
+def pair_kinds(plans: StepPlans, r, B: int, N: int):
+    """The block kinds of ``mask_fn`` in every chunk pair this device computes, at the
+    forward and at the backward plans' blocks: a pair of int8 tables (query chunks,
+    2P or P key chunks, nQ, nK), the query chunks all of them (``plans.all_rows``) or
+    this device's (``r``); None without ``mask_fn``."""
+    if plans.mask_fn is None:
+        return None
+    n = 2 if plans.layout == "zigzag" else 1
+    q_chunks = np.arange(n * plans.P) if plans.all_rows else _zigzag.chunk_ids(plans.layout, plans.P, r)
+    k_chunks = np.arange(n * plans.P)
+    return tuple(
+        jnp.asarray(chunk_pair_kinds(plans.mask_fn, B, N, plans.C, q_chunks, k_chunks,
+                                     p.block_q, p.block_k))  # fmt: skip
+        for p in plans["own"]
+    )
+
+
+def is_static(mask_fn, B: int, N: int, C: int) -> bool:
+    """Whether ``mask_fn`` can be classified at trace time (it depends on static things
+    only): probed on one chunk pair. A function that closes over a value varying over
+    the axes of an enclosing ``jax.shard_map`` (such as a device index) cannot be
+    evaluated at trace time, and fails there in jax's own code: it is classified at
+    run time (where a real error in it surfaces)."""
+    try:
+        return isinstance(chunk_pair_kinds(mask_fn, B, N, C, [0], [0], C, C), np.ndarray)
+    except Exception:  # noqa: BLE001 (see above)
+        return False
 
 
 def _select(index, branches, operands):
@@ -164,7 +243,9 @@ def _pair_calls(plans: StepPlans, first: bool, r, source):
 
 def _pair_kind(plans: StepPlans, rel):
     """The index in ``PAIR_KINDS`` of a pair whose queries sit at ``rel`` (traced)
-    relative to its keys, both chunks C long."""
+    relative to its keys, both chunks C long, by the positional rule alone."""
+    if plans.band is None:
+        return jnp.int32(1)  # every pair is wholly visible
     left, right = plans.band
     C = plans.C
     visible = rel + C - 1 + right >= 0 if right is not None else True
@@ -173,6 +254,27 @@ def _pair_kind(plans: StepPlans, rel):
         visible = jnp.logical_and(visible, rel - left <= C - 1)
         whole = jnp.logical_and(whole, rel + C - 1 - left <= 0)
     return jnp.where(whole, 1, jnp.where(visible, 2, 0))
+
+
+def _summary(kinds):
+    """EMPTY, FULL or PARTIAL for a whole pair from its block kinds (nQ, nK)."""
+    full, empty = jnp.all(kinds == FULL), jnp.all(kinds == EMPTY)
+    return jnp.where(full, FULL, jnp.where(empty, EMPTY, PARTIAL))
+
+
+def _kind_index(plans: StepPlans, rel, kinds, diagonal: bool):
+    """The index of a pair's kind in ``plans.diagonal_kinds`` (a chunk against itself)
+    or ``plans.kinds``: the positional rule's kind, then ``mask_fn``'s (``kinds``, the
+    pair's block kinds, or None): a pair it hides wholly is skipped, one it shows
+    wholly needs no mask_fn, the others run ``*_masked``."""
+    if kinds is None:
+        return jnp.int32(0) if diagonal else _pair_kind(plans, rel)
+    summary = _summary(kinds)
+    partial = (summary == PARTIAL).astype(jnp.int32)
+    if diagonal:  # ("skip", "own", "own_masked")
+        return jnp.where(summary == EMPTY, 0, 1 + partial)
+    band = _pair_kind(plans, rel)  # ("skip", "full", "general", "full_masked", "general_masked")
+    return jnp.where((band == 0) | (summary == EMPTY), 0, band + 2 * partial)
 
 
 def _slice(x, at):
@@ -195,56 +297,93 @@ def _chunks(plans: StepPlans, q, k, v, q_ids, kv_ids):
     return [_split(x, n) for x in (q, k, v, q_ids, kv_ids)]
 
 
-def _pair_inputs(plans: StepPlans, chunks, a: int, c: int, kc, kv_lengths) -> BlockInputs:
+def _pair_inputs(plans: StepPlans, chunks, a: int, c: int, kc, kv_lengths, consts):
     """The inputs of query chunk ``a`` against key chunk ``c`` (global chunk ``kc``):
-    the key lengths shifted to the chunk's own positions."""
+    the key lengths shifted to the chunk's own positions, and for ``mask_fn`` and
+    ``score_fn`` the positions shifted back to global ones."""
     qs, ks, vs, q_ids, kv_ids = chunks
     lengths = None if kv_lengths is None else jnp.clip(kv_lengths - kc * plans.C, 0, plans.C)
     return BlockInputs(
         query=qs[a], key=ks[c], value=vs[c], kv_lengths=lengths,
         q_segment_ids=q_ids[a], kv_segment_ids=kv_ids[c],
+        index_shift=jnp.asarray(kc * plans.C, jnp.int32) if plans.indexed else None,
+        score_consts=(consts, consts) if plans.scored else None,
+    )  # fmt: skip
+
+
+def _kinds_of(plans: StepPlans, table, a: int, qc, kc):
+    """The block kinds (nQ, nK) of the pair (query chunk ``qc``, the ``a``-th of this
+    device, key chunk ``kc``) from a :func:`pair_kinds` table, or None."""
+    if table is None:
+        return None
+    return table[qc if plans.all_rows else a, kc]
+
+
+def _for_plan(plan: Plan, inputs: BlockInputs, offset, kinds, field: str) -> BlockInputs:
+    """``inputs`` as ``plan`` reads them: the traced offset where the plan has none of
+    its own, and the pair's kinds (in ``field``) where it skips by them."""
+    return dataclasses.replace(
+        inputs, q_offset=offset if plan.index_offset is None else None,
+        **{field: kinds if plan.traced_kinds else None},
     )  # fmt: skip
 
 
 def _pair_forward(plans: StepPlans, kind: str):
-    """The forward branch of an off-diagonal chunk pair of ``kind`` (:data:`PAIR_KINDS`),
-    for ``lax.switch``: (offset, inputs) -> (output, log-sum-exp)."""
+    """The forward branch of a chunk pair of ``kind``, for ``lax.switch``:
+    (offset, inputs, kinds) -> (output, log-sum-exp)."""
 
-    def branch(offset, inputs: BlockInputs):
+    def branch(offset, inputs: BlockInputs, kinds):
         if kind == "skip":
             result = _empty(inputs.query)
         else:
-            inputs = dataclasses.replace(inputs, q_offset=offset if kind == "general" else None)
-            result = forward_block(plans[kind].forward, inputs)
-        return varying_like(result, offset, inputs)
+            plan = plans[kind].forward
+            result = forward_block(plan, _for_plan(plan, inputs, offset, kinds, "kinds"))
+        return varying_like(result, offset, inputs, kinds)
 
     return branch
 
 
-def _grads(plans: Plans, inputs: BlockInputs, out, lse, d_out):
-    """dq, dk, dv of one kernel call of a step, from the queries' final ``out`` and ``lse``."""
-    block = backward_block(plans.backward, Residuals(inputs, out, lse), d_out)
-    return block.query, block.key, block.value
+def _grads(plans: Plans, inputs: BlockInputs, out, lse, d_out, d_lse):
+    """dq, dk, dv and the gradients of ``score_fn``'s arrays (a tuple, empty without)
+    of one kernel call of a step, from the queries' final ``out`` and ``lse``."""
+    block = backward_block(plans.backward, Residuals(inputs, out, lse), d_out, d_lse)
+    consts = () if block.score_consts is None else tuple(block.score_consts[1])
+    return block.query, block.key, block.value, consts
 
 
 def _pair_backward(plans: StepPlans, kind: str):
-    """The backward branch of an off-diagonal chunk pair of ``kind``, for ``lax.switch``:
-    (offset, inputs, (out, lse, d_out)) -> (dq, dk, dv)."""
+    """The backward branch of a chunk pair of ``kind``, for ``lax.switch``:
+    (offset, inputs, kinds, (out, lse, d_out, d_lse)) -> (dq, dk, dv, d consts)."""
 
-    def branch(offset, inputs: BlockInputs, rows):
+    def branch(offset, inputs: BlockInputs, kinds, rows):
         if kind == "skip":
-            result = tuple(jnp.zeros_like(x) for x in (inputs.query, inputs.key, inputs.value))
+            arrays = (inputs.query, inputs.key, inputs.value)
+            consts = () if inputs.score_consts is None else inputs.score_consts[1]
+            result = jax.tree.map(jnp.zeros_like, (*arrays, tuple(consts)))
         else:
-            inputs = dataclasses.replace(inputs, q_offset=offset if kind == "general" else None)
-            result = _grads(plans[kind], inputs, *rows)
-        return varying_like(result, offset, inputs, rows)
+            plan = plans[kind]
+            inputs = _for_plan(plan.backward, inputs, offset, kinds, "backward_kinds")
+            result = _grads(plan, inputs, *rows)
+        return varying_like(result, offset, inputs, kinds, rows)
 
     return branch
 
 
-def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, q_ids, kv_ids):
+def _pair_call(plans: StepPlans, make_branch, rel, inputs, kinds, diagonal: bool, *rest):
+    """One chunk pair through the branch its kind picks (``lax.switch``; a chunk
+    against itself without ``mask_fn`` is always ``own``)."""
+    names = plans.diagonal_kinds if diagonal else plans.kinds
+    offset = jnp.int32(0) if diagonal else rel
+    index = _kind_index(plans, rel, kinds, diagonal)
+    branches = [make_branch(plans, name) for name in names]
+    return _select(index, branches, (offset, inputs, kinds, *rest))
+
+
+def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, q_ids, kv_ids,
+                 kinds=None, consts=()):  # fmt: skip
     """(output (B, T, N, H), log-sum-exp (B, T, N)) of this device's queries over
-    the keys from ``source``; float32 ``q`` (B, T, N, H), ``k``, ``v`` (B, S, K, H)."""
+    the keys from ``source``; float32 ``q`` (B, T, N, H), ``k``, ``v`` (B, S, K, H);
+    ``kinds`` the forward table of :func:`pair_kinds`, ``consts`` score_fn's arrays."""
     operands = (r, source, q, k, v, kv_lengths, q_ids, kv_ids)
     if not plans.pairs:
         index, alternatives = _whole_calls(plans, first, r, source)
@@ -267,41 +406,40 @@ def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, 
     chunks = _chunks(plans, q, k, v, q_ids, kv_ids)
     parts = [_empty(x) for x in chunks[0]]
     for a, c, qc, kc, diagonal in _pair_calls(plans, first, r, source):
-        pair = _pair_inputs(plans, chunks, a, c, kc, kv_lengths)
-        if diagonal:
-            block = forward_block(plans["own"].forward, pair)
-        else:
-            rel = (qc - kc) * plans.C
-            branches = [_pair_forward(plans, kind) for kind in PAIR_KINDS]
-            block = jax.lax.switch(_pair_kind(plans, rel), branches, rel, pair)
+        pair = _pair_inputs(plans, chunks, a, c, kc, kv_lengths, consts)
+        rel = (qc - kc) * plans.C
+        block = _pair_call(
+            plans, _pair_forward, rel, pair, _kinds_of(plans, kinds, a, qc, kc), diagonal
+        )
         parts[a] = merge(parts[a], block)
     return tuple(jnp.concatenate(x, axis=1) for x in zip(*parts, strict=True))
 
 
 def step_backward(
-    plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse, d_out
-):
-    """(dq (B, T, N, H), dk, dv (B, S, K, H)), float32, of the step's share: the
-    kernel's backward pass with the final ``out`` and ``lse`` of the queries, so
-    it recomputes exactly this step's part of the softmax."""
-    operands = (r, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse, d_out)
+    plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse,
+    d_out, d_lse, kinds=None, consts=(),
+):  # fmt: skip
+    """(dq (B, T, N, H), dk, dv (B, S, K, H), d consts), float32, of the step's share:
+    the kernel's backward pass with the final ``out`` and ``lse`` of the queries (and
+    the cotangents of both), so it recomputes exactly this step's part of the softmax;
+    ``kinds`` the backward table of :func:`pair_kinds`."""
+    operands = (r, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse, d_out, d_lse)
 
     if not plans.pairs:
         index, alternatives = _whole_calls(plans, first, r, source)
 
         def run(calls):
             def branch(*operands):
-                _, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse, d_out = operands
+                _, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse, d_out, d_lse = operands
                 mask = _key_mask(kv_lengths, _positions(plans, source))
                 dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
                 for name, rows, cols in calls:
                     inputs = _whole_inputs(q, k, v, mask, q_ids, kv_ids, rows, cols)
-                    dq_, dk_, dv_ = _grads(
-                        plans[name], inputs, out[:, rows], lse[:, rows], d_out[:, rows]
-                    )
+                    per_row = (out, lse, d_out, d_lse)
+                    dq_, dk_, dv_, _ = _grads(plans[name], inputs, *(x[:, rows] for x in per_row))
                     dq = dq.at[:, rows].add(dq_)
                     dk, dv = dk.at[:, cols].add(dk_), dv.at[:, cols].add(dv_)
-                return varying_like((dq, dk, dv), *operands)
+                return varying_like((dq, dk, dv, ()), *operands)
 
             return branch
 
@@ -309,17 +447,18 @@ def step_backward(
 
     chunks = _chunks(plans, q, k, v, q_ids, kv_ids)
     n = len(chunks[0])
-    outs, lses, d_outs = _split(out, n), _split(lse, n), _split(d_out, n)
+    per_row = [_split(x, n) for x in (out, lse, d_out, d_lse)]
     dq = [jnp.zeros_like(x) for x in chunks[0]]
     dk, dv = [jnp.zeros_like(x) for x in chunks[1]], [jnp.zeros_like(x) for x in chunks[2]]
+    d_consts = tuple(jnp.zeros_like(x) for x in consts)
     for a, c, qc, kc, diagonal in _pair_calls(plans, first, r, source):
-        pair = _pair_inputs(plans, chunks, a, c, kc, kv_lengths)
-        rows = (outs[a], lses[a], d_outs[a])
-        if diagonal:
-            dq_a, dk_c, dv_c = _grads(plans["own"], pair, *rows)
-        else:
-            rel = (qc - kc) * plans.C
-            branches = [_pair_backward(plans, kind) for kind in PAIR_KINDS]
-            dq_a, dk_c, dv_c = jax.lax.switch(_pair_kind(plans, rel), branches, rel, pair, rows)
+        pair = _pair_inputs(plans, chunks, a, c, kc, kv_lengths, consts)
+        rows = tuple(x[a] for x in per_row)
+        rel = (qc - kc) * plans.C
+        pair_kinds = _kinds_of(plans, kinds, a, qc, kc)
+        dq_a, dk_c, dv_c, dc = _pair_call(
+            plans, _pair_backward, rel, pair, pair_kinds, diagonal, rows
+        )
         dq[a], dk[c], dv[c] = dq[a] + dq_a, dk[c] + dk_c, dv[c] + dv_c
-    return tuple(jnp.concatenate(x, axis=1) for x in (dq, dk, dv))
+        d_consts = tuple(x + y for x, y in zip(d_consts, dc, strict=True))
+    return (*(jnp.concatenate(x, axis=1) for x in (dq, dk, dv)), d_consts)

@@ -104,27 +104,51 @@ def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_arg
         return jax.lax.with_sharding_constraint(out, heads)
     unsupported = [
         name
-        for name in ("mask", "q_offset", "kv_lengths", "bias", "mask_fn", "score_fn", "sinks")
+        for name in ("mask", "q_offset", "kv_lengths", "bias")
         if mask_args.get(name) is not None
     ]
     if unsupported or dropout_rate > 0 or not mask_args.get("is_causal"):
         raise ValueError(
             f"sequence_axis={cfg.sequence_axis!r} runs causal self-attention over the whole "
-            f"sequence without dropout, a dense mask, mask_fn, score_fn, sinks or a KV cache; got "
+            f"sequence without dropout, a dense mask, a bias or a KV cache; got "
             f"{', '.join(unsupported) or ('dropout' if dropout_rate > 0 else 'is_causal=False')}"
         )
     _axis_size(cfg.sequence_axis, "sequence_axis")
     seq = PartitionSpec(None, cfg.sequence_axis, cfg.head_axis, None)
     q_ids, kv_ids = mask_args.get("q_segment_ids"), mask_args.get("kv_segment_ids")
     ids = None if q_ids is None else PartitionSpec(None, cfg.sequence_axis)
+    sinks = mask_args.get("sinks")
+    per_head = None if sinks is None else PartitionSpec(cfg.head_axis)
 
-    def ring(q, k, v, q_ids, kv_ids):
+    def ring(q, k, v, q_ids, kv_ids, sinks):
+        mask_fn, score_fn = mask_args.get("mask_fn"), mask_args.get("score_fn")
+        if cfg.head_axis is not None:
+            mask_fn, score_fn = _global_heads(mask_fn, score_fn, cfg.head_axis, q.shape[2])
         return ring_attention(
             q, k, v, axis_name=cfg.sequence_axis, is_causal=True, q_segment_ids=q_ids,
             kv_segment_ids=kv_ids, window=mask_args.get("window"),
             logit_soft_cap=mask_args.get("logit_soft_cap"), layout=cfg.sequence_layout,
+            mask_fn=mask_fn, score_fn=score_fn, sinks=sinks,
         )  # fmt: skip
 
-    return jax.shard_map(ring, in_specs=(seq, seq, seq, ids, ids), out_specs=seq)(
-        q, k, v, q_ids, kv_ids
-    )
+    in_specs = (seq, seq, seq, ids, ids, per_head)
+    return jax.shard_map(ring, in_specs=in_specs, out_specs=seq)(q, k, v, q_ids, kv_ids, sinks)
+
+
+def _global_heads(mask_fn, score_fn, head_axis: str, heads: int):
+    """``mask_fn`` and ``score_fn`` called with global head indices on a device that
+    holds ``heads`` heads of ``head_axis`` (the ring sees only its own). The first
+    head's index is computed at each call, in the trace that calls: the ring's
+    backward pass is traced apart from its forward, so a closed-over device index
+    would escape its trace."""
+
+    def first():
+        return jax.lax.axis_index(head_axis) * heads
+
+    def mask(b, n, q, k):
+        return mask_fn(b, n + first(), q, k)
+
+    def score(s, b, n, q, k):
+        return score_fn(s, b, n + first(), q, k)
+
+    return None if mask_fn is None else mask, None if score_fn is None else score

@@ -30,10 +30,13 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from .. import _zigzag
+from .._block_mask import BlockMask
+from .._mask_fn import check_mask_fn, check_score_fn, closure_converted
+from .._merge import add_sinks
 from .._reference import compute_dtype
-from .._shard_map import varying_like
-from .._spec import attention_spec
-from .._validate import check_scale, check_tiles, expect_shape
+from .._shard_map import sum_to_varying, varying_like
+from .._spec import attention_spec, check_sinks
+from .._validate import check_scale, check_tiles, expect_flag, expect_shape
 from . import _blocks
 
 
@@ -77,18 +80,20 @@ def _walk(ring: Ring, state, kv, compute, after=None):
     return after(compute(state, arriving, ring.P - 1, False))
 
 
-def _ring_forward(ring: Ring, q, k, v, kv_lengths, q_ids, kv_ids):
+def _ring_forward(ring: Ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts):
     """(out (B, T, N, H) float32, lse (B, T, N) float32) of this device's queries."""
     r = jax.lax.axis_index(ring.axis_name)
     acc = compute_dtype(q.dtype, k.dtype, v.dtype)
     q32 = q.astype(acc)
+    table = None if kinds is None else kinds[0]
+    consts = _per_device(consts, q)
 
     def compute(state, kv, step, first):
         (k, v), kv_ids = kv
         source = (r - step) % ring.P  # the device whose keys arrived after `step` hops
         block = _blocks.step_forward(
             ring.steps, first, r, source, q32, k.astype(acc), v.astype(acc), kv_lengths,
-            q_ids, kv_ids,
+            q_ids, kv_ids, table, consts,
         )  # fmt: skip
         return block if state is None else _blocks.merge(state, block)
 
@@ -96,40 +101,57 @@ def _ring_forward(ring: Ring, q, k, v, kv_lengths, q_ids, kv_ids):
     return _walk(ring, None, (jnp.stack([k, v]), kv_ids), compute)
 
 
-def _ring_backward(ring: Ring, residuals, d_out):
-    q, k, v, kv_lengths, q_ids, kv_ids, out, lse = residuals
+def _ring_backward(ring: Ring, residuals, cotangents):
+    q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts, out, lse = residuals
     r = jax.lax.axis_index(ring.axis_name)
     acc = lse.dtype
-    q32, d_out = q.astype(acc), d_out.astype(acc)
+    d_out, d_lse = (x.astype(acc) for x in cotangents)
+    q32 = q.astype(acc)
+    table = None if kinds is None else kinds[1]
+    primal_consts, consts = consts, _per_device(consts, q)
 
     def compute(state, kv, step, first):
-        dq, d_kv = state
+        dq, d_kv, d_consts = state
         (k, v), kv_ids = kv
         source = (r - step) % ring.P
-        dq_s, dk, dv = _blocks.step_backward(
+        dq_s, dk, dv, dc = _blocks.step_backward(
             ring.steps, first, r, source, q32, k.astype(acc), v.astype(acc), kv_lengths,
-            q_ids, kv_ids, out, lse, d_out,
+            q_ids, kv_ids, out, lse, d_out, d_lse, table, consts,
         )  # fmt: skip
-        return dq + dq_s, d_kv + jnp.stack([dk, dv])
+        d_consts = tuple(x + y for x, y in zip(d_consts, dc, strict=True))
+        return dq + dq_s, d_kv + jnp.stack([dk, dv]), d_consts
 
     def after(state):  # the accumulators travel with their keys; after P hops they are home
-        dq, d_kv = state
-        return dq, ring.shift(d_kv)
+        dq, d_kv, d_consts = state
+        return dq, ring.shift(d_kv), d_consts  # score_fn's arrays are this device's own
 
     kv = jnp.stack([k, v])
-    state = varying_like((jnp.zeros_like(q32), jnp.zeros(kv.shape, acc)), q, k, v)
-    dq, d_kv = _walk(ring, state, (kv, kv_ids), compute, after)
-    return dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype), None, None, None
+    zeros = (jnp.zeros_like(q32), jnp.zeros(kv.shape, acc), tuple(map(jnp.zeros_like, consts)))
+    state = varying_like(zeros, q, k, v)
+    dq, d_kv, d_consts = _walk(ring, state, (kv, kv_ids), compute, after)
+    d_consts = tuple(
+        sum_to_varying(g, c).astype(c.dtype) for g, c in zip(d_consts, primal_consts, strict=True)
+    )
+    grads = (dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype))
+    return (*grads, None, None, None, None, d_consts)
+
+
+def _per_device(consts, q):
+    """score_fn's arrays marked as varying like the queries, once, before the walk:
+    a cast inside a step's branch would become, on the way back, a sum over the
+    devices that only the devices taking that branch join."""
+    return varying_like(consts, q)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attend(ring, q, k, v, kv_lengths, q_ids, kv_ids):
-    return _ring_forward(ring, q, k, v, kv_lengths, q_ids, kv_ids)[0].astype(q.dtype)
+def _ring_attend(ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts):
+    """(out (B, T, N, H), lse (B, T, N)), both float32, differentiable in both."""
+    return _ring_forward(ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts)
 
 
-def _ring_attend_fwd(ring, q, k, v, kv_lengths, q_ids, kv_ids):
-    out, lse = _ring_forward(ring, q, k, v, kv_lengths, q_ids, kv_ids)
-    return out.astype(q.dtype), (q, k, v, kv_lengths, q_ids, kv_ids, out, lse)
+def _ring_attend_fwd(ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts):
+    out, lse = _ring_forward(ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts)
+    return (out, lse), (q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts, out, lse)
 
 
 _ring_attend.defvjp(_ring_attend_fwd, _ring_backward)
@@ -152,6 +174,10 @@ def ring_attention(
     mesh=None,
     forward_tiles=None,
     backward_tiles=None,
+    mask_fn=None,
+    score_fn=None,
+    sinks=None,
+    return_residual=False,
 ):
     r"""Self-attention over a sequence sharded on the mesh axis ``axis_name``.
 
@@ -192,9 +218,26 @@ def ring_attention(
         (arguments are then the global arrays).
       forward_tiles, backward_tiles: the kernel's ``(block_q, block_k, lanes)``
         per pass (default: sized per chunk, as ``nanoattn.flash_attention``).
+      mask_fn: ``mask_fn(b, n, q_pos, k_pos) -> bool``, as in
+        ``nanoattn.dot_product_attention``, called with **global** positions
+        (the token's place in the whole sequence, in either layout): what it
+        closes over must be indexed by global position (e.g. document ids
+        (B, T) of the whole sequence, replicated). Its blocks are classified
+        per chunk pair once per call (at trace time when it depends on static
+        things only, else at run time for this device's queries); pairs it
+        hides wholly are skipped, their empty blocks too. A
+        ``nanoattn.BlockMask`` built for (B, N, T, T) is accepted; its
+        function is classified afresh at the ring's chunk pairs.
+      score_fn: ``score_fn(score, b, n, q_pos, k_pos) -> score`` at global
+        positions; gradients flow to the arrays it closes over.
+      sinks: (N,) logits, one per query head, in every row's softmax
+        denominator (replicated; gradients flow to them).
+      return_residual: also return the log-sum-exp (B, T, N) float32 (sinks
+        included; ``-inf`` for a row with nothing), sharded like the query.
 
     Returns:
-      (B, T, N, H) in the query's dtype, sharded like the query.
+      (B, T, N, H) in the query's dtype, sharded like the query; with
+      ``return_residual``, ``(out, lse)``.
 
     Raises:
       ValueError: T not divisible into the layout's chunks (2P for zigzag,
@@ -210,19 +253,22 @@ def ring_attention(
     options = dict(
         is_causal=is_causal, window=window, logit_soft_cap=logit_soft_cap, scale=scale,
         layout=layout, forward_tiles=forward_tiles, backward_tiles=backward_tiles,
+        mask_fn=mask_fn, score_fn=score_fn, return_residual=return_residual,
     )  # fmt: skip
     if mesh is not None:
         return _on_mesh(
-            mesh, axis_name, query, key, value, kv_lengths, q_segment_ids, kv_segment_ids, options
-        )
+            mesh, axis_name, query, key, value, kv_lengths, q_segment_ids, kv_segment_ids, sinks,
+            options,
+        )  # fmt: skip
     return _ring_call(
-        query, key, value, kv_lengths, q_segment_ids, kv_segment_ids, axis_name, **options
+        query, key, value, kv_lengths, q_segment_ids, kv_segment_ids, sinks, axis_name, **options
     )
 
 
 def _ring_call(
-    query, key, value, kv_lengths, q_ids, kv_ids, axis_name, *, is_causal, window,
-    logit_soft_cap, scale, layout, forward_tiles, backward_tiles,
+    query, key, value, kv_lengths, q_ids, kv_ids, sinks, axis_name, *, is_causal, window,
+    logit_soft_cap, scale, layout, forward_tiles, backward_tiles, mask_fn, score_fn,
+    return_residual,
 ):  # fmt: skip
     """The per-device call (inside shard_map): validation, then the ring."""
     _zigzag.check_layout(layout)
@@ -252,11 +298,39 @@ def _ring_call(
     )  # fmt: skip
     if not spec.static_scale:
         raise ValueError(f"ring_attention needs a Python number for scale, got {type(scale)}")
-    ring = Ring(axis_name, _blocks.step_plans(spec, layout, P, tiles))
-    return _ring_attend(ring, query, key, value, spec.kv_lengths, q_ids, kv_ids)
+    return_residual = expect_flag("return_residual", return_residual)
+    B, N = spec.B, spec.N
+    mask_fn, score_fn = _global_fns(mask_fn, score_fn, B, N, T * P)
+    sinks = check_sinks(sinks, N)
+    converted, consts = None, ()
+    acc = compute_dtype(query.dtype, key.dtype, value.dtype)
+    C = T // _zigzag.check_layout(layout)
+    if score_fn is not None:  # its arrays cross the ring's custom_vjp and get gradients
+        converted, consts = closure_converted(score_fn, B, N, C, C, None, acc)
+    all_rows = mask_fn is None or _blocks.is_static(mask_fn, B, N, C)
+    steps = _blocks.step_plans(spec, layout, P, tiles, mask_fn, converted, all_rows)
+    ring = Ring(axis_name, steps)
+    kinds = _blocks.pair_kinds(steps, jax.lax.axis_index(axis_name), B, N)
+    out, lse = _ring_attend(
+        ring, query, key, value, spec.kv_lengths, q_ids, kv_ids, kinds, tuple(consts)
+    )
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks.astype(acc))
+    out = out.astype(query.dtype)
+    return (out, lse) if return_residual else out
 
 
-def _on_mesh(mesh, axis_name, query, key, value, kv_lengths, q_ids, kv_ids, options):
+def _global_fns(mask_fn, score_fn, B: int, N: int, T: int):
+    """``mask_fn`` and ``score_fn`` checked on the whole sequence's (B, N, T, T) (a
+    BlockMask for those sizes gives its function)."""
+    mask_fn = check_mask_fn(mask_fn, B, N, T, T, None)
+    if isinstance(mask_fn, BlockMask):
+        mask_fn.check_fits(B, N, T, T, None)
+        mask_fn = mask_fn.mask_fn
+    return mask_fn, check_score_fn(score_fn, B, N, T, T, None)
+
+
+def _on_mesh(mesh, axis_name, query, key, value, kv_lengths, q_ids, kv_ids, sinks, options):
     """``ring_attention`` wrapped in ``jax.shard_map`` over ``mesh``: the sequence
     axis sharded over ``axis_name``, everything else replicated."""
     if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
@@ -272,16 +346,16 @@ def _on_mesh(mesh, axis_name, query, key, value, kv_lengths, q_ids, kv_ids, opti
     seq = PartitionSpec(None, axis_name)
     ids = None if q_ids is None else seq
 
-    def call(q, k, v, lengths, q_ids, kv_ids):
-        return _ring_call(q, k, v, lengths, q_ids, kv_ids, axis_name, **options)
+    def call(q, k, v, lengths, q_ids, kv_ids, sinks):
+        return _ring_call(q, k, v, lengths, q_ids, kv_ids, sinks, axis_name, **options)
 
     lengths = None if kv_lengths is None else PartitionSpec()
-    specs = (seq, seq, seq, lengths, ids, ids)
-    args = [
-        _place(x, mesh, spec)
-        for x, spec in zip((query, key, value, kv_lengths, q_ids, kv_ids), specs, strict=True)
-    ]
-    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=seq)(*args)
+    heads = None if sinks is None else PartitionSpec()
+    specs = (seq, seq, seq, lengths, ids, ids, heads)
+    inputs = (query, key, value, kv_lengths, q_ids, kv_ids, sinks)
+    args = [_place(x, mesh, spec) for x, spec in zip(inputs, specs, strict=True)]
+    out_specs = (seq, seq) if options["return_residual"] else seq
+    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=out_specs)(*args)
 
 
 def _place(x, mesh, spec):
