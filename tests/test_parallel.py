@@ -8,6 +8,7 @@ the error messages) run in-process.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -336,6 +337,17 @@ def test_ring_errors_name_the_sizes():
         ring_attention(odd, odd, odd, axis_name="sp", mesh=_mesh1())
     with pytest.raises(ValueError, match=r"key must have shape \(B, S, K, H\)"):
         ring_attention(q, q[:, :4], q[:, :4], axis_name="sp", mesh=_mesh1(), layout="contiguous")
+    ring = functools.partial(ring_attention, q, q, q, axis_name="sp", mesh=_mesh1())
+    with pytest.raises(TypeError, match=r"^mask_fn must return a boolean array"):
+        ring(mask_fn=lambda b, n, qp, kp: qp - kp)
+    with pytest.raises(ValueError, match=r"^mask_fn's result .* \(B, N, T, S\) = \(1, 2, 6, 6\)"):
+        ring(mask_fn=lambda b, n, qp, kp: jnp.ones((3, 1, 1, 1), bool))
+    with pytest.raises(TypeError, match=r"^score_fn must be a function"):
+        ring(score_fn="alibi")
+    with pytest.raises(ValueError, match=r"^sinks must have shape \(N,\) = \(2,\), got \(3,\)"):
+        ring(sinks=jnp.zeros(3))
+    with pytest.raises(TypeError, match=r"^return_residual must be True or False"):
+        ring(return_residual="yes")
 
 
 def test_config_mesh_axes_are_checked_and_default_to_none():
