@@ -225,6 +225,10 @@ class MaskFn:
     def __repr__(self):
         return f"MaskFn({self.family}, {self.how}{', block_mask' if self.block_mask else ''})"
 
+    def features(self) -> list[str]:
+        """The fuzz record's feature names of this draw."""
+        return [f"mask_fn-{self.family}", f"mask_fn-{self.how}"] + ["block_mask"] * self.block_mask
+
     def build(self, traced, B: int, N: int, T: int, S: int, q_offset):
         """The function the call gets (``traced``: the parameters as a jit argument). A
         block_mask of static things is built once, outside jit, and reused by every
@@ -576,6 +580,30 @@ def native_serves(feature: str) -> bool:
     return _registry.get("native").unsupported(spec, jnp.float32, 0.0) is None
 
 
+@st.composite
+def mask_fns(draw, B: int, N: int, T: int, S: int):
+    """A :class:`MaskFn` of a family, closed over concrete parameters (twice as often)
+    or traced, in a third of the draws wrapped in a ``block_mask``."""
+    family = draw(st.sampled_from(MASK_FAMILIES))
+    how = draw(st.sampled_from(("closed", "closed", "traced")))
+    wrapped = draw(st.integers(0, 2)) == 2
+    params = None
+    if how == "closed":  # a static argument: the calls of the program share it
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        params = _frozen(mask_params(family, rng, B, N, T, S))
+    return MaskFn(family, how, wrapped, params)
+
+
+@st.composite
+def score_fns(draw, soft_cap):
+    """A :class:`ScoreFn`; the soft-cap family only without ``soft_cap`` (the reference
+    has one cap)."""
+    family = draw(st.sampled_from(SCORE_FAMILIES[: 3 if soft_cap is None else 2]))
+    cap = draw(st.sampled_from(SOFT_CAPS[1:])) if family == "softcap" else None
+    radius = draw(st.integers(0, 8)) if family == "relative" else 0
+    return ScoreFn(family, cap, radius)
+
+
 def _may_draw(feature: str, native_only: bool) -> bool:
     return not native_only or native_serves(feature)
 
@@ -610,26 +638,15 @@ def programs(draw, native_only: bool = False) -> Program:
 
     mask_fn = None
     if _may_draw("mask_fn", native_only) and half_or_a_sixth():
-        family = draw(st.sampled_from(MASK_FAMILIES))
-        how = draw(st.sampled_from(("closed", "closed", "traced")))
-        wrapped = draw(st.integers(0, 2)) == 2
-        params = None
-        if how == "closed":  # a static argument: the calls of the program share it
-            rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-            params = _frozen(mask_params(family, rng, B, N, T, S))
-        mask_fn = MaskFn(family, how, wrapped, params)
-        features += [f"mask_fn-{family}", f"mask_fn-{how}"] + ["block_mask"] * wrapped
+        mask_fn = draw(mask_fns(B, N, T, S))
+        features += mask_fn.features()
     soft_cap = draw(st.sampled_from(SOFT_CAPS))
     scale = draw(st.sampled_from(SCALES))
     features += ["soft-cap"] * (soft_cap is not None) + ["scale"] * (scale is not None)
     score_fn = None
     if _may_draw("score_fn", native_only) and draw(st.booleans()):
-        # The soft-cap as score_fn only without logit_soft_cap (the reference has one cap).
-        family = draw(st.sampled_from(SCORE_FAMILIES[: 3 if soft_cap is None else 2]))
-        cap = draw(st.sampled_from(SOFT_CAPS[1:])) if family == "softcap" else None
-        radius = draw(st.integers(0, 8)) if family == "relative" else 0
-        score_fn = ScoreFn(family, cap, radius)
-        features.append(f"score_fn-{family}")
+        score_fn = draw(score_fns(soft_cap))
+        features.append(f"score_fn-{score_fn.family}")
     offset_mode, static_offset, values = "none", None, None
     positional = is_causal or window is not None
     if positional or mask_fn is not None or score_fn is not None:

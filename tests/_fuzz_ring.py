@@ -5,9 +5,10 @@ devices, run in its own process by tests/test_fuzz.py:
 
 Hypothesis draws N ring calls (P of 1, 2 or 4 devices, both layouts, T = S a
 multiple of the layout's chunks, small tiles, float32/bfloat16/float16,
-causality, windows, key lengths, segment ids, soft-cap, scale), with NaN or inf
-where no query may look, and checks the output and dq, dk, dv against the
-float64 reference with the criterion of tests/test_fuzz.py (its machinery is
+causality, windows, key lengths, segment ids, soft-cap, scale, mask_fn and
+score_fn at global positions, sinks, return_residual), with NaN or inf where no
+query may look, and checks the output, the log-sum-exp and the gradients (to q,
+k, v, the sinks and score_fn's arrays) against the float64 reference with the criterion of tests/test_fuzz.py (its machinery is
 tests/_fuzz.py). It prints one JSON summary line and exits 1 when a call failed.
 """
 
@@ -59,7 +60,16 @@ def ring_programs(draw):
     scale = draw(st.sampled_from(_fuzz.SCALES))
     tile = st.tuples(st.sampled_from((1, 3, 8)), st.sampled_from((1, 5, 8)), st.integers(1, 2))
     tiles = draw(st.one_of(st.none(), st.tuples(tile, tile)))
-    statics = Statics(is_causal, "none", None, window, soft_cap, scale, tiles)
+    # mask_fn, score_fn (at global positions), the sinks and the residual, each in about
+    # half of the programs
+    mask_fn = draw(st.one_of(st.none(), _fuzz.mask_fns(B, N, T, T)))
+    score_fn = draw(st.one_of(st.none(), _fuzz.score_fns(soft_cap)))
+    sinks, residual = draw(st.booleans()), draw(st.booleans())
+    features += [] if mask_fn is None else mask_fn.features()
+    features += [] if score_fn is None else [f"score_fn-{score_fn.family}"]
+    features += ["sinks"] * sinks + ["residual"] * residual
+    statics = Statics(is_causal, "none", None, window, soft_cap, scale, tiles, mask_fn, score_fn,
+                      sinks, residual)  # fmt: skip
     program = Program(B, T, T, N, K, H, dtype, statics, None, lengths, segments, None, None,
                       tuple(features))  # fmt: skip
     return P, layout, program
@@ -80,34 +90,50 @@ def _order(P, layout, T):
 
 
 @functools.partial(jax.jit, static_argnames=("P", "layout", "statics"))
-def _ring_vjp(P, layout, statics, q, k, v, d_out, kv_lengths, q_ids, kv_ids):
+def _ring_vjp(P, layout, statics, q, k, v, d_out, kv_lengths, q_ids, kv_ids, order,
+              mask_params=None, score_params=None, sinks=None, d_lse=None):  # fmt: skip
     mesh = Mesh(np.array(jax.devices()[:P]), ("sp",))
     tiles = statics.tiles or (None, None)
+    B, T, N = q.shape[:3]
+    mask_fn = None
+    if statics.mask_fn is not None:  # positions are global: the natural order's
+        mask_fn = statics.mask_fn.build(mask_params, B, N, T, T, None)
 
-    def f(q, k, v):
+    def f(q, k, v, score_params, sinks):
+        score_fn = None if statics.score_fn is None else statics.score_fn.build(score_params)
         return ring_attention(
             q, k, v, axis_name="sp", mesh=mesh, layout=layout, is_causal=statics.is_causal,
             window=statics.window, kv_lengths=kv_lengths, q_segment_ids=q_ids,
             kv_segment_ids=kv_ids, logit_soft_cap=statics.soft_cap, scale=statics.scale,
-            forward_tiles=tiles[0], backward_tiles=tiles[1],
+            forward_tiles=tiles[0], backward_tiles=tiles[1], mask_fn=mask_fn,
+            score_fn=score_fn, sinks=sinks, return_residual=statics.residual,
         )  # fmt: skip
 
-    out, pull = jax.vjp(f, q, k, v)
-    return out, pull(d_out)
+    out, pull = jax.vjp(f, q, k, v, score_params, sinks)
+    return out, pull((d_out, d_lse[:, order]) if statics.residual else d_out)
 
 
 def run_ring(P, layout, call: Call):
+    """(out, dq, dk, dv, dbias, lse, dsinks, dscore) of the ring, as run_backend gives
+    them: the inputs in the layout's order, the results back in the natural one."""
     q, k, v, _ = call.dirty()
     order, back = _order(P, layout, q.shape[1])
 
     def to(x):
         return None if x is None else x[:, order]
 
-    out, grads = _ring_vjp(
+    out, (dq, dk, dv, dscore, dsinks) = _ring_vjp(
         P, layout, call.statics, to(q), to(k), to(v), to(call.d_out), call.kv_lengths,
-        to(call.q_ids), to(call.kv_ids),
+        to(call.q_ids), to(call.kv_ids), order, call.mask_params, call.score_params,
+        call.sinks, call.d_lse,
     )  # fmt: skip
-    return [np.asarray(x, np.float64)[:, back] for x in (out, *grads)] + [None]
+    out, lse = out if call.statics.residual else (out, None)
+
+    def natural(x):
+        return None if x is None else np.asarray(x, np.float64)[:, back]
+
+    flat = [None if x is None else np.asarray(x, np.float64) for x in (dsinks, dscore)]
+    return [natural(x) for x in (out, dq, dk, dv)] + [None, natural(lse), *flat]
 
 
 FAILED = []

@@ -124,7 +124,7 @@ def test_a_chunk_pair_is_full_only_when_every_cell_is_in_the_band():
             assert [_blocks.PAIR_KINDS[g] for g in got] == want, (C, band)
 
 
-MASK_CASES = ["mask-p2-zigzag-documents-alibi-sinks"]
+MASK_CASES = ["mask-p2-zigzag-documents-relative-sinks"]
 SLOW_MASK_CASES = [  # run-time classification (traced ids), no band, 4 devices
     "mask-p2-contiguous-prefix-traced-nan",
     "mask-p4-zigzag-documents-alibi-sinks",

@@ -103,7 +103,8 @@ def step_plans(
 ) -> StepPlans:  # fmt: skip
     """The plans of a ring call whose per-device call is ``spec`` (T = S = T/P, no
     ``mask_fn`` or ``score_fn`` in it): ``mask_fn`` as the user gave it,
-    ``score_fn`` closure-converted (its arrays are the kernel's ``score_consts``),
+    ``score_fn`` a pair, closure-converted at the forward and at the backward plans'
+    blocks (:func:`score_blocks`; their arrays are the kernel's ``score_consts``),
     ``all_rows`` as :attr:`StepPlans.all_rows`."""
     n = _zigzag.check_layout(layout)
     T, C = spec.T, spec.T // n
@@ -128,7 +129,7 @@ def step_plans(
         "general": _plans(spec, C, C, tiles, q_offset=np.int32(0)),
     }
     if score_fn is not None:
-        plans = {name: _with(p, score_fn=score_fn) for name, p in plans.items()}
+        plans = {name: _per_pass(p, score_fn) for name, p in plans.items()}
     kinds, diagonal = PAIR_KINDS, DIAGONAL_KINDS
     if mask_fn is not None:
         masked = {name: _with(p, mask_fn=mask_fn, traced_kinds=True) for name, p in plans.items()}
@@ -143,6 +144,19 @@ def step_plans(
 def _with(plans: Plans, **changes) -> Plans:
     """Both passes' plans with ``changes``."""
     return Plans(*(dataclasses.replace(p, **changes) for p in plans))
+
+
+def _per_pass(plans: Plans, score_fns) -> Plans:
+    """The plans with each pass's own ``score_fn`` (forward, backward)."""
+    return Plans(*(dataclasses.replace(p, score_fn=f) for p, f in zip(plans, score_fns)))
+
+
+def score_blocks(spec: AttentionSpec, layout: str, tiles) -> tuple:
+    """The score blocks (block_q, block_k) of the forward and the backward pass of a
+    ring call's chunk pairs, on which ``score_fn`` is traced (its program has their
+    shapes)."""
+    C = spec.T // _zigzag.check_layout(layout)
+    return tuple((p.block_q, p.block_k) for p in _plans(spec, C, C, tiles, q_offset=0))
 
 
 def pair_kinds(plans: StepPlans, r, B: int, N: int):
@@ -307,7 +321,7 @@ def _pair_inputs(plans: StepPlans, chunks, a: int, c: int, kc, kv_lengths, const
         query=qs[a], key=ks[c], value=vs[c], kv_lengths=lengths,
         q_segment_ids=q_ids[a], kv_segment_ids=kv_ids[c],
         index_shift=jnp.asarray(kc * plans.C, jnp.int32) if plans.indexed else None,
-        score_consts=(consts, consts) if plans.scored else None,
+        score_consts=consts if plans.scored else None,
     )  # fmt: skip
 
 
@@ -380,10 +394,11 @@ def _pair_call(plans: StepPlans, make_branch, rel, inputs, kinds, diagonal: bool
 
 
 def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, q_ids, kv_ids,
-                 kinds=None, consts=()):  # fmt: skip
+                 kinds=None, consts=((), ())):  # fmt: skip
     """(output (B, T, N, H), log-sum-exp (B, T, N)) of this device's queries over
     the keys from ``source``; float32 ``q`` (B, T, N, H), ``k``, ``v`` (B, S, K, H);
-    ``kinds`` the forward table of :func:`pair_kinds`, ``consts`` score_fn's arrays."""
+    ``kinds`` the forward table of :func:`pair_kinds`, ``consts`` score_fn's arrays
+    (those of its forward and of its backward program, a pair)."""
     operands = (r, source, q, k, v, kv_lengths, q_ids, kv_ids)
     if not plans.pairs:
         index, alternatives = _whole_calls(plans, first, r, source)
@@ -417,7 +432,7 @@ def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, 
 
 def step_backward(
     plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse,
-    d_out, d_lse, kinds=None, consts=(),
+    d_out, d_lse, kinds=None, consts=((), ()),
 ):  # fmt: skip
     """(dq (B, T, N, H), dk, dv (B, S, K, H), d consts), float32, of the step's share:
     the kernel's backward pass with the final ``out`` and ``lse`` of the queries (and
@@ -450,7 +465,7 @@ def step_backward(
     per_row = [_split(x, n) for x in (out, lse, d_out, d_lse)]
     dq = [jnp.zeros_like(x) for x in chunks[0]]
     dk, dv = [jnp.zeros_like(x) for x in chunks[1]], [jnp.zeros_like(x) for x in chunks[2]]
-    d_consts = tuple(jnp.zeros_like(x) for x in consts)
+    d_consts = tuple(jnp.zeros_like(x) for x in consts[1]) if plans.scored else ()
     for a, c, qc, kc, diagonal in _pair_calls(plans, first, r, source):
         pair = _pair_inputs(plans, chunks, a, c, kc, kv_lengths, consts)
         rows = tuple(x[a] for x in per_row)

@@ -126,14 +126,15 @@ def _ring_backward(ring: Ring, residuals, cotangents):
         return dq, ring.shift(d_kv), d_consts  # score_fn's arrays are this device's own
 
     kv = jnp.stack([k, v])
-    zeros = (jnp.zeros_like(q32), jnp.zeros(kv.shape, acc), tuple(map(jnp.zeros_like, consts)))
+    zeros = (jnp.zeros_like(q32), jnp.zeros(kv.shape, acc), tuple(map(jnp.zeros_like, consts[1])))
     state = varying_like(zeros, q, k, v)
     dq, d_kv, d_consts = _walk(ring, state, (kv, kv_ids), compute, after)
+    forward, backward = primal_consts  # the forward program's arrays get nothing: one use each
     d_consts = tuple(
-        sum_to_varying(g, c).astype(c.dtype) for g, c in zip(d_consts, primal_consts, strict=True)
+        sum_to_varying(g, c).astype(c.dtype) for g, c in zip(d_consts, backward, strict=True)
     )
     grads = (dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype))
-    return (*grads, None, None, None, None, d_consts)
+    return (*grads, None, None, None, None, (tuple(map(jnp.zeros_like, forward)), d_consts))
 
 
 def _per_device(consts, q):
@@ -302,17 +303,20 @@ def _ring_call(
     B, N = spec.B, spec.N
     mask_fn, score_fn = _global_fns(mask_fn, score_fn, B, N, T * P)
     sinks = check_sinks(sinks, N)
-    converted, consts = None, ()
+    converted, consts = None, ((), ())
     acc = compute_dtype(query.dtype, key.dtype, value.dtype)
     C = T // _zigzag.check_layout(layout)
     if score_fn is not None:  # its arrays cross the ring's custom_vjp and get gradients
-        converted, consts = closure_converted(score_fn, B, N, C, C, None, acc)
+        blocks = _blocks.score_blocks(spec, layout, tiles)
+        pairs = [closure_converted(score_fn, B, N, *b, None, acc) for b in blocks]
+        converted = tuple(fn for fn, _ in pairs)
+        consts = tuple(tuple(arrays) for _, arrays in pairs)
     all_rows = mask_fn is None or _blocks.is_static(mask_fn, B, N, C)
     steps = _blocks.step_plans(spec, layout, P, tiles, mask_fn, converted, all_rows)
     ring = Ring(axis_name, steps)
     kinds = _blocks.pair_kinds(steps, jax.lax.axis_index(axis_name), B, N)
     out, lse = _ring_attend(
-        ring, query, key, value, spec.kv_lengths, q_ids, kv_ids, kinds, tuple(consts)
+        ring, query, key, value, spec.kv_lengths, q_ids, kv_ids, kinds, consts
     )
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks.astype(acc))
