@@ -410,3 +410,30 @@ def test_a_small_batch_leak_and_a_dead_output_fail_the_receptive_field():
     ]
     assert not field.passed
     assert "no gradient from any visible input for output 1 of row 0 (T=3)" in field.detail
+
+
+def test_gradient_programs_are_kept_per_function_and_dropped_with_it():
+    # The receptive field's differentiated program is made once per fn (and batch,
+    # outputs, seed): a second check of the same fn reuses it, another fn of the same
+    # shapes gets its own (its leak is still found), and a dropped fn drops its programs.
+    import gc
+    import weakref
+
+    from nanoattn.verify import _receptive_field
+
+    programs = _receptive_field._PROGRAMS
+
+    def prefix_sum(x):
+        return jnp.cumsum(x, axis=1)
+
+    assert check_causality(prefix_sum, d_model=4, seq_lens=(3,)).passed
+    (made,) = programs[id(prefix_sum)][1].items()
+    assert made[0] == (2, (0, 1, 2), 0)
+    assert check_causality(prefix_sum, d_model=4, seq_lens=(3,)).passed
+    assert programs[id(prefix_sum)][1] == dict([made])  # the same program, reused
+    field = by_name(check_causality(next_token_sum, d_model=4, seq_lens=(3,)))["receptive field"]
+    assert not field.passed and "from the later input 1 (T=3)" in field.detail
+    key, alive = id(prefix_sum), weakref.ref(prefix_sum)
+    del prefix_sum, made
+    gc.collect()
+    assert alive() is None and key not in programs  # the cache kept it alive nowhere

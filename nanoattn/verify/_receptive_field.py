@@ -7,6 +7,7 @@ changing every other row, then every token.
 """
 
 import dataclasses
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -22,24 +23,63 @@ from ._sweep import EVERY_POSITION_UP_TO, Run, Sweep
 NAME = "receptive field"
 
 
+# The differentiated programs, per fn (by identity, held weakly: a dropped fn drops
+# its programs) and per (B, outputs, seed): a check that measures a fn measured
+# before (check_mask after check_causality, the same lengths again) traces and
+# compiles nothing new, as ``jax.jit`` of one fn compiles it once per input shape.
+# id(fn) -> (a weak reference to fn, {(B, outputs, seed): the jitted gradients}).
+_PROGRAMS: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _programs_of(fn) -> tuple[weakref.ref, dict] | None:
+    """``fn``'s entry of :data:`_PROGRAMS`, made when missing; None when ``fn`` cannot
+    be referenced weakly (a builtin, say), which is then never cached."""
+    entry = _PROGRAMS.get(id(fn))
+    if entry is not None and entry[0]() is fn:
+        return entry
+    key = id(fn)
+    try:
+        ref = weakref.ref(fn, lambda _: _PROGRAMS.pop(key, None))
+    except TypeError:
+        return None
+    entry = _PROGRAMS[key] = (ref, {})
+    return entry
+
+
+def _gradient_program(fn, B: int, outputs: tuple[int, ...], seed: int):
+    """The jitted x (B, T, D) -> (R, B, T, D) of :func:`_output_gradients`, made once
+    per fn, B, outputs and seed (jax compiles it once per shape and dtype of x). It
+    holds ``fn`` weakly when cached, so the cache keeps no fn alive."""
+    entry = _programs_of(fn)
+    if entry is not None and (B, outputs, seed) in entry[1]:
+        return entry[1][B, outputs, seed]
+    rows_b = np.repeat(np.arange(B), len(outputs))
+    rows_t = np.tile(np.asarray(outputs), B)
+    R = len(rows_b)
+    get_fn = (lambda: fn) if entry is None else entry[0]  # alive while the caller traces
+
+    @jit
+    def gradients(x):
+        y, vjp = jax.vjp(lambda a: jnp.asarray(get_fn()(a)), x)
+        probe = jax.random.normal(jax.random.key(seed), y.shape[2:], y.dtype)
+        cotangents = jnp.zeros((R, *y.shape), y.dtype).at[jnp.arange(R), rows_b, rows_t].set(probe)
+        return jax.vmap(vjp)(cotangents)[0]
+
+    if entry is not None:
+        entry[1][B, outputs, seed] = gradients
+    return gradients
+
+
 def _output_gradients(fn, x: np.ndarray, outputs: list[int], seed: int):
     """|d output (b, t) / d input (b', s)| for every row b and t in ``outputs``, the
     largest over input features: (R, B, T) with R = B * len(outputs) in the order
     (b, t). Each output's features are weighted by one random probe, so no feature's
     gradient can be averaged away. None when ``fn`` cannot be differentiated with
-    jax (the reason is returned instead)."""
+    jax (the reason is returned instead). The program is made once per fn, batch,
+    outputs and seed (:func:`_gradient_program`)."""
     B, T = x.shape[:2]
-    rows_b = np.repeat(np.arange(B), len(outputs))
-    rows_t = np.tile(np.asarray(outputs), B)
-    R = len(rows_b)
-
-    @jit
-    def gradients(x):
-        y, vjp = jax.vjp(lambda a: jnp.asarray(fn(a)), x)
-        probe = jax.random.normal(jax.random.key(seed), y.shape[2:], y.dtype)
-        cotangents = jnp.zeros((R, *y.shape), y.dtype).at[jnp.arange(R), rows_b, rows_t].set(probe)
-        return jax.vmap(vjp)(cotangents)[0]
-
+    R = B * len(outputs)
+    gradients = _gradient_program(fn, B, tuple(int(t) for t in outputs), seed)
     try:
         grads = gradients(jnp.asarray(x))  # (R, B, T, D)
     except Exception as e:  # any failure to trace means: not differentiable with jax
