@@ -531,6 +531,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
                 zeros = jax.tree.map(
                     lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(contributions)
                 )
+
                 # Inside shard_map both branches vary over the same mesh axes (the ring).
                 def alike(tree):
                     return varying_like(tree, inputs, d_out, residuals)

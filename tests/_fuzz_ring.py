@@ -8,8 +8,9 @@ multiple of the layout's chunks, small tiles, float32/bfloat16/float16,
 causality, windows, key lengths, segment ids, soft-cap, scale, mask_fn and
 score_fn at global positions, sinks, return_residual), with NaN or inf where no
 query may look, and checks the output, the log-sum-exp and the gradients (to q,
-k, v, the sinks and score_fn's arrays) against the float64 reference with the criterion of tests/test_fuzz.py (its machinery is
-tests/_fuzz.py). It prints one JSON summary line and exits 1 when a call failed.
+k, v, the sinks and score_fn's arrays) against the float64 reference with the
+criterion of tests/test_fuzz.py (its machinery is tests/_fuzz.py). It prints one
+JSON summary line and exits 1 when a call failed.
 """
 
 import json

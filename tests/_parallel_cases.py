@@ -27,7 +27,7 @@ from nanoattn._zigzag import zigzag_order
 from nanoattn.parallel import ring_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _reference import np_attention_vjp, np_lse  # noqa: E402
+from _reference import np_attention_vjp, np_lse
 
 B, N, K, H = 2, 6, 3, 8
 
@@ -229,8 +229,9 @@ def masked(name, P, layout, kind, *, T, traced=False, score=None, sinks=False, h
     """The ring with ``mask_fn`` (a family of :func:`_np_mask`), optionally ALiBi or a
     relative bias through ``score_fn`` (its parameters differentiated), ``sinks`` and a
     key range no query sees holding NaN, against the float64 reference: output,
-    log-sum-exp and the gradients to q, k, v, score_fn's parameters and the sinks. ``traced``: the document ids are a jit
-    argument, so the classification runs at run time."""
+    log-sum-exp and the gradients to q, k, v, score_fn's parameters and the sinks.
+    ``traced``: the document ids are a jit argument, so the classification runs at run
+    time."""
     q, k, v, probe = inputs(T)
     ids = _documents(T)
     rng = np.random.default_rng(7)
@@ -293,7 +294,7 @@ def masked_layer(name, P: int = 2):
     """The causal linen layer with sinks, a document mask_fn and ALiBi through
     score_fn, with ``sequence_axis`` (zigzag) and ``head_axis`` over a (P, 2) mesh,
     against the same layer on one device: outputs and parameter gradients."""
-    from jax.sharding import AxisType, PartitionSpec
+    from jax.sharding import AxisType
 
     from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
@@ -655,13 +656,36 @@ SLOW_CASES = (
         ),
         # the ring's programs with mask_fn are large (a switch over five pair kinds per
         # chunk pair): beyond CASES' static P = 2 case, these run with make test-all
-        lambda: masked("mask-p2-contiguous-prefix-traced-nan", 2, "contiguous", "prefix", T=36,
-                       traced=True, hidden=(24, 30)),
+        lambda: masked(
+            "mask-p2-contiguous-prefix-traced-nan",
+            2,
+            "contiguous",
+            "prefix",
+            T=36,
+            traced=True,
+            hidden=(24, 30),
+        ),
         lambda: masked_layer("mask-layer-sequence-heads"),
-        lambda: masked("mask-p4-zigzag-documents-alibi-sinks", 4, "zigzag", "documents", T=72,
-                       score="alibi", sinks=True, hidden=(21, 28)),
-        lambda: masked("mask-p4-zigzag-stripes-window-traced", 4, "zigzag", "stripes", T=56,
-                       traced=True, window=(13, 0), sinks=True),
+        lambda: masked(
+            "mask-p4-zigzag-documents-alibi-sinks",
+            4,
+            "zigzag",
+            "documents",
+            T=72,
+            score="alibi",
+            sinks=True,
+            hidden=(21, 28),
+        ),
+        lambda: masked(
+            "mask-p4-zigzag-stripes-window-traced",
+            4,
+            "zigzag",
+            "stripes",
+            T=56,
+            traced=True,
+            window=(13, 0),
+            sinks=True,
+        ),
         lambda: compare(
             "p4-zigzag-soft-cap-lengths",
             4,

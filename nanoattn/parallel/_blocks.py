@@ -167,13 +167,14 @@ def pair_kinds(plans: StepPlans, r, B: int, N: int):
     if plans.mask_fn is None:
         return None
     n = 2 if plans.layout == "zigzag" else 1
-    q_chunks = np.arange(n * plans.P) if plans.all_rows else _zigzag.chunk_ids(plans.layout, plans.P, r)
     k_chunks = np.arange(n * plans.P)
-    return tuple(
-        jnp.asarray(chunk_pair_kinds(plans.mask_fn, B, N, plans.C, q_chunks, k_chunks,
-                                     p.block_q, p.block_k))  # fmt: skip
-        for p in plans["own"]
-    )
+    q_chunks = k_chunks if plans.all_rows else _zigzag.chunk_ids(plans.layout, plans.P, r)
+
+    def kinds(plan: Plan):
+        fn, C = plans.mask_fn, plans.C
+        return chunk_pair_kinds(fn, B, N, C, q_chunks, k_chunks, plan.block_q, plan.block_k)
+
+    return tuple(jnp.asarray(kinds(p)) for p in plans["own"])
 
 
 def is_static(mask_fn, B: int, N: int, C: int) -> bool:
@@ -184,7 +185,7 @@ def is_static(mask_fn, B: int, N: int, C: int) -> bool:
     run time (where a real error in it surfaces)."""
     try:
         return isinstance(chunk_pair_kinds(mask_fn, B, N, C, [0], [0], C, C), np.ndarray)
-    except Exception:  # noqa: BLE001 (see above)
+    except Exception:  # see above
         return False
 
 

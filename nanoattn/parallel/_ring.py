@@ -315,9 +315,7 @@ def _ring_call(
     steps = _blocks.step_plans(spec, layout, P, tiles, mask_fn, converted, all_rows)
     ring = Ring(axis_name, steps)
     kinds = _blocks.pair_kinds(steps, jax.lax.axis_index(axis_name), B, N)
-    out, lse = _ring_attend(
-        ring, query, key, value, spec.kv_lengths, q_ids, kv_ids, kinds, consts
-    )
+    out, lse = _ring_attend(ring, query, key, value, spec.kv_lengths, q_ids, kv_ids, kinds, consts)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks.astype(acc))
     out = out.astype(query.dtype)
