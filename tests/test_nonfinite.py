@@ -8,6 +8,7 @@ output from it (0 * NaN = NaN), so the backends must never read such content.
 
 import dataclasses
 import functools
+import os
 
 import jax
 import numpy as np
@@ -130,9 +131,12 @@ def test_padding_past_lengths_with_nan_in_both_backends():
         )
 
 
-# XLA's default optimisation level, as users compile (the suite compiles at -O0:
-# conftest.py says why).
+# XLA's default optimisation level and fusion emitters, as users compile (the suite
+# compiles at -O0 with the older emitters where its jaxlib has them: conftest.py says
+# why).
 OPTIMIZED = {"xla_backend_optimization_level": 3}  # XLA's default level
+if "xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", ""):
+    OPTIMIZED["xla_cpu_use_fusion_emitters"] = True  # XLA's default emitters
 
 # The regression of the issue: H = 1, T = 1, S = 2, q and k of size about 2e5. Under
 # jit, XLA may compute the row maximum from a differently rounded copy of the logits
