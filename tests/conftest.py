@@ -39,15 +39,14 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # And with XLA's CPU backend emitting its fusions the older way, through LLVM IR
 # (xla_cpu_use_fusion_emitters=false), for the same reason: at -O0 it compiles in
 # about 40% of the time of the default (MLIR) fusion emitters. On a 2-core Intel Xeon
-# (AVX-512, jaxlib 0.10.2) it took `make test` from 19.2 to 13.5 CPU-minutes and its
-# pytest from 10:36 to 7:08 (another process using about one core meanwhile; a
-# sample of test_attention, test_verify_mask and test_window: 66 s to 43 s in one
-# process), and every test passes either way. Both emitters compute the same
-# operations; their float32 results differ in the last bit or so. test_nonfinite.py's
-# OPTIMIZED compiles with XLA's defaults, these emitters too. A jaxlib that no longer
-# knows the flag would abort on it, so it is set only after a subprocess has started
-# a CPU client with it (0.4 s, once: the xdist workers inherit the result); a caller's
-# own setting is kept.
+# (AVX-512, jaxlib 0.10.2) it took `make test` from 20 to 13.3 CPU-minutes and its
+# pytest from 10:39 to 7:03, nothing else running (a sample of test_attention,
+# test_verify_mask and test_window: 66 s to 43 s in one process), and every test
+# passes either way. Both emitters compute the same operations; their float32
+# results differ in the last bit or so. test_nonfinite.py's OPTIMIZED compiles with
+# XLA's defaults, these emitters too. A jaxlib that no longer knows the flag would
+# abort on it, so it is set only after a subprocess has started a CPU client with it
+# (0.4 s, once: the xdist workers inherit the result); a caller's own setting is kept.
 _EMITTERS = "xla_cpu_use_fusion_emitters"
 if _EMITTERS not in os.environ.get("XLA_FLAGS", "") and not os.environ.get(
     "NANOATTN_TEST_NO_EMITTERS_FLAG"
