@@ -9,14 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
 
 import nanoattn
 from nanoattn import _native
 from nanoattn._flash import BlockInputs, forward_block
 from nanoattn._flash_plan import kernel_plans
 from nanoattn._spec import attention_spec
-from nanoattn.parallel import _blocks, _ring
+from nanoattn.parallel import _blocks, ring_attention
 
 B, T, S, N, K, H = 3, 11, 13, 4, 2, 8
 
@@ -105,17 +104,14 @@ def test_ring_forward_lse_on_one_device(layout):
     q, k, v = _inputs(T=12, S=12)
     lengths = jnp.array([0, 5, 12])
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sp",))
-    spec = attention_spec(q, k, v, is_causal=True, kv_lengths=lengths)
-    ring = _ring.Ring("sp", _blocks.step_plans(spec, layout, 1))
-    seq = PartitionSpec(None, "sp")
 
     def forward(q, k, v, lengths):
-        return _ring._ring_forward(ring, q, k, v, lengths, None, None)
+        return ring_attention(
+            q, k, v, axis_name="sp", mesh=mesh, layout=layout, is_causal=True,
+            kv_lengths=lengths, return_residual=True,
+        )  # fmt: skip
 
-    run = jax.shard_map(
-        forward, mesh=mesh, in_specs=(seq, seq, seq, PartitionSpec()), out_specs=(seq, seq)
-    )
-    _, lse = jax.jit(run)(q, k, v, lengths)
+    _, lse = jax.jit(forward)(q, k, v, lengths)
     causal = np.arange(12)[None, :] <= np.arange(12)[:, None]
     visible = (
         causal[None, :, None, :] & (np.arange(12) < np.asarray(lengths)[:, None])[:, None, None, :]
