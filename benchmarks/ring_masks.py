@@ -5,7 +5,7 @@ run (the table of docs/parallel.md).
     python benchmarks/ring_masks.py            # 4 simulated devices, T = 8192
 
 Every call is causal, zigzag, float32, B=1, N=4, K=2, H=64; the forward+backward is
-timed, the median of 3 runs after one warm-up. The calls:
+timed: the median of 3 to 7 runs after one warm-up (``nanoattn.bench``'s ``time_runs``). The calls:
 
 * ``causal``: the plain causal ring (whole shards);
 * ``documents (segment ids)``: 8 documents through ``q_segment_ids``/``kv_segment_ids``
@@ -21,9 +21,7 @@ ring does, not a multi-device speed-up.
 
 import os
 import platform
-import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
@@ -32,19 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from nanoattn.bench._measure import time_runs
 from nanoattn.parallel import ring_attention, to_zigzag
 
 N, K, H = 4, 2, 64
-
-
-def timed(fn, *args, repeats: int = 3) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(T: int = 8192) -> None:
@@ -84,7 +73,7 @@ def main(T: int = 8192) -> None:
             return jnp.sum(out * out)
 
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        seconds = timed(step, q, k, v)
+        seconds, _ = time_runs(lambda step=step: jax.block_until_ready(step(q, k, v)))
         base = base or seconds
         print(f"{name:28s} {seconds:7.3f} s   {seconds / base:5.2f}x causal")
 

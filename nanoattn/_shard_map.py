@@ -26,13 +26,7 @@ def varying_like(tree, *inputs):
         axes |= varying_axes(x)
     if not axes:
         return tree
-    axes = tuple(sorted(axes))
-
-    def cast(x):
-        missing = tuple(a for a in axes if a not in varying_axes(x))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
+    return jax.tree.map(lambda x: _vary_over(x, axes), tree)
 
 
 def sum_to_varying(grad, primal):
@@ -45,11 +39,14 @@ def sum_to_varying(grad, primal):
 
 def eval_alike(jaxpr, consts, *args) -> list:
     """Evaluates ``jaxpr`` (a ``jax.extend.core.Jaxpr``) on ``args`` as tracing its
-    function anew would: each equation's inputs first marked as varying over the
-    mesh axes any of them varies over, as jax.numpy does (``core.eval_jaxpr`` binds
-    them as they come, and a program traced outside ``jax.shard_map``, or with other
-    arguments, fails inside it). Calls to inner programs (jit, custom derivatives)
-    are inlined; ``pvary`` casts become these casts. Returns the outputs (a list)."""
+    function anew would. Outside ``jax.shard_map`` (no input varies) each equation is
+    bound as it is, as ``core.eval_jaxpr`` does. Inside it, an equation's inputs are
+    first marked as varying over the mesh axes any of them varies over, as jax.numpy
+    does (``core.eval_jaxpr`` binds them as they come, and a program traced with other
+    arguments fails there): its calls to inner programs (jit, custom derivatives) are
+    inlined (the inner programs have the traced arguments' types; a custom derivative
+    rule is then replaced by the derivative of its function) and its ``pvary`` casts
+    become these casts. Returns the outputs (a list)."""
     env = {}
 
     def read(var):
@@ -61,19 +58,31 @@ def eval_alike(jaxpr, consts, *args) -> list:
         env[var] = x
     for eqn in jaxpr.eqns:
         ins = [read(var) for var in eqn.invars]
-        ins = varying_like(ins, *ins)
         inner = _inner_jaxpr(eqn)
-        if eqn.primitive.name == "pvary":
-            outs = ins
+        if not any(varying_axes(x) for x in ins) and eqn.primitive.name != "pvary":
+            outs = _bind(eqn, ins)
+        elif eqn.primitive.name == "pvary":
+            outs = [_vary_over(x, set(eqn.params["axes"])) for x in ins]
         elif inner is not None:
-            outs = eval_alike(inner.jaxpr, inner.consts, *ins)
+            outs = eval_alike(inner.jaxpr, inner.consts, *varying_like(ins, *ins))
         else:
-            outs = eqn.primitive.bind(*ins, **eqn.params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
+            outs = _bind(eqn, varying_like(ins, *ins))
         for var, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, jex.DropVar):
                 env[var] = x
     return [read(var) for var in jaxpr.outvars]
+
+
+def _bind(eqn, ins) -> list:
+    """The equation's primitive bound to ``ins``, as ``core.eval_jaxpr`` binds it."""
+    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _vary_over(x, axes: set):
+    """``x`` marked as varying over ``axes`` too (unchanged where it already does)."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 _INLINED = ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call")

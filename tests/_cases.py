@@ -13,6 +13,8 @@
   nothing may look (test_nonfinite.py, test_native.py).
 * ``LENGTHS`` and ``PRODUCT_LENGTHS``: sequence lengths at and around powers of two and
   products (test_masks.py, test_chapter.py).
+* :func:`jit_vjp`: one backend's output and (dq, dk, dv) under jit, the rules closed
+  over (test_native.py, test_native_mask_fn.py).
 * :func:`attention_case`: a hypothesis strategy of random calls with their literal
   allowed mask (test_properties.py, test_dispatch.py).
 """
@@ -22,6 +24,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
@@ -163,6 +166,27 @@ def assert_cases_match(
                         g, w, atol=grad_atol, rtol=grad_atol, err_msg=f"{where}: {name}"
                     )
     return everything
+
+
+def jit_vjp(implementation, q, k, v, d_out, **rules):
+    """Output and (dq, dk, dv) of ``nanoattn.dot_product_attention`` on one backend,
+    under jit, the rules closed over (a numpy per-row offset as a concrete jax array:
+    converted inside jit it would be traced, and a mask_fn's kinds with it); ``d_out``
+    in the query's dtype."""
+    import nanoattn
+
+    if isinstance(rules.get("q_offset"), np.ndarray):
+        rules["q_offset"] = jnp.asarray(rules["q_offset"])
+
+    @jax.jit
+    def forward_backward(q, k, v):
+        attend = functools.partial(
+            nanoattn.dot_product_attention, implementation=implementation, **rules
+        )
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(d_out.astype(q.dtype))
+
+    return forward_backward(q, k, v)
 
 
 def _weights_of(q, k, v, **kwargs):

@@ -17,7 +17,16 @@ import pytest
 import nanoattn
 from nanoattn import _native
 
-from _cases import BAD, CASES, Case, assert_cases_match, blocked_places, dirty_inputs, run_cases
+from _cases import (
+    BAD,
+    CASES,
+    Case,
+    assert_cases_match,
+    blocked_places,
+    dirty_inputs,
+    jit_vjp,
+    run_cases,
+)
 from _reference import np_attention_vjp, np_causal, np_lengths, np_segments, np_window, randn
 
 pytestmark = pytest.mark.skipif(
@@ -209,20 +218,6 @@ def test_a_traced_scale_goes_elsewhere_and_by_name_says_why():
     np.testing.assert_allclose(automatic, nanoattn.dot_product_attention(z, z, z, scale=0.5))
 
 
-def bf16_run(implementation, q, k, v, cot, **kwargs):
-    """Output and (dq, dk, dv) of one backend on bfloat16 inputs, under jit."""
-
-    @jax.jit
-    def forward_backward(q, k, v):
-        fn = functools.partial(
-            nanoattn.dot_product_attention, implementation=implementation, **kwargs
-        )
-        out, vjp = jax.vjp(fn, q, k, v)
-        return out, vjp(cot.astype(jnp.bfloat16))
-
-    return forward_backward(q, k, v)
-
-
 @pytest.mark.parametrize(
     "T, S, kwargs",
     [
@@ -240,9 +235,9 @@ def test_bfloat16_is_as_close_to_the_truth_as_the_reference_in_bfloat16(T, S, kw
     q, k, v = (randn(s, B, L, h, H).astype(jnp.bfloat16)
                for s, L, h in ((1, T, N), (2, S, K), (3, S, K)))  # fmt: skip
     cot = randn(4, B, T, N, H)
-    native = bf16_run("native", q, k, v, cot, **kwargs)
+    native = jit_vjp("native", q, k, v, cot, **kwargs)
     assert native[0].dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in native[1])
-    reference = bf16_run("xla", q, k, v, cot, **kwargs)
+    reference = jit_vjp("xla", q, k, v, cot, **kwargs)
     allowed = np_allowed(kwargs, B, T, S)
     as64 = [np.asarray(x, np.float64) for x in (q, k, v, jnp.asarray(cot, jnp.bfloat16))]
     want, (dq, dk, dv, _) = np_attention_vjp(*as64, allowed, None, None,

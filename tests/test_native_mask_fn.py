@@ -23,6 +23,7 @@ from nanoattn._dispatch import choose
 from nanoattn._native import _kernel
 from nanoattn._spec import attention_spec
 
+from _cases import jit_vjp as run
 from _reference import np_attention_vjp, np_index_grids, randn
 
 pytestmark = pytest.mark.skipif(
@@ -81,24 +82,6 @@ def np_rules(T, S, q_offset=0, is_causal=False, window=None, kv_lengths=None):
 
 def inputs(T, S, seed=0):
     return randn(seed, B, T, N, H), randn(seed + 1, B, S, K, H), randn(seed + 2, B, S, K, H)
-
-
-def run(implementation, q, k, v, d_out, **rules):
-    """Output and (dq, dk, dv) under jit, the rules closed over (a numpy per-row offset
-    as a concrete jax array: converted inside jit it would be traced, and the mask's
-    kinds with it)."""
-    if isinstance(rules.get("q_offset"), np.ndarray):
-        rules["q_offset"] = jnp.asarray(rules["q_offset"])
-
-    @jax.jit
-    def forward_backward(q, k, v):
-        attend = functools.partial(
-            nanoattn.dot_product_attention, implementation=implementation, **rules
-        )
-        out, vjp = jax.vjp(attend, q, k, v)
-        return out, vjp(d_out.astype(q.dtype))
-
-    return forward_backward(q, k, v)
 
 
 def assert_matches(got, q, k, v, d_out, allowed, atol=2e-5):
