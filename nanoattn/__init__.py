@@ -19,7 +19,7 @@ from ._masks import padding_mask as padding_mask
 from ._masks import segment_mask as segment_mask
 from ._masks import window_mask as window_mask
 from ._merge import merge_attention as merge_attention
-from ._reference import large_negative as large_negative
+from ._numerics import large_negative as large_negative
 from ._rope import apply_rope as apply_rope
 
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from . import _dispatch, _flash, _reference
 from ._dropout import check_dropout
 from ._merge import add_sinks
+from ._numerics import softmax_dtype
 from ._registry import Implementation, get
 from ._spec import AttentionSpec, attention_spec, batched
 from ._validate import check_scale, check_tiles
@@ -264,7 +265,7 @@ def _with_sinks(kernel, call: "_Call", sinks_inside: bool):
     # once: rounding the kernel's output first (and its cotangent on the way back) made
     # the output, dv and dsinks several times less accurate than the reference's.
     dtype = call.query.dtype
-    wide = _reference.compute_dtype(dtype, call.key.dtype, call.value.dtype)
+    wide = softmax_dtype(dtype, call.key.dtype, call.value.dtype)
     q, k, v = (x.astype(wide) for x in (call.query, call.key, call.value))
     out, lse = kernel(q, k, v, keys_only)
     out, lse = add_sinks(out, lse, spec.sinks)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from ._block_mask import EMPTY, BlockMask, block_mask
 from ._flash_plan import Plan, kernel_plans
 from ._mask_fn import closure_converted, evaluate_mask, evaluate_score
-from ._reference import compute_dtype, large_negative
+from ._numerics import large_negative, softmax_dtype
 from ._schedule import Schedule
 from ._shard_map import sum_to_varying, varying_like
 from ._spec import AttentionSpec
@@ -373,7 +373,7 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     q, k, v, bias, mask = inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask
     q_offset, kv_lengths = inputs.q_offset, inputs.kv_lengths
     q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
-    acc = compute_dtype(q.dtype, k.dtype, v.dtype)
+    acc = softmax_dtype(q.dtype, k.dtype, v.dtype)
     neg = large_negative(acc)
     qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
     kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
@@ -408,7 +408,7 @@ def forward_block(plan: Plan, inputs: BlockInputs):
                 s, _ = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed, cells, consts)
                 # The block's own softmax, shifted twice: by its row maximum, then by the
                 # maximum of the very values that are exponentiated (XLA may compute the
-                # first from a differently rounded copy of s; see _reference.masked_softmax).
+                # first from a differently rounded copy of s; see _numerics.masked_softmax).
                 top = s.max(-1)
                 shifted = s - top[..., None]
                 peak = shifted.max(-1)
@@ -625,7 +625,7 @@ def flash_attention(
     """
     if spec.T == 0 or spec.S == 0:
         out = jnp.zeros(query.shape, query.dtype)
-        lse = jnp.full(query.shape[:3], -jnp.inf, compute_dtype(query.dtype, key.dtype))
+        lse = jnp.full(query.shape[:3], -jnp.inf, softmax_dtype(query.dtype, key.dtype))
         return (out, lse) if spec.return_residual else out
     mask = None
     if spec.mask_fn is not None:
@@ -638,7 +638,7 @@ def flash_attention(
     ]
     score_consts = None
     if spec.score_fn is not None:
-        acc = compute_dtype(query.dtype, key.dtype, value.dtype)
+        acc = softmax_dtype(query.dtype, key.dtype, value.dtype)
         converted = [_converted_score_fn(spec, p, acc) for p in plans]
         plans = type(plans)(
             *(dataclasses.replace(p, score_fn=c[0]) for p, c in zip(plans, converted))

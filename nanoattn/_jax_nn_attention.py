@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ._attention import dot_product_attention
 from ._jax_nn_inputs import check_implementation, check_window, checked
 from ._jax_nn_rows import as_jax_nn, query_valid, sees_a_key
-from ._reference import compute_dtype
+from ._numerics import softmax_dtype
 from ._spec import attention_spec
 from ._validate import expect_flag
 
@@ -128,7 +128,7 @@ def jax_nn_attention(
         q = jnp.where(q_valid[:, :, None, None], q, jnp.zeros((), q.dtype))  # padding unread
     bias = arrays.bias
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
-        bias = bias.astype(compute_dtype(q.dtype))  # jax.nn adds it to float logits
+        bias = bias.astype(softmax_dtype(q.dtype))  # jax.nn adds it to float logits
     rules = dict(
         mask=arrays.mask, bias=bias, is_causal=is_causal, kv_lengths=arrays.kv_lengths,
         window=window,

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._masks import lengths_to_valid
-from ._reference import allowed_mask, compute_dtype
+from ._numerics import softmax_dtype
+from ._reference import allowed_mask
 from ._spec import AttentionSpec
 
 # jax.nn's value for each blocked logit, -0.7 times float32's largest (it caps it at
@@ -59,7 +60,7 @@ def mean_of_values(value, N: int):
     B, S, K, H = value.shape
     if S == 0:
         return jnp.zeros((B, 1, N, H), value.dtype)
-    mean = jnp.mean(value.astype(compute_dtype(value.dtype)), axis=1)  # (B, K, H)
+    mean = jnp.mean(value.astype(softmax_dtype(value.dtype)), axis=1)  # (B, K, H)
     return jnp.repeat(mean, N // K, axis=1)[:, None].astype(value.dtype)  # (B, 1, N, H)
 
 

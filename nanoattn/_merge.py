@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._reference import compute_dtype
+from ._numerics import softmax_dtype
 from ._validate import as_array, expect_floating, expect_shape
 
 _OUT_SHAPES = {4: "B T N H", 3: "T N H"}
@@ -140,7 +140,7 @@ def merge_attention(outputs, lses):
 def merge(outputs, lses):
     """:func:`merge_attention` on parts already checked: lists of jax arrays."""
     dtype = outputs[0].dtype
-    acc = compute_dtype(dtype, *(lse.dtype for lse in lses))
+    acc = softmax_dtype(dtype, *(lse.dtype for lse in lses))
     lses = [lse.astype(acc) for lse in lses]
     top = functools.reduce(jnp.maximum, lses)  # (B, T, N); NaN if a part's lse is NaN
     nothing = top == -jnp.inf  # the rows no part saw

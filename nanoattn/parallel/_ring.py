@@ -33,7 +33,7 @@ from .. import _zigzag
 from .._block_mask import BlockMask
 from .._mask_fn import check_mask_fn, check_score_fn, closure_converted
 from .._merge import add_sinks
-from .._reference import compute_dtype
+from .._numerics import softmax_dtype
 from .._shard_map import sum_to_varying, varying_like
 from .._spec import attention_spec, check_sinks
 from .._validate import check_scale, check_tiles, expect_flag, expect_shape
@@ -83,7 +83,7 @@ def _walk(ring: Ring, state, kv, compute, after=None):
 def _ring_forward(ring: Ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts):
     """(out (B, T, N, H) float32, lse (B, T, N) float32) of this device's queries."""
     r = jax.lax.axis_index(ring.axis_name)
-    acc = compute_dtype(q.dtype, k.dtype, v.dtype)
+    acc = softmax_dtype(q.dtype, k.dtype, v.dtype)
     q32 = q.astype(acc)
     table = None if kinds is None else kinds[0]
     consts = _per_device(consts, q)
@@ -304,7 +304,7 @@ def _ring_call(
     mask_fn, score_fn = _global_fns(mask_fn, score_fn, B, N, T * P)
     sinks = check_sinks(sinks, N)
     converted, consts = None, ((), ())
-    acc = compute_dtype(query.dtype, key.dtype, value.dtype)
+    acc = softmax_dtype(query.dtype, key.dtype, value.dtype)
     C = T // _zigzag.check_layout(layout)
     if score_fn is not None:  # its arrays cross the ring's custom_vjp and get gradients
         blocks = _blocks.score_blocks(spec, layout, tiles)
