@@ -16,8 +16,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from nanoattn._flash import flash_attention
-from nanoattn._spec import attention_spec
+from nanoattn._backends.flash.kernel import flash_attention
+from nanoattn._core.base.rules import attention_spec
 
 CANDIDATES = [
     (128, 128, 8),

@@ -5,21 +5,21 @@ in docs/conventions.md.
 """
 
 from . import parallel as parallel
-from ._attention import attention_weights as attention_weights
-from ._attention import dot_product_attention as dot_product_attention
-from ._attention import flash_attention as flash_attention
-from ._block_mask import BlockMask as BlockMask
-from ._block_mask import block_mask as block_mask
-from ._flax_attention_fn import flax_attention_fn as flax_attention_fn
-from ._jax_nn_attention import jax_nn_attention as jax_nn_attention
-from ._masks import causal_mask as causal_mask
-from ._masks import combine_masks as combine_masks
-from ._masks import lengths_to_valid as lengths_to_valid
-from ._masks import padding_mask as padding_mask
-from ._masks import segment_mask as segment_mask
-from ._masks import window_mask as window_mask
-from ._merge import merge_attention as merge_attention
-from ._numerics import large_negative as large_negative
-from ._rope import apply_rope as apply_rope
+from ._core.api import attention_weights as attention_weights
+from ._core.api import dot_product_attention as dot_product_attention
+from ._core.api import flash_attention as flash_attention
+from ._core.base.block_mask import BlockMask as BlockMask
+from ._core.base.block_mask import block_mask as block_mask
+from ._core.base.masks import causal_mask as causal_mask
+from ._core.base.masks import combine_masks as combine_masks
+from ._core.base.masks import lengths_to_valid as lengths_to_valid
+from ._core.base.masks import padding_mask as padding_mask
+from ._core.base.masks import segment_mask as segment_mask
+from ._core.base.masks import window_mask as window_mask
+from ._core.base.numerics import large_negative as large_negative
+from ._core.merge import merge_attention as merge_attention
+from ._core.rope import apply_rope as apply_rope
+from ._interop.flax_attention_fn import flax_attention_fn as flax_attention_fn
+from ._interop.jax_nn_attention import jax_nn_attention as jax_nn_attention
 
 __version__ = "0.1.0"

@@ -29,7 +29,8 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import nanoattn
-from nanoattn import _native, _registry, _spec
+from nanoattn._backends import native, registry
+from nanoattn._core.base import rules
 
 from _reference import (
     np_attention,
@@ -418,11 +419,11 @@ class Call:
                                    self.mask_values())  # fmt: skip
         if self.statics.score_fn is not None:
             kwargs["score_fn"] = self.statics.score_fn.build(self.score_params)
-        spec = _spec.attention_spec(q, k, v, bias=self.bias, sinks=self.sinks,
+        spec = rules.attention_spec(q, k, v, bias=self.bias, sinks=self.sinks,
                                     scale=self.statics.scale, **kwargs)  # fmt: skip
         dtype = DTYPES[self.dtype]
-        return [name for name in _registry.names()
-                if _registry.get(name).unsupported(spec, dtype, 0.0) is None]  # fmt: skip
+        return [name for name in registry.names()
+                if registry.get(name).unsupported(spec, dtype, 0.0) is None]  # fmt: skip
 
     def dirty(self):
         """q, k, v, bias with ``bad`` at every place no query may look."""
@@ -567,7 +568,7 @@ class Program:
 def native_serves(feature: str) -> bool:
     """Whether the native kernel serves a call with ``feature`` ("mask_fn", "score_fn",
     "sinks", "residual"), as its ``unsupported`` says about a small such call."""
-    if _native.load()[0] is None:
+    if native.load()[0] is None:
         return False
     q = k = jnp.zeros((1, 3, 1, 8), jnp.float32)
     extra = {
@@ -576,8 +577,8 @@ def native_serves(feature: str) -> bool:
         "sinks": dict(sinks=jnp.zeros((1,), jnp.float32)),
         "residual": dict(return_residual=True),
     }[feature]
-    spec = _spec.attention_spec(q, k, k, **extra)
-    return _registry.get("native").unsupported(spec, jnp.float32, 0.0) is None
+    spec = rules.attention_spec(q, k, k, **extra)
+    return registry.get("native").unsupported(spec, jnp.float32, 0.0) is None
 
 
 @st.composite

@@ -150,7 +150,7 @@ def not_a_triple():
 # first SINKS positions visible to every later query, decoding into CAPACITY slots.
 # Its cache keeps the sinks in slots 0 .. SINKS - 1 and position j >= SINKS in slot
 # SINKS + (j - SINKS) mod (CAPACITY - SINKS); a slot's position is recomputed from the
-# row's end (nanoattn._rolling), and a write pointer says where the next token goes.
+# row's end (nanoattn._layers.caches.rolling), and a write pointer says where the next token goes.
 # ``rolling(bug)`` plants one of:
 #
 # * ``"ring_one_slot_off"``: past the first lap the ring writes one slot further on;
@@ -184,7 +184,7 @@ def _rolling_full(x):
 
 @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 def _rolling_decode(cache, chunk, lengths, bug):
-    from nanoattn._rolling import slot_positions, visible
+    from nanoattn._layers.caches.rolling import slot_positions, visible
 
     off, overwrite_sinks = bug
     B, L, _ = chunk.shape

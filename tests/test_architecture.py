@@ -1,12 +1,16 @@
 """The layering of the package, read from its source (docs/architecture.md).
 
-Imports flow one way: tools (verify, the audit, bench, cli) -> layers (configs,
-layer steps, modules, flax's adapter) -> core (the public functions, dispatch,
-the ring) -> kernels (the backends and what they compute with) -> rules (specs,
-masks, schedules) -> base (validation, names, small helpers); never back, and no
-module imports another package's private function. These are read with ``ast``
-from every module, imports inside functions included, so a lazy import cannot
-hide a back edge. Package ``__init__`` files only re-export and are not layered.
+Each folder is a layer, and imports flow one way, down this list, never back:
+tools (``verify/``, ``bench/``, ``cli/``) -> interop (``_interop/``: the flax and
+jax.nn adapters) -> layers (``_layers/``: the config, the shared steps, the caches,
+linen, NNX) -> core (``_core/``: the public functions, merge, RoPE; ``parallel/``:
+the ring) -> kernels (``_backends/``: the registry, the dispatch, one module or folder
+per backend) -> base (``_core/base/``: the rules of a call, validation, masks, the
+shared numerics). A module belongs to the deepest folder the table names. No module
+imports another package's private function. The imports are read with ``ast`` from
+every module, those inside functions included, so a lazy import cannot hide a back
+edge. Package ``__init__`` files and the public faces at the root (``linen.py``,
+``nnx.py``) only re-export and are not layered.
 """
 
 import ast
@@ -16,26 +20,23 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nanoattn"
 
-# Lowest first; a module may import modules of its own layer and the layers below.
+# Lowest first: folders (dotted, relative to the package); a module may import modules
+# of its own layer and the layers below.
 LAYERS = {
-    "base": [
-        "_validate", "_trace", "_norm", "_axes", "_dropout", "_zigzag", "_shard_map",
-        "_registry", "_backends",
-    ],
-    "rules": ["_spec", "_masks", "_mask_fn", "_block_mask", "_rolling", "_rope", "_schedule"],
-    "kernels": [
-        "_reference", "_flash_plan", "_flash", "_native", "_native._build",
-        "_native._kernel", "_backends.*",
-    ],
-    "core": ["_dispatch", "_attention", "_merge", "parallel._ring", "parallel._blocks"],
-    "layers": [
-        "_config", "_kv_cache", "_heads", "_layer", "parallel._layers", "linen.*", "nnx.*",
-        "_flax*", "_jax_nn*",
-    ],
-    "tools": ["verify.*", "_audit", "bench.*", "cli.*", "__main__"],
-}  # fmt: skip
-# What an AttentionConfig may load: no kernel, no dispatch.
-KERNELS = ("_reference", "_flash", "_flash_plan", "_native", "_dispatch", "_attention")
+    "base": ["_core.base"],
+    "kernels": ["_backends"],
+    "core": ["_core", "parallel"],
+    "layers": ["_layers"],
+    "interop": ["_interop"],
+    "tools": ["verify", "bench", "cli", "__main__"],
+}
+# The public faces at the root: re-exports only, like a package's __init__.
+FACES = ("", "linen", "nnx")
+# At most this many modules at the package root (the rest live in folders).
+MOST_ROOT_MODULES = 6
+# What an AttentionConfig may load: no kernel, no dispatch, no public function.
+KERNELS = ("_backends.xla", "_backends.flash", "_backends.native", "_backends.cudnn",
+           "_backends.dispatch", "_core.api")  # fmt: skip
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -56,14 +57,23 @@ def _is_package(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
 
 
+def _is_face(name: str) -> bool:
+    """A package's __init__ or a public face at the root: re-exports, not layered."""
+    return name in FACES or _is_package(name)
+
+
 def _layer(name: str) -> int:
-    for rank, patterns in enumerate(LAYERS.values()):
-        for pattern in patterns:
-            if name == pattern or (
-                pattern.endswith("*") and name.startswith(pattern[:-1]) and name != pattern[:-2]
-            ):
-                return rank
-    raise AssertionError(f"nanoattn.{name} is in no layer of tests/test_architecture.py")
+    """The rank of the deepest folder of LAYERS that holds ``name``."""
+    best = None
+    for rank, folders in enumerate(LAYERS.values()):
+        for folder in folders:
+            if name == folder or name.startswith(folder + "."):
+                depth = folder.count(".") + 1
+                if best is None or depth > best[0]:
+                    best = (depth, rank)
+    if best is None:
+        raise AssertionError(f"nanoattn.{name} is in no folder of tests/test_architecture.py")
+    return best[1]
 
 
 def _resolve(name: str, node: ast.ImportFrom) -> str:
@@ -103,13 +113,13 @@ def _package_of(name: str) -> str:
     return name if _is_package(name) else name.rpartition(".")[0]
 
 
-@pytest.mark.parametrize("name", [m for m in MODULES if m and not _is_package(m)])
+@pytest.mark.parametrize("name", [m for m in MODULES if not _is_face(m)])
 def test_imports_flow_down_the_layers(name):
     rank = _layer(name)
     up = [
         f"line {line}: nanoattn.{source} ({list(LAYERS)[_layer(source)]})"
         for source, _, line in _imports(name)
-        if source and not _is_package(source) and _layer(source) > rank
+        if not _is_face(source) and _layer(source) > rank
     ]
     assert not up, f"nanoattn.{name} ({list(LAYERS)[rank]}) imports up: {'; '.join(up)}"
 
@@ -162,16 +172,25 @@ def _closure(name: str) -> set[str]:
 
 
 def test_an_attention_config_loads_no_kernel():
-    loaded = _closure("_config")
-    kernels = sorted(m for m in loaded if m.split(".")[0] in KERNELS or m.startswith("_backends."))
-    assert not kernels, f"nanoattn._config loads {kernels}"
-    assert {"_registry", "_spec", "_zigzag"} <= loaded  # the rules it checks, from one place
+    loaded = _closure("_layers.config")
+    kernels = sorted(m for m in loaded if any(m == k or m.startswith(k + ".") for k in KERNELS))
+    assert not kernels, f"nanoattn._layers.config loads {kernels}"
+    # the rules it checks, from one place each
+    assert {"_backends.registry", "_core.base.rules", "_core.base.zigzag"} <= loaded
 
 
-def test_the_layer_table_names_only_real_modules():
-    listed = [p for patterns in LAYERS.values() for p in patterns]
-    for pattern in listed:
-        if pattern.endswith("*"):
-            assert any(m.startswith(pattern[:-1]) for m in MODULES), pattern
-        else:
-            assert pattern in MODULES, pattern
+def test_every_module_is_in_a_folder_of_the_table():
+    for name in MODULES:
+        if not _is_face(name):
+            _layer(name)  # raises for a module in no listed folder
+
+
+def test_the_table_names_only_real_folders():
+    for folders in LAYERS.values():
+        for folder in folders:
+            assert folder in MODULES, folder
+
+
+def test_the_package_root_holds_few_modules():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= MOST_ROOT_MODULES, root

@@ -1,4 +1,4 @@
-"""The functional core (nanoattn/_attention.py: dot_product_attention, attention_weights)
+"""The functional core (nanoattn/_core/api.py: dot_product_attention, attention_weights)
 against an independent float64 numpy reference (_reference.py)."""
 
 import jax

@@ -674,7 +674,8 @@ def test_block_sparse_case_leaves_a_quarter_of_the_flash_kernels_work():
     # schedule (static: the choice is a concrete array) holds a quarter of causal's
     # items in both passes. With a pattern of 64-blocks nearly every 256 x 512 forward
     # block would be partial and nothing skipped. Deterministic: no time is measured.
-    from nanoattn import _flash_plan, _spec
+    from nanoattn._backends.flash import plan as flash_plan
+    from nanoattn._core.base import rules
 
     T = _masks.LENGTH
     q = jnp.zeros((1, T, _masks.N, _masks.H))
@@ -686,8 +687,8 @@ def test_block_sparse_case_leaves_a_quarter_of_the_flash_kernels_work():
     def items(plans):
         return [sum(s.items for s in plan.schedules()) for plan in plans]
 
-    sparse = items(_flash_plan.kernel_plans(_spec.attention_spec(q, q, mask_fn=mask), mask=mask))
-    causal = items(_flash_plan.kernel_plans(_spec.attention_spec(q, q, is_causal=True)))
+    sparse = items(flash_plan.kernel_plans(rules.attention_spec(q, q, mask_fn=mask), mask=mask))
+    causal = items(flash_plan.kernel_plans(rules.attention_spec(q, q, is_causal=True)))
     assert all(s <= 0.26 * c for s, c in zip(sparse, causal)), (sparse, causal)
 
 

@@ -10,7 +10,7 @@ import threading
 import jax
 import pytest
 
-from nanoattn import _reference
+from nanoattn._backends.xla import reference
 from nanoattn.cli import _stages, main
 from nanoattn.verify import CheckResult, Report
 
@@ -145,7 +145,7 @@ def test_audit_fails_with_exit_1_when_masking_is_broken(capsys, monkeypatch):
         probs = jax.nn.softmax(logits, axis=-1)
         return (probs, jax.nn.logsumexp(logits, axis=-1)) if return_lse else probs
 
-    monkeypatch.setattr(_reference, "masked_softmax", unmasked_softmax)
+    monkeypatch.setattr(reference, "masked_softmax", unmasked_softmax)
     code, out, _ = run(capsys, "audit", "--no-verify")
     assert code == 1 and out.splitlines()[-1] == "FAIL"
     assert "FAIL" in next(x for x in out.splitlines() if x.startswith("Row sums"))
@@ -173,7 +173,7 @@ def test_console_entry_point_and_module():
 
 @pytest.mark.slow
 def test_audit_exits_1_when_a_builtin_module_leaks(capsys, monkeypatch):
-    import nanoattn._reference as reference
+    import nanoattn._backends.xla.reference as reference
 
     real = reference.band_mask  # the reference's positional (causal) mask, shifted one key late
     monkeypatch.setattr(
@@ -212,7 +212,7 @@ def stage_lines(err: str) -> list[str]:
 
 
 def test_audit_says_what_each_stage_is_doing_on_a_terminal(capsys, monkeypatch):
-    import nanoattn._audit as audit
+    import nanoattn.verify._audit as audit
 
     def passed(*args, **kwargs):  # the verification itself is tested elsewhere
         return Report("faked", [CheckResult("faked", True)])

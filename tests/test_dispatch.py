@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from nanoattn import _dispatch, dot_product_attention
-from nanoattn._spec import attention_spec
+from nanoattn import dot_product_attention
+from nanoattn._backends import dispatch
+from nanoattn._core.base.rules import attention_spec
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 from _cases import attention_case
@@ -32,7 +33,7 @@ def test_unknown_implementation():
         match=r"implementation must be one of 'xla', 'flash', "
         r"'native', 'cudnn' or None, got 'triton'",
     ):
-        _dispatch.choose("triton", spec_for(4), jnp.float32, 0.0)
+        dispatch.choose("triton", spec_for(4), jnp.float32, 0.0)
 
 
 def test_named_backends_that_cannot_serve_raise():
@@ -41,35 +42,36 @@ def test_named_backends_that_cannot_serve_raise():
         match=r"implementation='flash' cannot serve this call: "
         r"dropout is only implemented by the reference",
     ):
-        _dispatch.choose("flash", spec_for(4), jnp.float32, 0.1)
+        dispatch.choose("flash", spec_for(4), jnp.float32, 0.1)
     with pytest.raises(
         ValueError,
         match=r"implementation='cudnn' cannot serve this call: it "
         r"needs an NVIDIA GPU, and the default backend is 'cpu'",
     ):
-        _dispatch.choose("cudnn", spec_for(4), jnp.bfloat16, 0.0)
+        dispatch.choose("cudnn", spec_for(4), jnp.bfloat16, 0.0)
     traced_scale = jax.jit(
-        lambda s: _dispatch.choose("flash", spec_for(4, scale=s), jnp.float32, 0.0) and s
+        lambda s: dispatch.choose("flash", spec_for(4, scale=s), jnp.float32, 0.0) and s
     )
     with pytest.raises(ValueError, match="needs a Python number for scale"):
         traced_scale(0.5)
 
 
 def test_automatic_choice_on_cpu():
-    from nanoattn import _native
-    from nanoattn._backends import flash, native
+    from nanoattn._backends import native
+    from nanoattn._backends.flash import backend as flash
+    from nanoattn._backends.native import backend as native_backend
 
     big = int(np.sqrt(flash.CPU_MIN_CELLS))
-    small = int(np.sqrt(native.CPU_MIN_CELLS))
-    built = _native.load()[0] is not None
-    choose = _dispatch.choose
+    small = int(np.sqrt(native_backend.CPU_MIN_CELLS))
+    built = native.load()[0] is not None
+    choose = dispatch.choose
     # float32 goes to the native kernel where it was built, from its own threshold on.
     assert choose(None, spec_for(big), jnp.float32, 0.0) == ("native" if built else "flash")
     assert choose(None, spec_for(small), jnp.float32, 0.0) == ("native" if built else "xla")
     assert choose(None, spec_for(small - 1), jnp.float32, 0.0) == "xla"
     # bfloat16 goes to the native kernel from its own, higher threshold; float16 (which
     # it does not serve) to the pure-JAX kernels.
-    least = int(np.sqrt(native.CPU_MIN_CELLS_BF16))
+    least = int(np.sqrt(native_backend.CPU_MIN_CELLS_BF16))
     assert choose(None, spec_for(least), jnp.bfloat16, 0.0) == ("native" if built else "flash")
     assert choose(None, spec_for(least - 1), jnp.bfloat16, 0.0) == "xla"
     assert choose(None, spec_for(big), jnp.float16, 0.0) == "flash"

@@ -174,12 +174,12 @@ def test_readme_shows_the_real_audit_output(default_audit):
 @pytest.mark.parametrize(
     "module",
     [
-        "nanoattn._attention",
-        "nanoattn._masks",
-        "nanoattn._merge",
-        "nanoattn._rope",
-        "nanoattn.linen._attention",
-        "nanoattn._config",
+        "nanoattn._core.api",
+        "nanoattn._core.base.masks",
+        "nanoattn._core.merge",
+        "nanoattn._core.rope",
+        "nanoattn._layers.linen.attention",
+        "nanoattn._layers.config",
     ],
 )
 def test_docstring_examples(module):

@@ -1,7 +1,7 @@
-"""The blockwise kernel (nanoattn/_flash.py) against the reference: outputs, gradients,
-dtypes, tiles and plans, memory, inside ``jax.shard_map``, and the corners that mutation
+"""The blockwise kernel (nanoattn/_backends/flash/kernel.py) against the reference: outputs,
+gradients, dtypes, tiles and plans, memory, inside ``jax.shard_map``, and the corners that mutation
 testing and the differential fuzzer found. The kernel's block schedule
-(nanoattn/_schedule.py) is tested in test_schedule.py; the rules every backend shares
+(nanoattn/_backends/flash/schedule.py) is tested in test_schedule.py; the rules every backend shares
 (windows, segments, soft-cap, NaN where nothing looks) in their own files, with flash.
 """
 
@@ -12,8 +12,8 @@ import pytest
 
 import nanoattn
 from nanoattn import dot_product_attention
-from nanoattn._flash import flash_attention
-from nanoattn._spec import attention_spec
+from nanoattn._backends.flash.kernel import flash_attention
+from nanoattn._core.base.rules import attention_spec
 
 from _cases import SMALL_TILES, Case, assert_cases_match
 from _fuzz import check, concrete_call
@@ -175,7 +175,12 @@ def test_memory_at_65536_tokens():
 
 @pytest.mark.parametrize("B,T,N", [(1, 4096, 4), (2, 4096, 4), (32, 256, 4), (1, 100, 12)])
 def test_fit_tiles_respects_the_step_budget(B, T, N):
-    from nanoattn._flash_plan import FORWARD_STEP_CELLS, FORWARD_TILES, MIN_BLOCK, fit_tiles
+    from nanoattn._backends.flash.plan import (
+        FORWARD_STEP_CELLS,
+        FORWARD_TILES,
+        MIN_BLOCK,
+        fit_tiles,
+    )
 
     z = jnp.zeros((B, T, N, 8))
     block_q, block_k, lanes = fit_tiles(FORWARD_TILES, FORWARD_STEP_CELLS, attention_spec(z, z, z))
@@ -421,8 +426,8 @@ def test_float32_under_x64_computes_in_float32_only(x64):
 
 
 def test_kernel_plans_are_forward_then_backward():
-    from nanoattn._flash_plan import BACKWARD_TILES, FORWARD_TILES, kernel_plans
-    from nanoattn._spec import attention_spec
+    from nanoattn._backends.flash.plan import BACKWARD_TILES, FORWARD_TILES, kernel_plans
+    from nanoattn._core.base.rules import attention_spec
 
     q, k, v = typed_qkv(300, 200)
     spec = attention_spec(q, k, v, is_causal=True, q_offset=0)
@@ -483,8 +488,8 @@ def test_the_tiles_given_are_the_tiles_run():
 
 
 def test_fit_tiles_shrinks_only_as_far_as_the_budget_needs():
-    from nanoattn._flash_plan import FORWARD_STEP_CELLS, FORWARD_TILES, fit_tiles
-    from nanoattn._spec import attention_spec
+    from nanoattn._backends.flash.plan import FORWARD_STEP_CELLS, FORWARD_TILES, fit_tiles
+    from nanoattn._core.base.rules import attention_spec
 
     def fit(B, T, S, N):
         q, kv = jnp.zeros((B, T, N, 8)), jnp.zeros((B, S, N, 8))

@@ -22,7 +22,8 @@ import pytest
 from flax import nnx
 
 import nanoattn
-from nanoattn import _flax_attention_fn, flax_attention_fn
+from nanoattn import flax_attention_fn
+from nanoattn._interop import flax_attention_fn as flax_attention_fn_module
 from nanoattn.bench import _flax_memory
 
 from _reference import np_attention, randn
@@ -55,20 +56,20 @@ def served(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the adapter handed this call over to flax")
 
-    monkeypatch.setattr(_flax_attention_fn, "_hand_over", refuse)
+    monkeypatch.setattr(flax_attention_fn_module, "_hand_over", refuse)
 
 
 @pytest.fixture
 def handed_over(monkeypatch):
     """Counts the calls the adapter hands over to flax."""
     calls = []
-    original = _flax_attention_fn._hand_over
+    original = flax_attention_fn_module._hand_over
 
     def count(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_flax_attention_fn, "_hand_over", count)
+    monkeypatch.setattr(flax_attention_fn_module, "_hand_over", count)
     return calls
 
 
@@ -665,7 +666,7 @@ def test_nnx_layer_with_the_adapter_needs_a_twentieth_of_the_memory_at_16k():
 
 
 def test_docstring_example():
-    result = doctest.testmod(_flax_attention_fn, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(flax_attention_fn_module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 

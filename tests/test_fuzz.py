@@ -66,7 +66,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nanoattn
-from nanoattn import _native
+from nanoattn._backends import native
 
 from _fuzz import KEEP_GOING, Call, Record, budget, calls, check
 
@@ -128,7 +128,7 @@ def test_every_backend_campaign_found_nothing():
     assert_no_recorded_failures("every_backend")
 
 
-@pytest.mark.skipif(_native.load()[0] is None, reason="the native kernel could not be built")
+@pytest.mark.skipif(native.load()[0] is None, reason="the native kernel could not be built")
 @budget(NATIVE_EXAMPLES)
 @given(calls(native_only=True))
 def test_native_kernel_agrees_with_the_float64_reference(calls):
@@ -314,7 +314,7 @@ def test_invalid_calls_raise_a_one_line_error(name, sizes):
     q, k, v, kwargs = _broken(name, *sizes)
     INVALID_COUNTS[name] += 1
     for label, thunk in _entry_calls(name, q, k, v, kwargs):
-        if "native" in label and _native.load()[0] is None:
+        if "native" in label and native.load()[0] is None:
             continue
         with pytest.raises((ValueError, TypeError)) as caught:
             thunk()

@@ -25,8 +25,11 @@ import numpy as np
 import pytest
 
 import nanoattn
-from nanoattn import _dispatch, _jax_nn_attention, _jax_nn_rows, jax_nn_attention
-from nanoattn._spec import attention_spec
+from nanoattn import jax_nn_attention
+from nanoattn._backends import dispatch
+from nanoattn._core.base.rules import attention_spec
+from nanoattn._interop import jax_nn_attention as jax_nn_attention_module
+from nanoattn._interop import jax_nn_rows
 
 from _reference import randn
 
@@ -44,13 +47,13 @@ def force(monkeypatch, backend: str) -> str | None:
     it cannot serve a call, so the test fails rather than falls back). Returns the
     ``implementation`` the adapter is called with: None, or "cudnn" for
     :data:`CUDNN_PATH`, whose backend is then the reference."""
-    original = _dispatch.choose
+    original = dispatch.choose
     name = "xla" if backend == CUDNN_PATH else backend
 
     def choose(requested, *args):
         return original(name if requested in (None, "cudnn") else requested, *args)
 
-    monkeypatch.setattr(_dispatch, "choose", choose)
+    monkeypatch.setattr(dispatch, "choose", choose)
     return "cudnn" if backend == CUDNN_PATH else None
 
 
@@ -545,7 +548,7 @@ def test_the_rules_tell_the_rows_that_see_no_key_as_the_log_sum_exp_does():
         q, k, v = qkv(22, T_, S_)
         _, lse = nanoattn.dot_product_attention(q, k, v, **rules, return_residual=True,
                                                 implementation="xla")  # fmt: skip
-        sees = _jax_nn_rows.sees_a_key(attention_spec(q, k, v, **rules))
+        sees = jax_nn_rows.sees_a_key(attention_spec(q, k, v, **rules))
         return jnp.broadcast_to(sees, lse.shape), jnp.isfinite(lse)
 
     cases = [case for case in MASK_CASES if "bias" not in MASK_CASES[case][2](T, S)]
@@ -576,13 +579,13 @@ def test_none_and_xla_take_nanoattns_automatic_choice(monkeypatch):
     kernel for both names; with a mask, the reference (the flash kernel pays off from
     T * S = 256 * 256). Traced only: the choice is made while tracing."""
     chosen = []
-    original = _dispatch.choose
+    original = dispatch.choose
 
     def spy(requested, *args):
         chosen.append(original(requested, *args))
         return chosen[-1]
 
-    monkeypatch.setattr(_dispatch, "choose", spy)
+    monkeypatch.setattr(dispatch, "choose", spy)
     q = jax.ShapeDtypeStruct((B, 64, N, H), jnp.float32)
     for implementation in (None, "xla"):
         jax.eval_shape(functools.partial(jax_nn_attention, is_causal=True,
@@ -679,7 +682,7 @@ def test_flags_must_be_bools():
 
 
 def test_docstring_example():
-    result = doctest.testmod(_jax_nn_attention, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(jax_nn_attention_module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nanoattn import _kv_cache, padding_mask
+from nanoattn import padding_mask
+from nanoattn._layers.caches import kv_cache
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 from _layer_configs import CONFIGS, D, K, N, random_params
@@ -237,7 +238,7 @@ def test_a_write_past_the_capacity_raises_when_the_position_is_concrete():
     ):
         c.decode(c.params, case("gqa").cache, jnp.ones((B, 14, D)))
     # Exactly full is fine (the same check, without running the layer eagerly).
-    _kv_cache.check_chunk(np.array([4, 5]), np.array([2, 1]), 2, 6, hint="")
+    kv_cache.check_chunk(np.array([4, 5]), np.array([2, 1]), 2, 6, hint="")
 
 
 def test_a_write_past_the_capacity_under_jit_gives_nan_in_that_row_only():

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import nanoattn
-from nanoattn import _native
-from nanoattn._flash import BlockInputs, forward_block
-from nanoattn._flash_plan import kernel_plans
-from nanoattn._spec import attention_spec
+from nanoattn._backends import native
+from nanoattn._backends.flash.kernel import BlockInputs, forward_block
+from nanoattn._backends.flash.plan import kernel_plans
+from nanoattn._core.base.rules import attention_spec
 from nanoattn.parallel import _blocks, ring_attention
 
 B, T, S, N, K, H = 3, 11, 13, 4, 2, 8
@@ -78,11 +78,11 @@ def test_flash_forward_block_lse(name, kwargs, visible, tiles):
 
 @pytest.mark.parametrize("name, kwargs, visible", CASES, ids=[c[0] for c in CASES])
 def test_native_forward_lse(name, kwargs, visible):
-    if _native.load()[0] is None:
+    if native.load()[0] is None:
         pytest.skip("the native kernel is not available here")
     q, k, v = _inputs()
     spec = attention_spec(q, k, v, **kwargs)
-    _, lse = _native.native_attention(q, k, v, spec)
+    _, lse = native.native_attention(q, k, v, spec)
     _check(lse, q, k, visible)
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import nanoattn
-from nanoattn import _block_mask, _flash_plan, _spec
+from nanoattn._backends.flash import plan as flash_plan
+from nanoattn._core.base import block_mask, rules
 
 from _fuzz import check, concrete_call
 from _reference import np_attention, np_attention_vjp, np_index_grids, np_lse, randn
@@ -152,14 +153,14 @@ def test_block_mask_kinds_and_the_schedule_skip_empty_blocks():
                 cells = literal[b, 0, 64 * i : 64 * (i + 1), 64 * j : 64 * (j + 1)]
                 kind = 2 if cells.all() else 1 if cells.any() else 0
                 assert mask.kinds[b, 0, i, j] == kind, (b, i, j)
-    spec = _spec.attention_spec(*map(jnp.asarray, inputs(T, S)[:2]), mask_fn=mask)
-    plans = _flash_plan.kernel_plans(spec, (64, 64, 1), (64, 64, 1), mask)
+    spec = rules.attention_spec(*map(jnp.asarray, inputs(T, S)[:2]), mask_fn=mask)
+    plans = flash_plan.kernel_plans(spec, (64, 64, 1), (64, 64, 1), mask)
     masked, full = plans.forward.schedules()
     kinds = mask.kinds_at(64, 64)
-    assert masked.items == (kinds == _block_mask.PARTIAL).sum()
-    assert full.items == (kinds == _block_mask.FULL).sum()
-    causal = _flash_plan.kernel_plans(
-        _spec.attention_spec(*map(jnp.asarray, inputs(T, S)[:2]), is_causal=True),
+    assert masked.items == (kinds == block_mask.PARTIAL).sum()
+    assert full.items == (kinds == block_mask.FULL).sum()
+    causal = flash_plan.kernel_plans(
+        rules.attention_spec(*map(jnp.asarray, inputs(T, S)[:2]), is_causal=True),
         (64, 64, 1), (64, 64, 1),
     ).forward.schedules()  # fmt: skip
     assert masked.items + full.items < 0.6 * (causal[0].items + causal[1].items)
@@ -167,10 +168,10 @@ def test_block_mask_kinds_and_the_schedule_skip_empty_blocks():
 
 def test_coarser_blocks_are_empty_or_full_only_when_every_part_is():
     kinds = np.array([[0, 0, 2, 2], [0, 1, 2, 2], [2, 2, 2, 2]], np.int8)[None, None]
-    np.testing.assert_array_equal(_block_mask.coarsen(kinds, 2, 2), [[1, 2], [2, 2]])
-    np.testing.assert_array_equal(_block_mask.coarsen(kinds, 1, 2), [[0, 2], [1, 2], [2, 2]])
+    np.testing.assert_array_equal(block_mask.coarsen(kinds, 2, 2), [[1, 2], [2, 2]])
+    np.testing.assert_array_equal(block_mask.coarsen(kinds, 1, 2), [[0, 2], [1, 2], [2, 2]])
     both = np.concatenate([kinds, np.zeros_like(kinds)], axis=0)  # another row: all empty
-    np.testing.assert_array_equal(_block_mask.coarsen(both, 1, 1)[0], [0, 0, 1, 1])
+    np.testing.assert_array_equal(block_mask.coarsen(both, 1, 1)[0], [0, 0, 1, 1])
 
 
 def test_a_mask_of_traced_arrays_is_classified_at_run_time_and_still_exact():
@@ -394,9 +395,9 @@ def test_vmap_over_a_batch_axis_with_mask_fn_score_fn_and_sinks():
 
 def test_the_native_kernel_serves_mask_fn_and_leaves_score_fn_to_others():
     # Its mask_fn tests: tests/test_native_mask_fn.py.
-    from nanoattn import _native
+    from nanoattn._backends import native
 
-    if _native.load()[0] is None:
+    if native.load()[0] is None:
         pytest.skip("the native kernel could not be built here")
     q, k, v = inputs(37, 37)
     out = nanoattn.dot_product_attention(q, k, v, mask_fn=prefix_lm, implementation="native")

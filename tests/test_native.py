@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import nanoattn
-from nanoattn import _native
+from nanoattn._backends import native as native_kernel
 
 from _cases import (
     BAD,
@@ -30,7 +30,7 @@ from _cases import (
 from _reference import np_attention_vjp, np_causal, np_lengths, np_segments, np_window, randn
 
 pytestmark = pytest.mark.skipif(
-    _native.load()[0] is None, reason="the native kernel could not be built here"
+    native_kernel.load()[0] is None, reason="the native kernel could not be built here"
 )
 
 
@@ -170,9 +170,9 @@ def test_vmap_over_an_extra_axis_equals_a_loop():
 
 
 def test_automatic_choice_takes_it_where_it_serves():
-    from nanoattn._backends.native import CPU_MIN_CELLS
-    from nanoattn._dispatch import choose
-    from nanoattn._spec import attention_spec
+    from nanoattn._backends.dispatch import choose
+    from nanoattn._backends.native.backend import CPU_MIN_CELLS
+    from nanoattn._core.base.rules import attention_spec
 
     side = int(np.ceil(np.sqrt(CPU_MIN_CELLS)))
     z = jnp.zeros((1, side, 2, 8))
@@ -260,7 +260,7 @@ def test_bfloat16_is_as_close_to_the_truth_as_the_reference_in_bfloat16(T, S, kw
     out16, lse16 = jax.jit(fn)(q, k, v)
     out32, lse32 = jax.jit(fn)(*wide)
     rounded = np.asarray(out32.astype(jnp.bfloat16), np.float32)
-    if "AVX512_BF16" in _native.isa() and T >= 16:
+    if "AVX512_BF16" in native_kernel.isa() and T >= 16:
         ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(rounded), 1e-30))) - 7)
         assert (np.abs(np.asarray(out16, np.float32) - rounded) <= ulp).all()
         np.testing.assert_allclose(lse16, lse32, rtol=1e-5, atol=1e-5)
@@ -295,10 +295,10 @@ def test_the_avx2_build_serves_too_on_an_avx512_machine(tmp_path):
                              text=True).stdout  # fmt: skip
     assert "%ymm" in symbols and "%zmm" not in symbols
     isa = subprocess.run(
-        [sys.executable, "-c", "from nanoattn import _native; print(_native.isa())"],
+        [sys.executable, "-c", "from nanoattn._backends import native; print(native.isa())"],
         env=env, capture_output=True, text=True, timeout=120,
     ).stdout.strip()  # fmt: skip
-    assert isa.startswith("AVX2 ") and _native.isa().startswith("AVX-512 "), isa
+    assert isa.startswith("AVX2 ") and native_kernel.isa().startswith("AVX-512 "), isa
 
 
 def fwd_bwd_temp_bytes(T):

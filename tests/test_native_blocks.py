@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 
 import nanoattn
-from nanoattn import _native
+from nanoattn._backends import native
 
 from _reference import np_attention_vjp, np_causal, np_lengths, np_window, randn
 
 pytestmark = pytest.mark.skipif(
-    _native.load()[0] is None, reason="the native kernel could not be built here"
+    native.load()[0] is None, reason="the native kernel could not be built here"
 )
 
 BQ = BK = 64  # attention.cc's default blocks

@@ -1,4 +1,4 @@
-"""The native kernel's build (nanoattn/_native/_build.py): the cache and the fallbacks.
+"""The native kernel's build (nanoattn/_backends/native/build.py): the cache and the fallbacks.
 
 Pinned: the cached library's name covers every input of the build (the source, the
 flags: sanitizers, ``-D`` defines, ``-march``; the compiler, what ``-march=native``
@@ -20,9 +20,9 @@ import sys
 import numpy as np
 import pytest
 
-from nanoattn._dispatch import choose
-from nanoattn._native import _build
-from nanoattn._spec import attention_spec
+from nanoattn._backends.dispatch import choose
+from nanoattn._backends.native import build as native_build
+from nanoattn._core.base.rules import attention_spec
 
 from _reference import np_attention, np_causal, randn
 
@@ -66,10 +66,12 @@ def fake_cxx(tmp_path, monkeypatch):
 def test_a_build_with_other_inputs_never_reuses_a_library(fake_cxx, tmp_path, monkeypatch):
     cxx, compiles = fake_cxx
     edited = tmp_path / "attention.cc"
-    edited.write_bytes(_build.SOURCE.read_bytes() + b"// edited\n")
-    built = {"default": _build._build(cxx)}
+    edited.write_bytes(native_build.SOURCE.read_bytes() + b"// edited\n")
+    built = {"default": native_build._build(cxx)}
     assert compiles() == 1 and "-march=native" in built["default"].read_text()
-    assert _build._build(cxx) == built["default"] and compiles() == 1  # the same inputs: reused
+    assert (
+        native_build._build(cxx) == built["default"] and compiles() == 1
+    )  # the same inputs: reused
 
     def variant(name, env=None, change=None):
         """Builds with one input changed, twice: a new library, then that one reused."""
@@ -78,8 +80,8 @@ def test_a_build_with_other_inputs_never_reuses_a_library(fake_cxx, tmp_path, mo
                 m.setenv(var, value)
             if change:
                 change(m)
-            built[name] = _build._build(cxx)
-            assert _build._build(cxx) == built[name], name
+            built[name] = native_build._build(cxx)
+            assert native_build._build(cxx) == built[name], name
         assert compiles() == len(built), (name, compiles(), len(built))
 
     variant("asan", {"NANOATTN_NATIVE_SANITIZE": "address"})
@@ -88,26 +90,28 @@ def test_a_build_with_other_inputs_never_reuses_a_library(fake_cxx, tmp_path, mo
     variant("blocks 32x64", {"NANOATTN_NATIVE_CFLAGS": "-DNANOATTN_BQ=32 -DNANOATTN_BK=64"})
     variant("no AVX-512", {"NANOATTN_NATIVE_CFLAGS": "-mno-avx512f"})
     variant("-march=x86-64-v3", {"NANOATTN_NATIVE_CFLAGS": "-march=x86-64-v3"})
-    variant("-O2", change=lambda m: m.setattr(_build, "FLAGS", ("-O2", *_build.FLAGS[1:])))
+    variant(
+        "-O2", change=lambda m: m.setattr(native_build, "FLAGS", ("-O2", *native_build.FLAGS[1:]))
+    )
     variant("another compiler", {"FAKE_VERSION": "2.0"})
     # The same flags, -march=native, on a machine of another instruction set sharing
     # the cache: the compiler's predefined macros differ, so must the library.
     variant("another machine", {"FAKE_ISA": "avx512"})
-    variant("source", change=lambda m: m.setattr(_build, "SOURCE", edited))
-    variant("jaxlib", change=lambda m: m.setattr(_build.jaxlib, "__version__", "0.0.1"))
+    variant("source", change=lambda m: m.setattr(native_build, "SOURCE", edited))
+    variant("jaxlib", change=lambda m: m.setattr(native_build.jaxlib, "__version__", "0.0.1"))
     assert len(set(built.values())) == len(built), built
     assert "-fsanitize=address " in built["asan"].read_text()
     assert "-DNANOATTN_BQ=32" in built["blocks 32x64"].read_text()
-    assert _build._build(cxx) == built["default"]  # every input as at first: reused
+    assert native_build._build(cxx) == built["default"]  # every input as at first: reused
     assert compiles() == len(built)
 
 
 def test_the_build_key_is_stable_and_keeps_the_flags_apart(fake_cxx):
     cxx, compiles = fake_cxx
-    flags = _build.flags()
-    assert _build.build_key(cxx, flags) == _build.build_key(cxx, list(flags))
+    flags = native_build.flags()
+    assert native_build.build_key(cxx, flags) == native_build.build_key(cxx, list(flags))
     # Flags that only ran together differently are other flags.
-    assert _build.build_key(cxx, ["-DA", "-DB"]) != _build.build_key(cxx, ["-DA -DB"])
+    assert native_build.build_key(cxx, ["-DA", "-DB"]) != native_build.build_key(cxx, ["-DA -DB"])
     assert compiles() == 0
 
 
@@ -129,16 +133,16 @@ WITHOUT_THE_KERNEL = {
 # which must say why not; and the warnings of all three.
 FALLBACK_SCRIPT = """
 import json, os, sys, warnings, jax, jax.numpy as jnp, numpy as np, nanoattn
-from nanoattn._dispatch import choose
-from nanoattn._native import _build
-from nanoattn._spec import attention_spec
+from nanoattn._backends.dispatch import choose
+from nanoattn._backends.native import build as native_build
+from nanoattn._core.base.rules import attention_spec
 compilers, folder = json.loads(sys.argv[1]), sys.argv[2]
 z = jnp.ones((1, 300, 2, 8))
 q, k, v = (np.load(os.path.join(folder, 'qkv.npz'))[x] for x in 'qkv')
 said = {}
 for name, cxx in compilers.items():
     os.environ['CXX'] = cxx
-    _build.load.cache_clear()
+    native_build.load.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         choice = choose(None, attention_spec(z, z, z, is_causal=True), z.dtype, 0.0)
@@ -164,7 +168,7 @@ def test_without_the_kernel_it_says_so_once_and_the_pure_jax_kernels_serve(tmp_p
             script(cxx, text)
         compilers[name] = str(cxx)
     q, k, v = randn(1, B, T, N, H), randn(2, B, T, K, H), randn(3, B, T, K, H)
-    if _build.load()[0] is not None:  # here, with the kernel, the automatic choice takes it
+    if native_build.load()[0] is not None:  # here, with the kernel, the automatic choice takes it
         assert choose(None, attention_spec(q, k, v, is_causal=True), q.dtype, 0.0) == "native"
     np.savez(tmp_path / "qkv.npz", q=q, k=k, v=v)
     env = dict(os.environ, NANOATTN_CACHE_DIR=str(tmp_path / "cache"))

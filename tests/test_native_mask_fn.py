@@ -5,7 +5,8 @@ static BlockMask reused and coarsened; masks of traced arrays (their bits comput
 run time); vmap; masked content never read; what the backend serves and refuses.
 
 attention.cc takes a mask_fn as its 64 x 64 blocks' kinds (empty, partial, full) and
-the bits of the partial ones (nanoattn/_native/_kernel.py). Each mask is written twice,
+the bits of the partial ones (nanoattn/_backends/native/kernel.py). Each mask is written
+twice,
 as a ``mask_fn`` of jax index arrays and as a numpy literal, so that the library never
 checks itself (as tests/test_mask_fn.py).
 """
@@ -18,16 +19,16 @@ import numpy as np
 import pytest
 
 import nanoattn
-from nanoattn import _native
-from nanoattn._dispatch import choose
-from nanoattn._native import _kernel
-from nanoattn._spec import attention_spec
+from nanoattn._backends import native
+from nanoattn._backends.dispatch import choose
+from nanoattn._backends.native import kernel as native_kernel
+from nanoattn._core.base.rules import attention_spec
 
 from _cases import jit_vjp as run
 from _reference import np_attention_vjp, np_index_grids, randn
 
 pytestmark = pytest.mark.skipif(
-    _native.load()[0] is None, reason="the native kernel could not be built here"
+    native.load()[0] is None, reason="the native kernel could not be built here"
 )
 
 B, N, K, H = 2, 6, 2, 7  # GQA: heads 0-2 share key/value head 0, heads 3-5 head 1
@@ -151,7 +152,7 @@ def test_a_static_block_mask_is_reused_and_taken_at_the_kernels_blocks(block, mo
     # to the kernel's 64 (per batch row, not reduced over the rows), at 128 classified
     # afresh; either way the kernel's kinds are the literal's at 64. Its 12 partial
     # blocks' bits are computed 5 at a time (the last chunk padded).
-    monkeypatch.setattr(_kernel, "CHUNK_CELLS", 5 * 64 * 64)
+    monkeypatch.setattr(native_kernel, "CHUNK_CELLS", 5 * 64 * 64)
     T = S = 131
     mask = nanoattn.block_mask(documents, B, N, T, S, block_q=block, block_k=block)
     assert mask.static
@@ -161,7 +162,7 @@ def test_a_static_block_mask_is_reused_and_taken_at_the_kernels_blocks(block, mo
     cells = np.pad(allowed.astype(np.int8), ((0, 0), (0, 0), (0, 61), (0, 61)), constant_values=2)
     cells = cells.reshape(B, 1, 3, 64, 3, 64).swapaxes(3, 4).reshape(B, 1, 3, 3, -1)
     want_kinds = np.where((cells != 0).all(-1), 2, np.where((cells == 1).any(-1), 1, 0))
-    np.testing.assert_array_equal(_kernel._static_kinds(spec, 64, 64), want_kinds)
+    np.testing.assert_array_equal(native_kernel._static_kinds(spec, 64, 64), want_kinds)
     assert (want_kinds == 1).sum() == 12
     first, second = inputs(T, S), inputs(T, S, seed=5)
     attend = functools.partial(nanoattn.dot_product_attention, mask_fn=mask,
@@ -176,7 +177,7 @@ def test_masks_of_traced_arrays_are_served_from_bits_computed_at_run_time(monkey
     # Ids passed to jit, and per-row offsets traced: the kinds are known at run time
     # only, so every block's bits are computed then (the kinds with them), here one
     # query block at a time.
-    monkeypatch.setattr(_kernel, "CHUNK_CELLS", 5 * 64 * 64)
+    monkeypatch.setattr(native_kernel, "CHUNK_CELLS", 5 * 64 * 64)
     T, S = 150, 150
     q, k, v = inputs(T, S)
     d_out = randn(9, B, T, N, H)
@@ -188,7 +189,7 @@ def test_masks_of_traced_arrays_are_served_from_bits_computed_at_run_time(monkey
             return (ids[b, qp] == ids[b, kp]) & ((kp <= qp) | (kp < 23))
 
         rules = dict(mask_fn=doc_prefix, q_offset=offsets, kv_lengths=jnp.array([150, 140]))
-        assert not _kernel._probe(attention_spec(q, k, v, **rules))[0]
+        assert not native_kernel._probe(attention_spec(q, k, v, **rules))[0]
         attend = functools.partial(nanoattn.dot_product_attention, implementation="native",
                                    **rules)  # fmt: skip
         out, vjp = jax.vjp(attend, q, k, v)
@@ -203,7 +204,7 @@ def test_masks_of_traced_arrays_are_served_from_bits_computed_at_run_time(monkey
 
 
 def test_a_traced_mask_whose_bits_would_be_too_large_is_left_to_others(monkeypatch):
-    monkeypatch.setattr(_kernel, "TRACED_BITS_LIMIT", 2**10)
+    monkeypatch.setattr(native_kernel, "TRACED_BITS_LIMIT", 2**10)
     T = S = 131  # (2 rows, 1 head, 3 x 3 blocks) of 1024 bytes: 18 KiB of bits
     q, k, v = map(jnp.asarray, inputs(T, S))
 

@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-import nanoattn.nnx._attention
+import nanoattn._layers.nnx.attention
 from nanoattn import linen, padding_mask
 from nanoattn.nnx import (
     AttentionConfig,
@@ -478,5 +478,7 @@ def test_scan_over_a_stack_of_layers_equals_applying_them_in_turn():
 
 
 def test_docstring_examples():
-    result = doctest.testmod(nanoattn.nnx._attention, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(
+        nanoattn._layers.nnx.attention, optionflags=doctest.NORMALIZE_WHITESPACE
+    )
     assert result.attempted > 0 and result.failed == 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import nanoattn
-from nanoattn import _native
+from nanoattn._backends import native
 
 from _cases import BAD, FLASH_CASES, blocked_places, dirty_inputs, full_allowed, run_cases
 from _fuzz import check, concrete_call, run_backend
@@ -217,7 +217,7 @@ POISONED = [
 def test_visible_nan_or_inf_shows_on_every_backend(array, index, kind, rules):
     call = concrete_call(2, 64, 64, 4, 2, 16, "float32", 5, **rules)
     call = dataclasses.replace(call, poison=(array, index, kind))
-    assert len(call.backends()) == 3 or _native.load()[0] is None
+    assert len(call.backends()) == 3 or native.load()[0] is None
     verdict = check(call)
     assert not verdict.failures, verdict.failures
     out = run_backend("native" if "native" in call.backends() else "flash", call)[0]

@@ -1,4 +1,4 @@
-"""The backend registry (nanoattn/_registry.py) and the dispatcher's use of it:
+"""The backend registry (nanoattn/registry.py) and the dispatcher's use of it:
 a backend is one object with the interface of nanoattn._backends.Backend, and
 adding one is a module plus one registry entry. Here a toy backend (the
 reference, counting its calls) is registered at run time and served through
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import nanoattn
-from nanoattn import _backends, _dispatch, _registry
+from nanoattn._backends import dispatch, interface, registry
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 
@@ -31,7 +31,7 @@ class Toy:
 
     def __call__(self, query, key, value, spec, *, dropout_rate, dropout_rng):
         self.calls += 1
-        reference = _registry.get("xla")
+        reference = registry.get("xla")
         return reference(
             query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng
         )
@@ -40,9 +40,9 @@ class Toy:
 @pytest.fixture
 def toy():
     backend = Toy()
-    _registry.register(backend)
+    registry.register(backend)
     yield backend
-    _registry.unregister("toy")
+    registry.unregister("toy")
 
 
 def _qkv():
@@ -77,15 +77,15 @@ def test_a_registered_backend_serves_a_layer_through_its_config(toy):
 
 def test_the_automatic_choice_never_takes_a_backend_without_priority(toy):
     q, k, v = _qkv()
-    spec = nanoattn._spec.attention_spec(q, k, v, is_causal=True)
-    assert _dispatch.choose(None, spec, jnp.float32, 0.0) != "toy"
+    spec = nanoattn._core.base.rules.attention_spec(q, k, v, is_causal=True)
+    assert dispatch.choose(None, spec, jnp.float32, 0.0) != "toy"
     nanoattn.dot_product_attention(q, k, v, is_causal=True)
     assert toy.calls == 0
 
 
 def test_names_come_from_one_place(toy):
-    assert _registry.names() == ("xla", "flash", "native", "cudnn", "toy")
-    assert _registry.BUILT_IN == ("xla", "flash", "native", "cudnn")
+    assert registry.names() == ("xla", "flash", "native", "cudnn", "toy")
+    assert registry.BUILT_IN == ("xla", "flash", "native", "cudnn")
     message = r"^implementation must be one of 'xla', 'flash', 'native', 'cudnn', 'toy' or None"
     for call in (
         lambda: nanoattn.dot_product_attention(*_qkv(), implementation="tiny"),
@@ -95,27 +95,27 @@ def test_names_come_from_one_place(toy):
         with pytest.raises(ValueError, match=message + r", got 'tiny'$"):
             call()
     with pytest.raises(ValueError, match=r"^a backend called 'toy' is already registered$"):
-        _registry.register(Toy())
+        registry.register(Toy())
 
 
 def test_an_unregistered_backend_is_refused_again():
-    _registry.register(Toy())
-    _registry.unregister("toy")
+    registry.register(Toy())
+    registry.unregister("toy")
     with pytest.raises(ValueError, match=r"implementation must be one of 'xla', 'flash', "
                        r"'native', 'cudnn' or None, got 'toy'$"):  # fmt: skip
         AttentionConfig(d_model=48, n_heads=6, implementation="toy")
 
 
-@pytest.mark.parametrize("name", _registry.BUILT_IN)
+@pytest.mark.parametrize("name", registry.BUILT_IN)
 def test_every_built_in_backend_has_the_interface(name):
-    backend = _registry.get(name)
+    backend = registry.get(name)
     assert backend.name == name
     assert isinstance(backend.priority, int)
     for method in ("unsupported", "pays_off", "__call__"):
         assert callable(getattr(backend, method))
-    assert set(_backends.Backend.__annotations__) == {"name", "priority"}
+    assert set(interface.Backend.__annotations__) == {"name", "priority"}
 
 
 def test_the_automatic_choice_ranks_by_priority():
-    ranked = [backend.name for backend in _dispatch._ranked()]
+    ranked = [backend.name for backend in dispatch._ranked()]
     assert ranked == ["cudnn", "native", "flash", "xla"]

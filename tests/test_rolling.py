@@ -1,10 +1,10 @@
-"""The slot arithmetic of rolling caches (nanoattn/_rolling.py) against a literal
+"""The slot arithmetic of rolling caches (nanoattn/rolling.py) against a literal
 simulation of a ring buffer: every write, every capacity, sink count and length."""
 
 import numpy as np
 import pytest
 
-from nanoattn import _rolling
+from nanoattn._layers.caches import rolling
 
 
 def simulated(end, capacity, sink_tokens):
@@ -22,11 +22,11 @@ def simulated(end, capacity, sink_tokens):
 @pytest.mark.parametrize("capacity, sink_tokens", [(1, 0), (5, 0), (7, 2), (8, 3), (4, 3)])
 def test_slot_positions_and_slots_equal_a_literal_ring_buffer(capacity, sink_tokens):
     ends = np.arange(0, 4 * capacity + 3)
-    got = np.asarray(_rolling.slot_positions(ends, capacity, sink_tokens))
+    got = np.asarray(rolling.slot_positions(ends, capacity, sink_tokens))
     for end, row in zip(ends, got):
         assert row.tolist() == simulated(int(end), capacity, sink_tokens), end
     for j in range(3 * capacity):
-        slot = int(_rolling.slot_of(j, capacity, sink_tokens))
+        slot = int(rolling.slot_of(j, capacity, sink_tokens))
         assert simulated(j + 1, capacity, sink_tokens)[slot] == j
 
 
@@ -35,7 +35,7 @@ def test_within_the_chunk_limit_no_query_of_a_chunk_loses_a_key_it_sees():
     # chunk may see is still in the cache after the chunk is written; one token more and
     # some query would need an overwritten key.
     C, W, S0 = 10, 4, 2
-    limit = _rolling.chunk_limit(C, W, S0)
+    limit = rolling.chunk_limit(C, W, S0)
     assert limit == 4
     for L, fits in ((limit, True), (limit + 1, False)):
         lost = False
@@ -51,5 +51,5 @@ def test_within_the_chunk_limit_no_query_of_a_chunk_loses_a_key_it_sees():
 def test_visibility_is_causal_windowed_and_keeps_the_sinks():
     q = np.array([[10]])
     keys = np.array([[-1, 0, 1, 2, 5, 6, 10, 11]])
-    got = np.asarray(_rolling.visible(q, keys, window=4, sink_tokens=2))
+    got = np.asarray(rolling.visible(q, keys, window=4, sink_tokens=2))
     assert got.tolist() == [[False, True, True, False, False, True, True, False]]

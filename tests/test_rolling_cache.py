@@ -21,8 +21,8 @@ from flax import nnx
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nanoattn import _kv_cache, _rolling
 from nanoattn import nnx as nanoattn_nnx
+from nanoattn._layers.caches import kv_cache, rolling
 from nanoattn.linen import AttentionConfig, CausalSelfAttention, cache_bytes, rewind
 
 from _layer_configs import random_params
@@ -92,7 +92,7 @@ def in_view(cache, chunk: int, cfg):
     S = cache["key"].shape[1]
     if not cfg.rolling_cache:
         return np.arange(S)[None] < position[:, None]
-    held = np.asarray(_rolling.slot_positions(np.maximum(position, 0), S, cfg.sink_tokens))
+    held = np.asarray(rolling.slot_positions(np.maximum(position, 0), S, cfg.sink_tokens))
     first = position[:, None]  # the earliest query of the call sees the most
     return (held >= 0) & ((first - held <= W) | (held < cfg.sink_tokens))
 
@@ -289,7 +289,7 @@ def test_the_chunk_limit_raises_when_concrete_and_poisons_the_row_under_jit():
         r"window - sink_tokens\), row 1 brings 4: they would overwrite keys still in view",
     ):
         c.decode(c.params, c.cache, chunk, jnp.array([3, 4]))
-    check = functools.partial(_kv_cache.check_chunk, chunk=4, capacity=8, hint="", limit=3)
+    check = functools.partial(kv_cache.check_chunk, chunk=4, capacity=8, hint="", limit=3)
     check(np.array([0, 0]), np.array([3, 3]))  # a wider padded chunk is fine
     y, cache = c.step(c.params, c.cache, chunk, jnp.array([3, 4]))
     assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()

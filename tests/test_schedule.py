@@ -1,12 +1,12 @@
-"""The blockwise kernel's schedule (nanoattn/_schedule.py): which block pairs each step
-runs, classified as masked or fully visible, packed into lanes; checked against the
+"""The blockwise kernel's schedule (nanoattn/_backends/flash/schedule.py): which block pairs
+each step runs, classified as masked or fully visible, packed into lanes; checked against the
 literal positional rules, without compiling anything.
 """
 
 import numpy as np
 import pytest
 
-from nanoattn._schedule import block_schedules, pack
+from nanoattn._backends.flash.schedule import block_schedules, pack
 
 from _reference import np_causal, np_window
 

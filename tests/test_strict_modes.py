@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec
 import nanoattn
 from nanoattn import linen
 from nanoattn import nnx as nanoattn_nnx
-from nanoattn._registry import get
-from nanoattn._spec import attention_spec
+from nanoattn._backends.registry import get
+from nanoattn._core.base.rules import attention_spec
 from nanoattn.parallel import ring_attention
 from nanoattn.verify import check_causality
 

@@ -78,9 +78,14 @@ def _functional(out):
         "sinks": dict(sinks="sinks", is_causal=True, q_offset=S - T),
         "residual": dict(return_residual=True, is_causal=True, q_offset=S - T, window=(9, 0)),
         "everything": dict(
-            is_causal=True, q_offset=S - T, kv_lengths=lengths, logit_soft_cap=7.0,
-            mask_fn=doc_mask, sinks="sinks", return_residual=True,
-        ),  # fmt: skip
+            is_causal=True,
+            q_offset=S - T,
+            kv_lengths=lengths,
+            logit_soft_cap=7.0,
+            mask_fn=doc_mask,
+            sinks="sinks",
+            return_residual=True,
+        ),
     }
     backends = ["xla", "flash", "native"]
     for name, rules in cases.items():
@@ -89,7 +94,10 @@ def _functional(out):
             traced = rules.get("q_offset") == "traced"
             has_bias, has_sinks = rules.pop("bias", None), rules.pop("sinks", None)
 
-            def loss(q, k, v, bias, sinks, offset, rules=rules, backend=backend):
+            def loss(
+                q, k, v, bias, sinks, offset, rules=rules, backend=backend, traced=traced,
+                has_bias=has_bias, has_sinks=has_sinks,
+            ):  # fmt: skip
                 extra = dict(rules)
                 if traced:
                     extra["q_offset"] = offset
@@ -114,7 +122,7 @@ def _functional(out):
             _arrays(f"functional/{backend}/{name}/out", res, out)
             names = ("dq", "dk", "dv", "dbias", "dsinks")
             for gname, g in zip(names, grads):
-                if gname == "dbias" and not has_bias or gname == "dsinks" and not has_sinks:
+                if (gname == "dbias" and not has_bias) or (gname == "dsinks" and not has_sinks):
                     continue
                 out[f"functional/{backend}/{name}/{gname}"] = np.asarray(g)
     # score_fn's closed-over array gets a gradient
@@ -156,9 +164,14 @@ def _functional(out):
     )
     out["functional/flash_tiles"] = np.asarray(
         nanoattn.flash_attention(
-            q, k, v, is_causal=True, q_offset=S - T, forward_tiles=(8, 16, 2),
+            q,
+            k,
+            v,
+            is_causal=True,
+            q_offset=S - T,
+            forward_tiles=(8, 16, 2),
             backward_tiles=(16, 8, 3),
-        )  # fmt: skip
+        )
     )
     parts = [
         nanoattn.dot_product_attention(
@@ -179,7 +192,8 @@ def _layers(out):
     import jax.numpy as jnp
     from flax import nnx
 
-    from nanoattn import linen, nnx as nanonnx
+    from nanoattn import linen
+    from nanoattn import nnx as nanonnx
 
     rng = np.random.default_rng(1)
     B, T, D, N, KV = 2, 23, 48, 6, 2
@@ -199,15 +213,17 @@ def _layers(out):
             lambda a: jnp.asarray(rng.standard_normal(a.shape) * 0.3, a.dtype),
             variables["params"],
         )
-        full = jax.jit(lambda p, x: layer.apply({"params": p}, x, True))(params, x)
+        full = jax.jit(lambda p, x, layer=layer: layer.apply({"params": p}, x, True))(params, x)
         out[f"layers/linen/{name}/forward"] = np.asarray(full)
-        grads = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x, True) ** 2)))(
-            params
-        )
+
+        def square(p, layer=layer):
+            return jnp.sum(layer.apply({"params": p}, x, True) ** 2)
+
+        grads = jax.jit(jax.grad(square))(params)
         _arrays(f"layers/linen/{name}/dparams", grads, out)
 
         @jax.jit
-        def step(params, cache, chunk, lengths):
+        def step(params, cache, chunk, lengths, layer=layer):
             y, state = layer.apply(
                 {"params": params, "cache": cache}, chunk, True, decode=True, lengths=lengths,
                 mutable=["cache"],

@@ -35,11 +35,11 @@ THRESHOLD = 0.90
 # target -> (mutated files, relative to the root; the test files that exercise them)
 TARGETS = {
     "masks": (
-        ["nanoattn/_masks.py"],
+        ["nanoattn/_core/base/masks.py"],
         ["test_masks.py", "test_window.py", "test_segments.py", "test_bad_input.py"],
     ),
     "reference": (
-        ["nanoattn/_reference.py"],
+        ["nanoattn/_backends/xla/reference.py"],
         [
             "test_attention.py",
             "test_soft_cap.py",
@@ -50,7 +50,7 @@ TARGETS = {
         ],
     ),
     "spec": (
-        ["nanoattn/_spec.py"],
+        ["nanoattn/_core/base/rules.py"],
         [
             "test_soft_cap.py",
             "test_attention.py",
@@ -60,9 +60,13 @@ TARGETS = {
             "test_bad_input.py",
         ],
     ),
-    "schedule": (["nanoattn/_schedule.py"], ["test_schedule.py", "test_flash.py"]),
+    "schedule": (["nanoattn/_backends/flash/schedule.py"], ["test_schedule.py", "test_flash.py"]),
     "flash": (
-        ["nanoattn/_flash.py", "nanoattn/_flash_plan.py", "nanoattn/_shard_map.py"],
+        [
+            "nanoattn/_backends/flash/kernel.py",
+            "nanoattn/_backends/flash/plan.py",
+            "nanoattn/_core/base/shard_map.py",
+        ],
         [
             "test_flash.py",
             "test_lse.py",
@@ -76,7 +80,7 @@ TARGETS = {
         ],
     ),
     "native": (
-        ["nanoattn/_native/_kernel.py"],
+        ["nanoattn/_backends/native/kernel.py"],
         [
             "test_native.py",
             "test_native_blocks.py",

@@ -4,8 +4,8 @@ only, half precision only, with nanoattn's zeros for rows that see no key."""
 import jax
 import jax.numpy as jnp
 
-from .._reference import allowed_mask
-from . import NO_DROPOUT
+from .interface import NO_DROPOUT
+from .xla.reference import allowed_mask
 
 
 class Cudnn:

@@ -13,7 +13,7 @@ docs/flax.md shows the table; rerun it with
 import jax
 import jax.numpy as jnp
 
-from .._flax_attention_fn import flax_attention_fn
+from .._interop.flax_attention_fn import flax_attention_fn
 from ._measure import temp_bytes
 
 # The shape of the docs' table: batch, heads, head width (model width = heads * head width).

@@ -19,7 +19,7 @@ Targets (issue #22):
 
 import jax
 
-from .._validate import describe
+from .._core.base.validate import describe
 from . import _torch
 from ._cell import inputs
 from ._measure import causal_flops, jax_pass, time_interleaved

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .._attention import dot_product_attention
+from .._core.api import dot_product_attention
 
 
 @dataclasses.dataclass(frozen=True)

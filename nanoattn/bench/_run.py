@@ -85,7 +85,7 @@ def _native_isa() -> str | None:
     """What the native kernel was built for, on the CPU (None elsewhere or unbuilt)."""
     if jax.default_backend() != "cpu":
         return None
-    from .. import _native as kernel
+    from .._backends import native as kernel
 
     return kernel.isa()
 

@@ -4,9 +4,8 @@ verification of the built-in modules, for one configuration."""
 import json
 import unicodedata
 
-from .. import _audit
 from ..linen import AttentionConfig
-from ..verify import check_shapes
+from ..verify import _audit, check_shapes
 from . import _stages
 from ._common import UsageError, int_list
 

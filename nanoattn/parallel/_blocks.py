@@ -38,13 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _zigzag
-from .._block_mask import EMPTY, FULL, PARTIAL, chunk_pair_kinds
-from .._flash import BlockInputs, Residuals, backward_block, forward_block
-from .._flash_plan import Plan, Plans, kernel_plans
-from .._merge import merge_attention
-from .._shard_map import varying_like
-from .._spec import AttentionSpec
+from .._backends.flash.kernel import BlockInputs, Residuals, backward_block, forward_block
+from .._backends.flash.plan import Plan, Plans, kernel_plans
+from .._core.base import zigzag
+from .._core.base.block_mask import EMPTY, FULL, PARTIAL, chunk_pair_kinds
+from .._core.base.rules import AttentionSpec
+from .._core.base.shard_map import varying_like
+from .._core.merge import merge_attention
 
 PAIR_KINDS = ("skip", "full", "general")
 MASKED_PAIR_KINDS = (*PAIR_KINDS, "full_masked", "general_masked")
@@ -61,7 +61,7 @@ class StepPlans:
       pairs: True for the chunk-pair strategy (a window, mask_fn or score_fn),
         else whole shards.
       band: ``(left, right)`` of the positional rule, or None.
-      plans: name -> its :class:`~nanoattn._flash_plan.Plans`, as a sorted tuple of pairs.
+      plans: name -> its :class:`~nanoattn._backends.flash.plan.Plans`, as a sorted tuple of pairs.
       kinds: the kinds an off-diagonal chunk pair can take (pairs only).
       diagonal_kinds: the kinds a chunk against itself can take (pairs only).
       mask_fn: the call's ``mask_fn`` (pairs only), or None.
@@ -106,7 +106,7 @@ def step_plans(
     ``score_fn`` a pair, closure-converted at the forward and at the backward plans'
     blocks (:func:`score_blocks`; their arrays are the kernel's ``score_consts``),
     ``all_rows`` as :attr:`StepPlans.all_rows`."""
-    n = _zigzag.check_layout(layout)
+    n = zigzag.check_layout(layout)
     T, C = spec.T, spec.T // n
     band = spec.band
     indexed = mask_fn is not None or score_fn is not None
@@ -155,7 +155,7 @@ def score_blocks(spec: AttentionSpec, layout: str, tiles) -> tuple:
     """The score blocks (block_q, block_k) of the forward and the backward pass of a
     ring call's chunk pairs, on which ``score_fn`` is traced (its program has their
     shapes)."""
-    C = spec.T // _zigzag.check_layout(layout)
+    C = spec.T // zigzag.check_layout(layout)
     return tuple((p.block_q, p.block_k) for p in _plans(spec, C, C, tiles, q_offset=0))
 
 
@@ -168,7 +168,7 @@ def pair_kinds(plans: StepPlans, r, B: int, N: int):
         return None
     n = 2 if plans.layout == "zigzag" else 1
     k_chunks = np.arange(n * plans.P)
-    q_chunks = k_chunks if plans.all_rows else _zigzag.chunk_ids(plans.layout, plans.P, r)
+    q_chunks = k_chunks if plans.all_rows else zigzag.chunk_ids(plans.layout, plans.P, r)
 
     def kinds(plan: Plan):
         fn, C = plans.mask_fn, plans.C
@@ -227,7 +227,7 @@ def _key_mask(kv_lengths, positions):
 def _positions(plans: StepPlans, device):
     """The global positions (S,) of the keys device ``device`` holds."""
     C = plans.C
-    chunks = _zigzag.chunk_ids(plans.layout, plans.P, device)
+    chunks = zigzag.chunk_ids(plans.layout, plans.P, device)
     return jnp.concatenate([c * C + jnp.arange(C) for c in chunks])
 
 
@@ -251,8 +251,8 @@ def _whole_calls(plans: StepPlans, first: bool, r, source):
 def _pair_calls(plans: StepPlans, first: bool, r, source):
     """The chunk-pair calls: [(query chunk, key chunk, qc, kc, diagonal)]."""
     n = 2 if plans.layout == "zigzag" else 1
-    q_chunks = _zigzag.chunk_ids(plans.layout, plans.P, r)
-    k_chunks = _zigzag.chunk_ids(plans.layout, plans.P, source)
+    q_chunks = zigzag.chunk_ids(plans.layout, plans.P, r)
+    k_chunks = zigzag.chunk_ids(plans.layout, plans.P, source)
     return [(a, c, q_chunks[a], k_chunks[c], first and a == c) for a in range(n) for c in range(n)]
 
 

@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from .. import _zigzag
-from .._block_mask import BlockMask
-from .._mask_fn import check_mask_fn, check_score_fn, closure_converted
-from .._merge import add_sinks
-from .._numerics import softmax_dtype
-from .._shard_map import sum_to_varying, varying_like
-from .._spec import attention_spec, check_sinks
-from .._validate import check_scale, check_tiles, expect_flag, expect_shape
+from .._core.base import zigzag
+from .._core.base.block_mask import BlockMask
+from .._core.base.mask_fn import check_mask_fn, check_score_fn, closure_converted
+from .._core.base.numerics import softmax_dtype
+from .._core.base.rules import attention_spec, check_sinks
+from .._core.base.shard_map import sum_to_varying, varying_like
+from .._core.base.validate import check_scale, check_tiles, expect_flag, expect_shape
+from .._core.merge import add_sinks
 from . import _blocks
 
 
@@ -272,7 +272,7 @@ def _ring_call(
     return_residual,
 ):  # fmt: skip
     """The per-device call (inside shard_map): validation, then the ring."""
-    _zigzag.check_layout(layout)
+    zigzag.check_layout(layout)
     try:
         P = jax.lax.axis_size(axis_name)
     except NameError:
@@ -284,7 +284,7 @@ def _ring_call(
     T = jnp.shape(query)[1]
     B = jnp.shape(query)[0]
     expect_shape("key", jnp.shape(key), "B S K H", (B, T, None, jnp.shape(query)[3]))
-    _zigzag.check_divisible(T * P, P, layout)  # T here is this device's T / P
+    zigzag.check_divisible(T * P, P, layout)  # T here is this device's T / P
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths)
         expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
@@ -305,7 +305,7 @@ def _ring_call(
     sinks = check_sinks(sinks, N)
     converted, consts = None, ((), ())
     acc = softmax_dtype(query.dtype, key.dtype, value.dtype)
-    C = T // _zigzag.check_layout(layout)
+    C = T // zigzag.check_layout(layout)
     if score_fn is not None:  # its arrays cross the ring's custom_vjp and get gradients
         blocks = _blocks.score_blocks(spec, layout, tiles)
         pairs = [closure_converted(score_fn, B, N, *b, None, acc) for b in blocks]
@@ -344,7 +344,7 @@ def _on_mesh(mesh, axis_name, query, key, value, kv_lengths, q_ids, kv_ids, sink
         )
     P = mesh.shape[axis_name]
     expect_shape("query", jnp.shape(query), "B T N H", (None,) * 4)
-    _zigzag.check_divisible(jnp.shape(query)[1], P, options["layout"])
+    zigzag.check_divisible(jnp.shape(query)[1], P, options["layout"])
     seq = PartitionSpec(None, axis_name)
     ids = None if q_ids is None else seq
 

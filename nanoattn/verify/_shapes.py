@@ -3,8 +3,8 @@
 import jax
 import jax.numpy as jnp
 
-from .._axes import axis_sizes
-from .._trace import Stage, record_shapes
+from .._core.base.trace import Stage, record_shapes
+from .._layers.axes import axis_sizes
 from ..linen import AttentionConfig, CausalSelfAttention, CrossAttention
 from ._inputs import _int_at_least
 from ._report import CheckResult, Report

@@ -162,7 +162,7 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder:
 
 
 def _linen_rewind(cache, n):
-    from ..linen import rewind  # nanoattn.linen imports nothing from verify: no cycle
+    from ..linen import rewind
 
     return rewind(cache, n)
 

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import nanoattn
-from nanoattn import _flax_attention_fn
+from nanoattn._interop import flax_attention_fn as flax_attention_fn_module
 
 CALLS = {"adapter": 0, "handed_over": 0}
 
@@ -60,7 +60,7 @@ def set_default_attention_fn(cls, fn) -> None:
 def pytest_configure(config):
     for cls in (nn.MultiHeadDotProductAttention, nn.MultiHeadAttention, nnx.MultiHeadAttention):
         set_default_attention_fn(cls, counted_attention_fn)
-    _flax_attention_fn._hand_over = _counted_hand_over(_flax_attention_fn._hand_over)
+    flax_attention_fn_module._hand_over = _counted_hand_over(flax_attention_fn_module._hand_over)
     layers = [
         nn.MultiHeadDotProductAttention(num_heads=1),
         nn.MultiHeadAttention(num_heads=1),

@@ -1,0 +1,39 @@
+"""``"flash"``: the blockwise kernel (:mod:`.kernel`), pure JAX, O(T) memory, any
+platform; no dropout, and ``scale`` must be a Python number (it is part of the
+kernel's static plan)."""
+
+import jax
+
+from ..interface import NO_DROPOUT
+from . import kernel as flash_kernel
+
+# On CPU the kernel beats the reference from about this many score cells per
+# batch row and head (T * S); measured with `nanoattn bench` (docs/performance.md).
+CPU_MIN_CELLS = 256 * 256
+# Off CPU (unmeasured here): above this many bytes of scores the kernel's
+# O(T) memory wins when cuDNN cannot serve the call.
+ACCELERATOR_MIN_SCORE_BYTES = 2**30
+
+
+class Flash:
+    name = "flash"
+    priority = 1
+
+    def unsupported(self, spec, dtype, dropout_rate: float) -> str | None:
+        if dropout_rate > 0:
+            return NO_DROPOUT
+        if not spec.static_scale:
+            return "the kernel needs a Python number for scale, not a traced array"
+        return None
+
+    def pays_off(self, spec, dtype) -> bool:
+        cells = spec.T * spec.S
+        if jax.default_backend() == "cpu":
+            return cells >= CPU_MIN_CELLS
+        return spec.B * spec.N * cells * 4 >= ACCELERATOR_MIN_SCORE_BYTES
+
+    def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
+        return flash_kernel.flash_attention(query, key, value, spec)
+
+
+BACKEND = Flash()

@@ -1,0 +1,663 @@
+"""Blockwise ("flash") attention in pure JAX: online softmax, O(T) memory.
+
+The forward pass walks the work items of :mod:`nanoattn._backends.flash.schedule` (pairs of
+a query block and a key block) and keeps, per query row, the running maximum
+``m``, the running sum ``l`` of ``exp(logit - m)`` and the running weighted
+sum of values (FlashAttention-2). It saves only the output and the
+log-sum-exp ``m + log l`` per row; the backward pass (a ``jax.custom_vjp``)
+recomputes the weights block by block from them, so neither pass holds
+anything of size T x S.
+
+Block layout: queries (B, nQ, bq, K, G, H) and keys and values
+(B, nK, bk, K, H), free reshapes of the inputs; per-row statistics
+(B, nQ, K, G, bq). A step gathers one item per lane (a lane axis L after B)
+and turns it head-major, (B, L, K, G, bq, H), for the matrix products.
+
+The semantics are the reference's (docs/conventions.md): positional
+causality and sliding windows with ``q_offset``, key lengths, segment ids, a
+dense boolean mask and an additive bias sliced per block, logit soft-capping,
+grouped-query heads, zeros (and zero gradients) for a row with no visible
+key, and softmax statistics in at least float32.
+Dropout is not supported here: the dispatcher sends it to the reference.
+
+The interface, also used by the ring (:mod:`nanoattn.parallel._blocks`): a
+call's arrays are a :class:`BlockInputs`, its static part a
+:class:`~nanoattn._backends.flash.plan.Plan` per pass; :func:`forward_block` returns the
+output and the log-sum-exp, :func:`backward_block` takes them back as
+:class:`Residuals` and returns :class:`BlockGrads`.
+"""
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..._core.base.block_mask import EMPTY, BlockMask, block_mask
+from ..._core.base.mask_fn import closure_converted, evaluate_mask, evaluate_score
+from ..._core.base.numerics import large_negative, softmax_dtype
+from ..._core.base.rules import AttentionSpec
+from ..._core.base.shard_map import sum_to_varying, varying_like
+from .plan import Plan, kernel_plans
+from .schedule import Schedule
+
+_ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockInputs:
+    """The arrays of one kernel call (a pytree), named; the rules that are static
+    (causality, window, soft-cap, scale, tiles) are in its :class:`Plan`.
+
+    Attributes:
+      query: (B, T, N, H).
+      key, value: (B, S, K, H).
+      bias: float, rank 4, broadcastable to (B, N, T, S), or None.
+      mask: bool, rank 4, broadcastable to (B, N, T, S), or None.
+      q_offset: int () or (B,), the position of the first query when the plan's
+        offset is traced (``plan.static_offset`` None under a positional rule);
+        None otherwise.
+      kv_lengths: int (B,), or None.
+      q_segment_ids, kv_segment_ids: int (B, T) and (B, S), both or neither.
+      kinds: int8 (nQ, nK), a ``mask_fn``'s block classification at the forward
+        plan's blocks and ``backward_kinds`` at the backward plan's, when they are
+        traced (``plan.traced_kinds``); None otherwise.
+      score_consts: the arrays ``score_fn`` closes over, hoisted for the forward
+        and for the backward plan's ``score_fn`` (a pair of tuples; gradients flow
+        to them); None without ``score_fn``.
+      index_shift: int (), added to the query and the key positions ``mask_fn`` and
+        ``score_fn`` see (not to the positional rule's, which are relative): the
+        global position of the first key when the call is one piece of a longer
+        sequence (the ring's chunk pairs); None means 0.
+    """
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None = None
+    mask: jax.Array | None = None
+    q_offset: jax.Array | None = None
+    kv_lengths: jax.Array | None = None
+    q_segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
+    kinds: jax.Array | None = None
+    backward_kinds: jax.Array | None = None
+    score_consts: tuple | None = None
+    index_shift: jax.Array | None = None
+
+
+class Residuals(NamedTuple):
+    """What the backward pass of a block needs from its forward pass.
+
+    Attributes:
+      inputs: the block's :class:`BlockInputs`.
+      out: (B, T, N, H), the output in the softmax's dtype (not rounded to the
+        query's: the row term of the gradient reads it).
+      lse: (B, T, N), the log-sum-exp of each row's visible logits; ``-inf`` for a
+        row that sees no key.
+    """
+
+    inputs: BlockInputs
+    out: jax.Array
+    lse: jax.Array
+
+
+class BlockGrads(NamedTuple):
+    """Gradients of a block: dq (B, T, N, H), dk and dv (B, S, K, H) in the inputs'
+    dtypes, dbias in the bias's shape and dtype (None without a bias), and those of
+    ``score_fn``'s hoisted arrays, as ``BlockInputs.score_consts`` (None without)."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None
+    score_consts: tuple | None = None
+
+
+def _pad(x, axis: int, size: int, value=0):
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _query_blocks(x, plan: Plan, dtype):
+    """(B, T, N, H) -> (B, nQ, bq, K, G, H): a reshape, no copy unless T is padded."""
+    x = _pad(x.astype(dtype), 1, plan.n_q * plan.block_q)
+    return x.reshape(plan.B, plan.n_q, plan.block_q, plan.K, plan.G, plan.H)
+
+
+def _key_blocks(x, plan: Plan, dtype):
+    """(B, S, K, H) -> (B, nK, bk, K, H): a reshape, no copy unless S is padded."""
+    x = _pad(x.astype(dtype), 1, plan.n_k * plan.block_k)
+    return x.reshape(plan.B, plan.n_k, plan.block_k, plan.K, plan.H)
+
+
+def _take_queries(blocks, qi):
+    """Each lane's query block, head-major: (B, L, K, G, bq, H)."""
+    return jnp.einsum("BLqKGH->BLKGqH", jnp.take(blocks, qi, axis=1))
+
+
+def _take_keys(blocks, kj):
+    """Each lane's key block, head-major: (B, L, K, bk, H)."""
+    return jnp.einsum("BLkKH->BLKkH", jnp.take(blocks, kj, axis=1))
+
+
+def _unblock_queries(x, plan: Plan):
+    """(B, nQ, bq, K, G, H) -> (B, T, N, H)."""
+    x = x.reshape(plan.B, plan.n_q * plan.block_q, plan.K * plan.G, plan.H)  # (B, Tpad, N, H)
+    return x[:, : plan.T]
+
+
+def _row_blocks(x, plan: Plan):
+    """Per-row statistics (B, T, K, G) -> (B, nQ, K, G, bq)."""
+    x = _pad(x, 1, plan.n_q * plan.block_q)
+    x = x.reshape(plan.B, plan.n_q, plan.block_q, plan.K, plan.G)  # (B, nQ, bq, K, G)
+    return jnp.einsum("BnqKG->BnKGq", x)
+
+
+def _unblock_rows(x, plan: Plan):
+    """(B, nQ, K, G, bq) -> (B, T, K, G)."""
+    x = jnp.einsum("BnKGq->BnqKG", x).reshape(plan.B, -1, plan.K, plan.G)
+    return x[:, : plan.T]
+
+
+def _pair_blocks(x, plan: Plan, fill):
+    """A mask or bias (xB, xN, xT, xS), each axis 1 or full, as blocks
+    (xB, xN, nQ or 1, bq or 1, nK or 1, bk or 1)."""
+    xB, xN, xT, xS = x.shape
+    if xT > 1:
+        x = _pad(x, 2, plan.n_q * plan.block_q, fill)
+    if xS > 1:
+        x = _pad(x, 3, plan.n_k * plan.block_k, fill)
+    rows = (plan.n_q, plan.block_q) if xT > 1 else (1, 1)
+    cols = (plan.n_k, plan.block_k) if xS > 1 else (1, 1)
+    return x.reshape(xB, xN, *rows, *cols)
+
+
+def _gather_pairs(blocks, qi, kj, plan: Plan):
+    """The blocks of each lane's item: (xB, L, K or 1, G or 1, bq or 1, bk or 1)."""
+    qi = qi if blocks.shape[2] > 1 else jnp.zeros_like(qi)
+    kj = kj if blocks.shape[4] > 1 else jnp.zeros_like(kj)
+    picked = blocks[:, :, qi, :, kj, :]  # (L, xB, xN, bq', bk'): advanced axes come first
+    picked = jnp.moveaxis(picked, 0, 1)  # (xB, L, xN, bq', bk')
+    heads = (plan.K, plan.G) if picked.shape[2] > 1 else (1, 1)
+    return picked.reshape(*picked.shape[:2], *heads, *picked.shape[3:])
+
+
+def _scatter_pairs(blocks, qi, kj, grad):
+    """Adds an item gradient (B, L, K, G, bq, bk), summed to the blocks' broadcast
+    shape, into ``blocks`` at each lane's item."""
+    xB, xN, nq, bq, nk, bk = blocks.shape
+    axes = tuple(
+        a
+        for a, keep in [(0, xB > 1), (2, xN > 1), (3, xN > 1), (4, bq > 1), (5, bk > 1)]
+        if not keep
+    )
+    grad = grad.sum(axis=axes, keepdims=True)
+    grad = grad.reshape(grad.shape[0], grad.shape[1], xN, *grad.shape[4:])  # (xB, L, xN, ., .)
+    qi = qi if nq > 1 else jnp.zeros_like(qi)
+    kj = kj if nk > 1 else jnp.zeros_like(kj)
+    return blocks.at[:, :, qi, :, kj, :].add(jnp.moveaxis(grad, 1, 0))
+
+
+def _cells(plan: Plan, qc, kj, q_offset, shift):
+    """The indices of each lane's item as ``mask_fn`` and ``score_fn`` see them, one
+    block of (B, N, T, S) per lane: b (B, 1, 1, 1), n (1, N, 1, 1), q_pos
+    (L, 1 or B, 1, bq, 1) and k_pos (L, 1, 1, 1, bk), the last two with a lane axis,
+    both moved by ``shift`` (``BlockInputs.index_shift``; None = 0)."""
+    N = plan.K * plan.G
+    b = jnp.arange(plan.B, dtype=jnp.int32).reshape(plan.B, 1, 1, 1)
+    n = jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1)
+    offset = plan.index_offset if plan.index_offset is not None else q_offset
+    offset = jnp.reshape(jnp.asarray(offset, jnp.int32), (1, -1, 1, 1, 1))  # (1, 1|B, 1, 1, 1)
+    rows = qc.astype(jnp.int32)[:, None] * plan.block_q + jnp.arange(plan.block_q)[None]  # (L, bq)
+    q = offset + rows[:, None, None, :, None]  # (L, 1|B, 1, bq, 1)
+    cols = kj.astype(jnp.int32)[:, None] * plan.block_k + jnp.arange(plan.block_k)[None]
+    k = cols[:, None, None, None, :]  # (L, 1, 1, 1, bk)
+    if shift is not None:
+        shift = jnp.asarray(shift, jnp.int32)
+        q, k = q + shift, k + shift
+    return b, n, q, k
+
+
+def _per_lane(fn):
+    """``fn(*lane_args, b, n, q, k)`` mapped over the lanes: the lane axis of the
+    scores is 1 (B, L, ...), of the positions 0, b and n are shared."""
+
+    def call(lane_args, cells):
+        b, n, q, k = cells
+
+        def one(lane_args, q, k):
+            return fn(*lane_args, b, n, q, k)
+
+        axes = tuple(1 for _ in lane_args)
+        return jax.vmap(one, in_axes=(axes, 0, 0), out_axes=1)(lane_args, q, k)
+
+    return call
+
+
+def _mask_of(plan: Plan, cells):
+    """``mask_fn`` on each lane's item: bool (B or 1, L, K or 1, G or 1, bq, bk)."""
+
+    def one(b, n, q, k):
+        m = evaluate_mask(plan.mask_fn, b, n, q, k)  # (xB, xN, bq|1, bk|1)
+        return jnp.broadcast_to(m, (*m.shape[:2], plan.block_q, plan.block_k))
+
+    m = _per_lane(one)((), cells)  # (xB, L, xN, bq, bk)
+    heads = (plan.K, plan.G) if m.shape[2] > 1 else (1, 1)
+    return m.reshape(m.shape[0], m.shape[1], *heads, plan.block_q, plan.block_k)
+
+
+def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells=None):
+    """Which cells of each lane's item are visible: bool, broadcastable to
+    (B, L, K, G, bq, bk)."""
+    k_pos = kj[:, None] * plan.block_k + jnp.arange(plan.block_k)[None, :]  # (L, bk)
+    q_pos = qi[:, None] * plan.block_q + jnp.arange(plan.block_q)[None, :]  # (L, bq)
+    parts = []
+    if plan.band is not None:
+        left, right = plan.band
+        offset = plan.static_offset if plan.static_offset is not None else q_offset
+        offset = jnp.reshape(jnp.asarray(offset), (-1, 1, 1))  # (1 or B, 1, 1)
+        p = (offset + q_pos[None])[..., None]  # (1 or B, L, bq, 1): each query's position
+        j = k_pos[None, :, None, :]  # (1, L, 1, bk)
+        if right is not None:
+            parts.append((j <= p + right)[:, :, None, None])
+        if left is not None:
+            parts.append((j >= p - left)[:, :, None, None])
+    if plan.n_k * plan.block_k > plan.S:
+        parts.append((k_pos < plan.S)[None, :, None, None, None, :])
+    if plan.n_q * plan.block_q > plan.T:  # padded query rows see nothing, so read nothing
+        q_real = q_pos < plan.T  # (L, bq)
+        parts.append(q_real[None, :, None, None, :, None])
+    if kv_lengths is not None:
+        valid = k_pos[None] < kv_lengths[:, None, None]  # (B, L, bk)
+        parts.append(valid[:, :, None, None, None, :])
+    if mask_blocks is not None:
+        parts.append(_gather_pairs(mask_blocks, qi, kj, plan))
+    if segment_blocks is not None:
+        q_ids, kv_ids = segment_blocks  # (B, nQ, bq), (B, nK, bk)
+        same = jnp.take(q_ids, qi, axis=1)[..., None] == jnp.take(kv_ids, kj, axis=1)[:, :, None]
+        parts.append(same[:, :, None, None])  # (B, L, 1, 1, bq, bk)
+    if plan.mask_fn is not None:
+        parts.append(_mask_of(plan, cells))
+    return functools.reduce(jnp.logical_and, parts)
+
+
+def _zero_unseen_keys(x, allowed):
+    """Zeroes an item's keys or values (B, L, K, bk, H) that no query of its block
+    may see: a blocked weight of 0 does not stop a NaN there (0 * NaN = NaN)."""
+    sees = allowed.any(axis=(3, 4))[..., None]  # (B|1, L, K|1, bk|1, 1)
+    return jnp.where(sees, x, jnp.zeros((), x.dtype))
+
+
+def _item_keys(plan: Plan, masked: bool, kb, vb, q_offset, shift, kv_lengths, mask_blocks,
+               segment_blocks, qc, kj):  # fmt: skip
+    """Each lane's keys and values (B, L, K, bk, H), the indices of its cells for
+    ``mask_fn`` and ``score_fn`` (None without them) and, for a masked schedule, which
+    cells are visible, with the keys and values no query of the item sees zeroed (None
+    for a full one): what both passes read of an item before its scores."""
+    ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
+    cells = _cells(plan, qc, kj, q_offset, shift) if plan.mask_fn or plan.score_fn else None
+    allowed = None
+    if masked:
+        allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells)
+        ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
+    return ks, vs, cells, allowed
+
+
+def _any_item_seen(plan: Plan, kinds, qi, qc, kj):
+    """Whether mask_fn's traced kinds leave any real (not idle) item of a step visible."""
+    return jnp.any((kinds[qc, kj] != EMPTY) & (qi < plan.n_q))
+
+
+def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks, allowed=None, cells=None, consts=None,
+            with_vjp=False):  # fmt: skip
+    """Logits of each lane's item (the query blocks are pre-scaled), through
+    ``score_fn`` and soft-capped; ``tanh(logits / cap)`` (None without a cap) for the
+    backward pass; and with ``with_vjp`` the VJP of ``score_fn`` (None without one),
+    which maps a cotangent of its output to those of its input and of ``consts``.
+
+    Blocked cells hold ``large_negative`` when ``allowed`` is given; their
+    ``tanh`` is 0, so a NaN there cannot reach a gradient."""
+    s = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", qs, ks)
+    if bias_blocks is not None:
+        s = s + _gather_pairs(bias_blocks, qi, kj, plan)
+    score_vjp = None
+    if plan.score_fn is not None:
+        if allowed is not None:  # a blocked cell's score is never looked at
+            s = jnp.where(allowed, s, 0)
+        shape = s.shape
+
+        def modify(s, consts):
+            def one(s, b, n, q, k):
+                return evaluate_score(lambda *a: plan.score_fn(*a, *consts), s, b, n, q, k)
+
+            flat = s.reshape(shape[0], shape[1], plan.K * plan.G, *shape[4:])  # (B, L, N, ., .)
+            return _per_lane(one)((flat,), cells).reshape(shape)
+
+        if with_vjp:
+            s, score_vjp = jax.vjp(modify, s, tuple(consts))
+        else:
+            s = modify(s, tuple(consts))
+    tanh = None
+    if plan.soft_cap is not None:
+        if allowed is not None:
+            s = jnp.where(allowed, s, 0)
+        tanh = jnp.tanh(s / plan.soft_cap)
+        s = plan.soft_cap * tanh
+    if allowed is not None:
+        s = jnp.where(allowed, s, large_negative(s.dtype))
+    if with_vjp:
+        return s, tanh, score_vjp
+    return s, tanh
+
+
+def _segment_blocks(q_ids, kv_ids, plan: Plan):
+    """Segment ids as blocks: (B, nQ, bq) and (B, nK, bk), or None."""
+    if q_ids is None:
+        return None
+    q_ids = _pad(q_ids, 1, plan.n_q * plan.block_q).reshape(plan.B, plan.n_q, plan.block_q)
+    kv_ids = _pad(kv_ids, 1, plan.n_k * plan.block_k).reshape(plan.B, plan.n_k, plan.block_k)
+    return q_ids, kv_ids
+
+
+def forward_block(plan: Plan, inputs: BlockInputs):
+    """The forward pass: (out (B, T, N, H), lse (B, T, N)), both in the softmax's
+    dtype (at least float32); ``lse`` is ``-inf`` for a row that sees no key (the
+    convention of ``jax.nn``'s residuals and of the log-sum-exp of an empty set)."""
+    q, k, v, bias, mask = inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask
+    q_offset, kv_lengths = inputs.q_offset, inputs.kv_lengths
+    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+    acc = softmax_dtype(q.dtype, k.dtype, v.dtype)
+    neg = large_negative(acc)
+    qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
+    kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
+    mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
+    bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
+    segment_blocks = _segment_blocks(q_ids, kv_ids, plan)
+    kinds = inputs.kinds
+    consts = () if inputs.score_consts is None else inputs.score_consts[0]
+    rows = (plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q)  # one spare row for idle slots
+    values = (plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H)
+    state = (jnp.full(rows, neg, acc), jnp.zeros(rows, acc), jnp.zeros(values, acc))
+    state = varying_like(state, inputs)
+
+    def run(state, schedule: Schedule, masked: bool):
+        if schedule.steps == 0:
+            return state
+        item_keys = functools.partial(
+            _item_keys, plan, masked, kb, vb, q_offset, inputs.index_shift, kv_lengths,
+            mask_blocks, segment_blocks,
+        )  # fmt: skip
+
+        def step(state, item):
+            m, l, o = state
+            qi, kj = item
+            qc = jnp.minimum(qi, plan.n_q - 1)
+            m_old, l_old = jnp.take(m, qi, axis=1), jnp.take(l, qi, axis=1)
+            o_old = jnp.take(o, qi, axis=1)  # (B, L, bq, K, G, H)
+
+            def update():
+                qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
+                ks, vs, cells, allowed = item_keys(qc, kj)  # (B, L, K, bk, H) twice
+                s, _ = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed, cells, consts)
+                # The block's own softmax, shifted twice: by its row maximum, then by the
+                # maximum of the very values that are exponentiated (XLA may compute the
+                # first from a differently rounded copy of s; see _numerics.masked_softmax).
+                top = s.max(-1)
+                shifted = s - top[..., None]
+                peak = shifted.max(-1)
+                p = jnp.exp(jnp.minimum(shifted - peak[..., None], 0))
+                if masked:
+                    p = jnp.where(allowed, p, 0)  # exact zeros, also in a row that sees nothing
+                m_block = top + peak
+                m_new = jnp.maximum(m_old, m_block)
+                rescale, weight = jnp.exp(m_old - m_new), jnp.exp(m_block - m_new)
+                l_new = l_old * rescale + p.sum(-1) * weight
+                pv = jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", p, vs)
+                o_prev = jnp.einsum("BLqKGH->BLKGqH", o_old)
+                o_new = o_prev * rescale[..., None] + pv * weight[..., None]
+                return m_new, l_new, jnp.einsum("BLKGqH->BLqKGH", o_new)
+
+            if plan.traced_kinds:  # skip a step whose every item mask_fn hides
+                live = _any_item_seen(plan, kinds, qi, qc, kj)
+                m_new, l_new, o_new = jax.lax.cond(live, update, lambda: (m_old, l_old, o_old))
+            else:
+                m_new, l_new, o_new = update()
+            return (m.at[:, qi].set(m_new), l.at[:, qi].set(l_new), o.at[:, qi].set(o_new)), None
+
+        state, _ = jax.lax.scan(
+            step, state, (jnp.asarray(schedule.q_block), jnp.asarray(schedule.k_block))
+        )
+        return state
+
+    masked, full = plan.schedules()
+    m, l, o = run(run(state, masked, True), full, False)
+    m, l, o = m[:, :-1], l[:, :-1], o[:, :-1]
+    # A row that sees a key has l >= 1; l == 0 only for a row that sees none. A NaN or
+    # inf among the row's visible content makes l NaN: such a row is seen, and its NaN
+    # output and log-sum-exp carry on into the backward pass (docs/conventions.md).
+    seen = l != 0
+    out = o / jnp.einsum("BnKGq->BnqKG", jnp.where(seen, l, 1))[..., None]
+    # log 0 = -inf marks a row that sees no key (the backward pass never reads its query).
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)  # (B, nQ, K, G, bq)
+    lse = _unblock_rows(lse, plan).reshape(plan.B, plan.T, plan.K * plan.G)  # (B, T, N)
+    return _unblock_queries(out, plan), lse
+
+
+def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> BlockGrads:
+    """The backward pass for the cotangents ``d_out`` (B, T, N, H) and, when the
+    log-sum-exp is an output too, ``d_lse`` (B, T, N): the weights are recomputed
+    block by block from ``residuals.lse``. Since d lse / d logits is the softmax,
+    ``d_lse`` enters as a shift of the row term: dS = P (dP - (D - d_lse))."""
+    inputs, out, lse = residuals
+    q, k, v, bias, mask = inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask
+    q_offset, kv_lengths = inputs.q_offset, inputs.kv_lengths
+    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+    acc = lse.dtype
+    lse = _row_blocks(lse.reshape(plan.B, plan.T, plan.K, plan.G), plan)  # (B, nQ, K, G, bq)
+    seen = lse != -jnp.inf  # rows that see at least one key (NaN included)
+    lse = jnp.where(seen, lse, 0)
+    qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
+    # A query that sees no key is never read: NaN there must not reach dK.
+    qb = jnp.where(jnp.einsum("BnKGq->BnqKG", seen)[..., None], qb, 0)
+    dob = _query_blocks(d_out, plan, acc)
+    kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
+    # D_i = sum_h dO_ih O_ih, the row term of the softmax gradient.
+    delta = (d_out.astype(acc) * out.astype(acc)).sum(-1)  # (B, T, N)
+    if d_lse is not None:
+        delta = delta - d_lse.astype(acc)
+    delta = _row_blocks(delta.reshape(plan.B, plan.T, plan.K, plan.G), plan)  # (B, nQ, K, G, bq)
+    mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
+    bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
+    segment_blocks = _segment_blocks(q_ids, kv_ids, plan)
+    kinds = inputs.backward_kinds
+    consts = () if inputs.score_consts is None else tuple(inputs.score_consts[1])
+    grads = (
+        jnp.zeros((plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H), acc),
+        jnp.zeros_like(kb),
+        jnp.zeros_like(vb),
+        None if bias is None else jnp.zeros_like(bias_blocks),
+        tuple(jnp.zeros_like(c) for c in consts),
+    )
+    grads = varying_like(grads, inputs, d_out)
+
+    def run(grads, schedule: Schedule, masked: bool):
+        if schedule.steps == 0:
+            return grads
+        item_keys = functools.partial(
+            _item_keys, plan, masked, kb, vb, q_offset, inputs.index_shift, kv_lengths,
+            mask_blocks, segment_blocks,
+        )  # fmt: skip
+
+        def step(grads, item):
+            dq, dk, dv, dbias, dconsts = grads
+            qi, kj = item
+            qc = jnp.minimum(qi, plan.n_q - 1)
+
+            def contributions():
+                live = (qi < plan.n_q).astype(acc)[None, :, None, None, None]  # idle slots add
+                qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)      nothing: with dO = 0
+                dos = _take_queries(dob, qc) * live[..., None]  # and D = 0 there, both p dO
+                delta_i = jnp.take(delta, qc, axis=1) * live  # and dS vanish
+                lse_i = jnp.take(lse, qc, axis=1)
+                ks, vs, cells, allowed = item_keys(qc, kj)
+                s, tanh, score_vjp = _scores(
+                    plan, qs, ks, qc, kj, bias_blocks, allowed, cells, consts, with_vjp=True
+                )
+                # p <= 1 exactly; the clamp keeps a differently rounded s from overflowing.
+                p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0))
+                if masked:
+                    p = jnp.where(allowed, p, 0)
+                dp = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", dos, vs)
+                ds = p * (dp - delta_i[..., None])
+                if tanh is not None:
+                    ds = ds * (1 - tanh * tanh)  # through cap * tanh(s / cap)
+                d_consts = ()
+                if score_vjp is not None:  # through score_fn, to its input and its arrays
+                    ds, d_consts = score_vjp(ds)
+                dq_c = jnp.einsum(f"{_ITEM},BLKkH->BLqKGH", ds, ks)
+                dk_c = jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", ds, qs)
+                dv_c = jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", p, dos)
+                return dq_c, dk_c, dv_c, ds, d_consts
+
+            if plan.traced_kinds:  # skip a step whose every item mask_fn hides
+                live = _any_item_seen(plan, kinds, qi, qc, kj)
+                zeros = jax.tree.map(
+                    lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(contributions)
+                )
+
+                # Inside shard_map both branches vary over the same mesh axes (the ring).
+                def alike(tree):
+                    return varying_like(tree, inputs, d_out, residuals)
+
+                dq_c, dk_c, dv_c, ds, d_consts = jax.lax.cond(
+                    live, lambda: alike(contributions()), lambda: alike(zeros)
+                )
+            else:
+                dq_c, dk_c, dv_c, ds, d_consts = contributions()
+            dq = dq.at[:, qi].add(dq_c)
+            dk = dk.at[:, kj].add(dk_c)
+            dv = dv.at[:, kj].add(dv_c)
+            if dbias is not None:
+                dbias = _scatter_pairs(dbias, qc, kj, ds)
+            dconsts = jax.tree.map(jnp.add, dconsts, d_consts)
+            return (dq, dk, dv, dbias, dconsts), None
+
+        grads, _ = jax.lax.scan(
+            step, grads, (jnp.asarray(schedule.q_block), jnp.asarray(schedule.k_block))
+        )
+        return grads
+
+    masked, full = plan.schedules()
+    dq, dk, dv, dbias, dconsts = run(run(grads, masked, True), full, False)
+    dq = _unblock_queries(dq[:, :-1] * jnp.asarray(plan.scale, acc), plan).astype(q.dtype)
+    dk = dk.reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
+    dv = dv.reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
+    if dbias is not None:
+        xB, xN, xT, xS = bias.shape
+        dbias = dbias.reshape(xB, xN, -1, dbias.shape[4] * dbias.shape[5])[:, :, :xT, :xS]
+        dbias = dbias.astype(bias.dtype)
+    score_grads = None
+    if inputs.score_consts is not None:  # the forward's copies get nothing: one use each
+        forward, backward = inputs.score_consts
+        score_grads = (
+            tuple(jnp.zeros_like(c) for c in forward),
+            tuple(g.astype(c.dtype) for g, c in zip(dconsts, backward)),
+        )
+    return BlockGrads(dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, score_grads)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(plan, backward_plan, inputs: BlockInputs):
+    """(out (B, T, N, H) in the query's dtype, lse (B, T, N)), differentiable in both."""
+    out, lse = forward_block(plan, inputs)
+    return out.astype(inputs.query.dtype), lse
+
+
+def _attend_fwd(plan, backward_plan, inputs: BlockInputs):
+    out, lse = forward_block(plan, inputs)
+    # The backward pass's row term rowsum(dO * O) reads the output in the softmax's
+    # precision: rounded to bfloat16 or float16 first, it made dq and dk several
+    # times less accurate than the reference's (tests/test_fuzz.py).
+    return (out.astype(inputs.query.dtype), lse), Residuals(inputs, out, lse)
+
+
+def _attend_bwd(plan, backward_plan, residuals: Residuals, cotangents):
+    d_out, d_lse = cotangents
+    grads = backward_block(backward_plan, residuals, d_out, d_lse=d_lse)
+    inputs = residuals.inputs
+    differentiable = dict(
+        query=sum_to_varying(grads.query, inputs.query),
+        key=sum_to_varying(grads.key, inputs.key),
+        value=sum_to_varying(grads.value, inputs.value),
+        bias=None if grads.bias is None else sum_to_varying(grads.bias, inputs.bias),
+        score_consts=grads.score_consts,
+    )
+    return (BlockInputs(**differentiable),)  # no gradient for the masks, offsets and ids
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def flash_attention(
+    query, key, value, spec: AttentionSpec, *, forward_tiles=None, backward_tiles=None
+):
+    """Blockwise attention with the reference's output contract.
+
+    Args:
+      query: (B, T, N, H); key, value: (B, S, K, H); ``spec`` from
+        :func:`nanoattn._core.base.rules.attention_spec`.
+      forward_tiles, backward_tiles: ``(block_q, block_k, lanes)`` for each
+        pass: block sizes along T and S (capped at T and S; lengths need not
+        be multiples of them) and the work items processed side by side per
+        step. By default :func:`fit_tiles` sizes them for the call.
+
+    Returns:
+      (B, T, N, H) in the query's dtype; zeros when T or S is 0 (no query, or no key
+      to see), as every backend gives. With ``spec.return_residual``, also the
+      log-sum-exp (B, T, N) in the softmax's dtype (``-inf`` where nothing is seen).
+    """
+    if spec.T == 0 or spec.S == 0:
+        out = jnp.zeros(query.shape, query.dtype)
+        lse = jnp.full(query.shape[:3], -jnp.inf, softmax_dtype(query.dtype, key.dtype))
+        return (out, lse) if spec.return_residual else out
+    mask = None
+    if spec.mask_fn is not None:
+        mask = spec.mask_fn
+        if not isinstance(mask, BlockMask):
+            mask = block_mask(mask, spec.B, spec.N, spec.T, spec.S, q_offset=spec.q_offset)
+    plans = kernel_plans(spec, forward_tiles, backward_tiles, mask)
+    kinds = [
+        None if mask is None or mask.static else mask.kinds_at(p.block_q, p.block_k) for p in plans
+    ]
+    score_consts = None
+    if spec.score_fn is not None:
+        acc = softmax_dtype(query.dtype, key.dtype, value.dtype)
+        converted = [_converted_score_fn(spec, p, acc) for p in plans]
+        plans = type(plans)(
+            *(dataclasses.replace(p, score_fn=c[0]) for p, c in zip(plans, converted))
+        )
+        score_consts = tuple(tuple(c[1]) for c in converted)
+    traced_offset = spec.q_offset is not None and not isinstance(spec.q_offset, int)
+    inputs = BlockInputs(
+        query=query, key=key, value=value, bias=spec.bias, mask=spec.mask,
+        q_offset=spec.q_offset if traced_offset else None, kv_lengths=spec.kv_lengths,
+        q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.kv_segment_ids,
+        kinds=kinds[0], backward_kinds=kinds[1], score_consts=score_consts,
+    )  # fmt: skip
+    out, lse = _attend(*plans, inputs)
+    return (out, lse) if spec.return_residual else out
+
+
+def _converted_score_fn(spec: AttentionSpec, plan: Plan, acc):
+    """``spec.score_fn`` closure-converted for one block of ``plan``'s (B, N, bq, bk)
+    (:func:`~nanoattn._core.base.mask_fn.closure_converted`)."""
+    return closure_converted(
+        spec.score_fn, plan.B, plan.K * plan.G, plan.block_q, plan.block_k, spec.q_offset, acc
+    )

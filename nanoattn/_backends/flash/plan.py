@@ -1,0 +1,151 @@
+"""The static plan of one blockwise-kernel call: sizes, rules and tiles.
+
+A :class:`Plan` is everything static about one pass of the kernel
+(:mod:`nanoattn._backends.flash.kernel`): the sizes, the positional rule, which masks apply,
+the soft-cap, and the tiles ``(block_q, block_k, lanes)``. It is hashable, so
+it can be a static argument of ``jax.custom_vjp``; :func:`kernel_plans` makes
+the forward and backward plans of a call, sizing the tiles with
+:func:`fit_tiles` unless they are given.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+from ..._core.base.block_mask import BlockMask
+from ..._core.base.rules import AttentionSpec
+from .schedule import Schedule, block_schedules
+
+# (block_q, block_k, most lanes) per pass, and the most score cells one step may
+# hold (B * N * lanes * block_q * block_k); measured on a 2-core x86 CPU with
+# benchmarks/tune_tiles.py (docs/performance.md). A larger batch or more heads
+# get fewer lanes, then smaller blocks: the step's size sets the speed of XLA's
+# CPU kernels and the memory of the pass.
+FORWARD_TILES = (256, 512, 4)
+BACKWARD_TILES = (128, 128, 8)
+FORWARD_STEP_CELLS = 2**21
+BACKWARD_STEP_CELLS = 2**20
+MIN_BLOCK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one kernel call (hashable: a custom_vjp argument)."""
+
+    B: int
+    T: int
+    S: int
+    K: int
+    G: int
+    H: int
+    block_q: int
+    block_k: int
+    lanes: int
+    scale: float
+    band: tuple[int | None, int | None] | None  # (left, right) of the positional rule, if any
+    static_offset: int | None  # a Python int offset: blocks outside the band can be skipped
+    has_lengths: bool
+    has_mask: bool
+    has_segments: bool
+    soft_cap: float | None
+    # mask_fn (called on each masked block), and its kinds at this plan's blocks when they
+    # are static (a tuple of rows of EMPTY/PARTIAL/FULL); with traced kinds the kernel
+    # reads them from its inputs and skips the empty items as it meets them.
+    mask_fn: Callable | None = None
+    kinds: tuple[tuple[int, ...], ...] | None = None
+    traced_kinds: bool = False
+    # score_fn as the kernel calls it (closure-converted: its hoisted arrays are inputs).
+    score_fn: Callable | None = None
+    index_offset: int | None = None  # a Python int offset for mask_fn and score_fn
+
+    @property
+    def n_q(self) -> int:
+        return -(-self.T // self.block_q)
+
+    @property
+    def n_k(self) -> int:
+        return -(-self.S // self.block_k)
+
+    def schedules(self) -> tuple[Schedule, Schedule]:
+        """The (masked, full) schedules."""
+        traced_offset = self.band is not None and self.static_offset is None
+        all_masked = (
+            self.has_lengths or self.has_mask or self.has_segments or traced_offset
+            or self.traced_kinds
+        )  # fmt: skip
+        offset = self.static_offset if self.band is not None else None
+        return block_schedules(
+            self.T, self.S, self.block_q, self.block_k, self.lanes, offset, all_masked,
+            self.band or (None, None), self.kinds,
+        )  # fmt: skip
+
+
+class Plans(NamedTuple):
+    """The plans of the two passes of one call."""
+
+    forward: Plan
+    backward: Plan
+
+
+def kernel_plans(
+    spec: AttentionSpec, forward_tiles=None, backward_tiles=None, mask: BlockMask | None = None
+) -> Plans:
+    """The (forward, backward) plans of a call: its static sizes and rules, and the
+    tiles of each pass (``forward_tiles``/``backward_tiles``, else :func:`fit_tiles`).
+    Only the flags of ``spec``'s arrays are read (whether there are lengths, a mask,
+    segment ids), so the ring (:mod:`nanoattn.parallel`) plans its blocks with it.
+    ``mask`` is the classification of ``spec.mask_fn`` (needed when it is set); its
+    static kinds become each plan's, at the plan's blocks."""
+    static_offset = spec.static_q_offset
+    shared = Plan(
+        B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H, block_q=0, block_k=0,
+        lanes=0, scale=float(spec.scale), band=spec.band, static_offset=static_offset,
+        has_lengths=spec.kv_lengths is not None, has_mask=spec.mask is not None,
+        has_segments=spec.q_segment_ids is not None, soft_cap=spec.logit_soft_cap,
+    )  # fmt: skip
+    plans = []
+    passes = (
+        (forward_tiles, FORWARD_TILES, FORWARD_STEP_CELLS),
+        (backward_tiles, BACKWARD_TILES, BACKWARD_STEP_CELLS),
+    )
+    for tiles, default, budget in passes:
+        if tiles is not None and min(tiles) < 1:
+            raise ValueError(f"block sizes and lanes must be >= 1, got {tiles}")
+        block_q, block_k, lanes = tiles or fit_tiles(default, budget, spec)
+        plan = dataclasses.replace(
+            shared, block_q=min(block_q, spec.T), block_k=min(block_k, spec.S), lanes=lanes
+        )
+        plans.append(_with_mask_fn(plan, spec, mask))
+    return Plans(*plans)
+
+
+def _with_mask_fn(plan: Plan, spec: AttentionSpec, mask: BlockMask | None) -> Plan:
+    """``plan`` with the call's ``mask_fn`` and its kinds at the plan's blocks."""
+    offset = spec.index_offset
+    index_offset = offset if isinstance(offset, int) else None
+    if spec.mask_fn is None:
+        return dataclasses.replace(plan, index_offset=index_offset)
+    if not mask.static:
+        return dataclasses.replace(
+            plan, mask_fn=mask.mask_fn, traced_kinds=True, index_offset=index_offset
+        )
+    kinds = mask.kinds_at(plan.block_q, plan.block_k)
+    return dataclasses.replace(
+        plan, mask_fn=mask.mask_fn, kinds=tuple(map(tuple, kinds.tolist())),
+        index_offset=index_offset,
+    )  # fmt: skip
+
+
+def fit_tiles(tiles, budget: int, spec: AttentionSpec) -> tuple[int, int, int]:
+    """Shrinks ``tiles`` until one step holds at most ``budget`` score cells:
+    first fewer lanes, then smaller blocks (halving the larger one, keys at a tie)."""
+    block_q, block_k, lanes = tiles
+    block_q, block_k = min(block_q, spec.T), min(block_k, spec.S)
+    per_lane = spec.B * spec.N * block_q * block_k
+    while per_lane > budget and max(block_q, block_k) > MIN_BLOCK:
+        if block_k >= block_q:
+            block_k = max(MIN_BLOCK, block_k // 2)
+        else:
+            block_q = max(MIN_BLOCK, block_q // 2)
+        per_lane = spec.B * spec.N * block_q * block_k
+    return block_q, block_k, max(1, min(lanes, budget // per_lane))

@@ -1,0 +1,58 @@
+"""``"native"``: the C++ CPU kernel (:mod:`nanoattn._backends.native`) through XLA's FFI;
+float32 or bfloat16, no dense mask, bias, ``score_fn`` or dropout, a Python number for
+``scale``; ``mask_fn`` served from its block classification and the bits of its partial
+blocks (a traced one while those bits stay small); built on the first call it may serve."""
+
+import jax
+import jax.numpy as jnp
+
+from ..interface import NO_DROPOUT
+from .build import load
+from .kernel import mask_fn_unsupported, native_attention
+
+# Where it can serve the call, from this many score cells per batch row and head
+# (T * S): in float32 it beat the reference on forward and forward+backward from
+# T = 32 on at B * T = 8192; in bfloat16 from T = 64 on, where it also beats flash
+# (docs/performance.md).
+CPU_MIN_CELLS = 32 * 32
+CPU_MIN_CELLS_BF16 = 64 * 64
+# bfloat16 is widened to float32 as the kernel packs its blocks (docs/performance.md).
+SERVED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+class Native:
+    name = "native"
+    priority = 2
+
+    def unsupported(self, spec, dtype, dropout_rate: float) -> str | None:
+        if jax.default_backend() != "cpu":
+            return f"it runs on CPU only, and the default backend is {jax.default_backend()!r}"
+        if dropout_rate > 0:
+            return NO_DROPOUT
+        if jnp.dtype(dtype) not in SERVED:
+            return f"it supports float32 and bfloat16 inputs only, got {jnp.dtype(dtype)}"
+        if spec.mask is not None or spec.bias is not None:
+            return "a dense mask or a bias is served by 'xla' and 'flash' only"
+        if spec.score_fn is not None:
+            return "score_fn is served by 'xla' and 'flash' only"
+        if not spec.static_scale:
+            return "it needs a Python number for scale, not a traced array"
+        _, reason = load()  # this builds the kernel on first use
+        if reason is not None:
+            return f"the kernel is not available: {reason}"
+        return mask_fn_unsupported(spec)  # last: it needs the built kernel's blocks
+
+    def pays_off(self, spec, dtype) -> bool:
+        least = CPU_MIN_CELLS_BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else CPU_MIN_CELLS
+        return jax.default_backend() == "cpu" and spec.T * spec.S >= least
+
+    def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
+        dtype = query.dtype
+        if not dtype == key.dtype == value.dtype:  # mixed types: all widened to float32
+            query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
+        out, lse = native_attention(query, key, value, spec)
+        out = out.astype(dtype)
+        return (out, lse) if spec.return_residual else out
+
+
+BACKEND = Native()

@@ -1,0 +1,298 @@
+"""The native kernel as a JAX function: ``ffi_call`` forward and backward under
+a ``custom_vjp``.
+
+The C++ side (``attention.cc``) takes q (B, T, N, H), k and v (B, S, K, H), all
+float32 or all bfloat16 (one pair of FFI targets per type), per-row ``q_offset``
+and ``kv_lengths`` (B,), segment ids
+(B, T) and (B, S) (or empty), a ``mask_fn`` as its blocks (or empty; see
+:func:`_mask_operands`), and the rules as attributes: ``scale``,
+``soft_cap`` (0: none) and the positional band ``left``/``right`` (-1:
+unbounded). It returns the output and the per-row log-sum-exp (B, T, N) that the
+backward pass recomputes the weights from (``-inf`` for a row that sees no key),
+both float32 whatever the inputs' type (the backward pass's row term needs the
+unrounded output); the backward pass takes the cotangents of both and returns
+gradients in the inputs' type. Under ``vmap`` every operand
+gains the mapped axis in front, which the kernel folds into B.
+"""
+
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..._core.base.block_mask import CHUNK_CELLS, EMPTY, FULL, PARTIAL, BlockMask, classify
+from ..._core.base.mask_fn import evaluate_mask, grid
+from ..._core.base.rules import AttentionSpec
+from .build import load
+
+_F32 = jnp.dtype(jnp.float32)
+# The element types the kernel serves, and the suffix of their FFI targets.
+TARGET_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16"}
+# A mask_fn whose kinds are traced (it closes over traced arrays, or the offset is
+# traced) has the bits of every block computed at run time, two bits a cell of whole
+# blocks (each cell in both layouts): the kernel serves it up to this many bytes of bits
+# (a decoding step's, one query block, are 16 * S bytes per row and head) and leaves
+# larger ones to 'flash', which needs none.
+TRACED_BITS_LIMIT = 16 * 2**20
+
+
+def native_attention(query, key, value, spec: AttentionSpec):
+    """Attention by the native kernel, with the reference's output contract.
+
+    Args:
+      query: (B, T, N, H) float32 or bfloat16; key, value: (B, S, K, H), cast to
+        the query's type (products and softmax in float32); ``spec`` from
+        :func:`nanoattn._core.base.rules.attention_spec` that the ``native`` backend
+        (:mod:`nanoattn._backends.native`) accepts.
+
+    Returns:
+      (out (B, T, N, H), lse (B, T, N)), float32 (the caller rounds ``out`` to its
+      dtype), differentiable in both: ``lse``
+      is the log-sum-exp of each row's visible logits, ``-inf`` for a row that
+      sees no key (the convention of the flash kernel and of ``jax.nn``'s
+      residuals).
+    """
+    return _attend(*_operands(query, key, value, spec))
+
+
+@functools.cache
+def block_sizes() -> tuple[int, int]:
+    """(BQ, BK): the query and key blocks of every pass of the built kernel (64 and 64
+    unless ``NANOATTN_NATIVE_CFLAGS`` defines others)."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(f"the native kernel is not available: {reason}")
+    library.NanoattnBlockQ.restype = library.NanoattnBlockK.restype = ctypes.c_int
+    return library.NanoattnBlockQ(), library.NanoattnBlockK()
+
+
+def mask_fn_unsupported(spec: AttentionSpec) -> str | None:
+    """Why the kernel cannot serve ``spec.mask_fn`` (one sentence), or None: a mask
+    whose kinds are traced is served while the bits of all its blocks stay within
+    :data:`TRACED_BITS_LIMIT`."""
+    if spec.mask_fn is None or spec.T * spec.S == 0:
+        return None
+    static, xB, xN = _probe(spec)
+    if static:
+        return None
+    bq, bk = block_sizes()
+    size = xB * xN * -(-spec.T // bq) * -(-spec.S // bk) * 2 * bq * bk // 8
+    if size <= TRACED_BITS_LIMIT:
+        return None
+    return (
+        f"mask_fn depends on traced values, so the kernel would need the bits of all its "
+        f"blocks at run time, {size / 2**20:.0f} MiB here (at most "
+        f"{TRACED_BITS_LIMIT // 2**20} MiB); 'flash' serves it without them"
+    )
+
+
+def _probe(spec: AttentionSpec) -> tuple[bool, int, int]:
+    """(static, xB, xN): whether ``mask_fn``'s kinds are found at trace time, and how
+    many batch rows and heads it tells apart (1 on an axis it does not depend on); from
+    one cell per row and head."""
+    mask = spec.mask_fn
+    if isinstance(mask, BlockMask):
+        return mask.static, *mask.kinds.shape[:2]
+    with jax.ensure_compile_time_eval():
+        cells = evaluate_mask(mask, *grid(spec.B, spec.N, 1, 1, spec.q_offset))
+    return not isinstance(cells, jax.core.Tracer), cells.shape[0], cells.shape[1]
+
+
+def _mask_operands(spec: AttentionSpec):
+    """``mask_fn`` as the kernel takes it, at its blocks (BQ, BK):
+
+    - kinds, int8 (xB, xN, nQ, nK): EMPTY, PARTIAL or FULL per block (xB 1 or B, xN 1
+      or N: an axis the mask does not depend on is 1);
+    - slots, int32 (xB, xN, nQ, nK): a partial block's row in the bits, -1 elsewhere;
+    - bits, uint8 (P, 2 * BQ * BK / 8): each partial block's cells, the (BQ, BK) rows
+      of queries packed along the keys, then the (BK, BQ) rows of keys packed along the
+      queries (bit c of a row in byte c // 8, little-endian), cells past T or S 0.
+
+    With static kinds P is the number of partial blocks, and mask_fn is evaluated on
+    those blocks only (O(P * BQ * BK) memory, never (T, S)). With traced kinds every
+    block's bits are computed at run time, in chunks of query blocks, and the kinds
+    derived from them (P = xB * xN * nQ * nK). Without mask_fn all three are empty.
+    """
+    if spec.mask_fn is None or spec.T * spec.S == 0:
+        return jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.uint8)
+    bq, bk = block_sizes()
+    static, xB, xN = _probe(spec)
+    kinds = _static_kinds(spec, bq, bk) if static else None
+    if not isinstance(kinds, np.ndarray):
+        return _traced_operands(spec, xB, xN, bq, bk)
+    partial = np.argwhere(kinds == PARTIAL)  # (P, 4): b, n, query block, key block
+    slots = np.full(kinds.shape, -1, np.int32)
+    slots[tuple(partial.T)] = np.arange(len(partial), dtype=np.int32)
+    return jnp.asarray(kinds), jnp.asarray(slots), _partial_bits(spec, partial, bq, bk)
+
+
+def _mask_fn_of(spec: AttentionSpec):
+    mask = spec.mask_fn
+    return mask.mask_fn if isinstance(mask, BlockMask) else mask
+
+
+def _static_kinds(spec: AttentionSpec, bq: int, bk: int):
+    """The kinds (xB, xN, nQ, nK) at the kernel's blocks, per batch row and head: a
+    static BlockMask's coarsened where the kernel's blocks are multiples of its own (as
+    ``BlockMask.kinds_at``, without reducing over B and N), classified afresh otherwise."""
+    mask, T, S = spec.mask_fn, spec.T, spec.S
+    if isinstance(mask, BlockMask):
+        if (bq % mask.block_q == 0 or bq >= T) and (bk % mask.block_k == 0 or bk >= S):
+            fq = -(-T // mask.block_q) if bq >= T else bq // mask.block_q
+            fk = -(-S // mask.block_k) if bk >= S else bk // mask.block_k
+            return _coarsen_each(mask.kinds, fq, fk)
+    return classify(_mask_fn_of(spec), spec.B, spec.N, T, S, spec.q_offset, bq, bk)
+
+
+def _coarsen_each(kinds: np.ndarray, fq: int, fk: int) -> np.ndarray:
+    """Kinds (xB, xN, nQ, nK) merged over ``fq`` x ``fk`` blocks in each row and head:
+    empty when every part is, full when every part is."""
+    if fq == fk == 1:
+        return kinds.astype(np.int8)
+    xB, xN, nq, nk = kinds.shape
+    cq, ck = -(-nq // fq), -(-nk // fk)
+    pads = ((0, 0), (0, 0), (0, cq * fq - nq), (0, ck * fk - nk))
+    parts = (xB, xN, cq, fq, ck, fk)
+    most = np.pad(kinds, pads, constant_values=EMPTY).reshape(parts).max(axis=(3, 5))
+    least = np.pad(kinds, pads, constant_values=FULL).reshape(parts).min(axis=(3, 5))
+    return np.where(least == FULL, FULL, np.where(most == EMPTY, EMPTY, PARTIAL)).astype(np.int8)
+
+
+def _packed(cells):
+    """Cells (..., BQ, BK) as (..., 2 * BQ * BK / 8) bytes: rows along the keys, then
+    rows along the queries."""
+    rows = jnp.packbits(cells, axis=-1, bitorder="little")  # (..., BQ, BK / 8)
+    cols = jnp.packbits(jnp.swapaxes(cells, -1, -2), axis=-1, bitorder="little")
+    lead = cells.shape[:-2]
+    return jnp.concatenate([rows.reshape(*lead, -1), cols.reshape(*lead, -1)], axis=-1)
+
+
+def _partial_bits(spec: AttentionSpec, partial: np.ndarray, bq: int, bk: int):
+    """The bits (P, 2 * BQ * BK / 8) of the partial blocks (b, n, query block, key block):
+    ``mask_fn`` on a (P, BQ, BK) stack of cells, CHUNK_CELLS at a time."""
+    size = 2 * bq * bk // 8
+    if len(partial) == 0:
+        return jnp.zeros((0, size), jnp.uint8)
+    mask_fn, T, S = _mask_fn_of(spec), spec.T, spec.S
+    offset = jnp.reshape(jnp.asarray(spec.index_offset, jnp.int32), (-1,))  # (1 or B,)
+    r, c = jnp.arange(bq, dtype=jnp.int32), jnp.arange(bk, dtype=jnp.int32)
+
+    def one(b, n, i0, j0):  # one block: the cells of queries i0 + r and keys j0 + c
+        q = offset[jnp.minimum(b, offset.shape[0] - 1)] + i0 + r
+        cells = evaluate_mask(
+            mask_fn, b.reshape(1, 1, 1, 1), n.reshape(1, 1, 1, 1), q.reshape(1, 1, bq, 1),
+            (j0 + c).reshape(1, 1, 1, bk),
+        )  # fmt: skip
+        real = ((i0 + r) < T)[:, None] & ((j0 + c) < S)[None, :]
+        return _packed(jnp.broadcast_to(cells, (1, 1, bq, bk))[0, 0] & real)
+
+    P, chunk = len(partial), max(1, CHUNK_CELLS // (bq * bk))
+    if P > chunk:  # whole chunks: the last padded with copies of the first block
+        partial = np.concatenate([partial, np.repeat(partial[:1], -P % chunk, axis=0)])
+    b, n, i0, j0 = (jnp.asarray(x, jnp.int32) for x in (partial * [1, 1, bq, bk]).T)
+    if P <= chunk:
+        return jax.vmap(one)(b, n, i0, j0)
+    lanes = [x.reshape(-1, chunk) for x in (b, n, i0, j0)]
+    bits = jax.lax.map(lambda a: jax.vmap(one)(*a), lanes)  # (chunks, chunk, size)
+    return bits.reshape(-1, size)[:P]
+
+
+def _traced_operands(spec: AttentionSpec, xB: int, xN: int, bq: int, bk: int):
+    """Kinds, slots and bits of every block, at run time: ``mask_fn`` on as many query
+    blocks at a time as CHUNK_CELLS allows (as ``_block_mask.classify``)."""
+    mask_fn, B, N, T, S = _mask_fn_of(spec), spec.B, spec.N, spec.T, spec.S
+    nq, nk = -(-T // bq), -(-S // bk)
+    chunk = max(1, min(nq, CHUNK_CELLS // (xB * xN * bq * nk * bk)))
+    n_chunks = -(-nq // chunk)
+    cols_real = jnp.arange(nk * bk) < S
+
+    def of(first):  # query blocks [first, first + chunk)
+        b, n, q, k = grid(B, N, chunk * bq, nk * bk, spec.index_offset)
+        cells = evaluate_mask(mask_fn, b, n, q + first * bq, k)
+        cells = jnp.broadcast_to(cells, (xB, xN, chunk * bq, nk * bk))
+        real = ((first * bq + jnp.arange(chunk * bq)) < T)[:, None] & cols_real[None]
+        blocks = (cells & real[None, None]).reshape(xB, xN, chunk, bq, nk, bk).swapaxes(3, 4)
+        real = real.reshape(1, 1, chunk, bq, nk, bk).swapaxes(3, 4)  # (1, 1, c, nK, bq, bk)
+        some, every = blocks.any(axis=(4, 5)), (blocks | ~real).all(axis=(4, 5))
+        kinds = jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int8)
+        return kinds, _packed(blocks)  # (xB, xN, c, nK), (xB, xN, c, nK, bytes)
+
+    kinds, bits = jax.lax.map(of, jnp.arange(n_chunks, dtype=jnp.int32) * chunk)
+    kinds = jnp.moveaxis(kinds, 0, 2).reshape(xB, xN, n_chunks * chunk, nk)[:, :, :nq]
+    bits = jnp.moveaxis(bits, 0, 2).reshape(xB, xN, n_chunks * chunk, nk, -1)[:, :, :nq]
+    every = jnp.arange(xB * xN * nq * nk, dtype=jnp.int32).reshape(kinds.shape)
+    slots = jnp.where(kinds == PARTIAL, every, -1)
+    return kinds, slots, bits.reshape(xB * xN * nq * nk, -1)
+
+
+def _operands(query, key, value, spec: AttentionSpec):
+    """The kernel's operands: q, k, v in the query's type, per-row offsets and lengths (B,),
+    segment ids (B, T) and (B, S) (empty without them), mask_fn's kinds, slots and bits
+    (empty without it), and the static rules."""
+    B, S = spec.B, spec.S
+    left, right = spec.band if spec.band is not None else (None, None)
+    rules = (
+        float(spec.scale),
+        float(spec.logit_soft_cap or 0.0),
+        -1 if left is None else int(left),
+        -1 if right is None else int(right),
+    )
+    offset = spec.q_offset if spec.band is not None else 0
+    offsets = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (B,))
+    lengths = jnp.full((B,), S) if spec.kv_lengths is None else spec.kv_lengths
+    if spec.q_segment_ids is None:
+        q_seg = kv_seg = jnp.zeros((B, 0))  # empty: no segment rule
+    else:
+        q_seg, kv_seg = spec.q_segment_ids, spec.kv_segment_ids
+    ints = (offsets, lengths.astype(jnp.int32), q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32))
+    key, value = key.astype(query.dtype), value.astype(query.dtype)
+    return (query, key, value, *ints, *_mask_operands(spec), rules)
+
+
+def _attributes(rules):
+    scale, soft_cap, left, right = rules
+    return dict(
+        scale=np.float32(scale), soft_cap=np.float32(soft_cap),
+        left=np.int64(left), right=np.int64(right),
+    )  # fmt: skip
+
+
+def _forward(q, k, v, *rows, rules):
+    """``rows``: offsets, lengths, q_seg, kv_seg, mask_fn's kinds, slots and bits."""
+    B, T, N, _ = q.shape
+    call = jax.ffi.ffi_call(
+        "nanoattn_forward" + TARGET_SUFFIX[q.dtype],
+        (jax.ShapeDtypeStruct(q.shape, _F32), jax.ShapeDtypeStruct((B, T, N), _F32)),
+        vmap_method="broadcast_all",
+    )
+    return call(q, k, v, *rows, **_attributes(rules))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _attend(q, k, v, offsets, lengths, q_seg, kv_seg, kinds, slots, bits, rules):
+    return _forward(q, k, v, offsets, lengths, q_seg, kv_seg, kinds, slots, bits, rules=rules)
+
+
+def _attend_fwd(q, k, v, offsets, lengths, q_seg, kv_seg, kinds, slots, bits, rules):
+    rows = (offsets, lengths, q_seg, kv_seg, kinds, slots, bits)
+    out, lse = _forward(q, k, v, *rows, rules=rules)
+    return (out, lse), (q, k, v, out, lse, rows)
+
+
+def _attend_bwd(rules, residuals, cotangents):
+    q, k, v, out, lse, rows = residuals
+    dout, dlse = cotangents
+    call = jax.ffi.ffi_call(
+        "nanoattn_backward" + TARGET_SUFFIX[q.dtype],
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
+        vmap_method="broadcast_all",
+    )
+    dq, dk, dv = call(
+        q, k, v, out, lse, dout.astype(q.dtype), dlse.astype(_F32), *rows, **_attributes(rules)
+    )
+    return (dq, dk, dv) + (None,) * len(rows)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -1,0 +1,4 @@
+"""``"xla"``: the reference kernel (:mod:`.reference`) behind the backend interface
+(:mod:`.backend`)."""
+
+from .backend import BACKEND as BACKEND

@@ -1,0 +1,144 @@
+"""The reference ("xla") attention: plain einsums over the full score tensor.
+
+It defines the output contract that every other backend is tested against.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from ..._core.base.mask_fn import evaluate_mask, evaluate_score, grid
+from ..._core.base.masks import band_mask, combine_masks, lengths_to_valid, segment_mask
+from ..._core.base.numerics import masked_softmax, soft_cap, softmax_dtype
+from ..._core.base.rules import AttentionSpec
+from ..._core.base.trace import record
+
+
+def allowed_mask(spec: AttentionSpec):
+    """ANDs the spec's mask, positional band (causality, window), key lengths,
+    segments and ``mask_fn`` on every cell: bool, rank 4, or None."""
+    band = lengths = segments = by_fn = None
+    if spec.band is not None:
+        band = band_mask(spec.T, spec.S, *spec.band, q_offset=spec.q_offset)  # (T, S) or (B, T, S)
+        band = band[None, None] if band.ndim == 2 else band[:, None]
+    if spec.kv_lengths is not None:
+        lengths = lengths_to_valid(spec.kv_lengths, spec.S)[:, None, None, :]  # (B, 1, 1, S)
+    if spec.q_segment_ids is not None:
+        segments = segment_mask(spec.q_segment_ids, spec.kv_segment_ids)  # (B, 1, T, S)
+    if spec.mask_fn is not None:
+        cells = grid(spec.B, spec.N, spec.T, spec.S, spec.index_offset)
+        by_fn = evaluate_mask(spec.mask_fn, *cells)  # (B|1, N|1, T|1, S|1)
+    return combine_masks(spec.mask, band, lengths, segments, by_fn)
+
+
+def _zero_unseen_keys(x, allowed):
+    """Zeroes keys or values (B, S, K, H) that no query of their batch row may see.
+
+    A blocked weight of exactly 0 does not protect the output from NaN or inf
+    there (``0 * NaN = NaN`` in the sum over values and in the gradients)."""
+    if allowed is None:
+        return x
+    sees = allowed.any(axis=(1, 2))[:, :, None, None]  # (B|1, S, 1, 1)
+    return jnp.where(sees, x, jnp.zeros((), x.dtype))
+
+
+def weights(query, key, spec: AttentionSpec):
+    """Normalised attention weights (B, N, T, S) in the compute dtype."""
+    return _weights(query, key, spec, allowed_mask(spec))[0]
+
+
+def _weights(query, key, spec: AttentionSpec, allowed):
+    """The weights (B, N, T, S) and the log-sum-exp (B, N, T), in the compute dtype."""
+    acc = softmax_dtype(query.dtype, key.dtype)
+    if allowed is not None:
+        # A query that sees no key is never read, so NaN there cannot reach a gradient.
+        sees = jnp.moveaxis(allowed.any(-1), 1, 2)[..., None]  # (B|1, T, N|1, 1)
+        query = jnp.where(sees, query, jnp.zeros((), query.dtype))
+        key = _zero_unseen_keys(key, allowed)
+    q = query.reshape(spec.B, spec.T, spec.K, spec.G, spec.H)  # (B, T, K, G, H)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key, preferred_element_type=acc)
+    logits = logits.reshape(spec.score_shape) * jnp.asarray(spec.scale, acc)  # (B, N, T, S)
+    if spec.bias is not None:
+        logits = logits + spec.bias.astype(acc)
+    if spec.score_fn is not None:
+        if allowed is not None:  # a blocked cell's score is never looked at
+            logits = jnp.where(allowed, logits, 0)
+        cells = grid(spec.B, spec.N, spec.T, spec.S, spec.index_offset)
+        logits = evaluate_score(spec.score_fn, logits, *cells)
+    logits = soft_cap(logits, spec.logit_soft_cap, allowed)
+    record(logits, "scores", "B N T S", op="einsum")
+    sinks = None if spec.sinks is None else spec.sinks.astype(acc)[None, :, None]  # (1, N, 1)
+    probs, lse = masked_softmax(logits, allowed, return_lse=True, sinks=sinks)
+    record(probs, "weights", "B N T S", op="softmax")
+    return probs, lse
+
+
+def dropout(probs, rate: float, rng):
+    """Inverted dropout on the weights: kept cells are scaled by 1 / (1 - rate)."""
+    keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
+    return jnp.where(keep, probs / (1.0 - rate), 0)
+
+
+def attend(
+    query,
+    key,
+    value,
+    spec: AttentionSpec,
+    *,
+    dropout_rate,
+    dropout_rng,
+    dropout_fn=None,
+    weights_dtype=None,
+    out_dtype=None,
+    return_weights: bool = False,
+    return_residual: bool = False,
+):
+    r"""Attention output (B, T, N, H) in the query's dtype.
+
+    .. math::
+
+       \mathrm{out}_{btnh} = \sum_s \tilde P_{bnts} \, V_{bskh}, \qquad
+       P_{bnt\cdot} = \mathrm{softmax}_{s \in \mathrm{allowed}}
+         \Big(\mathrm{scale} \sum_h Q_{btnh} K_{bskh} + \mathrm{bias}_{bnts}\Big)
+
+    where key/value head ``k = n // G`` serves query head ``n``, the logits are
+    soft-capped when ``spec`` says so, and ``P~`` is ``P`` after dropout (``P``
+    without). The softmax runs in :func:`~nanoattn._core.base.numerics.softmax_dtype`.
+
+    Args:
+      query: (B, T, N, H); key and value (B, S, K, H); ``spec`` their
+        :class:`AttentionSpec`.
+      dropout_rate, dropout_rng: :func:`dropout` on the weights when the rate is
+        above 0 and ``dropout_fn`` is None.
+      dropout_fn: a function of the weights (B, N, T, S) giving the dropped
+        weights, used instead of :func:`dropout` (flax's random bits).
+      weights_dtype: the weights are cast to it before dropout (None: the
+        compute dtype).
+      out_dtype: the output's dtype (None: the query's).
+      return_weights: also return the weights (B, N, T, S), before dropout.
+      return_residual: also return the log-sum-exp (B, T, N) of each row's logits,
+        in the compute dtype; ``-inf`` for a row that sees no key.
+
+    Returns:
+      the output (B, T, N, H), followed by the weights (``return_weights``) and
+      the log-sum-exp (``return_residual``) when asked for.
+    """
+    allowed = allowed_mask(spec)
+    weights, lse = _weights(query, key, spec, allowed)
+    if weights_dtype is not None:
+        weights = weights.astype(weights_dtype)
+    value = _zero_unseen_keys(value, allowed)
+    probs = weights
+    if dropout_fn is not None:
+        probs = dropout_fn(probs)
+    elif dropout_rate > 0:
+        probs = dropout(probs, dropout_rate, dropout_rng)
+    acc = softmax_dtype(probs.dtype, value.dtype)
+    p = probs.reshape(spec.B, spec.K, spec.G, spec.T, spec.S)  # (B, K, G, T, S)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", p, value, preferred_element_type=acc)
+    out = out.reshape(spec.B, spec.T, spec.N, spec.H)  # (B, T, N, H)
+    record(out, "per-head output", "B T N H", op="einsum")
+    out = out.astype(query.dtype if out_dtype is None else out_dtype)
+    extras = [weights] if return_weights else []
+    if return_residual:
+        extras.append(jnp.moveaxis(lse, 1, 2))  # (B, T, N)
+    return (out, *extras) if extras else out

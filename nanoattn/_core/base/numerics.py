@@ -1,0 +1,86 @@
+"""The numerics every kernel shares: the finite stand-in for -inf, the softmax dtype,
+the masked softmax with its log-sum-exp, and the logit soft-cap (docs/conventions.md)."""
+
+import jax
+import jax.numpy as jnp
+
+from .validate import float_dtype
+
+
+def large_negative(dtype) -> float:
+    """The finite value that stands in for -inf at blocked logits.
+
+    It stays finite on purpose: with -inf, a row whose every key is blocked
+    would compute ``-inf - (-inf) = NaN`` in the softmax and in its gradient.
+    0.7 of the largest float leaves headroom, so subtracting a row maximum or
+    adding a bias cannot overflow it into -inf either.
+    """
+    return -0.7 * float(jnp.finfo(float_dtype("dtype", dtype)).max)
+
+
+def softmax_dtype(*dtypes):
+    """The softmax dtype: at least float32 (bfloat16/float16 upcast, float64 kept).
+
+    A rule of nanoattn's, not a promotion of the caller's arrays: it holds under
+    ``jax_numpy_dtype_promotion='strict'`` too, where bfloat16 and float32 have no
+    implicit common type."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.result_type(*dtypes, jnp.float32)
+
+
+def masked_softmax(logits, allowed, return_lse: bool = False, sinks=None):
+    """Softmax over the last axis that gives exactly 0 at blocked cells, and with
+    ``return_lse`` the log of each row's denominator, ``-inf`` for a row with no
+    allowed cell (docs/conventions.md), whose gradient is the softmax itself.
+
+    With ``sinks`` (broadcastable to the logits without their last axis: one logit
+    per head) every row's denominator gains ``exp(sink)``, a cell that is always
+    allowed and attends no value; a row with no allowed cell still gives zeros, and
+    its log-sum-exp is the sink's.
+
+    A row with no allowed cell gives all zeros, with zero, finite gradients.
+    The exponent is shifted twice: by the row maximum, then by the maximum of
+    the shifted values themselves. Under ``jit`` XLA may compute the row
+    maximum from a differently rounded copy of the logits (for example with a
+    fused multiply-add), and with logits near 1e10 that copy can be off by
+    thousands, so every ``exp`` would underflow (a row sum of 0, then NaN).
+    The second maximum is taken of the very values that are exponentiated,
+    so the largest exponent is 0 and the row sum is at least 1.
+    """
+    neg = large_negative(logits.dtype)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, neg)
+    # The softmax is invariant to the subtracted maxima, so no gradient flows through them.
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=neg))
+    if sinks is not None:
+        sinks = sinks.astype(logits.dtype)[..., None]
+        top = jnp.maximum(top, jax.lax.stop_gradient(sinks))
+    shifted = logits - top
+    peak = jax.lax.stop_gradient(jnp.max(shifted, axis=-1, keepdims=True, initial=neg))
+    if sinks is not None:
+        peak = jnp.maximum(peak, jax.lax.stop_gradient(sinks - top))
+    shifted = shifted - peak
+    unnormalized = jnp.exp(shifted)
+    if allowed is not None:
+        unnormalized = jnp.where(allowed, unnormalized, 0)
+    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - top - peak)
+    probs = unnormalized / jnp.where(total == 0, 1, total)
+    if not return_lse:
+        return probs
+    # log sum exp(logits) = top + peak + log(total): the maxima carry no gradient,
+    # log(total) carries the softmax's.
+    empty = total == 0  # NaN content makes a NaN total: that row is not empty
+    lse = jnp.where(empty, -jnp.inf, top + peak + jnp.log(jnp.where(empty, 1, total)))
+    return probs, lse[..., 0]
+
+
+def soft_cap(logits, cap, allowed=None):
+    """``cap * tanh(logits / cap)``; blocked cells are set to 0 first, so that a NaN
+    or inf there cannot reach the gradient through ``tanh``."""
+    if cap is None:
+        return logits
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, 0)
+    return cap * jnp.tanh(logits / cap)

@@ -1,0 +1,3 @@
+"""The layers: the configuration (:mod:`.config`), the steps linen and NNX share
+(:mod:`.heads`, :mod:`.steps`), the KV caches (:mod:`.caches`), the mesh-sharded
+call (:mod:`.sharded`) and the two module families (:mod:`.linen`, :mod:`.nnx`)."""

@@ -1,0 +1,1 @@
+"""The KV caches of decoding (docs/decoding.md)."""

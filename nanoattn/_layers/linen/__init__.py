@@ -1,0 +1,1 @@
+"""The Flax linen modules (public as :mod:`nanoattn.linen`)."""

@@ -1,0 +1,1 @@
+"""The Flax NNX modules (public as :mod:`nanoattn.nnx`)."""

@@ -1,0 +1,69 @@
+"""How an NNX module hands its parameters to the shared layer steps
+(``nanoattn._layers.heads.Parameters``), and the NNX QK norm.
+
+The projections are ``nnx.Linear`` (so the parameters are named ``kernel`` and
+``bias``, as in linen), but they are applied here in the compute dtype chosen
+per call (``config.dtype``, else the input's), exactly as the linen modules
+apply ``nn.Dense``: inputs, kernel and bias cast to that dtype, one
+``dot_general``, then the bias.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..norm import head_rms_norm
+
+
+class HeadRMSNorm(nnx.Module):
+    r"""RMSNorm of each head over its H features (``nanoattn._layers.norm.head_rms_norm``),
+    with a learned ``scale`` (H,) initialised to ones and shared by every head."""
+
+    def __init__(self, head_dim: int, *, param_dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((head_dim,), param_dtype))
+
+    def __call__(self, x, dtype=None):
+        """x: (..., H), e.g. query heads (B, T, N, H) or key heads (B, S, K, H)."""
+        return head_rms_norm(x, self.scale[...], dtype)
+
+
+def linear(layer: nnx.Linear, x, dtype):
+    """``x @ kernel + bias`` with all three in ``dtype``: (..., D_in) -> (..., features)."""
+    x = jnp.asarray(x, dtype)
+    kernel = jnp.asarray(layer.kernel[...], dtype)
+    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    if layer.bias is not None:
+        y = y + jnp.reshape(jnp.asarray(layer.bias[...], dtype), (1,) * (y.ndim - 1) + (-1,))
+    return y
+
+
+class Parameters:
+    """The parameters of an NNX attention module, for the shared steps: its
+    submodules by name, its dropout stream (or the call's ``rngs``), and
+    ``sow`` into ``nnx.Intermediate`` when the module sows weights."""
+
+    def __init__(self, module: nnx.Module, rngs: nnx.Rngs | None):
+        self.module, self.rngs = module, rngs
+
+    def dense(self, name, x, features, dtype):
+        return linear(getattr(self.module, name), x, dtype)
+
+    def norm(self, name, x, dtype):
+        return getattr(self.module, name)(x, dtype)
+
+    def sinks(self):
+        return self.module.sinks[...]
+
+    def dropout_rng(self):
+        if self.rngs is not None:
+            return self.rngs.dropout()
+        if self.module.rngs is None:
+            raise ValueError(
+                "dropout is on but this module has no random stream: construct it with "
+                "rngs, pass rngs=nnx.Rngs(dropout=...) to the call, or use deterministic=True"
+            )
+        return self.module.rngs()
+
+    def sow_weights(self, weights):
+        if self.module.sow_weights:
+            self.module.sow(nnx.Intermediate, "attention_weights", weights())

@@ -1,0 +1,314 @@
+"""The three calls of an attention layer, written once for linen and NNX:
+self-attention over a whole sequence, one decoding step through a KV cache,
+and cross-attention. The modules own the parameters and the cache and hand
+them in (``nanoattn._layers.heads.Parameters``, ``nanoattn._layers.caches.kv_cache.KVCache``).
+
+Axis letters (docs/conventions.md): B batch, T query time, S key time (the
+cache capacity when decoding), N query heads, K key/value heads, H head
+width, D model width.
+"""
+
+import jax.numpy as jnp
+
+from .._core.base.masks import padding_mask
+from .._core.base.trace import check_shape
+from .._core.base.validate import expect_bool, expect_floating, expect_integer, expect_shape
+from .axes import labels
+from .caches import kv_cache, rolling
+from .config import AttentionConfig
+from .heads import (
+    Parameters,
+    attend,
+    compute_dtype,
+    core_options,
+    normalize_qk,
+    rotate_qk,
+    split_heads,
+)
+from .sharded import default_positions
+
+
+def _int_per_token(name: str, value, axes: str, dims) -> jnp.ndarray:
+    value = jnp.asarray(value)
+    expect_integer(name, value.dtype)
+    expect_shape(name, value.shape, axes, dims)
+    return value
+
+
+def _expect_input_dtype(cfg: AttentionConfig, name: str, x) -> None:
+    """Without a ``config.dtype`` the input's dtype is the compute dtype: a float one."""
+    if cfg.dtype is None:
+        expect_floating(name, jnp.result_type(x))
+
+
+def _project_qkv(params: Parameters, cfg: AttentionConfig, x, dtype):
+    """x (B, T, D) -> query heads (B, T, N, H), key and value heads (B, T, K, H)."""
+    B, T, D = x.shape
+    N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    label = labels(cfg)
+    qkv = params.dense("qkv", x, (N + 2 * K) * H, dtype)
+    check_shape(
+        qkv, "qkv", f"B T {label.qkv}", (B, T, (N + 2 * K) * H), op="project", source="input"
+    )
+    q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)  # [Q (N*H) | K (K*H) | V (K*H)]
+    check_shape(q, "q", "B T D", (B, T, D), op="split", source="qkv")
+    for name, part in (("k", k), ("v", v)):
+        check_shape(part, name, f"B S {label.kv_width}", (B, T, K * H), op="split", source="qkv")
+    q = split_heads(q, "q", "B T N H", N, cfg)
+    k = split_heads(k, "k", f"B S {label.kv_heads} H", K, cfg)
+    v = split_heads(v, "v", f"B S {label.kv_heads} H", K, cfg)
+    return (*normalize_qk(params, cfg, q, k, dtype), v)
+
+
+def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids, lengths):
+    """Validates a self-attention call's input and its arguments for the mode."""
+    expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
+    _expect_input_dtype(cfg, "x", x)
+    check_shape(x, "input", "B T D", x.shape, op="input")
+    if decode:
+        for name, value in (("positions", positions), ("segment_ids", segment_ids)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} is not supported with decode=True: the cache keeps each "
+                    f"row's position (use lengths for ragged rows)"
+                )
+    elif lengths is not None:
+        raise ValueError(
+            "lengths only applies with decode=True; in full-sequence mode pass a "
+            "padding mask or segment_ids"
+        )
+
+
+def sink_window(cfg: AttentionConfig):
+    """With ``sink_tokens``, the window as a mask_fn (``core_options`` then leaves the
+    window out): causal, and within ``W`` positions or one of the first S0. None
+    without sink tokens."""
+    if not cfg.sink_tokens:
+        return None
+    W, S0 = cfg.window[0], cfg.sink_tokens
+
+    def window_or_sink(b, n, q_pos, k_pos):
+        return rolling.visible(q_pos, k_pos, W, S0)
+
+    return window_or_sink
+
+
+def and_masks(first, second):
+    """The mask_fn allowing what both allow; either may be None."""
+    if first is None or second is None:
+        return first if second is None else second
+
+    def both(b, n, q_pos, k_pos):
+        return first(b, n, q_pos, k_pos) & second(b, n, q_pos, k_pos)
+
+    return both
+
+
+def _at_positions(fn, key_positions, scores: bool):
+    """``mask_fn`` or ``score_fn`` called with each slot's position (``key_positions``
+    (B, S)) in place of the slot index, for a rolling cache."""
+    if fn is None:
+        return None
+    if scores:
+        return lambda score, b, n, q_pos, k: fn(score, b, n, q_pos, key_positions[b, k])
+    return lambda b, n, q_pos, k: fn(b, n, q_pos, key_positions[b, k])
+
+
+def self_attention(
+    params: Parameters,
+    cfg: AttentionConfig,
+    x,
+    *,
+    deterministic: bool,
+    mask=None,
+    positions=None,
+    segment_ids=None,
+    mask_fn=None,
+    score_fn=None,
+):
+    """Causal self-attention over the whole of x (B, T, D) -> (B, T, D).
+
+    ``positions`` (B, T) or (T,) int (default ``arange(T)``) are what RoPE
+    rotates by; ``segment_ids`` (B, T) int restrict attention to equal ids.
+    ``mask_fn`` and ``score_fn`` see query and key positions ``0 .. T - 1``
+    (``q_offset`` 0: the index in the sequence, not ``positions``).
+    """
+    B, T, _ = x.shape
+    dtype = compute_dtype(cfg, x)
+    options = core_options(cfg, positional=True)
+    mask_fn = and_masks(sink_window(cfg), mask_fn)
+    if positions is None:
+        positions = jnp.arange(T) if cfg.sequence_axis is None else default_positions(cfg, T)
+    elif jnp.ndim(positions) == 1:
+        positions = _int_per_token("positions", positions, "T", (T,))
+    else:
+        positions = _int_per_token("positions", positions, "B T", (B, T))
+    if segment_ids is not None:
+        segment_ids = _int_per_token("segment_ids", segment_ids, "B T", (B, T))
+        options |= {"q_segment_ids": segment_ids, "kv_segment_ids": segment_ids}
+    q, k, v = _project_qkv(params, cfg, x, dtype)
+    q, k = rotate_qk(cfg, q, k, positions)
+    return attend(
+        params, q, k, v, cfg, deterministic, dtype, mask=mask, is_causal=True, mask_fn=mask_fn,
+        score_fn=score_fn, **options,
+    )  # fmt: skip
+
+
+def decode(
+    params: Parameters,
+    cfg: AttentionConfig,
+    x,
+    cache: kv_cache.KVCache,
+    *,
+    deterministic: bool,
+    mask=None,
+    lengths=None,
+    mask_fn=None,
+    score_fn=None,
+    hint: str,
+):
+    """One decoding step: writes the chunk x (B, T, D) into the cache and attends.
+
+    Row b's tokens sit at positions ``cache.position[b] + t``; only the first
+    ``lengths[b]`` (default T) are real: they are written and the row advances
+    by ``lengths[b]``, and outputs at padded tokens are zeros. Each query
+    attends causally over the keys written so far (``kv_lengths`` hides the
+    slots at and past the row's end from every backend). A write past the
+    capacity, or ``lengths`` outside [0, T], raises ValueError (the overflow's
+    message ends with ``hint``) when concrete; under ``jit``, where they cannot
+    be checked, those rows' outputs are NaN, and a row with bad ``lengths``
+    stays NaN in every later call (its position is set past the capacity).
+    ``mask_fn`` and ``score_fn`` see each query at its position in the row
+    (``q_offset = cache.position``, per row) and each key at its position (its
+    cache slot in a full cache), so decoding equals the full forward with the same
+    functions.
+
+    With ``cfg.rolling_cache`` the cache is a ring of S slots (``nanoattn._layers.caches.rolling``):
+    the chunk goes to the slots ``slot_of(position + t)``, and one mask_fn holds
+    every rule: a query at p sees a slot iff the position it holds (recomputed from
+    the row's new end, ``slot_positions``) is causal and within the window, or a
+    sink token. Each call takes at most ``S - W - sink_tokens`` real tokens per row
+    (a longer one raises when concrete, and poisons the row under ``jit``: NaN, and
+    position -1 from then on). ``last`` records each row's real tokens for
+    ``rewind``.
+
+    Returns:
+      (y (B, T, D), the advanced cache).
+    """
+    B, T, D = x.shape
+    capacity = cache.key.shape[1]
+    expect_shape("x", x.shape, "B T D", (cache.key.shape[0], None, D))
+    dtype = compute_dtype(cfg, x)
+    position = cache.position  # (B,)
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    lengths = _int_per_token("lengths", lengths, "B", (B,))
+    is_rolling = cfg.rolling_cache
+    W, S0 = (cfg.window[0] if cfg.window else 0), cfg.sink_tokens
+    if is_rolling:
+        kv_cache.check_rolling_capacity(capacity, W, S0, hint)
+    limit = rolling.chunk_limit(capacity, W, S0) if is_rolling else None
+    kv_cache.check_chunk(position, lengths, T, capacity, hint, limit)
+    # Under jit nothing could be checked: a row whose lengths are out of range (or, in a
+    # rolling cache, past the chunk limit, or already poisoned) writes nothing and is
+    # poisoned: NaN now and in every later call (its position past the end of a full
+    # cache, -1 in a rolling one, which never fills).
+    bad = (lengths < 0) | (lengths > T) | (position < 0)  # (B,)
+    if is_rolling:
+        bad = kv_cache.broken_rows(position, lengths, T, capacity, limit)
+    lengths = jnp.where(bad, 0, lengths)
+    start = jnp.maximum(position, 0)
+    q, k, v = _project_qkv(params, cfg, x, dtype)
+    q, k = rotate_qk(cfg, q, k, start[:, None] + jnp.arange(T)[None, :])  # (B, T) positions
+    ring = S0 if is_rolling else None
+    keys = kv_cache.write(cache.key, k, start, lengths, ring)
+    values = kv_cache.write(cache.value, v, start, lengths, ring)
+    end = start + lengths  # (B,)
+    options = core_options(cfg, positional=True)
+    if is_rolling:  # every rule in one mask_fn over the positions the slots hold
+        held = rolling.slot_positions(end, capacity, S0)  # (B, S), -1: never written
+
+        def in_view(b, n, q_pos, k):
+            return rolling.visible(q_pos, held[b, k], W, S0)
+
+        rules = dict(mask_fn=and_masks(in_view, _at_positions(mask_fn, held, False)))
+        rules["score_fn"] = _at_positions(score_fn, held, True)
+        options.pop("window", None)
+    else:
+        rules = dict(mask_fn=and_masks(sink_window(cfg), mask_fn), score_fn=score_fn)
+        rules |= dict(is_causal=True, kv_lengths=end)
+    y = attend(
+        params,
+        q,
+        keys.astype(dtype),
+        values.astype(dtype),
+        cfg,
+        deterministic,
+        dtype,
+        mask=mask,
+        q_offset=start,
+        **rules,
+        **options,
+    )
+    real = jnp.arange(T)[None, :] < lengths[:, None]  # (B, T)
+    y = jnp.where(real[..., None], y, 0)
+    broken = bad if is_rolling else bad | (end > capacity)  # only under jit: the errors above
+    y = jnp.where(broken[:, None, None], jnp.nan, y).astype(y.dtype)
+    if is_rolling:
+        end = jnp.where(bad, -1, end)
+    else:
+        end = jnp.where(bad, capacity + 1, end)  # every later call of the row overflows
+    last = jnp.where(bad, 0, lengths)
+    return y, kv_cache.KVCache(keys, values, end.astype(jnp.int32), last.astype(jnp.int32))
+
+
+def cross_attention(
+    params: Parameters,
+    cfg: AttentionConfig,
+    x,
+    context,
+    *,
+    deterministic: bool,
+    context_mask=None,
+    mask_fn=None,
+    score_fn=None,
+):
+    """T queries from x (B, T, D) attend to S keys from context (B, S, D) -> (B, T, D).
+
+    ``context_mask``: boolean (B, S), True at real context tokens, or any mask
+    broadcastable to (B, N, T, S) of rank other than 2. ``mask_fn`` and
+    ``score_fn`` see query positions ``0 .. T - 1`` and key positions ``0 .. S - 1``.
+    """
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    expect_shape("x", jnp.shape(x), "B T D", (None, None, D))
+    B, T, _ = x.shape
+    expect_shape("context", jnp.shape(context), "B S D", (B, None, D))
+    S = context.shape[1]
+    _expect_input_dtype(cfg, "x", x)
+    _expect_input_dtype(cfg, "context", context)
+    mask = context_mask
+    if mask is not None and jnp.ndim(mask) == 2:
+        expect_bool("context_mask", jnp.result_type(mask))
+        expect_shape("context_mask", jnp.shape(mask), "B S", (B, S))
+        mask = padding_mask(mask)  # (B, 1, 1, S)
+
+    dtype = compute_dtype(cfg, x)
+    label = labels(cfg)
+    check_shape(x, "input", "B T D", (B, T, D), op="input")
+    check_shape(context, "context", "B S D", (B, S, D), op="input")
+    q = params.dense("q", x, N * H, dtype)
+    check_shape(q, "q", "B T D", (B, T, D), op="project", source="input")
+    kv = params.dense("kv", context, 2 * K * H, dtype)
+    check_shape(kv, "kv", f"B S {label.kv_pair}", (B, S, 2 * K * H), op="project", source="context")
+    k, v = jnp.split(kv, 2, axis=-1)  # 2 x (B, S, K*H), in the order [K | V]
+    for name, part in (("k", k), ("v", v)):
+        check_shape(part, name, f"B S {label.kv_width}", (B, S, K * H), op="split", source="kv")
+    q = split_heads(q, "q", "B T N H", N, cfg)
+    k = split_heads(k, "k", f"B S {label.kv_heads} H", K, cfg)
+    v = split_heads(v, "v", f"B S {label.kv_heads} H", K, cfg)
+    q, k = normalize_qk(params, cfg, q, k, dtype)
+    options = core_options(cfg, positional=False)
+    return attend(
+        params, q, k, v, cfg, deterministic, dtype, mask=mask, mask_fn=mask_fn, score_fn=score_fn,
+        **options,
+    )  # fmt: skip
