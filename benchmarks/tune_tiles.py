@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from nanoattn._backends.flash.kernel import flash_attention
-from nanoattn._core.base.rules import attention_spec
+from nanoattn._core.base.rules import Rules
 
 CANDIDATES = [
     (128, 128, 8),
@@ -51,7 +51,7 @@ def attend(q, k, v, spec, tiles):
 def compiled(T, N, H, tiles):
     """Jitted forward and forward+backward for one size and tiling."""
     zeros = jnp.zeros((1, T, N, H))
-    spec = attention_spec(zeros, zeros, zeros, is_causal=True)
+    spec = Rules.make(zeros, zeros, zeros, is_causal=True)
     forward = functools.partial(attend, spec=spec, tiles=tiles)
     loss = lambda q, k, v: forward(q, k, v).sum()  # noqa: E731
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))

@@ -419,7 +419,7 @@ class Call:
                                    self.mask_values())  # fmt: skip
         if self.statics.score_fn is not None:
             kwargs["score_fn"] = self.statics.score_fn.build(self.score_params)
-        spec = rules.attention_spec(q, k, v, bias=self.bias, sinks=self.sinks,
+        spec = rules.Rules.make(q, k, v, bias=self.bias, sinks=self.sinks,
                                     scale=self.statics.scale, **kwargs)  # fmt: skip
         dtype = DTYPES[self.dtype]
         return [name for name in registry.names()
@@ -577,7 +577,7 @@ def native_serves(feature: str) -> bool:
         "sinks": dict(sinks=jnp.zeros((1,), jnp.float32)),
         "residual": dict(return_residual=True),
     }[feature]
-    spec = rules.attention_spec(q, k, k, **extra)
+    spec = rules.Rules.make(q, k, k, **extra)
     return registry.get("native").unsupported(spec, jnp.float32, 0.0) is None
 
 

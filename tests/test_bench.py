@@ -687,8 +687,8 @@ def test_block_sparse_case_leaves_a_quarter_of_the_flash_kernels_work():
     def items(plans):
         return [sum(s.items for s in plan.schedules()) for plan in plans]
 
-    sparse = items(flash_plan.kernel_plans(rules.attention_spec(q, q, mask_fn=mask), mask=mask))
-    causal = items(flash_plan.kernel_plans(rules.attention_spec(q, q, is_causal=True)))
+    sparse = items(flash_plan.kernel_plans(rules.Rules.make(q, q, mask_fn=mask), mask=mask))
+    causal = items(flash_plan.kernel_plans(rules.Rules.make(q, q, is_causal=True)))
     assert all(s <= 0.26 * c for s, c in zip(sparse, causal)), (sparse, causal)
 
 

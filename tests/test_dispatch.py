@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 from nanoattn import dot_product_attention
 from nanoattn._backends import dispatch
-from nanoattn._core.base.rules import attention_spec
+from nanoattn._core.base.rules import Rules
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 from _cases import attention_case
@@ -17,7 +17,7 @@ from _reference import randn
 
 def spec_for(T, S=None, **kwargs):
     S = S or T
-    return attention_spec(jnp.zeros((1, T, 2, 8)), jnp.zeros((1, S, 2, 8)), **kwargs)
+    return Rules.make(jnp.zeros((1, T, 2, 8)), jnp.zeros((1, S, 2, 8)), **kwargs)
 
 
 def test_a_spec_without_rules_has_none():

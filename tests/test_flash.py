@@ -13,7 +13,7 @@ import pytest
 import nanoattn
 from nanoattn import dot_product_attention
 from nanoattn._backends.flash.kernel import flash_attention
-from nanoattn._core.base.rules import attention_spec
+from nanoattn._core.base.rules import Rules
 
 from _cases import SMALL_TILES, Case, assert_cases_match
 from _fuzz import check, concrete_call
@@ -22,11 +22,11 @@ from _reference import np_attention, np_causal, np_window, randn
 
 def run_both(q, k, v, tiles=SMALL_TILES, bias=None, **kwargs):
     """Outputs and (q, k, v, bias) gradients of the kernel and the reference."""
-    spec = attention_spec(q, k, v, bias=bias, **kwargs)
+    spec = Rules.make(q, k, v, bias=bias, **kwargs)
     cot = jnp.asarray(randn(99, *q.shape))
 
     def flash(q, k, v, bias):
-        spec_b = attention_spec(q, k, v, bias=bias, **kwargs)
+        spec_b = Rules.make(q, k, v, bias=bias, **kwargs)
         return flash_attention(q, k, v, spec_b, **tiles)
 
     def reference(q, k, v, bias):
@@ -121,7 +121,7 @@ def test_default_tiles_at_length_1000():
 
 def test_float64_stays_float64(x64):
     q, k, v = (a.astype(jnp.float64) for a in qkv(20, 20))
-    spec = attention_spec(q, k, v, is_causal=True)
+    spec = Rules.make(q, k, v, is_causal=True)
     out = flash_attention(q, k, v, spec, **SMALL_TILES)
     assert out.dtype == jnp.float64
     want = np_attention(q, k, v, allowed=np_causal(20, 20))
@@ -131,7 +131,7 @@ def test_float64_stays_float64(x64):
 def test_bfloat16_error_at_most_twice_the_reference_error():
     q, k, v = (a.astype(jnp.bfloat16) for a in qkv(97, 97, N=4, K=2, H=32))
     truth = np_attention(*(np.asarray(a, np.float64) for a in (q, k, v)), allowed=np_causal(97, 97))
-    spec = attention_spec(q, k, v, is_causal=True)
+    spec = Rules.make(q, k, v, is_causal=True)
     flash = flash_attention(q, k, v, spec, **SMALL_TILES)
     ref = dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     assert flash.dtype == ref.dtype == jnp.bfloat16
@@ -183,7 +183,7 @@ def test_fit_tiles_respects_the_step_budget(B, T, N):
     )
 
     z = jnp.zeros((B, T, N, 8))
-    block_q, block_k, lanes = fit_tiles(FORWARD_TILES, FORWARD_STEP_CELLS, attention_spec(z, z, z))
+    block_q, block_k, lanes = fit_tiles(FORWARD_TILES, FORWARD_STEP_CELLS, Rules.make(z, z, z))
     assert all(type(size) is int for size in (block_q, block_k, lanes))
     assert 1 <= lanes <= FORWARD_TILES[2]
     assert min(MIN_BLOCK, T) <= block_q <= min(FORWARD_TILES[0], T)
@@ -427,10 +427,10 @@ def test_float32_under_x64_computes_in_float32_only(x64):
 
 def test_kernel_plans_are_forward_then_backward():
     from nanoattn._backends.flash.plan import BACKWARD_TILES, FORWARD_TILES, kernel_plans
-    from nanoattn._core.base.rules import attention_spec
+    from nanoattn._core.base.rules import Rules
 
     q, k, v = typed_qkv(300, 200)
-    spec = attention_spec(q, k, v, is_causal=True, q_offset=0)
+    spec = Rules.make(q, k, v, is_causal=True, q_offset=0)
     forward, backward = kernel_plans(spec, (16, 32, 3), (8, 16, 5))
     assert (forward.block_q, forward.block_k, forward.lanes) == (16, 32, 3)
     assert (backward.block_q, backward.block_k, backward.lanes) == (8, 16, 5)
@@ -489,11 +489,11 @@ def test_the_tiles_given_are_the_tiles_run():
 
 def test_fit_tiles_shrinks_only_as_far_as_the_budget_needs():
     from nanoattn._backends.flash.plan import FORWARD_STEP_CELLS, FORWARD_TILES, fit_tiles
-    from nanoattn._core.base.rules import attention_spec
+    from nanoattn._core.base.rules import Rules
 
     def fit(B, T, S, N):
         q, kv = jnp.zeros((B, T, N, 8)), jnp.zeros((B, S, N, 8))
-        return fit_tiles(FORWARD_TILES, FORWARD_STEP_CELLS, attention_spec(q, kv, kv))
+        return fit_tiles(FORWARD_TILES, FORWARD_STEP_CELLS, Rules.make(q, kv, kv))
 
     assert fit(1, 1024, 1024, 16) == (256, 512, 1)  # exactly the budget: nothing halved
     assert fit(1, 1024, 1024, 8) == (256, 512, 2)  # half of it: two lanes

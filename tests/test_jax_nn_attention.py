@@ -27,7 +27,7 @@ import pytest
 import nanoattn
 from nanoattn import jax_nn_attention
 from nanoattn._backends import dispatch
-from nanoattn._core.base.rules import attention_spec
+from nanoattn._core.base.rules import Rules
 from nanoattn._interop import jax_nn_attention as jax_nn_attention_module
 from nanoattn._interop import jax_nn_rows
 
@@ -548,7 +548,7 @@ def test_the_rules_tell_the_rows_that_see_no_key_as_the_log_sum_exp_does():
         q, k, v = qkv(22, T_, S_)
         _, lse = nanoattn.dot_product_attention(q, k, v, **rules, return_residual=True,
                                                 implementation="xla")  # fmt: skip
-        sees = jax_nn_rows.sees_a_key(attention_spec(q, k, v, **rules))
+        sees = jax_nn_rows.sees_a_key(Rules.make(q, k, v, **rules))
         return jnp.broadcast_to(sees, lse.shape), jnp.isfinite(lse)
 
     cases = [case for case in MASK_CASES if "bias" not in MASK_CASES[case][2](T, S)]

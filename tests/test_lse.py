@@ -12,9 +12,9 @@ import pytest
 
 import nanoattn
 from nanoattn._backends import native
-from nanoattn._backends.flash.kernel import BlockInputs, forward_block
+from nanoattn._backends.flash.kernel import BlockInputs, forward_block, kernel_rules
 from nanoattn._backends.flash.plan import kernel_plans
-from nanoattn._core.base.rules import attention_spec
+from nanoattn._core.base.rules import Rules
 from nanoattn.parallel import _blocks, ring_attention
 
 B, T, S, N, K, H = 3, 11, 13, 4, 2, 8
@@ -66,12 +66,9 @@ def _check(lse, q, k, visible):
 @pytest.mark.parametrize("tiles", [None, (4, 8, 2)], ids=["default-tiles", "small-tiles"])
 def test_flash_forward_block_lse(name, kwargs, visible, tiles):
     q, k, v = _inputs()
-    spec = attention_spec(q, k, v, **kwargs)
+    spec = Rules.make(q, k, v, **kwargs)
     plan = kernel_plans(spec, tiles).forward
-    inputs = BlockInputs(
-        query=q, key=k, value=v, kv_lengths=spec.kv_lengths,
-        q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.kv_segment_ids,
-    )  # fmt: skip
+    inputs = BlockInputs(query=q, key=k, value=v, rules=kernel_rules(spec))
     _, lse = jax.jit(forward_block, static_argnums=0)(plan, inputs)
     _check(lse, q, k, visible)
 
@@ -81,7 +78,7 @@ def test_native_forward_lse(name, kwargs, visible):
     if native.load()[0] is None:
         pytest.skip("the native kernel is not available here")
     q, k, v = _inputs()
-    spec = attention_spec(q, k, v, **kwargs)
+    spec = Rules.make(q, k, v, **kwargs)
     _, lse = native.native_attention(q, k, v, spec)
     _check(lse, q, k, visible)
 

@@ -153,14 +153,14 @@ def test_block_mask_kinds_and_the_schedule_skip_empty_blocks():
                 cells = literal[b, 0, 64 * i : 64 * (i + 1), 64 * j : 64 * (j + 1)]
                 kind = 2 if cells.all() else 1 if cells.any() else 0
                 assert mask.kinds[b, 0, i, j] == kind, (b, i, j)
-    spec = rules.attention_spec(*map(jnp.asarray, inputs(T, S)[:2]), mask_fn=mask)
+    spec = rules.Rules.make(*map(jnp.asarray, inputs(T, S)[:2]), mask_fn=mask)
     plans = flash_plan.kernel_plans(spec, (64, 64, 1), (64, 64, 1), mask)
     masked, full = plans.forward.schedules()
     kinds = mask.kinds_at(64, 64)
     assert masked.items == (kinds == block_mask.PARTIAL).sum()
     assert full.items == (kinds == block_mask.FULL).sum()
     causal = flash_plan.kernel_plans(
-        rules.attention_spec(*map(jnp.asarray, inputs(T, S)[:2]), is_causal=True),
+        rules.Rules.make(*map(jnp.asarray, inputs(T, S)[:2]), is_causal=True),
         (64, 64, 1), (64, 64, 1),
     ).forward.schedules()  # fmt: skip
     assert masked.items + full.items < 0.6 * (causal[0].items + causal[1].items)

@@ -172,25 +172,26 @@ def test_vmap_over_an_extra_axis_equals_a_loop():
 def test_automatic_choice_takes_it_where_it_serves():
     from nanoattn._backends.dispatch import choose
     from nanoattn._backends.native.backend import CPU_MIN_CELLS
-    from nanoattn._core.base.rules import attention_spec
+    from nanoattn._core.base.rules import Rules
 
     side = int(np.ceil(np.sqrt(CPU_MIN_CELLS)))
     z = jnp.zeros((1, side, 2, 8))
-    assert choose(None, attention_spec(z, z, z, is_causal=True), jnp.float32, 0.0) == "native"
-    spec = attention_spec(z, z, z, bias=jnp.zeros((1, 1, side, side)))
+    assert choose(None, Rules.make(z, z, z, is_causal=True), jnp.float32, 0.0) == "native"
+    spec = Rules.make(z, z, z, bias=jnp.zeros((1, 1, side, side)))
     assert choose(None, spec, jnp.float32, 0.0) != "native"
-    assert choose(None, attention_spec(z, z, z), jnp.bfloat16, 0.0) != "native"  # too short
-    assert choose(None, attention_spec(z, z, z), jnp.float16, 0.0) != "native"
+    assert choose(None, Rules.make(z, z, z), jnp.bfloat16, 0.0) != "native"  # too short
+    assert choose(None, Rules.make(z, z, z), jnp.float16, 0.0) != "native"
 
 
-MASK_OR_BIAS = "a dense mask or a bias is served by 'xla' and 'flash' only"
+BIAS = "a bias is served by 'xla', 'flash' and 'cudnn' only"
+MASK = "a dense mask is served by 'xla', 'flash' and 'cudnn' only"
 
 
 @pytest.mark.parametrize(
     "kwargs, dtype, says",
     [
-        (dict(bias=jnp.zeros((1, 1, 9, 9))), jnp.float32, MASK_OR_BIAS),
-        (dict(mask=jnp.ones((9, 9), bool)), jnp.float32, MASK_OR_BIAS),
+        (dict(bias=jnp.zeros((1, 1, 9, 9))), jnp.float32, BIAS),
+        (dict(mask=jnp.ones((9, 9), bool)), jnp.float32, MASK),
         (
             dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
             jnp.float32,

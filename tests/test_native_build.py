@@ -22,7 +22,7 @@ import pytest
 
 from nanoattn._backends.dispatch import choose
 from nanoattn._backends.native import build as native_build
-from nanoattn._core.base.rules import attention_spec
+from nanoattn._core.base.rules import Rules
 
 from _reference import np_attention, np_causal, randn
 
@@ -135,7 +135,7 @@ FALLBACK_SCRIPT = """
 import json, os, sys, warnings, jax, jax.numpy as jnp, numpy as np, nanoattn
 from nanoattn._backends.dispatch import choose
 from nanoattn._backends.native import build as native_build
-from nanoattn._core.base.rules import attention_spec
+from nanoattn._core.base.rules import Rules
 compilers, folder = json.loads(sys.argv[1]), sys.argv[2]
 z = jnp.ones((1, 300, 2, 8))
 q, k, v = (np.load(os.path.join(folder, 'qkv.npz'))[x] for x in 'qkv')
@@ -145,7 +145,7 @@ for name, cxx in compilers.items():
     native_build.load.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        choice = choose(None, attention_spec(z, z, z, is_causal=True), z.dtype, 0.0)
+        choice = choose(None, Rules.make(z, z, z, is_causal=True), z.dtype, 0.0)
         attend = jax.jit(lambda q, k, v: nanoattn.dot_product_attention(q, k, v, is_causal=True))
         np.save(os.path.join(folder, name + '.npy'), attend(q, k, v))
         try:
@@ -169,7 +169,7 @@ def test_without_the_kernel_it_says_so_once_and_the_pure_jax_kernels_serve(tmp_p
         compilers[name] = str(cxx)
     q, k, v = randn(1, B, T, N, H), randn(2, B, T, K, H), randn(3, B, T, K, H)
     if native_build.load()[0] is not None:  # here, with the kernel, the automatic choice takes it
-        assert choose(None, attention_spec(q, k, v, is_causal=True), q.dtype, 0.0) == "native"
+        assert choose(None, Rules.make(q, k, v, is_causal=True), q.dtype, 0.0) == "native"
     np.savez(tmp_path / "qkv.npz", q=q, k=k, v=v)
     env = dict(os.environ, NANOATTN_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("NANOATTN_NATIVE", None)

@@ -22,7 +22,7 @@ import nanoattn
 from nanoattn._backends import native
 from nanoattn._backends.dispatch import choose
 from nanoattn._backends.native import kernel as native_kernel
-from nanoattn._core.base.rules import attention_spec
+from nanoattn._core.base.rules import Rules
 
 from _cases import jit_vjp as run
 from _reference import np_attention_vjp, np_index_grids, randn
@@ -156,7 +156,7 @@ def test_a_static_block_mask_is_reused_and_taken_at_the_kernels_blocks(block, mo
     T = S = 131
     mask = nanoattn.block_mask(documents, B, N, T, S, block_q=block, block_k=block)
     assert mask.static
-    spec = attention_spec(*map(jnp.asarray, inputs(T, S)[:2]), mask_fn=mask)
+    spec = Rules.make(*map(jnp.asarray, inputs(T, S)[:2]), mask_fn=mask)
     allowed = LITERALS[documents](*positions(T, S))[:, :1]  # (B, 1, T, S): no head depends
     # Kinds of the literal's 64 x 64 blocks, padding cells (2) neither visible nor hidden.
     cells = np.pad(allowed.astype(np.int8), ((0, 0), (0, 0), (0, 61), (0, 61)), constant_values=2)
@@ -189,7 +189,7 @@ def test_masks_of_traced_arrays_are_served_from_bits_computed_at_run_time(monkey
             return (ids[b, qp] == ids[b, kp]) & ((kp <= qp) | (kp < 23))
 
         rules = dict(mask_fn=doc_prefix, q_offset=offsets, kv_lengths=jnp.array([150, 140]))
-        assert not native_kernel._probe(attention_spec(q, k, v, **rules))[0]
+        assert not native_kernel._probe(Rules.make(q, k, v, **rules))[0]
         attend = functools.partial(nanoattn.dot_product_attention, implementation="native",
                                    **rules)  # fmt: skip
         out, vjp = jax.vjp(attend, q, k, v)
@@ -212,7 +212,7 @@ def test_a_traced_mask_whose_bits_would_be_too_large_is_left_to_others(monkeypat
         def doc(b, n, qp, kp):
             return ids[b, qp] == ids[b, kp]
 
-        spec = attention_spec(q, k, v, mask_fn=doc)
+        spec = Rules.make(q, k, v, mask_fn=doc)
         assert choose(None, spec, jnp.float32, 0.0) != "native"
         return nanoattn.dot_product_attention(q, k, v, mask_fn=doc, implementation=implementation)
 
@@ -292,9 +292,9 @@ def test_nan_and_inf_that_only_mask_fn_hides_change_nothing(T, S, q_offset):
 
 def test_it_serves_mask_fn_and_leaves_score_fn_to_others():
     z = jnp.zeros((1, 40, 2, 8))
-    assert choose(None, attention_spec(z, z, z, mask_fn=prefix_lm), jnp.float32, 0.0) == "native"
+    assert choose(None, Rules.make(z, z, z, mask_fn=prefix_lm), jnp.float32, 0.0) == "native"
     score = dict(score_fn=lambda s, b, n, qp, kp: s)
-    assert choose(None, attention_spec(z, z, z, **score), jnp.float32, 0.0) != "native"
+    assert choose(None, Rules.make(z, z, z, **score), jnp.float32, 0.0) != "native"
     with pytest.raises(ValueError) as info:
         nanoattn.dot_product_attention(z, z, z, implementation="native", **score)
     assert str(info.value) == (

@@ -172,7 +172,7 @@ def test_ring_skips_every_chunk_pair_mask_fn_hides_and_unmasks_the_full_ones(lay
     and a window, against the pair's cells by brute force: skipped when the window or
     mask_fn hides every cell, run without mask_fn when mask_fn shows every cell, with
     it (and its block kinds) otherwise; the sweep reaches every kind."""
-    from nanoattn._core.base.rules import attention_spec
+    from nanoattn._core.base.rules import Rules
     from nanoattn.parallel import _blocks
 
     T, left = 192, 60  # chunks of C = 24: adjacent pairs wholly in the window, others not
@@ -187,9 +187,9 @@ def test_ring_skips_every_chunk_pair_mask_fn_hides_and_unmasks_the_full_ones(lay
     by_fn = (ids[i] == ids[j]) | (i < 72)
     by_band = (j <= i) & (i - j <= left)
     x = jnp.zeros((1, T // P, 2, 4))
-    spec = attention_spec(x, x, x, is_causal=True, window=(left, 0))
+    spec = Rules.make(x, x, x, is_causal=True, window=(left, 0))
     tiles = ((8, 8, 1), (8, 8, 1))  # 3 x 3 blocks per pair: the pair's kind sums its blocks'
-    plans = _blocks.step_plans(spec, layout, P, tiles, mask_fn)
+    plans = _blocks.step_plans(spec.replace(mask_fn=mask_fn), layout, P, tiles)
     forward, _ = _blocks.pair_kinds(plans, None, 1, 2)
     assert forward.shape[2:] == (3, 3)
     assert plans.all_rows and plans.kinds == _blocks.MASKED_PAIR_KINDS

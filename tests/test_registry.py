@@ -19,6 +19,7 @@ class Toy:
 
     name = "toy"
     priority = None  # never taken by the automatic choice
+    serves = interface.EVERY_RULE
 
     def __init__(self):
         self.calls = 0
@@ -77,7 +78,7 @@ def test_a_registered_backend_serves_a_layer_through_its_config(toy):
 
 def test_the_automatic_choice_never_takes_a_backend_without_priority(toy):
     q, k, v = _qkv()
-    spec = nanoattn._core.base.rules.attention_spec(q, k, v, is_causal=True)
+    spec = nanoattn._core.base.rules.Rules.make(q, k, v, is_causal=True)
     assert dispatch.choose(None, spec, jnp.float32, 0.0) != "toy"
     nanoattn.dot_product_attention(q, k, v, is_causal=True)
     assert toy.calls == 0
@@ -113,7 +114,8 @@ def test_every_built_in_backend_has_the_interface(name):
     assert isinstance(backend.priority, int)
     for method in ("unsupported", "pays_off", "__call__"):
         assert callable(getattr(backend, method))
-    assert set(interface.Backend.__annotations__) == {"name", "priority"}
+    assert backend.serves <= interface.EVERY_RULE
+    assert set(interface.Backend.__annotations__) == {"name", "priority", "serves"}
 
 
 def test_the_automatic_choice_ranks_by_priority():

@@ -18,7 +18,7 @@ import nanoattn
 from nanoattn import linen
 from nanoattn import nnx as nanoattn_nnx
 from nanoattn._backends.registry import get
-from nanoattn._core.base.rules import attention_spec
+from nanoattn._core.base.rules import Rules
 from nanoattn.parallel import ring_attention
 from nanoattn.verify import check_causality
 
@@ -73,7 +73,7 @@ def _serves(implementation, rules) -> bool:
     """Whether the backend serves a call with these rules (the native kernel has no dense
     mask, bias or score_fn)."""
     q, k, v = _qkv()
-    spec = attention_spec(q, k, v, **rules)
+    spec = Rules.make(q, k, v, **rules)
     return get(implementation).unsupported(spec, q.dtype, 0.0) is None
 
 

@@ -9,8 +9,9 @@ and their rules are in :mod:`nanoattn._backends`, their names in
 :mod:`nanoattn._backends.registry`.
 """
 
-from .._core.base.rules import AttentionSpec
+from .._core.base.rules import Rules
 from . import registry
+from .interface import unserved
 
 
 def _ranked():
@@ -20,20 +21,26 @@ def _ranked():
     return sorted(ranked, key=lambda b: -b.priority)
 
 
-def choose(requested: str | None, spec: AttentionSpec, dtype, dropout_rate: float) -> str:
+def refusal(backend, rules: Rules, dtype, dropout_rate: float) -> str | None:
+    """Why ``backend`` cannot serve the call, or None: its own reasons, then any rule
+    it does not serve (which a backend may also check itself, earlier)."""
+    return backend.unsupported(rules, dtype, dropout_rate) or unserved(backend, rules)
+
+
+def choose(requested: str | None, rules: Rules, dtype, dropout_rate: float) -> str:
     """The name of the backend that serves this call.
 
     Raises:
       ValueError: an unknown name, or a named backend that cannot serve the call.
     """
     if requested is not None:
-        reason = registry.get(requested).unsupported(spec, dtype, dropout_rate)
+        reason = refusal(registry.get(requested), rules, dtype, dropout_rate)
         if reason is not None:
             raise ValueError(f"implementation={requested!r} cannot serve this call: {reason}")
         return requested
     for backend in _ranked():
         # Size first: a backend that builds something (the native kernel) builds it
         # only for a call it would be chosen for.
-        if backend.pays_off(spec, dtype) and backend.unsupported(spec, dtype, dropout_rate) is None:
+        if backend.pays_off(rules, dtype) and refusal(backend, rules, dtype, dropout_rate) is None:
             return backend.name
     raise AssertionError("unreachable: the reference serves every call")

@@ -1,16 +1,22 @@
-"""The attention backends, one module each, behind one interface.
+"""What a backend is: the one interface every backend has, and the refusal of a call
+that uses a rule the backend does not serve.
 
-Every module here defines ``BACKEND``, an object with the :class:`Backend`
-interface; :mod:`nanoattn._backends.registry` knows them by name (and imports a module
-only when its backend is first asked for), and :mod:`nanoattn._backends.dispatch`
-chooses among them. Adding a backend: a module ``<name>.py`` here and its name
-in ``nanoattn._backends.registry.Implementation`` (docs/architecture.md).
+Every backend (``xla/``, ``flash/``, ``native/``, ``cudnn.py`` here) defines
+``BACKEND``, an object with the :class:`Backend` interface;
+:mod:`nanoattn._backends.registry` knows them by name (and imports one only when it
+is first asked for), and :mod:`nanoattn._backends.dispatch` chooses among them.
+Adding a backend: docs/architecture.md.
 """
 
 from typing import Protocol
 
+from .._core.base.rules import RULE_NAMES, Rules
+from . import registry
+
 # Why a backend other than the reference cannot serve a call with dropout.
 NO_DROPOUT = "dropout is only implemented by the reference (implementation='xla')"
+# Every rule of Rules.active: what the reference serves.
+EVERY_RULE = frozenset(RULE_NAMES)
 
 
 class Backend(Protocol):
@@ -20,27 +26,53 @@ class Backend(Protocol):
       name: the ``implementation=`` name that selects it.
       priority: its rank in the automatic choice (the highest that can serve a
         call and pays off there is taken), or None: chosen only by name.
+      serves: the rules (names of ``Rules.active``) it implements; a call using any
+        other is refused (:func:`unserved`), so a new rule is refused by every backend
+        until it lists it.
       applies_sinks: optional, False when missing: whether it applies
-        ``spec.sinks`` itself; otherwise it is called without them and with
+        ``rules.sinks`` itself; otherwise it is called without them and with
         ``return_residual`` set, and the sinks are merged into its output
         through its log-sum-exp (``nanoattn._core.merge.add_sinks``).
     """
 
     name: str
     priority: int | None
+    serves: frozenset[str]
 
-    def unsupported(self, spec, dtype, dropout_rate: float) -> str | None:
-        """Why it cannot serve this call (an ``AttentionSpec``, the query's dtype and
-        the dropout rate) with the reference's output contract, or None when it can.
-        Cheap checks first: a backend that builds something builds it only for a
-        call it can serve."""
+    def unsupported(self, rules: Rules, dtype, dropout_rate: float) -> str | None:
+        """Why it cannot serve this call (its :class:`Rules`, the query's dtype and the
+        dropout rate) with the reference's output contract, or None when it can.
+        Cheap checks first (:func:`unserved` among them): a backend that builds
+        something builds it only for a call it can serve."""
 
-    def pays_off(self, spec, dtype) -> bool:
+    def pays_off(self, rules: Rules, dtype) -> bool:
         """Whether the automatic choice should take it for a call of this size and
-        dtype on the default platform (measured thresholds, docs/performance.md); only asked
-        before :meth:`unsupported`, so that a call it would not be chosen for
+        dtype on the default platform (measured thresholds, docs/performance.md); only
+        asked before :meth:`unsupported`, so that a call it would not be chosen for
         never builds it."""
 
-    def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
+    def __call__(self, query, key, value, rules: Rules, *, dropout_rate: float, dropout_rng):
         """Attention output (B, T, N, H) in the query's dtype, for query (B, T, N, H),
-        key and value (B, S, K, H) and the validated ``spec``."""
+        key and value (B, S, K, H) and the call's ``rules``; with
+        ``rules.return_residual`` also the log-sum-exp (B, T, N)."""
+
+
+def unserved(backend: Backend, rules: Rules) -> str | None:
+    """Why ``backend`` cannot serve the rules ``rules`` uses (one sentence naming them
+    and the backends that serve them all), or None when it serves every one."""
+    missing = [rule for rule in rules.active() if rule not in backend.serves]
+    if not missing:
+        return None
+    serving = [name for name in registry.names() if set(missing) <= _serves(name)]
+    verb = "is" if len(missing) == 1 else "are"
+    by = _listing([repr(name) for name in serving]) if serving else "no backend"
+    return f"{_listing([RULE_NAMES[rule] for rule in missing])} {verb} served by {by} only"
+
+
+def _serves(name: str) -> frozenset[str]:
+    return frozenset(getattr(registry.get(name), "serves", ()))
+
+
+def _listing(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]

@@ -1,11 +1,12 @@
 """The names of the attention backends, and the backend behind each name.
 
-The built-in backends are one module each in :mod:`nanoattn._backends`, named
-after the backend, each defining ``BACKEND``; a module is imported only when its
-backend is first asked for, so checking a name (an ``AttentionConfig``, say)
-imports no kernel. :func:`register` adds a backend at run time (an experiment,
-a test). Adding a built-in backend is a module ``nanoattn/_backends/<name>.py``
-plus its name in :data:`Implementation` (docs/architecture.md).
+The built-in backends are one module or folder each in :mod:`nanoattn._backends`,
+named after the backend, each defining (or re-exporting) ``BACKEND``; one is
+imported only when its backend is first asked for, so checking a name (an
+``AttentionConfig``, say) imports no kernel. :func:`register` adds a backend at run
+time (an experiment, a test). Adding a built-in backend is a module
+``nanoattn/_backends/<name>.py`` (or a folder with an ``__init__.py``) plus its name
+in :data:`Implementation` (docs/architecture.md).
 """
 
 import importlib

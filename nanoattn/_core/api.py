@@ -1,4 +1,6 @@
-"""The public functional API: ``dot_product_attention`` and ``attention_weights``."""
+"""The public functional API: ``dot_product_attention``, ``attention_weights`` and
+``flash_attention``; each turns its keywords into one :class:`~.base.rules.Rules`
+(:meth:`Rules.make`) and hands it on (:func:`attend`)."""
 
 import dataclasses
 import functools
@@ -12,7 +14,7 @@ from .._backends.registry import Implementation, get
 from .._backends.xla import reference
 from .base.dropout import check_dropout
 from .base.numerics import softmax_dtype
-from .base.rules import AttentionSpec, attention_spec, batched
+from .base.rules import ARGUMENTS, Rules, batched
 from .base.validate import check_scale, check_tiles
 from .merge import add_sinks
 
@@ -140,16 +142,12 @@ def dot_product_attention(
       (2, 5, 4, 32)
     """
     check_dropout(dropout_rate, dropout_rng)
-    call = _Call.of(
-        query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
-        kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
-        mask_fn=mask_fn, score_fn=score_fn, sinks=sinks, return_residual=return_residual,
+    call = _Call.of(query, key, value, _rule_arguments(locals()))
+    out = attend(
+        call.query, call.key, call.value, call.rules, implementation=implementation,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
     )  # fmt: skip
-    backend = get(dispatch.choose(implementation, call.spec, call.query.dtype, dropout_rate))
-    kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-    sinks_inside = getattr(backend, "applies_sinks", False)
-    return call.unbatch(_with_sinks(kernel, call, sinks_inside))
+    return call.unbatch(out)
 
 
 def attention_weights(
@@ -193,13 +191,8 @@ def attention_weights(
        [0.5        0.5        0.        ]
        [0.33333334 0.33333334 0.33333334]]
     """
-    call = _Call.of(
-        query, key, None, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
-        kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
-        mask_fn=mask_fn, score_fn=score_fn, sinks=sinks,
-    )  # fmt: skip
-    weights = reference.weights(call.query, call.key, call.spec).astype(call.query.dtype)
+    call = _Call.of(query, key, None, _rule_arguments(locals()))
+    weights = reference.weights(call.query, call.key, call.rules).astype(call.query.dtype)
     return weights[0] if call.unbatched else weights
 
 
@@ -242,46 +235,63 @@ def flash_attention(
     """
     forward_tiles = check_tiles("forward_tiles", forward_tiles)
     backward_tiles = check_tiles("backward_tiles", backward_tiles)
-    call = _Call.of(
-        query, key, value, mask=mask, bias=bias, is_causal=is_causal, q_offset=q_offset,
-        kv_lengths=kv_lengths, window=window, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap, scale=scale,
-        mask_fn=mask_fn, score_fn=score_fn, sinks=sinks, return_residual=return_residual,
-    )  # fmt: skip
-    dispatch.choose("flash", call.spec, call.query.dtype, 0.0)  # raises if it cannot serve
+    call = _Call.of(query, key, value, _rule_arguments(locals()))
+    dispatch.choose("flash", call.rules, call.query.dtype, 0.0)  # raises if it cannot serve
     kernel = functools.partial(
         flash_kernel.flash_attention, forward_tiles=forward_tiles, backward_tiles=backward_tiles
     )
-    return call.unbatch(_with_sinks(kernel, call, sinks_inside=False))
+    return call.unbatch(_with_sinks(kernel, call.query, call.key, call.value, call.rules, False))
 
 
-def _with_sinks(kernel, call: "_Call", sinks_inside: bool):
-    """``kernel(query, key, value, spec)`` for the call; when the call has ``sinks``
-    and the kernel does not apply them itself, the kernel attends over the keys alone
-    and the sinks are merged into its output through its log-sum-exp."""
-    spec = call.spec
-    if spec.sinks is None or sinks_inside:
-        return kernel(call.query, call.key, call.value, spec)
-    keys_only = dataclasses.replace(spec, sinks=None, return_residual=True)
+def attend(
+    query, key, value, rules: Rules, *, implementation=None, dropout_rate=0.0, dropout_rng=None
+):
+    """Attention under ``rules`` by the backend ``implementation`` (None: the automatic
+    choice): what :func:`dot_product_attention` computes once its keywords are
+    :class:`Rules`. query (B, T, N, H), key and value (B, S, K, H), batched.
+
+    Returns:
+      (B, T, N, H) in the query's dtype; with ``rules.return_residual`` also the
+      log-sum-exp (B, T, N).
+    """
+    backend = get(dispatch.choose(implementation, rules, query.dtype, dropout_rate))
+    kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    sinks_inside = getattr(backend, "applies_sinks", False)
+    return _with_sinks(kernel, query, key, value, rules, sinks_inside)
+
+
+def _rule_arguments(arguments: dict) -> dict:
+    """The rule keywords (:data:`~.base.rules.ARGUMENTS`) among a public function's
+    arguments (its ``locals()``), so the list is written once, in ``rules.py``."""
+    return {name: arguments[name] for name in ARGUMENTS if name in arguments}
+
+
+def _with_sinks(kernel, query, key, value, rules: Rules, sinks_inside: bool):
+    """``kernel(query, key, value, rules)``; when the call has ``sinks`` and the kernel
+    does not apply them itself, the kernel attends over the keys alone and the sinks
+    are merged into its output through its log-sum-exp."""
+    if rules.sinks is None or sinks_inside:
+        return kernel(query, key, value, rules)
+    keys_only = rules.replace(sinks=None, return_residual=True)
     # In half precision the kernel attends in float32 and the merged output is rounded
     # once: rounding the kernel's output first (and its cotangent on the way back) made
     # the output, dv and dsinks several times less accurate than the reference's.
-    dtype = call.query.dtype
-    wide = softmax_dtype(dtype, call.key.dtype, call.value.dtype)
-    q, k, v = (x.astype(wide) for x in (call.query, call.key, call.value))
+    dtype = query.dtype
+    wide = softmax_dtype(dtype, key.dtype, value.dtype)
+    q, k, v = (x.astype(wide) for x in (query, key, value))
     out, lse = kernel(q, k, v, keys_only)
-    out, lse = add_sinks(out, lse, spec.sinks)
+    out, lse = add_sinks(out, lse, rules.sinks)
     out = out.astype(dtype)
-    return (out, lse) if spec.return_residual else out
+    return (out, lse) if rules.return_residual else out
 
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """One call of the functional API, validated: batched arrays and their spec.
+    """One call of the functional API, validated: batched arrays and their rules.
 
     Attributes:
       query: (B, T, N, H); key, value: (B, S, K, H) (value None for the weights).
-      spec: the call's :class:`~nanoattn._core.base.rules.AttentionSpec`.
+      rules: the call's :class:`~nanoattn._core.base.rules.Rules`.
       unbatched: the call came as query (T, N, H), key and value (S, K, H), as
         ``jax.nn.dot_product_attention`` also takes it; B = 1 here, and
         :meth:`unbatch` takes the axis off the results.
@@ -290,16 +300,18 @@ class _Call:
     query: jax.Array
     key: jax.Array
     value: jax.Array | None
-    spec: AttentionSpec
+    rules: Rules
     unbatched: bool
 
     @classmethod
-    def of(cls, query, key, value, *, scale, **rules) -> "_Call":
-        query, key, value, rules, unbatched = batched(query, key, value, **rules)
-        spec = attention_spec(query, key, value, scale=check_scale(scale), **rules)
+    def of(cls, query, key, value, arguments: dict) -> "_Call":
+        """The call of ``query``, ``key``, ``value`` and the rule keywords ``arguments``."""
+        arguments = dict(arguments, scale=check_scale(arguments.get("scale")))
+        query, key, value, arguments, unbatched = batched(query, key, value, **arguments)
+        rules = Rules.make(query, key, value, **arguments)
         key = jnp.asarray(key)
         value = None if value is None else jnp.asarray(value)
-        return cls(query, key, value, spec, unbatched)
+        return cls(query, key, value, rules, unbatched)
 
     def unbatch(self, result):
         """The output (and log-sum-exp) without the batch axis an unbatched call gained."""

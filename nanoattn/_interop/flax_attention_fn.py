@@ -14,6 +14,7 @@ flattened), T query time, S key time, N query heads, K key/value heads,
 G = N / K, H head width.
 """
 
+import functools
 import math
 
 import jax
@@ -21,9 +22,10 @@ import jax.numpy as jnp
 
 from .._backends import registry
 from .._backends.xla import reference
-from .._core.api import dot_product_attention
+from .._core.api import attend
 from .._core.base.dropout import check_dropout
-from .._core.base.rules import attention_spec
+from .._core.base.rules import Rules
+from .._core.base.validate import check_scale
 from .flax_hand_over import hand_over as _hand_over
 from .flax_hand_over import unserved
 from .flax_precision import matmul_precision, under_precision
@@ -178,27 +180,22 @@ def flax_attention_fn(
             bias = bias.astype(jnp.float32)
         bias = _flatten_scores("bias", bias, batch, N, T, S)
     causal = dict(is_causal=causal_rule, q_offset=0 if causal_rule and T != S else None)
+    rules = Rules.make(q, k, v, mask=mask, bias=bias, scale=check_scale(None), **causal)
 
     if dropout or module is not None:
         bits = (dropout_rate, dropout_rng, broadcast_dropout, batch, dtype)
         drop = _flax_dropout(*bits) if dropout else None
         with matmul_precision(precision):
-            spec = attention_spec(q, k, v, mask=mask, bias=bias, **causal)
             out, weights = reference.attend(
-                q, k, v, spec, dropout_rate=0.0, dropout_rng=None,
+                q, k, v, rules, dropout_rate=0.0, dropout_rng=None,
                 dropout_fn=drop, weights_dtype=weights_dtype,
                 out_dtype=out_dtype, return_weights=True,
             )  # fmt: skip
         if module is not None:
             _sow(module, weights.reshape(*batch, N, T, S))
     else:
-
-        def attend(q, k, v, bias, mask):
-            return dot_product_attention(
-                q, k, v, bias=bias, mask=mask, implementation=implementation, **causal
-            )
-
-        out = under_precision(precision, attend, q, k, v, bias, mask)
+        call = functools.partial(attend, implementation=implementation)
+        out = under_precision(precision, call, q, k, v, rules)
     return out.astype(out_dtype).reshape(*batch, T, N, H)
 
 

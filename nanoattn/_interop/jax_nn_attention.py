@@ -16,10 +16,10 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from .._core.api import dot_product_attention
+from .._core.api import attend
 from .._core.base.numerics import softmax_dtype
-from .._core.base.rules import attention_spec
-from .._core.base.validate import expect_flag
+from .._core.base.rules import Rules
+from .._core.base.validate import check_scale, expect_flag
 from .jax_nn_inputs import check_implementation, check_window, checked
 from .jax_nn_rows import as_jax_nn, query_valid, sees_a_key
 
@@ -129,27 +129,23 @@ def jax_nn_attention(
     bias = arrays.bias
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
         bias = bias.astype(softmax_dtype(q.dtype))  # jax.nn adds it to float logits
-    rules = dict(
-        mask=arrays.mask, bias=bias, is_causal=is_causal, kv_lengths=arrays.kv_lengths,
-        window=window,
-    )  # fmt: skip
-    if is_causal or window is not None:
-        rules["q_offset"] = 0  # jax.nn's alignment: query t sits at key position t
-
     # The log-sum-exp tells the rows that see no key (-inf, docs/conventions.md) on
     # every backend but cuDNN, which gives none: there the rules tell them.
     cudnn = implementation == "cudnn"
     with_lse = return_residual or not cudnn
-    result = dot_product_attention(
-        q, k, v, **rules, scale=scale, return_residual=with_lse,
-        implementation="cudnn" if cudnn else None,
+    rules = Rules.make(
+        q, k, v, mask=arrays.mask, bias=bias, is_causal=is_causal,
+        kv_lengths=arrays.kv_lengths, window=window, scale=check_scale(scale),
+        # jax.nn's alignment: query t sits at key position t
+        q_offset=0 if is_causal or window is not None else None, return_residual=with_lse,
     )  # fmt: skip
+    result = attend(q, k, v, rules, implementation="cudnn" if cudnn else None)
     if with_lse:
         out, lse = result
         sees = lse != -jnp.inf  # (B, T, N); NaN content is not "sees no key"
     else:
         out, lse = result, None
-        sees = sees_a_key(attention_spec(q, k, v, **rules))
+        sees = sees_a_key(rules)
     out, lse = as_jax_nn(out, lse if return_residual else None, v, sees, q_valid)
     out = out.reshape(arrays.shape)
     if not return_residual:

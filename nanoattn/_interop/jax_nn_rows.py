@@ -20,7 +20,7 @@ import numpy as np
 from .._backends.xla.reference import allowed_mask
 from .._core.base.masks import lengths_to_valid
 from .._core.base.numerics import softmax_dtype
-from .._core.base.rules import AttentionSpec
+from .._core.base.rules import Rules
 
 # jax.nn's value for each blocked logit, -0.7 times float32's largest (it caps it at
 # float32's range whatever the dtype, jax's _get_large_negative), rounded to float32
@@ -42,14 +42,14 @@ def query_valid(q_lengths, T: int):
     return lengths_to_valid(q_lengths, T)
 
 
-def sees_a_key(spec: AttentionSpec):
-    """(B|1, T, N|1) bool: whether each query row sees a key under the rules of
-    ``spec`` (its dense mask, band and key lengths, ANDed as the reference does;
-    (B|1, N|1, T, S) cells on the way). For the backends that give no log-sum-exp,
-    whose ``-inf`` tells the same rows."""
-    allowed = allowed_mask(spec)
+def sees_a_key(rules: Rules):
+    """(B|1, T, N|1) bool: whether each query row sees a key under ``rules`` (the
+    dense mask, band and key lengths, ANDed as the reference does; (B|1, N|1, T, S)
+    cells on the way). For the backends that give no log-sum-exp, whose ``-inf``
+    tells the same rows."""
+    allowed = allowed_mask(rules)
     if allowed is None:
-        return jnp.full((1, spec.T, 1), spec.S > 0)
+        return jnp.full((1, rules.T, 1), rules.S > 0)
     return jnp.moveaxis(allowed.any(-1), 1, 2)  # (B|1, T, N|1)
 
 

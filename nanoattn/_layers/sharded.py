@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._core.api import dot_product_attention
+from .._core.base.rules import Rules
 from .._core.base.zigzag import to_zigzag
 from ..parallel._ring import ring_attention
 
@@ -115,24 +116,23 @@ def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_arg
         )
     _axis_size(cfg.sequence_axis, "sequence_axis")
     seq = PartitionSpec(None, cfg.sequence_axis, cfg.head_axis, None)
-    q_ids, kv_ids = mask_args.get("q_segment_ids"), mask_args.get("kv_segment_ids")
-    ids = None if q_ids is None else PartitionSpec(None, cfg.sequence_axis)
-    sinks = mask_args.get("sinks")
-    per_head = None if sinks is None else PartitionSpec(cfg.head_axis)
+    array_names = ("q_segment_ids", "kv_segment_ids", "sinks")
+    arrays = Rules.make(q, k, v, **{name: mask_args.get(name) for name in array_names})
+    specs = arrays.partition_specs(sequence=cfg.sequence_axis, heads=cfg.head_axis)
 
-    def ring(q, k, v, q_ids, kv_ids, sinks):
+    def ring(q, k, v, arrays: Rules):
         mask_fn, score_fn = mask_args.get("mask_fn"), mask_args.get("score_fn")
         if cfg.head_axis is not None:
             mask_fn, score_fn = _global_heads(mask_fn, score_fn, cfg.head_axis, q.shape[2])
         return ring_attention(
-            q, k, v, axis_name=cfg.sequence_axis, is_causal=True, q_segment_ids=q_ids,
-            kv_segment_ids=kv_ids, window=mask_args.get("window"),
-            logit_soft_cap=mask_args.get("logit_soft_cap"), layout=cfg.sequence_layout,
-            mask_fn=mask_fn, score_fn=score_fn, sinks=sinks,
+            q, k, v, axis_name=cfg.sequence_axis, is_causal=True,
+            q_segment_ids=arrays.q_segment_ids, kv_segment_ids=arrays.kv_segment_ids,
+            window=mask_args.get("window"), logit_soft_cap=mask_args.get("logit_soft_cap"),
+            layout=cfg.sequence_layout, mask_fn=mask_fn, score_fn=score_fn, sinks=arrays.sinks,
         )  # fmt: skip
 
-    in_specs = (seq, seq, seq, ids, ids, per_head)
-    return jax.shard_map(ring, in_specs=in_specs, out_specs=seq)(q, k, v, q_ids, kv_ids, sinks)
+    in_specs = (seq, seq, seq, specs)
+    return jax.shard_map(ring, in_specs=in_specs, out_specs=seq)(q, k, v, arrays)
 
 
 def _global_heads(mask_fn, score_fn, head_axis: str, heads: int):

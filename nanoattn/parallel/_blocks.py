@@ -38,11 +38,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._backends.flash.kernel import BlockInputs, Residuals, backward_block, forward_block
+from .._backends.flash.kernel import (
+    BlockInputs,
+    Residuals,
+    backward_block,
+    forward_block,
+    kernel_rules,
+)
 from .._backends.flash.plan import Plan, Plans, kernel_plans
 from .._core.base import zigzag
 from .._core.base.block_mask import EMPTY, FULL, PARTIAL, chunk_pair_kinds
-from .._core.base.rules import AttentionSpec
+from .._core.base.rules import Rules
 from .._core.base.shard_map import varying_like
 from .._core.merge import merge_attention
 
@@ -93,40 +99,43 @@ class StepPlans:
         return dict(self.plans)[name]
 
 
-def _plans(spec: AttentionSpec, T: int, S: int, tiles, **changes) -> Plans:
-    return kernel_plans(dataclasses.replace(spec, T=T, S=S, **changes), *tiles)
+def _plans(rules: Rules, T: int, S: int, tiles, **changes) -> Plans:
+    """The kernel's plans of one call of T queries and S keys under ``rules`` (without
+    its functions: the step plans add them per kind) with ``changes``."""
+    plain = kernel_rules(rules).replace(T=T, S=S, **changes)
+    return kernel_plans(plain, *tiles)
 
 
 def step_plans(
-    spec: AttentionSpec, layout: str, P: int, tiles=(None, None), mask_fn=None, score_fn=None,
-    all_rows: bool = True,
-) -> StepPlans:  # fmt: skip
-    """The plans of a ring call whose per-device call is ``spec`` (T = S = T/P, no
-    ``mask_fn`` or ``score_fn`` in it): ``mask_fn`` as the user gave it,
-    ``score_fn`` a pair, closure-converted at the forward and at the backward plans'
+    rules: Rules, layout: str, P: int, tiles=(None, None), score_fn=None, all_rows: bool = True
+) -> StepPlans:
+    """The plans of a ring call whose per-device call has the ``rules`` (T = S = T/P;
+    ``rules.mask_fn`` as the user gave it, at global positions): ``score_fn`` a pair,
+    ``rules.score_fn`` closure-converted at the forward and at the backward plans'
     blocks (:func:`score_blocks`; their arrays are the kernel's ``score_consts``),
     ``all_rows`` as :attr:`StepPlans.all_rows`."""
     n = zigzag.check_layout(layout)
-    T, C = spec.T, spec.T // n
-    band = spec.band
+    T, C = rules.T, rules.T // n
+    band = rules.band
+    mask_fn = rules.mask_fn
     indexed = mask_fn is not None or score_fn is not None
     # Without a band a pair that mask_fn or score_fn reads still needs its offset.
     flat = dict(is_causal=False, window=None, q_offset=np.int32(0) if indexed else None)
     if not indexed and (band is None or band == (None, 0)):  # whole shards; lengths: a key mask
-        whole = dict(kv_lengths=None, mask=True if spec.kv_lengths is not None else None)
+        whole = dict(kv_lengths=None, mask=True if rules.kv_lengths is not None else None)
         plans = {
-            "own": _plans(spec, T, T, tiles, q_offset=0, **whole),
-            "full": _plans(spec, T, T, tiles, **flat, **whole),
+            "own": _plans(rules, T, T, tiles, q_offset=0, **whole),
+            "full": _plans(rules, T, T, tiles, **flat, **whole),
         }
         if band is not None and layout == "zigzag":
-            plans["first_keys"] = _plans(spec, T, C, tiles, **flat, **whole)
-            plans["last_queries"] = _plans(spec, C, T, tiles, **flat, **whole)
+            plans["first_keys"] = _plans(rules, T, C, tiles, **flat, **whole)
+            plans["last_queries"] = _plans(rules, C, T, tiles, **flat, **whole)
         return StepPlans(layout, P, C, False, band, tuple(sorted(plans.items())))
     plans = {
-        "own": _plans(spec, C, C, tiles, q_offset=0),
-        "full": _plans(spec, C, C, tiles, **flat),
+        "own": _plans(rules, C, C, tiles, q_offset=0),
+        "full": _plans(rules, C, C, tiles, **flat),
         # An offset that is not a Python int stands for the traced one: the kernel masks.
-        "general": _plans(spec, C, C, tiles, q_offset=np.int32(0)),
+        "general": _plans(rules, C, C, tiles, q_offset=np.int32(0)),
     }
     if score_fn is not None:
         plans = {name: _per_pass(p, score_fn) for name, p in plans.items()}
@@ -151,12 +160,12 @@ def _per_pass(plans: Plans, score_fns) -> Plans:
     return Plans(*(dataclasses.replace(p, score_fn=f) for p, f in zip(plans, score_fns)))
 
 
-def score_blocks(spec: AttentionSpec, layout: str, tiles) -> tuple:
+def score_blocks(rules: Rules, layout: str, tiles) -> tuple:
     """The score blocks (block_q, block_k) of the forward and the backward pass of a
     ring call's chunk pairs, on which ``score_fn`` is traced (its program has their
     shapes)."""
-    C = spec.T // zigzag.check_layout(layout)
-    return tuple((p.block_q, p.block_k) for p in _plans(spec, C, C, tiles, q_offset=0))
+    C = rules.T // zigzag.check_layout(layout)
+    return tuple((p.block_q, p.block_k) for p in _plans(rules, C, C, tiles, q_offset=0))
 
 
 def pair_kinds(plans: StepPlans, r, B: int, N: int):
@@ -297,30 +306,34 @@ def _slice(x, at):
     return None if x is None else x[:, at]
 
 
-def _whole_inputs(q, k, v, mask, q_ids, kv_ids, rows, cols) -> BlockInputs:
-    """The inputs of one whole-shard call: queries ``rows`` against keys ``cols``."""
-    return BlockInputs(
-        query=q[:, rows], key=k[:, cols], value=v[:, cols],
-        mask=None if mask is None else mask[..., cols],
-        q_segment_ids=_slice(q_ids, rows), kv_segment_ids=_slice(kv_ids, cols),
+def _whole_inputs(q, k, v, rules: Rules, mask, rows, cols) -> BlockInputs:
+    """The inputs of one whole-shard call: queries ``rows`` against keys ``cols``, the
+    key lengths as the key ``mask`` (B, 1, 1, S) (or None)."""
+    call = rules.replace(
+        mask=None if mask is None else mask[..., cols], kv_lengths=None,
+        q_segment_ids=_slice(rules.q_segment_ids, rows),
+        kv_segment_ids=_slice(rules.kv_segment_ids, cols),
     )  # fmt: skip
+    return BlockInputs(query=q[:, rows], key=k[:, cols], value=v[:, cols], rules=call)
 
 
-def _chunks(plans: StepPlans, q, k, v, q_ids, kv_ids):
+def _chunks(plans: StepPlans, q, k, v, rules: Rules):
     """q, k, v and the segment ids cut into the layout's chunks (lists of n)."""
     n = 2 if plans.layout == "zigzag" else 1
-    return [_split(x, n) for x in (q, k, v, q_ids, kv_ids)]
+    arrays = (q, k, v, rules.q_segment_ids, rules.kv_segment_ids)
+    return [_split(x, n) for x in arrays]
 
 
-def _pair_inputs(plans: StepPlans, chunks, a: int, c: int, kc, kv_lengths, consts):
+def _pair_inputs(plans: StepPlans, chunks, rules: Rules, a: int, c: int, kc, consts):
     """The inputs of query chunk ``a`` against key chunk ``c`` (global chunk ``kc``):
     the key lengths shifted to the chunk's own positions, and for ``mask_fn`` and
     ``score_fn`` the positions shifted back to global ones."""
     qs, ks, vs, q_ids, kv_ids = chunks
+    kv_lengths = rules.kv_lengths
     lengths = None if kv_lengths is None else jnp.clip(kv_lengths - kc * plans.C, 0, plans.C)
+    call = rules.replace(kv_lengths=lengths, q_segment_ids=q_ids[a], kv_segment_ids=kv_ids[c])
     return BlockInputs(
-        query=qs[a], key=ks[c], value=vs[c], kv_lengths=lengths,
-        q_segment_ids=q_ids[a], kv_segment_ids=kv_ids[c],
+        query=qs[a], key=ks[c], value=vs[c], rules=call,
         index_shift=jnp.asarray(kc * plans.C, jnp.int32) if plans.indexed else None,
         score_consts=consts if plans.scored else None,
     )  # fmt: skip
@@ -337,10 +350,8 @@ def _kinds_of(plans: StepPlans, table, a: int, qc, kc):
 def _for_plan(plan: Plan, inputs: BlockInputs, offset, kinds, field: str) -> BlockInputs:
     """``inputs`` as ``plan`` reads them: the traced offset where the plan has none of
     its own, and the pair's kinds (in ``field``) where it skips by them."""
-    return dataclasses.replace(
-        inputs, q_offset=offset if plan.index_offset is None else None,
-        **{field: kinds if plan.traced_kinds else None},
-    )  # fmt: skip
+    rules = inputs.rules.replace(q_offset=offset if plan.index_offset is None else None)
+    return dataclasses.replace(inputs, rules=rules, **{field: kinds if plan.traced_kinds else None})
 
 
 def _pair_forward(plans: StepPlans, kind: str):
@@ -394,23 +405,25 @@ def _pair_call(plans: StepPlans, make_branch, rel, inputs, kinds, diagonal: bool
     return _select(index, branches, (offset, inputs, kinds, *rest))
 
 
-def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, q_ids, kv_ids,
-                 kinds=None, consts=((), ())):  # fmt: skip
+def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, rules: Rules, kinds=None,
+                 consts=((), ())):  # fmt: skip
     """(output (B, T, N, H), log-sum-exp (B, T, N)) of this device's queries over
     the keys from ``source``; float32 ``q`` (B, T, N, H), ``k``, ``v`` (B, S, K, H);
+    ``rules`` the step's arrays (key lengths, this device's query segment ids and the
+    arriving keys' ids; :func:`~nanoattn._backends.flash.kernel.kernel_rules`);
     ``kinds`` the forward table of :func:`pair_kinds`, ``consts`` score_fn's arrays
     (those of its forward and of its backward program, a pair)."""
-    operands = (r, source, q, k, v, kv_lengths, q_ids, kv_ids)
+    operands = (r, source, q, k, v, rules)
     if not plans.pairs:
         index, alternatives = _whole_calls(plans, first, r, source)
 
         def run(calls):
             def branch(*operands):
-                _, source, q, k, v, kv_lengths, q_ids, kv_ids = operands
-                mask = _key_mask(kv_lengths, _positions(plans, source))
+                _, source, q, k, v, rules = operands
+                mask = _key_mask(rules.kv_lengths, _positions(plans, source))
                 result = _empty(q)
                 for name, rows, cols in calls:
-                    inputs = _whole_inputs(q, k, v, mask, q_ids, kv_ids, rows, cols)
+                    inputs = _whole_inputs(q, k, v, rules, mask, rows, cols)
                     o, lse = forward_block(plans[name].forward, inputs)
                     result = (result[0].at[:, rows].set(o), result[1].at[:, rows].set(lse))
                 return varying_like(result, *operands)  # every branch alike
@@ -419,10 +432,10 @@ def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, 
 
         return _select(index, [run(calls) for calls in alternatives], operands)
 
-    chunks = _chunks(plans, q, k, v, q_ids, kv_ids)
+    chunks = _chunks(plans, q, k, v, rules)
     parts = [_empty(x) for x in chunks[0]]
     for a, c, qc, kc, diagonal in _pair_calls(plans, first, r, source):
-        pair = _pair_inputs(plans, chunks, a, c, kc, kv_lengths, consts)
+        pair = _pair_inputs(plans, chunks, rules, a, c, kc, consts)
         rel = (qc - kc) * plans.C
         block = _pair_call(
             plans, _pair_forward, rel, pair, _kinds_of(plans, kinds, a, qc, kc), diagonal
@@ -432,25 +445,26 @@ def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, 
 
 
 def step_backward(
-    plans: StepPlans, first: bool, r, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse,
-    d_out, d_lse, kinds=None, consts=((), ()),
+    plans: StepPlans, first: bool, r, source, q, k, v, rules: Rules, out, lse, d_out, d_lse,
+    kinds=None, consts=((), ()),
 ):  # fmt: skip
     """(dq (B, T, N, H), dk, dv (B, S, K, H), d consts), float32, of the step's share:
     the kernel's backward pass with the final ``out`` and ``lse`` of the queries (and
     the cotangents of both), so it recomputes exactly this step's part of the softmax;
-    ``kinds`` the backward table of :func:`pair_kinds`."""
-    operands = (r, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse, d_out, d_lse)
+    ``rules`` as :func:`step_forward`'s, ``kinds`` the backward table of
+    :func:`pair_kinds`."""
+    operands = (r, source, q, k, v, rules, out, lse, d_out, d_lse)
 
     if not plans.pairs:
         index, alternatives = _whole_calls(plans, first, r, source)
 
         def run(calls):
             def branch(*operands):
-                _, source, q, k, v, kv_lengths, q_ids, kv_ids, out, lse, d_out, d_lse = operands
-                mask = _key_mask(kv_lengths, _positions(plans, source))
+                _, source, q, k, v, rules, out, lse, d_out, d_lse = operands
+                mask = _key_mask(rules.kv_lengths, _positions(plans, source))
                 dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
                 for name, rows, cols in calls:
-                    inputs = _whole_inputs(q, k, v, mask, q_ids, kv_ids, rows, cols)
+                    inputs = _whole_inputs(q, k, v, rules, mask, rows, cols)
                     per_row = (out, lse, d_out, d_lse)
                     dq_, dk_, dv_, _ = _grads(plans[name], inputs, *(x[:, rows] for x in per_row))
                     dq = dq.at[:, rows].add(dq_)
@@ -461,14 +475,14 @@ def step_backward(
 
         return _select(index, [run(calls) for calls in alternatives], operands)
 
-    chunks = _chunks(plans, q, k, v, q_ids, kv_ids)
+    chunks = _chunks(plans, q, k, v, rules)
     n = len(chunks[0])
     per_row = [_split(x, n) for x in (out, lse, d_out, d_lse)]
     dq = [jnp.zeros_like(x) for x in chunks[0]]
     dk, dv = [jnp.zeros_like(x) for x in chunks[1]], [jnp.zeros_like(x) for x in chunks[2]]
     d_consts = tuple(jnp.zeros_like(x) for x in consts[1]) if plans.scored else ()
     for a, c, qc, kc, diagonal in _pair_calls(plans, first, r, source):
-        pair = _pair_inputs(plans, chunks, a, c, kc, kv_lengths, consts)
+        pair = _pair_inputs(plans, chunks, rules, a, c, kc, consts)
         rows = tuple(x[a] for x in per_row)
         rel = (qc - kc) * plans.C
         pair_kinds = _kinds_of(plans, kinds, a, qc, kc)

@@ -24,20 +24,25 @@ heads, K key/value heads, G = N / K, H head width; C the chunk length.
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from .._backends.flash.kernel import kernel_rules
 from .._core.base import zigzag
 from .._core.base.block_mask import BlockMask
 from .._core.base.mask_fn import check_mask_fn, check_score_fn, closure_converted
 from .._core.base.numerics import softmax_dtype
-from .._core.base.rules import attention_spec, check_sinks
+from .._core.base.rules import ARGUMENTS, Rules, check_sinks
 from .._core.base.shard_map import sum_to_varying, varying_like
-from .._core.base.validate import check_scale, check_tiles, expect_flag, expect_shape
+from .._core.base.validate import check_scale, check_tiles, expect_shape
 from .._core.merge import add_sinks
 from . import _blocks
+
+# The rule keywords ring_attention takes (those of dot_product_attention's it serves).
+RULE_ARGUMENTS = tuple(name for name in ARGUMENTS if name not in ("mask", "bias", "q_offset"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,29 +85,63 @@ def _walk(ring: Ring, state, kv, compute, after=None):
     return after(compute(state, arriving, ring.P - 1, False))
 
 
-def _ring_forward(ring: Ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts):
+class RingInputs(NamedTuple):
+    """The arrays of one ring call on this device (a pytree through the custom_vjp).
+
+    Attributes:
+      query: (B, T, N, H); key, value: (B, T, K, H): this device's shards.
+      rules: the call's :class:`~nanoattn._core.base.rules.Rules` on this device (key
+        lengths, global and replicated; segment ids of this device's queries and keys;
+        :func:`~nanoattn._backends.flash.kernel.kernel_rules`: no functions, no sinks).
+      kinds: ``mask_fn``'s block kinds per chunk pair (:func:`_blocks.pair_kinds`), a
+        pair of tables (forward, backward), or None.
+      consts: the arrays ``score_fn`` closes over, for its forward and its backward
+        program (a pair of tuples; they get gradients).
+    """
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    rules: Rules
+    kinds: tuple | None
+    consts: tuple
+
+
+class RingResiduals(NamedTuple):
+    """What the ring's backward pass needs: the inputs, and the output and log-sum-exp
+    (float32) of this device's queries."""
+
+    inputs: RingInputs
+    out: jax.Array
+    lse: jax.Array
+
+
+def _ring_forward(ring: Ring, inputs: RingInputs):
     """(out (B, T, N, H) float32, lse (B, T, N) float32) of this device's queries."""
+    q, k, v, rules = inputs.query, inputs.key, inputs.value, inputs.rules
     r = jax.lax.axis_index(ring.axis_name)
     acc = softmax_dtype(q.dtype, k.dtype, v.dtype)
     q32 = q.astype(acc)
-    table = None if kinds is None else kinds[0]
-    consts = _per_device(consts, q)
+    table = None if inputs.kinds is None else inputs.kinds[0]
+    consts = _per_device(inputs.consts, q)
 
     def compute(state, kv, step, first):
         (k, v), kv_ids = kv
         source = (r - step) % ring.P  # the device whose keys arrived after `step` hops
+        step_rules = rules.replace(kv_segment_ids=kv_ids)  # the arriving keys' ids
         block = _blocks.step_forward(
-            ring.steps, first, r, source, q32, k.astype(acc), v.astype(acc), kv_lengths,
-            q_ids, kv_ids, table, consts,
+            ring.steps, first, r, source, q32, k.astype(acc), v.astype(acc), step_rules,
+            table, consts,
         )  # fmt: skip
         return block if state is None else _blocks.merge(state, block)
 
     # keys and values travel as one array: one transfer per hop
-    return _walk(ring, None, (jnp.stack([k, v]), kv_ids), compute)
+    return _walk(ring, None, (jnp.stack([k, v]), rules.kv_segment_ids), compute)
 
 
-def _ring_backward(ring: Ring, residuals, cotangents):
-    q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts, out, lse = residuals
+def _ring_backward(ring: Ring, residuals: RingResiduals, cotangents):
+    inputs, out, lse = residuals
+    q, k, v, rules, kinds, consts = inputs
     r = jax.lax.axis_index(ring.axis_name)
     acc = lse.dtype
     d_out, d_lse = (x.astype(acc) for x in cotangents)
@@ -114,9 +153,10 @@ def _ring_backward(ring: Ring, residuals, cotangents):
         dq, d_kv, d_consts = state
         (k, v), kv_ids = kv
         source = (r - step) % ring.P
+        step_rules = rules.replace(kv_segment_ids=kv_ids)
         dq_s, dk, dv, dc = _blocks.step_backward(
-            ring.steps, first, r, source, q32, k.astype(acc), v.astype(acc), kv_lengths,
-            q_ids, kv_ids, out, lse, d_out, d_lse, table, consts,
+            ring.steps, first, r, source, q32, k.astype(acc), v.astype(acc), step_rules, out,
+            lse, d_out, d_lse, table, consts,
         )  # fmt: skip
         d_consts = tuple(x + y for x, y in zip(d_consts, dc, strict=True))
         return dq + dq_s, d_kv + jnp.stack([dk, dv]), d_consts
@@ -128,13 +168,20 @@ def _ring_backward(ring: Ring, residuals, cotangents):
     kv = jnp.stack([k, v])
     zeros = (jnp.zeros_like(q32), jnp.zeros(kv.shape, acc), tuple(map(jnp.zeros_like, consts[1])))
     state = varying_like(zeros, q, k, v)
-    dq, d_kv, d_consts = _walk(ring, state, (kv, kv_ids), compute, after)
+    dq, d_kv, d_consts = _walk(ring, state, (kv, rules.kv_segment_ids), compute, after)
     forward, backward = primal_consts  # the forward program's arrays get nothing: one use each
     d_consts = tuple(
         sum_to_varying(g, c).astype(c.dtype) for g, c in zip(d_consts, backward, strict=True)
     )
-    grads = (dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype))
-    return (*grads, None, None, None, None, (tuple(map(jnp.zeros_like, forward)), d_consts))
+    grads = RingInputs(
+        query=dq.astype(q.dtype),
+        key=d_kv[0].astype(k.dtype),
+        value=d_kv[1].astype(v.dtype),
+        rules=None,
+        kinds=None,
+        consts=(tuple(map(jnp.zeros_like, forward)), d_consts),
+    )  # no gradient for the rules (lengths and ids) and the kinds
+    return (grads,)
 
 
 def _per_device(consts, q):
@@ -145,14 +192,14 @@ def _per_device(consts, q):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attend(ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts):
+def _ring_attend(ring, inputs: RingInputs):
     """(out (B, T, N, H), lse (B, T, N)), both float32, differentiable in both."""
-    return _ring_forward(ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts)
+    return _ring_forward(ring, inputs)
 
 
-def _ring_attend_fwd(ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts):
-    out, lse = _ring_forward(ring, q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts)
-    return (out, lse), (q, k, v, kv_lengths, q_ids, kv_ids, kinds, consts, out, lse)
+def _ring_attend_fwd(ring, inputs: RingInputs):
+    out, lse = _ring_forward(ring, inputs)
+    return (out, lse), RingResiduals(inputs, out, lse)
 
 
 _ring_attend.defvjp(_ring_attend_fwd, _ring_backward)
@@ -251,27 +298,18 @@ def ring_attention(
         out = ring_attention(q, k, v, axis_name="sp", is_causal=True, mesh=mesh)
         out = from_zigzag(out, 8)  # == nanoattn.dot_product_attention(..., is_causal=True)
     """
-    options = dict(
-        is_causal=is_causal, window=window, logit_soft_cap=logit_soft_cap, scale=scale,
-        layout=layout, forward_tiles=forward_tiles, backward_tiles=backward_tiles,
-        mask_fn=mask_fn, score_fn=score_fn, return_residual=return_residual,
-    )  # fmt: skip
+    given = locals()
+    arguments = {name: given[name] for name in RULE_ARGUMENTS}
+    placement = dict(layout=layout, forward_tiles=forward_tiles, backward_tiles=backward_tiles)
     if mesh is not None:
-        return _on_mesh(
-            mesh, axis_name, query, key, value, kv_lengths, q_segment_ids, kv_segment_ids, sinks,
-            options,
-        )  # fmt: skip
-    return _ring_call(
-        query, key, value, kv_lengths, q_segment_ids, kv_segment_ids, sinks, axis_name, **options
-    )
+        return _on_mesh(mesh, axis_name, query, key, value, arguments, placement)
+    return _ring_call(query, key, value, axis_name, arguments, **placement)
 
 
-def _ring_call(
-    query, key, value, kv_lengths, q_ids, kv_ids, sinks, axis_name, *, is_causal, window,
-    logit_soft_cap, scale, layout, forward_tiles, backward_tiles, mask_fn, score_fn,
-    return_residual,
-):  # fmt: skip
-    """The per-device call (inside shard_map): validation, then the ring."""
+def _ring_call(query, key, value, axis_name, arguments: dict, *, layout, forward_tiles,
+               backward_tiles):  # fmt: skip
+    """The per-device call (inside shard_map): validation into one
+    :class:`~nanoattn._core.base.rules.Rules`, then the ring."""
     zigzag.check_layout(layout)
     try:
         P = jax.lax.axis_size(axis_name)
@@ -285,41 +323,40 @@ def _ring_call(
     B = jnp.shape(query)[0]
     expect_shape("key", jnp.shape(key), "B S K H", (B, T, None, jnp.shape(query)[3]))
     zigzag.check_divisible(T * P, P, layout)  # T here is this device's T / P
-    if kv_lengths is not None:
-        kv_lengths = jnp.asarray(kv_lengths)
-        expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
-    scale = check_scale(scale)
     tiles = (
         check_tiles("forward_tiles", forward_tiles),
         check_tiles("backward_tiles", backward_tiles),
     )
-    spec = attention_spec(
-        query, key, value, is_causal=is_causal, window=window, logit_soft_cap=logit_soft_cap,
-        scale=scale, kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-    )  # fmt: skip
-    if not spec.static_scale:
+    # mask_fn, score_fn and sinks are checked on the whole sequence (global positions)
+    whole = ("mask_fn", "score_fn", "sinks")
+    local = {name: value for name, value in arguments.items() if name not in whole}
+    scale = check_scale(local.pop("scale"))
+    rules = Rules.make(query, key, value, scale=scale, **local)
+    if not rules.static_scale:
         raise ValueError(f"ring_attention needs a Python number for scale, got {type(scale)}")
-    return_residual = expect_flag("return_residual", return_residual)
-    B, N = spec.B, spec.N
-    mask_fn, score_fn = _global_fns(mask_fn, score_fn, B, N, T * P)
-    sinks = check_sinks(sinks, N)
+    N = rules.N
+    mask_fn, score_fn = _global_fns(arguments["mask_fn"], arguments["score_fn"], B, N, T * P)
+    rules = rules.replace(
+        mask_fn=mask_fn, score_fn=score_fn, sinks=check_sinks(arguments["sinks"], N)
+    )
     converted, consts = None, ((), ())
     acc = softmax_dtype(query.dtype, key.dtype, value.dtype)
     C = T // zigzag.check_layout(layout)
     if score_fn is not None:  # its arrays cross the ring's custom_vjp and get gradients
-        blocks = _blocks.score_blocks(spec, layout, tiles)
+        blocks = _blocks.score_blocks(rules, layout, tiles)
         pairs = [closure_converted(score_fn, B, N, *b, None, acc) for b in blocks]
         converted = tuple(fn for fn, _ in pairs)
         consts = tuple(tuple(arrays) for _, arrays in pairs)
     all_rows = mask_fn is None or _blocks.is_static(mask_fn, B, N, C)
-    steps = _blocks.step_plans(spec, layout, P, tiles, mask_fn, converted, all_rows)
+    steps = _blocks.step_plans(rules, layout, P, tiles, converted, all_rows)
     ring = Ring(axis_name, steps)
     kinds = _blocks.pair_kinds(steps, jax.lax.axis_index(axis_name), B, N)
-    out, lse = _ring_attend(ring, query, key, value, spec.kv_lengths, q_ids, kv_ids, kinds, consts)
-    if sinks is not None:
-        out, lse = add_sinks(out, lse, sinks.astype(acc))
+    inputs = RingInputs(query, key, value, kernel_rules(rules), kinds, consts)
+    out, lse = _ring_attend(ring, inputs)
+    if rules.sinks is not None:
+        out, lse = add_sinks(out, lse, rules.sinks.astype(acc))
     out = out.astype(query.dtype)
-    return (out, lse) if return_residual else out
+    return (out, lse) if rules.return_residual else out
 
 
 def _global_fns(mask_fn, score_fn, B: int, N: int, T: int):
@@ -332,9 +369,10 @@ def _global_fns(mask_fn, score_fn, B: int, N: int, T: int):
     return mask_fn, check_score_fn(score_fn, B, N, T, T, None)
 
 
-def _on_mesh(mesh, axis_name, query, key, value, kv_lengths, q_ids, kv_ids, sinks, options):
+def _on_mesh(mesh, axis_name, query, key, value, arguments: dict, placement: dict):
     """``ring_attention`` wrapped in ``jax.shard_map`` over ``mesh``: the sequence
-    axis sharded over ``axis_name``, everything else replicated."""
+    axis sharded over ``axis_name``, the rules' arrays as
+    :meth:`~nanoattn._core.base.rules.Rules.partition_specs` says."""
     if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {mesh!r}")
     if axis_name not in mesh.shape:
@@ -344,19 +382,20 @@ def _on_mesh(mesh, axis_name, query, key, value, kv_lengths, q_ids, kv_ids, sink
         )
     P = mesh.shape[axis_name]
     expect_shape("query", jnp.shape(query), "B T N H", (None,) * 4)
-    zigzag.check_divisible(jnp.shape(query)[1], P, options["layout"])
+    zigzag.check_divisible(jnp.shape(query)[1], P, placement["layout"])
     seq = PartitionSpec(None, axis_name)
-    ids = None if q_ids is None else seq
+    array_names = ("kv_lengths", "q_segment_ids", "kv_segment_ids", "sinks")
+    arrays = Rules.make(query, key, value, **{name: arguments[name] for name in array_names})
+    others = {name: value for name, value in arguments.items() if name not in array_names}
 
-    def call(q, k, v, lengths, q_ids, kv_ids, sinks):
-        return _ring_call(q, k, v, lengths, q_ids, kv_ids, sinks, axis_name, **options)
+    def call(q, k, v, arrays: Rules):
+        given = {name: getattr(arrays, name) for name in array_names}
+        return _ring_call(q, k, v, axis_name, others | given, **placement)
 
-    lengths = None if kv_lengths is None else PartitionSpec()
-    heads = None if sinks is None else PartitionSpec()
-    specs = (seq, seq, seq, lengths, ids, ids, heads)
-    inputs = (query, key, value, kv_lengths, q_ids, kv_ids, sinks)
-    args = [_place(x, mesh, spec) for x, spec in zip(inputs, specs, strict=True)]
-    out_specs = (seq, seq) if options["return_residual"] else seq
+    specs = (seq, seq, seq, arrays.partition_specs(sequence=axis_name))
+    args = [_place(x, mesh, spec) for x, spec in zip((query, key, value), specs, strict=False)]
+    args.append(jax.tree.map(lambda x, spec: _place(x, mesh, spec), arrays, specs[3]))
+    out_specs = (seq, seq) if arguments["return_residual"] else seq
     return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=out_specs)(*args)
 
 

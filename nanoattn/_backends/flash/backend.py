@@ -4,7 +4,7 @@ kernel's static plan)."""
 
 import jax
 
-from ..interface import NO_DROPOUT
+from ..interface import EVERY_RULE, NO_DROPOUT
 from . import kernel as flash_kernel
 
 # On CPU the kernel beats the reference from about this many score cells per
@@ -18,22 +18,23 @@ ACCELERATOR_MIN_SCORE_BYTES = 2**30
 class Flash:
     name = "flash"
     priority = 1
+    serves = EVERY_RULE
 
-    def unsupported(self, spec, dtype, dropout_rate: float) -> str | None:
+    def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
         if dropout_rate > 0:
             return NO_DROPOUT
-        if not spec.static_scale:
+        if not rules.static_scale:
             return "the kernel needs a Python number for scale, not a traced array"
         return None
 
-    def pays_off(self, spec, dtype) -> bool:
-        cells = spec.T * spec.S
+    def pays_off(self, rules, dtype) -> bool:
+        cells = rules.T * rules.S
         if jax.default_backend() == "cpu":
             return cells >= CPU_MIN_CELLS
-        return spec.B * spec.N * cells * 4 >= ACCELERATOR_MIN_SCORE_BYTES
+        return rules.B * rules.N * cells * 4 >= ACCELERATOR_MIN_SCORE_BYTES
 
-    def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
-        return flash_kernel.flash_attention(query, key, value, spec)
+    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
+        return flash_kernel.flash_attention(query, key, value, rules)
 
 
 BACKEND = Flash()

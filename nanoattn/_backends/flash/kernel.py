@@ -21,10 +21,13 @@ key, and softmax statistics in at least float32.
 Dropout is not supported here: the dispatcher sends it to the reference.
 
 The interface, also used by the ring (:mod:`nanoattn.parallel._blocks`): a
-call's arrays are a :class:`BlockInputs`, its static part a
+call's arrays are a :class:`BlockInputs` (queries, keys, values and the call's
+:class:`~nanoattn._core.base.rules.Rules`), its static part a
 :class:`~nanoattn._backends.flash.plan.Plan` per pass; :func:`forward_block` returns the
 output and the log-sum-exp, :func:`backward_block` takes them back as
-:class:`Residuals` and returns :class:`BlockGrads`.
+:class:`Residuals` and returns :class:`BlockGrads`. Within a pass the rules' arrays
+are cut into the pass's blocks once (:class:`RuleBlocks`), and every helper reads them
+from there.
 """
 
 import dataclasses
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 from ..._core.base.block_mask import EMPTY, BlockMask, block_mask
 from ..._core.base.mask_fn import closure_converted, evaluate_mask, evaluate_score
 from ..._core.base.numerics import large_negative, softmax_dtype
-from ..._core.base.rules import AttentionSpec
+from ..._core.base.rules import Rules
 from ..._core.base.shard_map import sum_to_varying, varying_like
 from .plan import Plan, kernel_plans
 from .schedule import Schedule
@@ -48,19 +51,19 @@ _ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockInputs:
-    """The arrays of one kernel call (a pytree), named; the rules that are static
-    (causality, window, soft-cap, scale, tiles) are in its :class:`Plan`.
+    """The arrays of one kernel call (a pytree), named; what is static about the call
+    (causality, window, soft-cap, scale, tiles, mask_fn, score_fn) is in its
+    :class:`Plan`.
 
     Attributes:
       query: (B, T, N, H).
       key, value: (B, S, K, H).
-      bias: float, rank 4, broadcastable to (B, N, T, S), or None.
-      mask: bool, rank 4, broadcastable to (B, N, T, S), or None.
-      q_offset: int () or (B,), the position of the first query when the plan's
-        offset is traced (``plan.static_offset`` None under a positional rule);
-        None otherwise.
-      kv_lengths: int (B,), or None.
-      q_segment_ids, kv_segment_ids: int (B, T) and (B, S), both or neither.
+      rules: the call's :class:`~nanoattn._core.base.rules.Rules`, whose arrays the
+        kernel reads: a bias and a dense mask (rank 4, broadcastable to (B, N, T, S)),
+        a traced offset (int () or (B,), read when the plan has no static one), key
+        lengths (B,), segment ids (B, T) and (B, S). Its functions and sinks are
+        left out (:func:`kernel_rules`): the plan holds the functions, and sinks are
+        merged outside the kernel.
       kinds: int8 (nQ, nK), a ``mask_fn``'s block classification at the forward
         plan's blocks and ``backward_kinds`` at the backward plan's, when they are
         traced (``plan.traced_kinds``); None otherwise.
@@ -76,12 +79,7 @@ class BlockInputs:
     query: jax.Array
     key: jax.Array
     value: jax.Array
-    bias: jax.Array | None = None
-    mask: jax.Array | None = None
-    q_offset: jax.Array | None = None
-    kv_lengths: jax.Array | None = None
-    q_segment_ids: jax.Array | None = None
-    kv_segment_ids: jax.Array | None = None
+    rules: Rules
     kinds: jax.Array | None = None
     backward_kinds: jax.Array | None = None
     score_consts: tuple | None = None
@@ -102,6 +100,13 @@ class Residuals(NamedTuple):
     inputs: BlockInputs
     out: jax.Array
     lse: jax.Array
+
+
+def kernel_rules(rules: Rules) -> Rules:
+    """``rules`` as :class:`BlockInputs` carries them: without ``mask_fn``, ``score_fn``
+    (the plan holds them, ``score_fn`` closure-converted) and ``sinks`` (merged outside
+    the kernel), so that nothing in them closes over the caller's traced arrays."""
+    return rules.replace(mask_fn=None, score_fn=None, sinks=None)
 
 
 class BlockGrads(NamedTuple):
@@ -253,7 +258,42 @@ def _mask_of(plan: Plan, cells):
     return m.reshape(m.shape[0], m.shape[1], *heads, plan.block_q, plan.block_k)
 
 
-def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells=None):
+class RuleBlocks(NamedTuple):
+    """The call's rules as one pass reads them, cut into its blocks once.
+
+    Attributes:
+      mask: the dense mask as pair blocks (:func:`_pair_blocks`), or None.
+      bias: the bias as pair blocks, in the softmax's dtype, or None.
+      segments: the segment ids as blocks, (B, nQ, bq) and (B, nK, bk), or None.
+      q_offset: the traced position of the first query (int () or (B,)) where the
+        plan has no static one, or None.
+      kv_lengths: int (B,), or None.
+      index_shift: int (), added to the positions ``mask_fn`` and ``score_fn`` see
+        (:attr:`BlockInputs.index_shift`), or None.
+    """
+
+    mask: jax.Array | None
+    bias: jax.Array | None
+    segments: tuple | None
+    q_offset: jax.Array | None
+    kv_lengths: jax.Array | None
+    index_shift: jax.Array | None
+
+    @classmethod
+    def of(cls, plan: Plan, inputs: BlockInputs, acc) -> "RuleBlocks":
+        rules = inputs.rules
+        mask, bias = rules.mask, rules.bias
+        return cls(
+            mask=None if mask is None else _pair_blocks(mask, plan, False),
+            bias=None if bias is None else _pair_blocks(bias.astype(acc), plan, 0),
+            segments=_segment_blocks(rules.q_segment_ids, rules.kv_segment_ids, plan),
+            q_offset=rules.offset,
+            kv_lengths=rules.kv_lengths,
+            index_shift=inputs.index_shift,
+        )
+
+
+def _allowed(plan: Plan, blocks: RuleBlocks, qi, kj, cells=None):
     """Which cells of each lane's item are visible: bool, broadcastable to
     (B, L, K, G, bq, bk)."""
     k_pos = kj[:, None] * plan.block_k + jnp.arange(plan.block_k)[None, :]  # (L, bk)
@@ -261,7 +301,7 @@ def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_bloc
     parts = []
     if plan.band is not None:
         left, right = plan.band
-        offset = plan.static_offset if plan.static_offset is not None else q_offset
+        offset = plan.static_offset if plan.static_offset is not None else blocks.q_offset
         offset = jnp.reshape(jnp.asarray(offset), (-1, 1, 1))  # (1 or B, 1, 1)
         p = (offset + q_pos[None])[..., None]  # (1 or B, L, bq, 1): each query's position
         j = k_pos[None, :, None, :]  # (1, L, 1, bk)
@@ -274,13 +314,13 @@ def _allowed(plan: Plan, qi, kj, q_offset, kv_lengths, mask_blocks, segment_bloc
     if plan.n_q * plan.block_q > plan.T:  # padded query rows see nothing, so read nothing
         q_real = q_pos < plan.T  # (L, bq)
         parts.append(q_real[None, :, None, None, :, None])
-    if kv_lengths is not None:
-        valid = k_pos[None] < kv_lengths[:, None, None]  # (B, L, bk)
+    if blocks.kv_lengths is not None:
+        valid = k_pos[None] < blocks.kv_lengths[:, None, None]  # (B, L, bk)
         parts.append(valid[:, :, None, None, None, :])
-    if mask_blocks is not None:
-        parts.append(_gather_pairs(mask_blocks, qi, kj, plan))
-    if segment_blocks is not None:
-        q_ids, kv_ids = segment_blocks  # (B, nQ, bq), (B, nK, bk)
+    if blocks.mask is not None:
+        parts.append(_gather_pairs(blocks.mask, qi, kj, plan))
+    if blocks.segments is not None:
+        q_ids, kv_ids = blocks.segments  # (B, nQ, bq), (B, nK, bk)
         same = jnp.take(q_ids, qi, axis=1)[..., None] == jnp.take(kv_ids, kj, axis=1)[:, :, None]
         parts.append(same[:, :, None, None])  # (B, L, 1, 1, bq, bk)
     if plan.mask_fn is not None:
@@ -295,17 +335,18 @@ def _zero_unseen_keys(x, allowed):
     return jnp.where(sees, x, jnp.zeros((), x.dtype))
 
 
-def _item_keys(plan: Plan, masked: bool, kb, vb, q_offset, shift, kv_lengths, mask_blocks,
-               segment_blocks, qc, kj):  # fmt: skip
+def _item_keys(plan: Plan, masked: bool, kb, vb, blocks: RuleBlocks, qc, kj):
     """Each lane's keys and values (B, L, K, bk, H), the indices of its cells for
     ``mask_fn`` and ``score_fn`` (None without them) and, for a masked schedule, which
     cells are visible, with the keys and values no query of the item sees zeroed (None
     for a full one): what both passes read of an item before its scores."""
     ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
-    cells = _cells(plan, qc, kj, q_offset, shift) if plan.mask_fn or plan.score_fn else None
+    cells = None
+    if plan.mask_fn or plan.score_fn:
+        cells = _cells(plan, qc, kj, blocks.q_offset, blocks.index_shift)
     allowed = None
     if masked:
-        allowed = _allowed(plan, qc, kj, q_offset, kv_lengths, mask_blocks, segment_blocks, cells)
+        allowed = _allowed(plan, blocks, qc, kj, cells)
         ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
     return ks, vs, cells, allowed
 
@@ -315,8 +356,8 @@ def _any_item_seen(plan: Plan, kinds, qi, qc, kj):
     return jnp.any((kinds[qc, kj] != EMPTY) & (qi < plan.n_q))
 
 
-def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks, allowed=None, cells=None, consts=None,
-            with_vjp=False):  # fmt: skip
+def _scores(plan: Plan, qs, ks, qi, kj, blocks: RuleBlocks, allowed=None, cells=None,
+            consts=None, with_vjp=False):  # fmt: skip
     """Logits of each lane's item (the query blocks are pre-scaled), through
     ``score_fn`` and soft-capped; ``tanh(logits / cap)`` (None without a cap) for the
     backward pass; and with ``with_vjp`` the VJP of ``score_fn`` (None without one),
@@ -325,8 +366,8 @@ def _scores(plan: Plan, qs, ks, qi, kj, bias_blocks, allowed=None, cells=None, c
     Blocked cells hold ``large_negative`` when ``allowed`` is given; their
     ``tanh`` is 0, so a NaN there cannot reach a gradient."""
     s = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", qs, ks)
-    if bias_blocks is not None:
-        s = s + _gather_pairs(bias_blocks, qi, kj, plan)
+    if blocks.bias is not None:
+        s = s + _gather_pairs(blocks.bias, qi, kj, plan)
     score_vjp = None
     if plan.score_fn is not None:
         if allowed is not None:  # a blocked cell's score is never looked at
@@ -370,16 +411,12 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     """The forward pass: (out (B, T, N, H), lse (B, T, N)), both in the softmax's
     dtype (at least float32); ``lse`` is ``-inf`` for a row that sees no key (the
     convention of ``jax.nn``'s residuals and of the log-sum-exp of an empty set)."""
-    q, k, v, bias, mask = inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask
-    q_offset, kv_lengths = inputs.q_offset, inputs.kv_lengths
-    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+    q, k, v = inputs.query, inputs.key, inputs.value
     acc = softmax_dtype(q.dtype, k.dtype, v.dtype)
     neg = large_negative(acc)
     qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
     kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
-    mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
-    bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
-    segment_blocks = _segment_blocks(q_ids, kv_ids, plan)
+    blocks = RuleBlocks.of(plan, inputs, acc)
     kinds = inputs.kinds
     consts = () if inputs.score_consts is None else inputs.score_consts[0]
     rows = (plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q)  # one spare row for idle slots
@@ -390,10 +427,7 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     def run(state, schedule: Schedule, masked: bool):
         if schedule.steps == 0:
             return state
-        item_keys = functools.partial(
-            _item_keys, plan, masked, kb, vb, q_offset, inputs.index_shift, kv_lengths,
-            mask_blocks, segment_blocks,
-        )  # fmt: skip
+        item_keys = functools.partial(_item_keys, plan, masked, kb, vb, blocks)
 
         def step(state, item):
             m, l, o = state
@@ -405,7 +439,7 @@ def forward_block(plan: Plan, inputs: BlockInputs):
             def update():
                 qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
                 ks, vs, cells, allowed = item_keys(qc, kj)  # (B, L, K, bk, H) twice
-                s, _ = _scores(plan, qs, ks, qc, kj, bias_blocks, allowed, cells, consts)
+                s, _ = _scores(plan, qs, ks, qc, kj, blocks, allowed, cells, consts)
                 # The block's own softmax, shifted twice: by its row maximum, then by the
                 # maximum of the very values that are exponentiated (XLA may compute the
                 # first from a differently rounded copy of s; see _numerics.masked_softmax).
@@ -456,9 +490,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
     block by block from ``residuals.lse``. Since d lse / d logits is the softmax,
     ``d_lse`` enters as a shift of the row term: dS = P (dP - (D - d_lse))."""
     inputs, out, lse = residuals
-    q, k, v, bias, mask = inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask
-    q_offset, kv_lengths = inputs.q_offset, inputs.kv_lengths
-    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+    q, k, v, bias = inputs.query, inputs.key, inputs.value, inputs.rules.bias
     acc = lse.dtype
     lse = _row_blocks(lse.reshape(plan.B, plan.T, plan.K, plan.G), plan)  # (B, nQ, K, G, bq)
     seen = lse != -jnp.inf  # rows that see at least one key (NaN included)
@@ -473,16 +505,14 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
     if d_lse is not None:
         delta = delta - d_lse.astype(acc)
     delta = _row_blocks(delta.reshape(plan.B, plan.T, plan.K, plan.G), plan)  # (B, nQ, K, G, bq)
-    mask_blocks = None if mask is None else _pair_blocks(mask, plan, False)
-    bias_blocks = None if bias is None else _pair_blocks(bias.astype(acc), plan, 0)
-    segment_blocks = _segment_blocks(q_ids, kv_ids, plan)
+    blocks = RuleBlocks.of(plan, inputs, acc)
     kinds = inputs.backward_kinds
     consts = () if inputs.score_consts is None else tuple(inputs.score_consts[1])
     grads = (
         jnp.zeros((plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H), acc),
         jnp.zeros_like(kb),
         jnp.zeros_like(vb),
-        None if bias is None else jnp.zeros_like(bias_blocks),
+        None if bias is None else jnp.zeros_like(blocks.bias),
         tuple(jnp.zeros_like(c) for c in consts),
     )
     grads = varying_like(grads, inputs, d_out)
@@ -490,10 +520,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
     def run(grads, schedule: Schedule, masked: bool):
         if schedule.steps == 0:
             return grads
-        item_keys = functools.partial(
-            _item_keys, plan, masked, kb, vb, q_offset, inputs.index_shift, kv_lengths,
-            mask_blocks, segment_blocks,
-        )  # fmt: skip
+        item_keys = functools.partial(_item_keys, plan, masked, kb, vb, blocks)
 
         def step(grads, item):
             dq, dk, dv, dbias, dconsts = grads
@@ -508,7 +535,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
                 lse_i = jnp.take(lse, qc, axis=1)
                 ks, vs, cells, allowed = item_keys(qc, kj)
                 s, tanh, score_vjp = _scores(
-                    plan, qs, ks, qc, kj, bias_blocks, allowed, cells, consts, with_vjp=True
+                    plan, qs, ks, qc, kj, blocks, allowed, cells, consts, with_vjp=True
                 )
                 # p <= 1 exactly; the clamp keeps a differently rounded s from overflowing.
                 p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0))
@@ -592,27 +619,31 @@ def _attend_bwd(plan, backward_plan, residuals: Residuals, cotangents):
     d_out, d_lse = cotangents
     grads = backward_block(backward_plan, residuals, d_out, d_lse=d_lse)
     inputs = residuals.inputs
-    differentiable = dict(
+    bias = None if grads.bias is None else sum_to_varying(grads.bias, inputs.rules.bias)
+    # Of the rules only the bias has a gradient: no cotangent for masks, offsets and ids.
+    rules = dataclasses.replace(
+        inputs.rules, mask=None, offset=None, kv_lengths=None, q_segment_ids=None,
+        kv_segment_ids=None, traced_scale=None, bias=bias,
+    )  # fmt: skip
+    differentiable = BlockInputs(
         query=sum_to_varying(grads.query, inputs.query),
         key=sum_to_varying(grads.key, inputs.key),
         value=sum_to_varying(grads.value, inputs.value),
-        bias=None if grads.bias is None else sum_to_varying(grads.bias, inputs.bias),
+        rules=rules,
         score_consts=grads.score_consts,
     )
-    return (BlockInputs(**differentiable),)  # no gradient for the masks, offsets and ids
+    return (differentiable,)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def flash_attention(
-    query, key, value, spec: AttentionSpec, *, forward_tiles=None, backward_tiles=None
-):
+def flash_attention(query, key, value, rules: Rules, *, forward_tiles=None, backward_tiles=None):
     """Blockwise attention with the reference's output contract.
 
     Args:
-      query: (B, T, N, H); key, value: (B, S, K, H); ``spec`` from
-        :func:`nanoattn._core.base.rules.attention_spec`.
+      query: (B, T, N, H); key, value: (B, S, K, H); ``rules`` from
+        :meth:`nanoattn._core.base.rules.Rules.make`.
       forward_tiles, backward_tiles: ``(block_q, block_k, lanes)`` for each
         pass: block sizes along T and S (capped at T and S; lengths need not
         be multiples of them) and the work items processed side by side per
@@ -620,44 +651,41 @@ def flash_attention(
 
     Returns:
       (B, T, N, H) in the query's dtype; zeros when T or S is 0 (no query, or no key
-      to see), as every backend gives. With ``spec.return_residual``, also the
+      to see), as every backend gives. With ``rules.return_residual``, also the
       log-sum-exp (B, T, N) in the softmax's dtype (``-inf`` where nothing is seen).
     """
-    if spec.T == 0 or spec.S == 0:
+    if rules.T == 0 or rules.S == 0:
         out = jnp.zeros(query.shape, query.dtype)
         lse = jnp.full(query.shape[:3], -jnp.inf, softmax_dtype(query.dtype, key.dtype))
-        return (out, lse) if spec.return_residual else out
+        return (out, lse) if rules.return_residual else out
     mask = None
-    if spec.mask_fn is not None:
-        mask = spec.mask_fn
+    if rules.mask_fn is not None:
+        mask = rules.mask_fn
         if not isinstance(mask, BlockMask):
-            mask = block_mask(mask, spec.B, spec.N, spec.T, spec.S, q_offset=spec.q_offset)
-    plans = kernel_plans(spec, forward_tiles, backward_tiles, mask)
+            mask = block_mask(mask, rules.B, rules.N, rules.T, rules.S, q_offset=rules.q_offset)
+    plans = kernel_plans(rules, forward_tiles, backward_tiles, mask)
     kinds = [
         None if mask is None or mask.static else mask.kinds_at(p.block_q, p.block_k) for p in plans
     ]
     score_consts = None
-    if spec.score_fn is not None:
+    if rules.score_fn is not None:
         acc = softmax_dtype(query.dtype, key.dtype, value.dtype)
-        converted = [_converted_score_fn(spec, p, acc) for p in plans]
+        converted = [_converted_score_fn(rules, p, acc) for p in plans]
         plans = type(plans)(
             *(dataclasses.replace(p, score_fn=c[0]) for p, c in zip(plans, converted))
         )
         score_consts = tuple(tuple(c[1]) for c in converted)
-    traced_offset = spec.q_offset is not None and not isinstance(spec.q_offset, int)
     inputs = BlockInputs(
-        query=query, key=key, value=value, bias=spec.bias, mask=spec.mask,
-        q_offset=spec.q_offset if traced_offset else None, kv_lengths=spec.kv_lengths,
-        q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.kv_segment_ids,
-        kinds=kinds[0], backward_kinds=kinds[1], score_consts=score_consts,
+        query=query, key=key, value=value, rules=kernel_rules(rules), kinds=kinds[0],
+        backward_kinds=kinds[1], score_consts=score_consts,
     )  # fmt: skip
     out, lse = _attend(*plans, inputs)
-    return (out, lse) if spec.return_residual else out
+    return (out, lse) if rules.return_residual else out
 
 
-def _converted_score_fn(spec: AttentionSpec, plan: Plan, acc):
-    """``spec.score_fn`` closure-converted for one block of ``plan``'s (B, N, bq, bk)
+def _converted_score_fn(rules: Rules, plan: Plan, acc):
+    """``rules.score_fn`` closure-converted for one block of ``plan``'s (B, N, bq, bk)
     (:func:`~nanoattn._core.base.mask_fn.closure_converted`)."""
     return closure_converted(
-        spec.score_fn, plan.B, plan.K * plan.G, plan.block_q, plan.block_k, spec.q_offset, acc
+        rules.score_fn, plan.B, plan.K * plan.G, plan.block_q, plan.block_k, rules.q_offset, acc
     )

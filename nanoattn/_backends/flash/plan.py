@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ..._core.base.block_mask import BlockMask
-from ..._core.base.rules import AttentionSpec
+from ..._core.base.rules import Rules
 from .schedule import Schedule, block_schedules
 
 # (block_q, block_k, most lanes) per pass, and the most score cells one step may
@@ -88,20 +88,20 @@ class Plans(NamedTuple):
 
 
 def kernel_plans(
-    spec: AttentionSpec, forward_tiles=None, backward_tiles=None, mask: BlockMask | None = None
+    rules: Rules, forward_tiles=None, backward_tiles=None, mask: BlockMask | None = None
 ) -> Plans:
     """The (forward, backward) plans of a call: its static sizes and rules, and the
     tiles of each pass (``forward_tiles``/``backward_tiles``, else :func:`fit_tiles`).
-    Only the flags of ``spec``'s arrays are read (whether there are lengths, a mask,
+    Only the flags of ``rules``'s arrays are read (whether there are lengths, a mask,
     segment ids), so the ring (:mod:`nanoattn.parallel`) plans its blocks with it.
-    ``mask`` is the classification of ``spec.mask_fn`` (needed when it is set); its
+    ``mask`` is the classification of ``rules.mask_fn`` (needed when it is set); its
     static kinds become each plan's, at the plan's blocks."""
-    static_offset = spec.static_q_offset
+    static_offset = rules.static_q_offset
     shared = Plan(
-        B=spec.B, T=spec.T, S=spec.S, K=spec.K, G=spec.G, H=spec.H, block_q=0, block_k=0,
-        lanes=0, scale=float(spec.scale), band=spec.band, static_offset=static_offset,
-        has_lengths=spec.kv_lengths is not None, has_mask=spec.mask is not None,
-        has_segments=spec.q_segment_ids is not None, soft_cap=spec.logit_soft_cap,
+        B=rules.B, T=rules.T, S=rules.S, K=rules.K, G=rules.G, H=rules.H, block_q=0, block_k=0,
+        lanes=0, scale=float(rules.scale), band=rules.band, static_offset=static_offset,
+        has_lengths=rules.kv_lengths is not None, has_mask=rules.mask is not None,
+        has_segments=rules.q_segment_ids is not None, soft_cap=rules.logit_soft_cap,
     )  # fmt: skip
     plans = []
     passes = (
@@ -111,19 +111,19 @@ def kernel_plans(
     for tiles, default, budget in passes:
         if tiles is not None and min(tiles) < 1:
             raise ValueError(f"block sizes and lanes must be >= 1, got {tiles}")
-        block_q, block_k, lanes = tiles or fit_tiles(default, budget, spec)
+        block_q, block_k, lanes = tiles or fit_tiles(default, budget, rules)
         plan = dataclasses.replace(
-            shared, block_q=min(block_q, spec.T), block_k=min(block_k, spec.S), lanes=lanes
+            shared, block_q=min(block_q, rules.T), block_k=min(block_k, rules.S), lanes=lanes
         )
-        plans.append(_with_mask_fn(plan, spec, mask))
+        plans.append(_with_mask_fn(plan, rules, mask))
     return Plans(*plans)
 
 
-def _with_mask_fn(plan: Plan, spec: AttentionSpec, mask: BlockMask | None) -> Plan:
+def _with_mask_fn(plan: Plan, rules: Rules, mask: BlockMask | None) -> Plan:
     """``plan`` with the call's ``mask_fn`` and its kinds at the plan's blocks."""
-    offset = spec.index_offset
+    offset = rules.index_offset
     index_offset = offset if isinstance(offset, int) else None
-    if spec.mask_fn is None:
+    if rules.mask_fn is None:
         return dataclasses.replace(plan, index_offset=index_offset)
     if not mask.static:
         return dataclasses.replace(
@@ -136,16 +136,16 @@ def _with_mask_fn(plan: Plan, spec: AttentionSpec, mask: BlockMask | None) -> Pl
     )  # fmt: skip
 
 
-def fit_tiles(tiles, budget: int, spec: AttentionSpec) -> tuple[int, int, int]:
+def fit_tiles(tiles, budget: int, rules: Rules) -> tuple[int, int, int]:
     """Shrinks ``tiles`` until one step holds at most ``budget`` score cells:
     first fewer lanes, then smaller blocks (halving the larger one, keys at a tie)."""
     block_q, block_k, lanes = tiles
-    block_q, block_k = min(block_q, spec.T), min(block_k, spec.S)
-    per_lane = spec.B * spec.N * block_q * block_k
+    block_q, block_k = min(block_q, rules.T), min(block_k, rules.S)
+    per_lane = rules.B * rules.N * block_q * block_k
     while per_lane > budget and max(block_q, block_k) > MIN_BLOCK:
         if block_k >= block_q:
             block_k = max(MIN_BLOCK, block_k // 2)
         else:
             block_q = max(MIN_BLOCK, block_q // 2)
-        per_lane = spec.B * spec.N * block_q * block_k
+        per_lane = rules.B * rules.N * block_q * block_k
     return block_q, block_k, max(1, min(lanes, budget // per_lane))

@@ -6,7 +6,7 @@ blocks (a traced one while those bits stay small); built on the first call it ma
 import jax
 import jax.numpy as jnp
 
-from ..interface import NO_DROPOUT
+from ..interface import EVERY_RULE, NO_DROPOUT, unserved
 from .build import load
 from .kernel import mask_fn_unsupported, native_attention
 
@@ -23,36 +23,35 @@ SERVED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 class Native:
     name = "native"
     priority = 2
+    serves = EVERY_RULE - {"mask", "bias", "score_fn"}
 
-    def unsupported(self, spec, dtype, dropout_rate: float) -> str | None:
+    def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
         if jax.default_backend() != "cpu":
             return f"it runs on CPU only, and the default backend is {jax.default_backend()!r}"
         if dropout_rate > 0:
             return NO_DROPOUT
         if jnp.dtype(dtype) not in SERVED:
             return f"it supports float32 and bfloat16 inputs only, got {jnp.dtype(dtype)}"
-        if spec.mask is not None or spec.bias is not None:
-            return "a dense mask or a bias is served by 'xla' and 'flash' only"
-        if spec.score_fn is not None:
-            return "score_fn is served by 'xla' and 'flash' only"
-        if not spec.static_scale:
+        if reason := unserved(self, rules):
+            return reason
+        if not rules.static_scale:
             return "it needs a Python number for scale, not a traced array"
         _, reason = load()  # this builds the kernel on first use
         if reason is not None:
             return f"the kernel is not available: {reason}"
-        return mask_fn_unsupported(spec)  # last: it needs the built kernel's blocks
+        return mask_fn_unsupported(rules)  # last: it needs the built kernel's blocks
 
-    def pays_off(self, spec, dtype) -> bool:
+    def pays_off(self, rules, dtype) -> bool:
         least = CPU_MIN_CELLS_BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else CPU_MIN_CELLS
-        return jax.default_backend() == "cpu" and spec.T * spec.S >= least
+        return jax.default_backend() == "cpu" and rules.T * rules.S >= least
 
-    def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
+    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
         dtype = query.dtype
         if not dtype == key.dtype == value.dtype:  # mixed types: all widened to float32
             query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
-        out, lse = native_attention(query, key, value, spec)
+        out, lse = native_attention(query, key, value, rules)
         out = out.astype(dtype)
-        return (out, lse) if spec.return_residual else out
+        return (out, lse) if rules.return_residual else out
 
 
 BACKEND = Native()

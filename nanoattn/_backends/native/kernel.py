@@ -24,7 +24,7 @@ import numpy as np
 
 from ..._core.base.block_mask import CHUNK_CELLS, EMPTY, FULL, PARTIAL, BlockMask, classify
 from ..._core.base.mask_fn import evaluate_mask, grid
-from ..._core.base.rules import AttentionSpec
+from ..._core.base.rules import Rules
 from .build import load
 
 _F32 = jnp.dtype(jnp.float32)
@@ -38,13 +38,13 @@ TARGET_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16"}
 TRACED_BITS_LIMIT = 16 * 2**20
 
 
-def native_attention(query, key, value, spec: AttentionSpec):
+def native_attention(query, key, value, rules: Rules):
     """Attention by the native kernel, with the reference's output contract.
 
     Args:
       query: (B, T, N, H) float32 or bfloat16; key, value: (B, S, K, H), cast to
-        the query's type (products and softmax in float32); ``spec`` from
-        :func:`nanoattn._core.base.rules.attention_spec` that the ``native`` backend
+        the query's type (products and softmax in float32); ``rules`` from
+        :meth:`nanoattn._core.base.rules.Rules.make` that the ``native`` backend
         (:mod:`nanoattn._backends.native`) accepts.
 
     Returns:
@@ -54,7 +54,7 @@ def native_attention(query, key, value, spec: AttentionSpec):
       sees no key (the convention of the flash kernel and of ``jax.nn``'s
       residuals).
     """
-    return _attend(*_operands(query, key, value, spec))
+    return _attend(*_operands(query, key, value, rules))
 
 
 @functools.cache
@@ -68,17 +68,17 @@ def block_sizes() -> tuple[int, int]:
     return library.NanoattnBlockQ(), library.NanoattnBlockK()
 
 
-def mask_fn_unsupported(spec: AttentionSpec) -> str | None:
-    """Why the kernel cannot serve ``spec.mask_fn`` (one sentence), or None: a mask
+def mask_fn_unsupported(rules: Rules) -> str | None:
+    """Why the kernel cannot serve ``rules.mask_fn`` (one sentence), or None: a mask
     whose kinds are traced is served while the bits of all its blocks stay within
     :data:`TRACED_BITS_LIMIT`."""
-    if spec.mask_fn is None or spec.T * spec.S == 0:
+    if rules.mask_fn is None or rules.T * rules.S == 0:
         return None
-    static, xB, xN = _probe(spec)
+    static, xB, xN = _probe(rules)
     if static:
         return None
     bq, bk = block_sizes()
-    size = xB * xN * -(-spec.T // bq) * -(-spec.S // bk) * 2 * bq * bk // 8
+    size = xB * xN * -(-rules.T // bq) * -(-rules.S // bk) * 2 * bq * bk // 8
     if size <= TRACED_BITS_LIMIT:
         return None
     return (
@@ -88,19 +88,19 @@ def mask_fn_unsupported(spec: AttentionSpec) -> str | None:
     )
 
 
-def _probe(spec: AttentionSpec) -> tuple[bool, int, int]:
+def _probe(rules: Rules) -> tuple[bool, int, int]:
     """(static, xB, xN): whether ``mask_fn``'s kinds are found at trace time, and how
     many batch rows and heads it tells apart (1 on an axis it does not depend on); from
     one cell per row and head."""
-    mask = spec.mask_fn
+    mask = rules.mask_fn
     if isinstance(mask, BlockMask):
         return mask.static, *mask.kinds.shape[:2]
     with jax.ensure_compile_time_eval():
-        cells = evaluate_mask(mask, *grid(spec.B, spec.N, 1, 1, spec.q_offset))
+        cells = evaluate_mask(mask, *grid(rules.B, rules.N, 1, 1, rules.q_offset))
     return not isinstance(cells, jax.core.Tracer), cells.shape[0], cells.shape[1]
 
 
-def _mask_operands(spec: AttentionSpec):
+def _mask_operands(rules: Rules):
     """``mask_fn`` as the kernel takes it, at its blocks (BQ, BK):
 
     - kinds, int8 (xB, xN, nQ, nK): EMPTY, PARTIAL or FULL per block (xB 1 or B, xN 1
@@ -115,35 +115,35 @@ def _mask_operands(spec: AttentionSpec):
     block's bits are computed at run time, in chunks of query blocks, and the kinds
     derived from them (P = xB * xN * nQ * nK). Without mask_fn all three are empty.
     """
-    if spec.mask_fn is None or spec.T * spec.S == 0:
+    if rules.mask_fn is None or rules.T * rules.S == 0:
         return jnp.zeros((0,), jnp.int8), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.uint8)
     bq, bk = block_sizes()
-    static, xB, xN = _probe(spec)
-    kinds = _static_kinds(spec, bq, bk) if static else None
+    static, xB, xN = _probe(rules)
+    kinds = _static_kinds(rules, bq, bk) if static else None
     if not isinstance(kinds, np.ndarray):
-        return _traced_operands(spec, xB, xN, bq, bk)
+        return _traced_operands(rules, xB, xN, bq, bk)
     partial = np.argwhere(kinds == PARTIAL)  # (P, 4): b, n, query block, key block
     slots = np.full(kinds.shape, -1, np.int32)
     slots[tuple(partial.T)] = np.arange(len(partial), dtype=np.int32)
-    return jnp.asarray(kinds), jnp.asarray(slots), _partial_bits(spec, partial, bq, bk)
+    return jnp.asarray(kinds), jnp.asarray(slots), _partial_bits(rules, partial, bq, bk)
 
 
-def _mask_fn_of(spec: AttentionSpec):
-    mask = spec.mask_fn
+def _mask_fn_of(rules: Rules):
+    mask = rules.mask_fn
     return mask.mask_fn if isinstance(mask, BlockMask) else mask
 
 
-def _static_kinds(spec: AttentionSpec, bq: int, bk: int):
+def _static_kinds(rules: Rules, bq: int, bk: int):
     """The kinds (xB, xN, nQ, nK) at the kernel's blocks, per batch row and head: a
     static BlockMask's coarsened where the kernel's blocks are multiples of its own (as
     ``BlockMask.kinds_at``, without reducing over B and N), classified afresh otherwise."""
-    mask, T, S = spec.mask_fn, spec.T, spec.S
+    mask, T, S = rules.mask_fn, rules.T, rules.S
     if isinstance(mask, BlockMask):
         if (bq % mask.block_q == 0 or bq >= T) and (bk % mask.block_k == 0 or bk >= S):
             fq = -(-T // mask.block_q) if bq >= T else bq // mask.block_q
             fk = -(-S // mask.block_k) if bk >= S else bk // mask.block_k
             return _coarsen_each(mask.kinds, fq, fk)
-    return classify(_mask_fn_of(spec), spec.B, spec.N, T, S, spec.q_offset, bq, bk)
+    return classify(_mask_fn_of(rules), rules.B, rules.N, T, S, rules.q_offset, bq, bk)
 
 
 def _coarsen_each(kinds: np.ndarray, fq: int, fk: int) -> np.ndarray:
@@ -169,14 +169,14 @@ def _packed(cells):
     return jnp.concatenate([rows.reshape(*lead, -1), cols.reshape(*lead, -1)], axis=-1)
 
 
-def _partial_bits(spec: AttentionSpec, partial: np.ndarray, bq: int, bk: int):
+def _partial_bits(rules: Rules, partial: np.ndarray, bq: int, bk: int):
     """The bits (P, 2 * BQ * BK / 8) of the partial blocks (b, n, query block, key block):
     ``mask_fn`` on a (P, BQ, BK) stack of cells, CHUNK_CELLS at a time."""
     size = 2 * bq * bk // 8
     if len(partial) == 0:
         return jnp.zeros((0, size), jnp.uint8)
-    mask_fn, T, S = _mask_fn_of(spec), spec.T, spec.S
-    offset = jnp.reshape(jnp.asarray(spec.index_offset, jnp.int32), (-1,))  # (1 or B,)
+    mask_fn, T, S = _mask_fn_of(rules), rules.T, rules.S
+    offset = jnp.reshape(jnp.asarray(rules.index_offset, jnp.int32), (-1,))  # (1 or B,)
     r, c = jnp.arange(bq, dtype=jnp.int32), jnp.arange(bk, dtype=jnp.int32)
 
     def one(b, n, i0, j0):  # one block: the cells of queries i0 + r and keys j0 + c
@@ -199,17 +199,17 @@ def _partial_bits(spec: AttentionSpec, partial: np.ndarray, bq: int, bk: int):
     return bits.reshape(-1, size)[:P]
 
 
-def _traced_operands(spec: AttentionSpec, xB: int, xN: int, bq: int, bk: int):
+def _traced_operands(rules: Rules, xB: int, xN: int, bq: int, bk: int):
     """Kinds, slots and bits of every block, at run time: ``mask_fn`` on as many query
     blocks at a time as CHUNK_CELLS allows (as ``_block_mask.classify``)."""
-    mask_fn, B, N, T, S = _mask_fn_of(spec), spec.B, spec.N, spec.T, spec.S
+    mask_fn, B, N, T, S = _mask_fn_of(rules), rules.B, rules.N, rules.T, rules.S
     nq, nk = -(-T // bq), -(-S // bk)
     chunk = max(1, min(nq, CHUNK_CELLS // (xB * xN * bq * nk * bk)))
     n_chunks = -(-nq // chunk)
     cols_real = jnp.arange(nk * bk) < S
 
     def of(first):  # query blocks [first, first + chunk)
-        b, n, q, k = grid(B, N, chunk * bq, nk * bk, spec.index_offset)
+        b, n, q, k = grid(B, N, chunk * bq, nk * bk, rules.index_offset)
         cells = evaluate_mask(mask_fn, b, n, q + first * bq, k)
         cells = jnp.broadcast_to(cells, (xB, xN, chunk * bq, nk * bk))
         real = ((first * bq + jnp.arange(chunk * bq)) < T)[:, None] & cols_real[None]
@@ -227,39 +227,40 @@ def _traced_operands(spec: AttentionSpec, xB: int, xN: int, bq: int, bk: int):
     return kinds, slots, bits.reshape(xB * xN * nq * nk, -1)
 
 
-def _operands(query, key, value, spec: AttentionSpec):
+def _operands(query, key, value, rules: Rules):
     """The kernel's operands: q, k, v in the query's type, per-row offsets and lengths (B,),
     segment ids (B, T) and (B, S) (empty without them), mask_fn's kinds, slots and bits
     (empty without it), and the static rules."""
-    B, S = spec.B, spec.S
-    left, right = spec.band if spec.band is not None else (None, None)
-    rules = (
-        float(spec.scale),
-        float(spec.logit_soft_cap or 0.0),
+    B, S = rules.B, rules.S
+    left, right = rules.band if rules.band is not None else (None, None)
+    attributes = (
+        float(rules.scale),
+        float(rules.logit_soft_cap or 0.0),
         -1 if left is None else int(left),
         -1 if right is None else int(right),
     )
-    offset = spec.q_offset if spec.band is not None else 0
+    offset = rules.q_offset if rules.band is not None else 0
     offsets = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (B,))
-    lengths = jnp.full((B,), S) if spec.kv_lengths is None else spec.kv_lengths
-    if spec.q_segment_ids is None:
+    lengths = jnp.full((B,), S) if rules.kv_lengths is None else rules.kv_lengths
+    if rules.q_segment_ids is None:
         q_seg = kv_seg = jnp.zeros((B, 0))  # empty: no segment rule
     else:
-        q_seg, kv_seg = spec.q_segment_ids, spec.kv_segment_ids
+        q_seg, kv_seg = rules.q_segment_ids, rules.kv_segment_ids
     ints = (offsets, lengths.astype(jnp.int32), q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32))
     key, value = key.astype(query.dtype), value.astype(query.dtype)
-    return (query, key, value, *ints, *_mask_operands(spec), rules)
+    return (query, key, value, *ints, *_mask_operands(rules), attributes)
 
 
-def _attributes(rules):
-    scale, soft_cap, left, right = rules
+def _attributes(attributes):
+    """The static rules as the FFI's attributes: (scale, soft_cap, left, right)."""
+    scale, soft_cap, left, right = attributes
     return dict(
         scale=np.float32(scale), soft_cap=np.float32(soft_cap),
         left=np.int64(left), right=np.int64(right),
     )  # fmt: skip
 
 
-def _forward(q, k, v, *rows, rules):
+def _forward(q, k, v, *rows, attributes):
     """``rows``: offsets, lengths, q_seg, kv_seg, mask_fn's kinds, slots and bits."""
     B, T, N, _ = q.shape
     call = jax.ffi.ffi_call(
@@ -267,21 +268,22 @@ def _forward(q, k, v, *rows, rules):
         (jax.ShapeDtypeStruct(q.shape, _F32), jax.ShapeDtypeStruct((B, T, N), _F32)),
         vmap_method="broadcast_all",
     )
-    return call(q, k, v, *rows, **_attributes(rules))
+    return call(q, k, v, *rows, **_attributes(attributes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _attend(q, k, v, offsets, lengths, q_seg, kv_seg, kinds, slots, bits, rules):
-    return _forward(q, k, v, offsets, lengths, q_seg, kv_seg, kinds, slots, bits, rules=rules)
-
-
-def _attend_fwd(q, k, v, offsets, lengths, q_seg, kv_seg, kinds, slots, bits, rules):
+def _attend(q, k, v, offsets, lengths, q_seg, kv_seg, kinds, slots, bits, attributes):
     rows = (offsets, lengths, q_seg, kv_seg, kinds, slots, bits)
-    out, lse = _forward(q, k, v, *rows, rules=rules)
+    return _forward(q, k, v, *rows, attributes=attributes)
+
+
+def _attend_fwd(q, k, v, offsets, lengths, q_seg, kv_seg, kinds, slots, bits, attributes):
+    rows = (offsets, lengths, q_seg, kv_seg, kinds, slots, bits)
+    out, lse = _forward(q, k, v, *rows, attributes=attributes)
     return (out, lse), (q, k, v, out, lse, rows)
 
 
-def _attend_bwd(rules, residuals, cotangents):
+def _attend_bwd(attributes, residuals, cotangents):
     q, k, v, out, lse, rows = residuals
     dout, dlse = cotangents
     call = jax.ffi.ffi_call(
@@ -290,7 +292,15 @@ def _attend_bwd(rules, residuals, cotangents):
         vmap_method="broadcast_all",
     )
     dq, dk, dv = call(
-        q, k, v, out, lse, dout.astype(q.dtype), dlse.astype(_F32), *rows, **_attributes(rules)
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout.astype(q.dtype),
+        dlse.astype(_F32),
+        *rows,
+        **_attributes(attributes),
     )
     return (dq, dk, dv) + (None,) * len(rows)
 

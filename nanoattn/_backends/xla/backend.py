@@ -1,25 +1,27 @@
-"""``"xla"``: the reference (:mod:`nanoattn._backends.xla.reference`), plain einsums over the full
-score tensor. Always available, every feature (dropout included); it defines the
-output contract every other backend is tested against."""
+"""``"xla"``: the reference (:mod:`.reference`), plain einsums over the full score
+tensor. Always available, every rule and dropout; it defines the output contract every
+other backend is tested against."""
 
+from ..interface import EVERY_RULE
 from . import reference
 
 
 class Xla:
     name = "xla"
     priority = 0  # the automatic choice's fallback: it serves every call
+    serves = EVERY_RULE
     applies_sinks = True  # its softmax has them; other backends get them merged in
 
-    def unsupported(self, spec, dtype, dropout_rate: float) -> str | None:
+    def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
         return None
 
-    def pays_off(self, spec, dtype) -> bool:
+    def pays_off(self, rules, dtype) -> bool:
         return True
 
-    def __call__(self, query, key, value, spec, *, dropout_rate: float, dropout_rng):
+    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
         return reference.attend(
-            query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-            return_residual=spec.return_residual,
+            query, key, value, rules, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            return_residual=rules.return_residual,
         )  # fmt: skip
 
 

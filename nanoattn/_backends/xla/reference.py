@@ -9,25 +9,26 @@ import jax.numpy as jnp
 from ..._core.base.mask_fn import evaluate_mask, evaluate_score, grid
 from ..._core.base.masks import band_mask, combine_masks, lengths_to_valid, segment_mask
 from ..._core.base.numerics import masked_softmax, soft_cap, softmax_dtype
-from ..._core.base.rules import AttentionSpec
+from ..._core.base.rules import Rules
 from ..._core.base.trace import record
 
 
-def allowed_mask(spec: AttentionSpec):
-    """ANDs the spec's mask, positional band (causality, window), key lengths,
+def allowed_mask(rules: Rules):
+    """ANDs the call's dense mask, positional band (causality, window), key lengths,
     segments and ``mask_fn`` on every cell: bool, rank 4, or None."""
     band = lengths = segments = by_fn = None
-    if spec.band is not None:
-        band = band_mask(spec.T, spec.S, *spec.band, q_offset=spec.q_offset)  # (T, S) or (B, T, S)
+    if rules.band is not None:
+        # (T, S) or (B, T, S)
+        band = band_mask(rules.T, rules.S, *rules.band, q_offset=rules.q_offset)
         band = band[None, None] if band.ndim == 2 else band[:, None]
-    if spec.kv_lengths is not None:
-        lengths = lengths_to_valid(spec.kv_lengths, spec.S)[:, None, None, :]  # (B, 1, 1, S)
-    if spec.q_segment_ids is not None:
-        segments = segment_mask(spec.q_segment_ids, spec.kv_segment_ids)  # (B, 1, T, S)
-    if spec.mask_fn is not None:
-        cells = grid(spec.B, spec.N, spec.T, spec.S, spec.index_offset)
-        by_fn = evaluate_mask(spec.mask_fn, *cells)  # (B|1, N|1, T|1, S|1)
-    return combine_masks(spec.mask, band, lengths, segments, by_fn)
+    if rules.kv_lengths is not None:
+        lengths = lengths_to_valid(rules.kv_lengths, rules.S)[:, None, None, :]  # (B, 1, 1, S)
+    if rules.q_segment_ids is not None:
+        segments = segment_mask(rules.q_segment_ids, rules.kv_segment_ids)  # (B, 1, T, S)
+    if rules.mask_fn is not None:
+        cells = grid(rules.B, rules.N, rules.T, rules.S, rules.index_offset)
+        by_fn = evaluate_mask(rules.mask_fn, *cells)  # (B|1, N|1, T|1, S|1)
+    return combine_masks(rules.mask, band, lengths, segments, by_fn)
 
 
 def _zero_unseen_keys(x, allowed):
@@ -41,12 +42,12 @@ def _zero_unseen_keys(x, allowed):
     return jnp.where(sees, x, jnp.zeros((), x.dtype))
 
 
-def weights(query, key, spec: AttentionSpec):
+def weights(query, key, rules: Rules):
     """Normalised attention weights (B, N, T, S) in the compute dtype."""
-    return _weights(query, key, spec, allowed_mask(spec))[0]
+    return _weights(query, key, rules, allowed_mask(rules))[0]
 
 
-def _weights(query, key, spec: AttentionSpec, allowed):
+def _weights(query, key, rules: Rules, allowed):
     """The weights (B, N, T, S) and the log-sum-exp (B, N, T), in the compute dtype."""
     acc = softmax_dtype(query.dtype, key.dtype)
     if allowed is not None:
@@ -54,19 +55,19 @@ def _weights(query, key, spec: AttentionSpec, allowed):
         sees = jnp.moveaxis(allowed.any(-1), 1, 2)[..., None]  # (B|1, T, N|1, 1)
         query = jnp.where(sees, query, jnp.zeros((), query.dtype))
         key = _zero_unseen_keys(key, allowed)
-    q = query.reshape(spec.B, spec.T, spec.K, spec.G, spec.H)  # (B, T, K, G, H)
+    q = query.reshape(rules.B, rules.T, rules.K, rules.G, rules.H)  # (B, T, K, G, H)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key, preferred_element_type=acc)
-    logits = logits.reshape(spec.score_shape) * jnp.asarray(spec.scale, acc)  # (B, N, T, S)
-    if spec.bias is not None:
-        logits = logits + spec.bias.astype(acc)
-    if spec.score_fn is not None:
+    logits = logits.reshape(rules.score_shape) * jnp.asarray(rules.scale, acc)  # (B, N, T, S)
+    if rules.bias is not None:
+        logits = logits + rules.bias.astype(acc)
+    if rules.score_fn is not None:
         if allowed is not None:  # a blocked cell's score is never looked at
             logits = jnp.where(allowed, logits, 0)
-        cells = grid(spec.B, spec.N, spec.T, spec.S, spec.index_offset)
-        logits = evaluate_score(spec.score_fn, logits, *cells)
-    logits = soft_cap(logits, spec.logit_soft_cap, allowed)
+        cells = grid(rules.B, rules.N, rules.T, rules.S, rules.index_offset)
+        logits = evaluate_score(rules.score_fn, logits, *cells)
+    logits = soft_cap(logits, rules.logit_soft_cap, allowed)
     record(logits, "scores", "B N T S", op="einsum")
-    sinks = None if spec.sinks is None else spec.sinks.astype(acc)[None, :, None]  # (1, N, 1)
+    sinks = None if rules.sinks is None else rules.sinks.astype(acc)[None, :, None]  # (1, N, 1)
     probs, lse = masked_softmax(logits, allowed, return_lse=True, sinks=sinks)
     record(probs, "weights", "B N T S", op="softmax")
     return probs, lse
@@ -82,7 +83,7 @@ def attend(
     query,
     key,
     value,
-    spec: AttentionSpec,
+    rules: Rules,
     *,
     dropout_rate,
     dropout_rng,
@@ -101,12 +102,12 @@ def attend(
          \Big(\mathrm{scale} \sum_h Q_{btnh} K_{bskh} + \mathrm{bias}_{bnts}\Big)
 
     where key/value head ``k = n // G`` serves query head ``n``, the logits are
-    soft-capped when ``spec`` says so, and ``P~`` is ``P`` after dropout (``P``
+    soft-capped when ``rules`` says so, and ``P~`` is ``P`` after dropout (``P``
     without). The softmax runs in :func:`~nanoattn._core.base.numerics.softmax_dtype`.
 
     Args:
-      query: (B, T, N, H); key and value (B, S, K, H); ``spec`` their
-        :class:`AttentionSpec`.
+      query: (B, T, N, H); key and value (B, S, K, H); ``rules`` their
+        :class:`Rules`.
       dropout_rate, dropout_rng: :func:`dropout` on the weights when the rate is
         above 0 and ``dropout_fn`` is None.
       dropout_fn: a function of the weights (B, N, T, S) giving the dropped
@@ -122,8 +123,8 @@ def attend(
       the output (B, T, N, H), followed by the weights (``return_weights``) and
       the log-sum-exp (``return_residual``) when asked for.
     """
-    allowed = allowed_mask(spec)
-    weights, lse = _weights(query, key, spec, allowed)
+    allowed = allowed_mask(rules)
+    weights, lse = _weights(query, key, rules, allowed)
     if weights_dtype is not None:
         weights = weights.astype(weights_dtype)
     value = _zero_unseen_keys(value, allowed)
@@ -133,9 +134,9 @@ def attend(
     elif dropout_rate > 0:
         probs = dropout(probs, dropout_rate, dropout_rng)
     acc = softmax_dtype(probs.dtype, value.dtype)
-    p = probs.reshape(spec.B, spec.K, spec.G, spec.T, spec.S)  # (B, K, G, T, S)
+    p = probs.reshape(rules.B, rules.K, rules.G, rules.T, rules.S)  # (B, K, G, T, S)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", p, value, preferred_element_type=acc)
-    out = out.reshape(spec.B, spec.T, spec.N, spec.H)  # (B, T, N, H)
+    out = out.reshape(rules.B, rules.T, rules.N, rules.H)  # (B, T, N, H)
     record(out, "per-head output", "B T N H", op="einsum")
     out = out.astype(query.dtype if out_dtype is None else out_dtype)
     extras = [weights] if return_weights else []

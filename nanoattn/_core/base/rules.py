@@ -1,18 +1,33 @@
-"""Validation of an attention call, shared by every backend.
+"""The rules of an attention call, in one object made and validated once.
 
-:func:`attention_spec` checks the arguments of ``dot_product_attention`` and
-``attention_weights`` once and returns an :class:`AttentionSpec`: the sizes and
-the mask ingredients kept apart (dense mask, causal offset, key lengths), so a
-backend can build a dense mask (the reference) or skip whole blocks (a
-blockwise kernel) from the same validated description.
+:meth:`Rules.make` checks the keywords of ``dot_product_attention`` (and of
+``attention_weights``, ``flash_attention``, the ring and the adapters, which take the
+same ones) and returns a :class:`Rules`: the sizes of the call and every rule that
+decides which keys a query sees and how its scores are formed, kept apart (a dense
+mask, the causal band with its offset, key lengths, segment ids, ``mask_fn``,
+``score_fn``, sinks, the soft-cap, the scale), so a backend can build a dense mask
+(the reference) or skip whole blocks (a blockwise kernel) from the same description.
+
+A :class:`Rules` is a pytree: its arrays (mask, bias, a traced offset, key lengths,
+segment ids, sinks, a traced scale) are its leaves and everything static (sizes,
+causality, window, soft-cap, a Python scale or offset, ``mask_fn``, ``score_fn``) its
+metadata, so it crosses ``jit``, ``custom_vjp`` and ``shard_map`` whole and no rule
+travels as a loose positional argument.
+
+Adding a rule (docs/architecture.md): a field here, its check in :meth:`Rules.make`
+(one helper), its name in :meth:`Rules.active`, and its meaning in the reference
+kernel (``nanoattn._backends.xla.reference``); a backend that does not list it in its
+``serves`` is refused for calls that use it, with the names of the backends that do.
 """
 
 import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from .block_mask import BlockMask
 from .mask_fn import check_mask_fn, check_score_fn
@@ -28,89 +43,198 @@ from .validate import (
 )
 
 SCORE_AXES = "B N T S"
+# The keyword arguments of a call that Rules.make takes, in the order of the public
+# signatures (dot_product_attention's, after query, key and value).
+ARGUMENTS = (
+    "mask", "bias", "is_causal", "q_offset", "kv_lengths", "window", "q_segment_ids",
+    "kv_segment_ids", "logit_soft_cap", "scale", "mask_fn", "score_fn", "sinks",
+    "return_residual",
+)  # fmt: skip
+# How an error names each rule of Rules.active.
+RULE_NAMES = {
+    "mask": "a dense mask",
+    "bias": "a bias",
+    "is_causal": "is_causal",
+    "window": "window",
+    "kv_lengths": "kv_lengths",
+    "segment_ids": "segment ids",
+    "logit_soft_cap": "logit_soft_cap",
+    "mask_fn": "mask_fn",
+    "score_fn": "score_fn",
+    "sinks": "sinks",
+}
 
 
-def normalize_window(window) -> tuple[int, int] | None:
-    """A ``window`` argument as ``(left, right)``, or None.
-
-    An int ``w`` means ``(w, w)``; a pair is ``(left, right)``: query at
-    position p may see keys at positions ``p - left .. p + right``.
-
-    Raises:
-      TypeError: not None, an int or a pair of ints.
-      ValueError: a negative side.
-    """
-    if window is None:
-        return None
-    pair = (window, window) if isinstance(window, int) and not isinstance(window, bool) else window
-    try:
-        left, right = pair
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"window must be an int w (meaning (w, w)) or a pair (left, right) of ints, "
-            f"got {window!r}"
-        ) from None
-    for side in (left, right):
-        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
-            raise TypeError(
-                f"window must be an int w (meaning (w, w)) or a pair (left, right) of ints, "
-                f"got {window!r}"
-            )
-    if left < 0 or right < 0:
-        raise ValueError(f"window sides must be >= 0, got (left, right) = ({left}, {right})")
-    return int(left), int(right)
+# A field of the pytree's metadata (hashable, never traced); the others are its leaves.
+STATIC = dict(static=True)
 
 
-def check_soft_cap(cap) -> float | None:
-    """A ``logit_soft_cap`` argument as a float > 0, or None (:func:`positive_number`)."""
-    return positive_number("logit_soft_cap", cap, optional=True)
-
-
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class AttentionSpec:
-    """A validated attention call. Shapes use the legend of docs/conventions.md.
+class Rules:
+    """The rules of one attention call. Shapes use the legend of docs/conventions.md.
 
     Attributes:
-      B, T, S, N, K, H: batch, query time, key time, query heads, key/value
-        heads and head width.
+      B, T, S, N, K, H: batch, query time, key time, query heads, key/value heads and
+        head width.
       mask: boolean, rank 4, broadcastable to (B, N, T, S), or None.
       bias: floating, rank 4, broadcastable to (B, N, T, S), or None.
       is_causal: whether the positional causal mask applies.
-      q_offset: position of the first query (int, or int array () or (B,));
-        None unless ``is_causal`` or ``window`` is set.
+      static_offset: the position of the first query as a Python int, or None.
+      offset: the position of the first query as an int array () or (B,) (traced or
+        not), or None; at most one of ``static_offset`` and ``offset`` is set, and
+        :attr:`q_offset` reads whichever is.
       kv_lengths: int array (B,) of valid key counts, or None.
       window: ``(left, right)`` of local attention, or None.
       q_segment_ids, kv_segment_ids: int arrays (B, T) and (B, S), or None.
       logit_soft_cap: the cap of ``cap * tanh(logits / cap)``, or None.
-      scale: the factor applied to ``q . k``.
-      return_residual: whether the call also returns the log-sum-exp (B, T, N).
-      mask_fn: ``mask_fn(b, n, q_pos, k_pos) -> bool`` (:mod:`nanoattn._core.base.mask_fn`),
-        a :class:`~nanoattn._core.base.block_mask.BlockMask`, or None.
+      fixed_scale: the factor applied to ``q . k`` as a Python number, or None.
+      traced_scale: the factor as a scalar array (a traced one under ``jit``), or
+        None; :attr:`scale` reads whichever is set.
+      mask_fn: ``mask_fn(b, n, q_pos, k_pos) -> bool`` (:mod:`.mask_fn`), a
+        :class:`~nanoattn._core.base.block_mask.BlockMask`, or None.
       score_fn: ``score_fn(score, b, n, q_pos, k_pos) -> score``, or None.
       sinks: float (N,), one logit per query head added to each row's softmax
         denominator, or None.
+      return_residual: whether the call also returns the log-sum-exp (B, T, N).
     """
 
-    B: int
-    T: int
-    S: int
-    N: int
-    K: int
-    H: int
-    mask: Any
-    bias: Any
-    is_causal: bool
-    q_offset: Any
-    kv_lengths: Any
-    scale: float
-    window: tuple[int, int] | None = None
+    B: int = dataclasses.field(metadata=STATIC)
+    T: int = dataclasses.field(metadata=STATIC)
+    S: int = dataclasses.field(metadata=STATIC)
+    N: int = dataclasses.field(metadata=STATIC)
+    K: int = dataclasses.field(metadata=STATIC)
+    H: int = dataclasses.field(metadata=STATIC)
+    mask: Any = None
+    bias: Any = None
+    is_causal: bool = dataclasses.field(default=False, metadata=STATIC)
+    static_offset: int | None = dataclasses.field(default=None, metadata=STATIC)
+    offset: Any = None
+    kv_lengths: Any = None
+    window: tuple[int, int] | None = dataclasses.field(default=None, metadata=STATIC)
     q_segment_ids: Any = None
     kv_segment_ids: Any = None
-    logit_soft_cap: float | None = None
-    return_residual: bool = False
-    mask_fn: Any = None
-    score_fn: Any = None
+    logit_soft_cap: float | None = dataclasses.field(default=None, metadata=STATIC)
+    fixed_scale: float | None = dataclasses.field(default=None, metadata=STATIC)
+    traced_scale: Any = None
+    mask_fn: Any = dataclasses.field(default=None, metadata=STATIC)
+    score_fn: Any = dataclasses.field(default=None, metadata=STATIC)
     sinks: Any = None
+    return_residual: bool = dataclasses.field(default=False, metadata=STATIC)
+
+    @classmethod
+    def make(cls, query, key, value=None, **arguments) -> "Rules":
+        """Checks a batched call (:func:`batched` adds the axis to an unbatched one)
+        and returns its rules. ``arguments`` are keywords of :data:`ARGUMENTS`.
+
+        Raises:
+          ValueError: a shape problem, naming the expected and the actual shape.
+          TypeError: a mask that is not boolean, inputs of the wrong dtype kind, or an
+            argument that is not an array (a string, None, ...), naming it.
+        """
+        unknown = sorted(set(arguments) - set(ARGUMENTS))
+        if unknown:
+            raise TypeError(f"unknown rule arguments {unknown}; the rules are {ARGUMENTS}")
+        a = dict.fromkeys(ARGUMENTS) | dict(is_causal=False, return_residual=False) | arguments
+        B, T, S, N, K, H = _sizes(query, key, value)
+        scores = (B, N, T, S)
+        mask, bias = _check_mask(a["mask"], scores), _check_bias(a["bias"], scores)
+        is_causal = expect_flag("is_causal", a["is_causal"])
+        return_residual = expect_flag("return_residual", a["return_residual"])
+        window = normalize_window(a["window"])
+        indexed = a["mask_fn"] is not None or a["score_fn"] is not None
+        q_offset = _check_q_offset(a["q_offset"], B, T, S, is_causal, window, indexed)
+        mask_fn = check_mask_fn(a["mask_fn"], B, N, T, S, q_offset)
+        if isinstance(mask_fn, BlockMask):
+            mask_fn.check_fits(B, N, T, S, q_offset)
+        score_fn = check_score_fn(a["score_fn"], B, N, T, S, q_offset)
+        sinks = check_sinks(a["sinks"], N)
+        kv_lengths = _check_lengths(a["kv_lengths"], B)
+        q_ids, kv_ids = _check_segments(a["q_segment_ids"], a["kv_segment_ids"], B, T, S)
+        logit_soft_cap = check_soft_cap(a["logit_soft_cap"])
+        fixed_scale, traced_scale = _split_scale(a["scale"], H)
+        static = isinstance(q_offset, int)
+        return cls(
+            B=B, T=T, S=S, N=N, K=K, H=H, mask=mask, bias=bias, is_causal=is_causal,
+            static_offset=q_offset if static else None, offset=None if static else q_offset,
+            kv_lengths=kv_lengths, window=window, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+            logit_soft_cap=logit_soft_cap, fixed_scale=fixed_scale, traced_scale=traced_scale,
+            mask_fn=mask_fn, score_fn=score_fn, sinks=sinks, return_residual=return_residual,
+        )  # fmt: skip
+
+    def arguments(self) -> dict:
+        """The keywords that :meth:`make` turns into these rules (the inverse of make,
+        for a call made again on other arrays, such as a shard of these)."""
+        return dict(
+            mask=self.mask, bias=self.bias, is_causal=self.is_causal, q_offset=self.q_offset,
+            kv_lengths=self.kv_lengths, window=self.window, q_segment_ids=self.q_segment_ids,
+            kv_segment_ids=self.kv_segment_ids, logit_soft_cap=self.logit_soft_cap,
+            scale=self.scale, mask_fn=self.mask_fn, score_fn=self.score_fn, sinks=self.sinks,
+            return_residual=self.return_residual,
+        )  # fmt: skip
+
+    def active(self) -> tuple[str, ...]:
+        """The names of the rules this call uses (the keys of :data:`RULE_NAMES`): what
+        a backend must serve to take the call."""
+        uses = {
+            "mask": self.mask is not None,
+            "bias": self.bias is not None,
+            "is_causal": self.is_causal,
+            "window": self.window is not None,
+            "kv_lengths": self.kv_lengths is not None,
+            "segment_ids": self.q_segment_ids is not None,
+            "logit_soft_cap": self.logit_soft_cap is not None,
+            "mask_fn": self.mask_fn is not None,
+            "score_fn": self.score_fn is not None,
+            "sinks": self.sinks is not None,
+        }
+        return tuple(name for name, used in uses.items() if used)
+
+    def replace(self, **changes) -> "Rules":
+        """These rules with ``changes`` (field names, or ``q_offset``: an int, an int
+        array or None, stored in the field it belongs to)."""
+        if "q_offset" in changes:
+            q_offset = changes.pop("q_offset")
+            static = isinstance(q_offset, int) and not isinstance(q_offset, bool)
+            changes["static_offset"] = q_offset if static else None
+            changes["offset"] = None if static else q_offset
+        return dataclasses.replace(self, **changes)
+
+    def partition_specs(self, sequence=None, heads=None) -> "Rules":
+        """How these rules' arrays are laid out when queries and keys are split over the
+        mesh axes ``sequence`` (their T and S, axis 1) and ``heads`` (N and K): these
+        rules with a ``PartitionSpec`` for each array, ``jax.shard_map``'s ``in_specs``
+        for them. Segment ids follow the sequence, sinks the heads; key lengths (global
+        positions), a traced offset and a traced scale are replicated.
+
+        Raises:
+          ValueError: a dense mask or a bias, which cannot follow keys that move
+            between devices (use ``mask_fn`` or ``score_fn``).
+        """
+        if self.mask is not None or self.bias is not None:
+            raise ValueError(
+                "a dense mask or a bias cannot be split over the sequence axis; give the "
+                "rule as mask_fn or score_fn"
+            )
+        specs = dict(
+            offset=PartitionSpec(), kv_lengths=PartitionSpec(), traced_scale=PartitionSpec(),
+            q_segment_ids=PartitionSpec(None, sequence),
+            kv_segment_ids=PartitionSpec(None, sequence), sinks=PartitionSpec(heads),
+        )  # fmt: skip
+        return dataclasses.replace(
+            self, **{name: spec for name, spec in specs.items() if getattr(self, name) is not None}
+        )
+
+    @property
+    def q_offset(self):
+        """The position of the first query: a Python int, an int array () or (B,), or
+        None (none was given: 0 where one applies)."""
+        return self.static_offset if self.offset is None else self.offset
+
+    @property
+    def scale(self):
+        """The factor on ``q . k``: a Python number, or a scalar array."""
+        return self.fixed_scale if self.traced_scale is None else self.traced_scale
 
     @property
     def indexed(self) -> bool:
@@ -143,12 +267,12 @@ class AttentionSpec:
     @property
     def static_q_offset(self) -> int | None:
         """The offset as a Python int, or None when traced or not positional."""
-        return self.q_offset if self.positional and isinstance(self.q_offset, int) else None
+        return self.static_offset if self.positional else None
 
     @property
     def static_scale(self) -> bool:
-        """Whether ``scale`` is a Python number (not a traced array)."""
-        return isinstance(self.scale, (int, float, np.floating, np.integer))
+        """Whether ``scale`` is a Python number (not an array, traced or not)."""
+        return self.traced_scale is None
 
     @property
     def G(self) -> int:
@@ -160,38 +284,54 @@ class AttentionSpec:
         return (self.B, self.N, self.T, self.S)
 
 
-def _as_rank4(x):
-    return jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
+def normalize_window(window) -> tuple[int, int] | None:
+    """A ``window`` argument as ``(left, right)``, or None.
 
-
-def attention_spec(
-    query,
-    key,
-    value=None,
-    *,
-    mask=None,
-    bias=None,
-    is_causal=False,
-    q_offset=None,
-    kv_lengths=None,
-    window=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    logit_soft_cap=None,
-    scale=None,
-    return_residual=False,
-    mask_fn=None,
-    score_fn=None,
-    sinks=None,
-) -> AttentionSpec:
-    """Checks an attention call (batched: :func:`batched` adds the axis to an
-    unbatched one) and returns its :class:`AttentionSpec`.
+    An int ``w`` means ``(w, w)``; a pair is ``(left, right)``: query at position p may
+    see keys at positions ``p - left .. p + right``.
 
     Raises:
-      ValueError: a shape problem, naming the expected and the actual shape.
-      TypeError: a mask that is not boolean, inputs of the wrong dtype kind, or an
-        argument that is not an array (a string, None, ...), naming it.
+      TypeError: not None, an int or a pair of ints.
+      ValueError: a negative side.
     """
+    if window is None:
+        return None
+    pair = (window, window) if isinstance(window, int) and not isinstance(window, bool) else window
+    try:
+        left, right = pair
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"window must be an int w (meaning (w, w)) or a pair (left, right) of ints, "
+            f"got {window!r}"
+        ) from None
+    for side in (left, right):
+        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
+            raise TypeError(
+                f"window must be an int w (meaning (w, w)) or a pair (left, right) of ints, "
+                f"got {window!r}"
+            )
+    if left < 0 or right < 0:
+        raise ValueError(f"window sides must be >= 0, got (left, right) = ({left}, {right})")
+    return int(left), int(right)
+
+
+def check_soft_cap(cap) -> float | None:
+    """A ``logit_soft_cap`` argument as a float > 0, or None (:func:`positive_number`)."""
+    return positive_number("logit_soft_cap", cap, optional=True)
+
+
+def check_sinks(sinks, N: int):
+    """``sinks`` as a float array (N,), one logit per query head, or None."""
+    if sinks is None:
+        return None
+    sinks = as_array("sinks", sinks, "a float array (N,), one logit per query head")
+    expect_floating("sinks", sinks.dtype)
+    expect_shape("sinks", sinks.shape, "N", (N,))
+    return sinks
+
+
+def _sizes(query, key, value) -> tuple[int, ...]:
+    """(B, T, S, N, K, H) of query (B, T, N, H), key and value (B, S, K, H)."""
     query = as_array("query", query, "an array (B, T, N, H)")
     key = as_array("key", key, "an array (B, S, K, H)")
     expect_shape("query", query.shape, "B T N H", (None,) * 4)
@@ -210,23 +350,69 @@ def attention_spec(
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x is not None:
             expect_floating(name, jnp.result_type(x))
+    return B, T, S, N, K, H
 
-    scores = (B, N, T, S)
-    if mask is not None:
-        mask = as_array("mask", mask, "a boolean array broadcastable to (B, N, T, S)")
-        expect_bool("mask", mask.dtype)
-        expect_broadcastable("mask", mask.shape, SCORE_AXES, scores)
-        mask = _as_rank4(mask)
-    if bias is not None:
-        bias = as_array("bias", bias, "a float array broadcastable to (B, N, T, S)")
-        expect_floating("bias", bias.dtype)
-        expect_broadcastable("bias", bias.shape, SCORE_AXES, scores)
-        bias = _as_rank4(bias)
 
-    is_causal = expect_flag("is_causal", is_causal)
-    return_residual = expect_flag("return_residual", return_residual)
-    window = normalize_window(window)
-    indexed = mask_fn is not None or score_fn is not None
+def _as_rank4(x):
+    return jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
+
+
+def _check_mask(mask, scores):
+    if mask is None:
+        return None
+    mask = as_array("mask", mask, "a boolean array broadcastable to (B, N, T, S)")
+    expect_bool("mask", mask.dtype)
+    expect_broadcastable("mask", mask.shape, SCORE_AXES, scores)
+    return _as_rank4(mask)
+
+
+def _check_bias(bias, scores):
+    if bias is None:
+        return None
+    bias = as_array("bias", bias, "a float array broadcastable to (B, N, T, S)")
+    expect_floating("bias", bias.dtype)
+    expect_broadcastable("bias", bias.shape, SCORE_AXES, scores)
+    return _as_rank4(bias)
+
+
+def _check_lengths(kv_lengths, B: int):
+    if kv_lengths is None:
+        return None
+    kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
+    expect_integer("kv_lengths", kv_lengths.dtype)
+    expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
+    return kv_lengths
+
+
+def _check_segments(q_ids, kv_ids, B: int, T: int, S: int):
+    if (q_ids is None) != (kv_ids is None):
+        raise ValueError(
+            "q_segment_ids and kv_segment_ids go together: pass both (for self-attention "
+            "over packed sequences, the same ids twice) or neither"
+        )
+    if q_ids is None:
+        return None, None
+    q_ids = as_array("q_segment_ids", q_ids, "an int array (B, T)")
+    kv_ids = as_array("kv_segment_ids", kv_ids, "an int array (B, S)")
+    expect_integer("q_segment_ids", q_ids.dtype)
+    expect_integer("kv_segment_ids", kv_ids.dtype)
+    expect_shape("q_segment_ids", q_ids.shape, "B T", (B, T))
+    expect_shape("kv_segment_ids", kv_ids.shape, "B S", (B, S))
+    return q_ids, kv_ids
+
+
+def _split_scale(scale, H: int):
+    """(fixed, traced): a checked scale (``check_scale`` upstream) as a Python number
+    or as an array; the default ``1 / sqrt(H)`` when None."""
+    if scale is None:
+        return 1.0 / math.sqrt(H), None
+    if isinstance(scale, (int, float, np.floating, np.integer)):
+        return scale, None
+    return None, scale
+
+
+def _check_q_offset(q_offset, B: int, T: int, S: int, is_causal: bool, window, indexed: bool):
+    """The offset of a call: an int, an int array () or (B,), or None."""
     if not is_causal and window is None and not indexed and q_offset is not None:
         raise ValueError(
             "q_offset only applies to causal or windowed attention, or to the positions "
@@ -234,51 +420,10 @@ def attention_spec(
         )
     if is_causal or window is not None:
         what = "is_causal=True" if is_causal else f"window={window}"
-        q_offset = _check_q_offset(q_offset, B, T, S, what)
     elif q_offset is not None:  # positions for mask_fn and score_fn only: 0 by default
-        q_offset = _check_q_offset(q_offset, B, T, S, "mask_fn or score_fn")
-    mask_fn = check_mask_fn(mask_fn, B, N, T, S, q_offset)
-    if isinstance(mask_fn, BlockMask):
-        mask_fn.check_fits(B, N, T, S, q_offset)
-    score_fn = check_score_fn(score_fn, B, N, T, S, q_offset)
-    sinks = check_sinks(sinks, N)
-    if kv_lengths is not None:
-        kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
-        expect_integer("kv_lengths", kv_lengths.dtype)
-        expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError(
-            "q_segment_ids and kv_segment_ids go together: pass both (for self-attention "
-            "over packed sequences, the same ids twice) or neither"
-        )
-    if q_segment_ids is not None:
-        q_segment_ids = as_array("q_segment_ids", q_segment_ids, "an int array (B, T)")
-        kv_segment_ids = as_array("kv_segment_ids", kv_segment_ids, "an int array (B, S)")
-        expect_integer("q_segment_ids", q_segment_ids.dtype)
-        expect_integer("kv_segment_ids", kv_segment_ids.dtype)
-        expect_shape("q_segment_ids", q_segment_ids.shape, "B T", (B, T))
-        expect_shape("kv_segment_ids", kv_segment_ids.shape, "B S", (B, S))
-    logit_soft_cap = check_soft_cap(logit_soft_cap)
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    return AttentionSpec(
-        B, T, S, N, K, H, mask, bias, is_causal, q_offset, kv_lengths, scale, window,
-        q_segment_ids, kv_segment_ids, logit_soft_cap, return_residual, mask_fn, score_fn,
-        sinks,
-    )  # fmt: skip
-
-
-def check_sinks(sinks, N: int):
-    """``sinks`` as a float array (N,), one logit per query head, or None."""
-    if sinks is None:
+        what = "mask_fn or score_fn"
+    else:
         return None
-    sinks = as_array("sinks", sinks, "a float array (N,), one logit per query head")
-    expect_floating("sinks", sinks.dtype)
-    expect_shape("sinks", sinks.shape, "N", (N,))
-    return sinks
-
-
-def _check_q_offset(q_offset, B: int, T: int, S: int, what: str):
     if q_offset is None:
         if T != S:
             raise ValueError(
@@ -289,12 +434,12 @@ def _check_q_offset(q_offset, B: int, T: int, S: int, what: str):
                 f"last key, as FlashAttention and decoding with a KV cache)"
             )
         return 0
-    what = "an int or an int array"
+    kind = "an int or an int array"
     if isinstance(q_offset, bool):
-        raise TypeError(f"q_offset must be {what}, got bool {q_offset!r}")
+        raise TypeError(f"q_offset must be {kind}, got bool {q_offset!r}")
     if isinstance(q_offset, int):
         return q_offset
-    q_offset = as_array("q_offset", q_offset, what)
+    q_offset = as_array("q_offset", q_offset, kind)
     expect_integer("q_offset", q_offset.dtype)
     if q_offset.ndim != 0:
         expect_shape("q_offset", q_offset.shape, "B", (B,))
