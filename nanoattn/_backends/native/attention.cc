@@ -25,6 +25,7 @@
 // skipped; a full one is masked by the other rules only; a partial one by the bits too.
 // A query that sees no key gives zeros and zero gradients; a key that no query of its
 // row (and, with a mask_fn, of its key/value head's group) sees is never read, so NaN
+// or inf there cannot reach any result.
 //
 // The generic pieces are in headers beside this file: simd.h (vectors, bfloat16),
 // gemm.h (the block products' micro-kernels), threads.h (work sharing on XLA's
