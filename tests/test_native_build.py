@@ -1,13 +1,14 @@
 """The native kernel's build (nanoattn/_backends/native/build.py): the cache and the fallbacks.
 
-Pinned: the cached library's name covers every input of the build (the source, the
-flags: sanitizers, ``-D`` defines, ``-march``; the compiler, what ``-march=native``
-makes of the machine, the jaxlib version), so a build with other inputs never reuses
-a library compiled from different ones, and one with the same inputs reuses it
-without compiling; and where the kernel cannot be had (no compiler, a compile that
-fails, a compiler that exits 0 but writes no library) nanoattn warns once and the
-automatic choice serves every call with the pure-JAX kernels. Fake compilers (shell
-scripts in tmp_path) stand in for the real one: nothing here compiles the kernel.
+Pinned: the cached library's name covers every input of the build (every source file:
+attention.cc and each header beside it; the flags: sanitizers, ``-D`` defines,
+``-march``; the compiler, what ``-march=native`` makes of the machine, the jaxlib
+version), so a build with other inputs never reuses a library compiled from different
+ones, and one with the same inputs reuses it without compiling; and where the kernel
+cannot be had (no compiler, a compile that fails, a compiler that exits 0 but writes no
+library) nanoattn warns once and the automatic choice serves every call with the
+pure-JAX kernels. Fake compilers (shell scripts in tmp_path) stand in for the real one:
+nothing here compiles the kernel.
 """
 
 import json
@@ -65,13 +66,27 @@ def fake_cxx(tmp_path, monkeypatch):
 
 def test_a_build_with_other_inputs_never_reuses_a_library(fake_cxx, tmp_path, monkeypatch):
     cxx, compiles = fake_cxx
-    edited = tmp_path / "attention.cc"
-    edited.write_bytes(native_build.SOURCE.read_bytes() + b"// edited\n")
+
+    def edited(name):
+        """The kernel's sources copied to a scratch folder, the file `name` (None: none)
+        with a comment appended; returns the copy of attention.cc."""
+        folder = tmp_path / f"sources-{name}"
+        folder.mkdir()
+        for path in native_build.sources():
+            comment = b"// edited\n" if path.name == name else b""
+            (folder / path.name).write_bytes(path.read_bytes() + comment)
+        return folder / native_build.SOURCE.name
+
     built = {"default": native_build._build(cxx)}
     assert compiles() == 1 and "-march=native" in built["default"].read_text()
+    args = built["default"].read_text().split()  # attention.cc compiled; headers by its folder
+    assert str(native_build.SOURCE) in args and not [a for a in args if a.endswith(".h")]
     assert (
         native_build._build(cxx) == built["default"] and compiles() == 1
     )  # the same inputs: reused
+    with monkeypatch.context() as m:  # the same files in another folder: the same build
+        m.setattr(native_build, "SOURCE", edited(None))
+        assert native_build._build(cxx) == built["default"] and compiles() == 1
 
     def variant(name, env=None, change=None):
         """Builds with one input changed, twice: a new library, then that one reused."""
@@ -97,7 +112,11 @@ def test_a_build_with_other_inputs_never_reuses_a_library(fake_cxx, tmp_path, mo
     # The same flags, -march=native, on a machine of another instruction set sharing
     # the cache: the compiler's predefined macros differ, so must the library.
     variant("another machine", {"FAKE_ISA": "avx512"})
-    variant("source", change=lambda m: m.setattr(native_build, "SOURCE", edited))
+    variant("source", change=lambda m: m.setattr(native_build, "SOURCE", edited("attention.cc")))
+    headers = [path.name for path in native_build.sources() if path.suffix == ".h"]
+    assert len(headers) >= 4, headers  # simd.h, gemm.h, threads.h, visibility.h
+    for header in headers:  # an edited header builds anew, as an edited attention.cc does
+        variant(header, change=lambda m, h=header: m.setattr(native_build, "SOURCE", edited(h)))
     variant("jaxlib", change=lambda m: m.setattr(native_build.jaxlib, "__version__", "0.0.1"))
     assert len(set(built.values())) == len(built), built
     assert "-fsanitize=address " in built["asan"].read_text()

@@ -1,10 +1,12 @@
 """Building and loading the native kernel: one compiler call, cached on disk.
 
-The kernel (``attention.cc`` beside this file) is compiled on first use, with
-the machine's own instruction set (``-march=native``), against the FFI headers
-of the installed jaxlib, into ``$NANOATTN_CACHE_DIR`` (default
+The kernel (``attention.cc`` beside this file, with the headers beside it that it
+includes: ``simd.h``, ``gemm.h``, ``threads.h``, ``visibility.h``) is compiled on first
+use, with the machine's own instruction set (``-march=native``), against the FFI
+headers of the installed jaxlib, into ``$NANOATTN_CACHE_DIR`` (default
 ``~/.cache/nanoattn``). The file name carries a hash of every input of the
-build (:func:`build_key`): the source, the flags, the compiler, what the flags make
+build (:func:`build_key`): every source file (:func:`sources`: ``attention.cc`` and
+each header in its folder), the flags, the compiler, what the flags make
 of this machine (``-march=native`` names no instruction set; the compiler's
 predefined macros do) and the jaxlib version, so a change to any of them builds
 anew, and a cache shared by machines of different instruction sets never hands
@@ -37,7 +39,7 @@ import warnings
 import jax
 import jaxlib
 
-SOURCE = pathlib.Path(__file__).with_name("attention.cc")
+SOURCE = pathlib.Path(__file__).with_name("attention.cc")  # the one file compiled
 FLAGS = (
     "-O3",
     "-std=c++17",
@@ -78,6 +80,11 @@ def flags() -> list[str]:
     return [*FLAGS, *extra, "-isystem", jax.ffi.include_dir()]
 
 
+def sources() -> list[pathlib.Path]:
+    """Every file the kernel is compiled from: ``SOURCE``, then the headers beside it by name."""
+    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+
+
 def _run(command: list[str]) -> subprocess.CompletedProcess:
     # A compiler's messages need not be UTF-8 (a localised one, a path): replace, never raise.
     return subprocess.run(command, capture_output=True, text=True, errors="replace")
@@ -86,18 +93,20 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
 def build_key(cxx: str, build_flags: list[str]) -> str:
     """The name of one build: a hash of every input that can change the library.
 
-    The source, the flags (sanitizers, ``-D`` defines, ``-march``), the compiler's
-    ``--version``, its predefined macros under these flags (what ``-march=native``
-    resolves to on this machine: ``__AVX512F__``, ``__AVX2__``, the tuning; the
-    sanitizers' and defines' macros too) and the jaxlib version, whose headers the
-    kernel is built against. Each part is hashed with its length, so that no two
-    different sets of inputs run together into one.
+    Every source file (:func:`sources`, each by its name and its bytes: an edited
+    header builds anew as an edited ``attention.cc`` does), the flags (sanitizers, ``-D``
+    defines, ``-march``), the compiler's ``--version``, its predefined macros under these
+    flags (what ``-march=native`` resolves to on this machine: ``__AVX512F__``,
+    ``__AVX2__``, the tuning; the sanitizers' and defines' macros too) and the jaxlib
+    version, whose headers the kernel is built against. Each part is hashed with its
+    length, so that no two different sets of inputs run together into one.
     """
     version = _run([cxx, "--version"]).stdout
     macros = _run([cxx, *build_flags, "-E", "-dM", "-x", "c++", os.devnull]).stdout
+    files = [part for path in sources() for part in (path.name.encode(), path.read_bytes())]
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), "\0".join(build_flags).encode(), version.encode(),
-                 macros.encode(), jaxlib.__version__.encode()):  # fmt: skip
+    for part in (*files, "\0".join(build_flags).encode(), version.encode(), macros.encode(),
+                 jaxlib.__version__.encode()):  # fmt: skip
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
     return digest.hexdigest()[:16]

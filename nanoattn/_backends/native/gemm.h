@@ -1,0 +1,100 @@
+// GEMM micro-kernels: C[M x N] (+)= A[M x L] B[L x N], with A read at any strides (it
+// is broadcast one scalar at a time), B and C row-major with N contiguous; register
+// tiles sized per instruction set, and AVX512_BF16's pairs of bfloat16 where the
+// target has them. M is a multiple of MR and N of VW: callers pad their blocks.
+//
+// Included by attention.cc only, in its one translation unit: the code sits in an
+// unnamed namespace there as here, so that every function keeps internal linkage.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "simd.h"
+
+namespace {
+
+constexpr int MR = 4;  // callers pad M to a multiple of this
+
+// One step of the products: F32Step multiplies a broadcast scalar of A by a vector of
+// B; PairStep (AVX512_BF16) takes A's and B's elements as pairs of bfloat16 in 32
+// bits and adds both products of each lane's pair (vdpbf16ps), L being counted in
+// pairs: half the instructions, float32 accumulation, exact products.
+struct F32Step {
+  using Elem = float;
+  static vf broadcast(const float* a) { return splat(*a); }
+  static vf load_b(const float* b) { return load(b); }
+  static vf mac(vf c, vf a, vf b) { return c + a * b; }
+};
+#if defined(__AVX512BF16__)
+constexpr bool kPairs = true;
+struct PairStep {
+  using Elem = uint32_t;
+  static vf broadcast(const uint32_t* a) { return (vf)_mm512_set1_epi32(static_cast<int>(*a)); }
+  static vf load_b(const uint32_t* b) { return load(reinterpret_cast<const float*>(b)); }
+  static vf mac(vf c, vf a, vf b) { return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b); }
+};
+#else
+constexpr bool kPairs = false;
+#endif
+
+template <class Step, int R, int NV>
+inline void micro(int L, const typename Step::Elem* A, long a_row, long a_col,
+                  const typename Step::Elem* B, long ldb, float* C, long ldc, bool accumulate) {
+  vf c[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = accumulate ? load(C + r * ldc + v * VW) : vf{};
+  for (int l = 0; l < L; ++l) {
+    vf b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = Step::load_b(B + l * ldb + v * VW);
+    for (int r = 0; r < R; ++r) {
+      vf a = Step::broadcast(A + r * a_row + l * a_col);
+      for (int v = 0; v < NV; ++v) c[r][v] = Step::mac(c[r][v], a, b[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * VW, c[r][v]);
+}
+
+// Rows [0, M) against one panel of NV vectors: R rows at a time, then MR (M is a
+// multiple of MR), then one by one.
+template <class Step, int R, int NV>
+inline void panel(int M, int L, const typename Step::Elem* A, long a_row, long a_col,
+                  const typename Step::Elem* B, long ldb, float* C, long ldc, bool accumulate) {
+  int i = 0;
+  for (; i + R <= M; i += R)
+    micro<Step, R, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
+  if constexpr (R > MR)
+    for (; i + MR <= M; i += MR)
+      micro<Step, MR, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
+  for (; i < M; ++i)
+    micro<Step, 1, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
+}
+
+// The register tiles, sized by the register file: R rows x NV vectors keep R * NV
+// accumulators, NV vectors of B and one broadcast of A in registers. AVX-512 has 32
+// vector registers: 6 x 4, 12 x 2 and 12 x 1 (24 or 12 accumulators). AVX2 has 16:
+// 3 x 4 (the fastest of 4x2, 4x3, 6x2, 8x1, 3x4 and 2x4 at 64 x 64 x 64 on an AVX2
+// core), 4 x 2 and 4 x 1.
+#if defined(__AVX512F__)
+constexpr int kRows4 = 6, kRows2 = 12, kRows1 = 12;
+#else
+constexpr int kRows4 = 3, kRows2 = MR, kRows1 = MR;
+#endif
+
+template <class Step = F32Step>
+void gemm(int M, int N, int L, const typename Step::Elem* A, long a_row, long a_col,
+          const typename Step::Elem* B, long ldb, float* C, long ldc, bool accumulate) {
+  int j = 0;
+  for (; j + 4 * VW <= N; j += 4 * VW)
+    panel<Step, kRows4, 4>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+  for (; j + 2 * VW <= N; j += 2 * VW)
+    panel<Step, kRows2, 2>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+  for (; j < N; j += VW)
+    panel<Step, kRows1, 1>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+}
+
+}  // namespace

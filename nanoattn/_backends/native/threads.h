@@ -1,0 +1,78 @@
+// Work sharing on XLA's CPU thread pool: parallel_for, the number of threads
+// (NANOATTN_NUM_THREADS caps it), and an order of tasks costliest first. The caller
+// works too; a helper that starts after every task is taken returns without
+// touching the caller's state, so the caller only waits for tasks, never for helpers.
+//
+// Included by attention.cc only, in its one translation unit: the code sits in an
+// unnamed namespace there as here, so that every function keeps internal linkage.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace {
+
+struct Job {
+  explicit Job(int64_t total) : total(total) {}
+  const int64_t total;
+  std::atomic<int64_t> next{0};
+  std::atomic<int> workers{0};
+  int64_t done = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+int max_threads(xla::ffi::ThreadPool& pool) {
+  int n = static_cast<int>(pool.num_threads()) + 1;
+  if (const char* env = std::getenv("NANOATTN_NUM_THREADS")) {
+    int cap = std::atoi(env);
+    if (cap > 0) n = std::min(n, cap);
+  }
+  return std::max(n, 1);
+}
+
+// Runs body(task, worker) for task in [0, total); worker < threads.
+template <class Body>
+void parallel_for(xla::ffi::ThreadPool& pool, int threads, int64_t total, const Body& body) {
+  if (total <= 0) return;
+  auto job = std::make_shared<Job>(total);
+  const Body* fn = &body;
+  auto work = [job, fn]() {
+    int worker = job->workers.fetch_add(1);
+    int64_t mine = 0;
+    for (int64_t t; (t = job->next.fetch_add(1)) < job->total; ++mine) (*fn)(t, worker);
+    if (mine) {
+      std::lock_guard<std::mutex> lock(job->mu);
+      job->done += mine;
+      if (job->done == job->total) job->cv.notify_all();
+    }
+  };
+  int helpers = static_cast<int>(std::min<int64_t>(threads, total)) - 1;
+  for (int i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->cv.wait(lock, [&] { return job->done == job->total; });
+}
+
+// Task indices [0, total) by decreasing cost(task), ties in index order: the
+// costliest start first, so the last ones to start are short.
+template <class Cost>
+std::vector<int64_t> costliest_first(int64_t total, const Cost& cost) {
+  std::vector<int64_t> costs(total), order(total);
+  for (int64_t t = 0; t < total; ++t) costs[t] = cost(t);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t c) { return costs[a] > costs[c]; });
+  return order;
+}
+
+}  // namespace
