@@ -15,7 +15,8 @@ from . import registry
 
 # Why a backend other than the reference cannot serve a call with dropout.
 NO_DROPOUT = "dropout is only implemented by the reference (implementation='xla')"
-# Every rule of Rules.active: what the reference serves.
+# Every rule of Rules.active: what the reference serves (the other backends list theirs
+# by name, so a rule added later is refused by each until it lists it).
 EVERY_RULE = frozenset(RULE_NAMES)
 
 

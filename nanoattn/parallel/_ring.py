@@ -299,7 +299,7 @@ def ring_attention(
         out = from_zigzag(out, 8)  # == nanoattn.dot_product_attention(..., is_causal=True)
     """
     given = locals()
-    arguments = {name: given[name] for name in RULE_ARGUMENTS}
+    arguments = {name: given[name] for name in RULE_ARGUMENTS if name in given}
     placement = dict(layout=layout, forward_tiles=forward_tiles, backward_tiles=backward_tiles)
     if mesh is not None:
         return _on_mesh(mesh, axis_name, query, key, value, arguments, placement)

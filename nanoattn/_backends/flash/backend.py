@@ -4,7 +4,7 @@ kernel's static plan)."""
 
 import jax
 
-from ..interface import EVERY_RULE, NO_DROPOUT
+from ..interface import NO_DROPOUT
 from . import kernel as flash_kernel
 
 # On CPU the kernel beats the reference from about this many score cells per
@@ -18,7 +18,10 @@ ACCELERATOR_MIN_SCORE_BYTES = 2**30
 class Flash:
     name = "flash"
     priority = 1
-    serves = EVERY_RULE
+    serves = frozenset({
+        "mask", "bias", "is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap",
+        "mask_fn", "score_fn", "sinks",
+    })  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
         if dropout_rate > 0:

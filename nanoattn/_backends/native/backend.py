@@ -6,7 +6,7 @@ blocks (a traced one while those bits stay small); built on the first call it ma
 import jax
 import jax.numpy as jnp
 
-from ..interface import EVERY_RULE, NO_DROPOUT, unserved
+from ..interface import NO_DROPOUT, unserved
 from .build import load
 from .kernel import mask_fn_unsupported, native_attention
 
@@ -23,7 +23,9 @@ SERVED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 class Native:
     name = "native"
     priority = 2
-    serves = EVERY_RULE - {"mask", "bias", "score_fn"}
+    serves = frozenset(
+        {"is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap", "mask_fn", "sinks"}
+    )
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
         if jax.default_backend() != "cpu":
