@@ -15,9 +15,21 @@ from nanoattn import dot_product_attention
 from nanoattn._backends.flash.kernel import flash_attention
 from nanoattn._core.base.rules import Rules
 
+from _backend_base import BackendTestBase
 from _cases import SMALL_TILES, Case, assert_cases_match
 from _fuzz import check, concrete_call
 from _reference import np_attention, np_causal, np_window, randn
+
+
+class TestFlash(BackendTestBase):
+    """The backend test base (tests/_backend_base.py) with tiles small enough that every
+    call spans several query and key blocks, a padded last block and several lanes."""
+
+    implementation = "flash"
+
+    def attend(self, q, k, v, **rules):
+        tiles = dict(forward_tiles=(8, 16, 2), backward_tiles=(8, 8, 3))
+        return nanoattn.flash_attention(q, k, v, **tiles, **rules)
 
 
 def run_both(q, k, v, tiles=SMALL_TILES, bias=None, **kwargs):

@@ -17,6 +17,7 @@ import pytest
 import nanoattn
 from nanoattn._backends import native as native_kernel
 
+from _backend_base import BackendTestBase
 from _cases import (
     BAD,
     CASES,
@@ -32,6 +33,13 @@ from _reference import np_attention_vjp, np_causal, np_lengths, np_segments, np_
 pytestmark = pytest.mark.skipif(
     native_kernel.load()[0] is None, reason="the native kernel could not be built here"
 )
+
+
+class TestNative(BackendTestBase):
+    """The backend test base (tests/_backend_base.py); the calls with a dense mask, a
+    bias or score_fn are refused, the rest match float64."""
+
+    implementation = "native"
 
 
 def np_allowed(kwargs, B, T, S):

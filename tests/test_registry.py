@@ -13,6 +13,8 @@ import nanoattn
 from nanoattn._backends import dispatch, interface, registry
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
+from _backend_base import BackendTestBase
+
 
 class Toy:
     """The reference under another name, serving causal calls only."""
@@ -116,6 +118,18 @@ def test_every_built_in_backend_has_the_interface(name):
         assert callable(getattr(backend, method))
     assert backend.serves <= interface.EVERY_RULE
     assert set(interface.Backend.__annotations__) == {"name", "priority", "serves"}
+
+
+class TestToyRunsTheBackendTestBase(BackendTestBase):
+    """A backend registered at run time runs the backend test base unchanged."""
+
+    implementation = "toy"
+
+    @pytest.fixture(autouse=True)
+    def registered(self):
+        registry.register(Toy())
+        yield
+        registry.unregister("toy")
 
 
 def test_the_automatic_choice_ranks_by_priority():

@@ -1,0 +1,364 @@
+"""One test base for every backend: the same calls, each against its float64 truth.
+
+:class:`BackendTestBase` is subclassed once per backend (``implementation = "<name>"``),
+as tokamax's ``AttentionTestBase`` is: each test file of a backend holds a subclass,
+and a backend registered at run time (tests/test_registry.py's toy) runs the same
+tests by subclassing it too, with no other change. A call the backend does not serve
+(``dispatch.refusal``) is skipped with its reason, and every rule it does not list in
+its ``serves`` must be refused in one line.
+
+The calls (:data:`CALLS`) are one per behaviour, at distinct prime sizes (B=2, T=19,
+S=23, N=6, K=2, H=8; K=1 for MQA) so a swapped axis fails: every rule of
+``dot_product_attention`` alone, then together, rows that see no key, and keys no
+query sees. Each backend runs every call it serves in ONE compiled program
+(forward, the log-sum-exp and the gradients), whose inputs are then swapped for NaN
+and inf where nothing may look.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nanoattn
+from nanoattn._backends import dispatch, registry
+from nanoattn._backends.interface import unserved
+from nanoattn._core.base.rules import RULE_NAMES, Rules
+
+from _reference import (
+    np_attention_vjp,
+    np_causal,
+    np_lengths,
+    np_lse,
+    np_segments,
+    np_window,
+    randn,
+    sum_to_shape,
+)
+
+B, T, S, N, K, H = 2, 19, 23, 6, 2, 8
+OFFSET = S - T  # bottom-right: the last query sits at the last key
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Call:
+    """One call and its float64 truth.
+
+    Attributes:
+      name: what it tests.
+      rules: keywords of ``dot_product_attention`` (numpy arrays where arrays).
+      allowed: the literal (B|1, N|1, T, S) mask they amount to.
+      bias: a differentiated bias (B|1, N|1, T|1, S|1), or None.
+      score_bias: what ``rules["score_fn"]`` adds to the scores, for the truth, or None.
+      sinks: differentiated sinks (N,), or None.
+      heads: K, the key/value heads.
+    """
+
+    name: str
+    rules: dict
+    allowed: Any
+    bias: Any = None
+    score_bias: Any = None
+    sinks: Any = None
+    heads: int = K
+
+    def inputs(self):
+        """(q, k, v, bias, sinks, d_out), float32 numpy."""
+        q = randn(1, B, T, N, H) * 2
+        k, v = randn(2, B, S, self.heads, H), randn(3, B, S, self.heads, H)
+        return q, k, v, self.bias, self.sinks, randn(4, B, T, N, H)
+
+    def truth(self, q, k, v, bias, sinks, d_out):
+        """Float64 (out, lse, (dq, dk, dv, dbias, dsinks)) for these inputs."""
+        total = None
+        for part in (bias, self.score_bias):
+            if part is not None:
+                total = part if total is None else total + part
+        cap, scale = self.rules.get("logit_soft_cap"), self.rules.get("scale")
+        out, grads = np_attention_vjp(q, k, v, d_out, self.allowed, total, scale, cap, sinks)
+        dq, dk, dv, dbias = grads[:4]
+        dbias = None if bias is None else sum_to_shape(dbias, np.shape(bias))
+        dsinks = grads[4] if sinks is not None else None
+        lse = np_lse(q, k, self.allowed, total, scale, cap, sinks)
+        return out, lse, (dq, dk, dv, dbias, dsinks)
+
+    def arrays(self) -> dict:
+        """The rules with numpy arrays made jax arrays (concrete: closed over, not
+        traced, as a decoding loop's per-row offsets would be)."""
+        return {
+            name: jnp.asarray(x) if isinstance(x, np.ndarray) else x
+            for name, x in self.rules.items()
+        }
+
+
+def _documents():
+    ids = np.arange(S) // 7  # documents of 7 tokens, their edges inside blocks
+
+    def same_document(b, n, q, k):
+        table = jnp.asarray(ids)
+        return table[jnp.clip(q, 0, S - 1)] == table[k]
+
+    i = OFFSET + np.arange(T)[:, None]
+    return same_document, ids[np.clip(i, 0, S - 1)] == ids[np.arange(S)[None]]
+
+
+def _alibi():
+    slopes = 2.0 ** -np.arange(1, N + 1)
+
+    def alibi(score, b, n, q, k):
+        return score + jnp.asarray(slopes, jnp.float32)[n] * (k - q).astype(jnp.float32)
+
+    q = OFFSET + np.arange(T)[:, None]
+    bias = slopes[:, None, None] * (np.arange(S)[None] - q)[None]  # (N, T, S)
+    return alibi, bias[None]
+
+
+def _calls() -> list[Call]:
+    causal = np_causal(T, S, OFFSET)
+    lengths = np.array([S, 11], np.int32)
+    q_ids = np.stack([np.arange(T) // 6, np.zeros(T)]).astype(np.int32)
+    kv_ids = np.stack([(np.arange(S) - OFFSET) // 6, np.arange(S) % 2]).astype(np.int32)
+    mask = np.random.default_rng(5).random((B, 1, T, S)) > 0.2
+    offsets = np.array([OFFSET, 1], np.int32)
+    documents, by_document = _documents()
+    alibi, alibi_bias = _alibi()
+    sinks = randn(6, N)
+    bias = randn(7, 1, N, T, S)
+    calls = [
+        Call("plain", {}, None),
+        Call("causal", dict(is_causal=True, q_offset=OFFSET), causal),
+        Call(
+            "causal at per-row offsets",
+            dict(is_causal=True, q_offset=offsets),
+            np.stack([np_causal(T, S, int(o)) for o in offsets])[:, None],
+        ),
+        Call(
+            "causal window",
+            dict(is_causal=True, q_offset=OFFSET, window=(5, 0)),
+            causal & np_window(T, S, OFFSET, 5, 0),
+        ),
+        Call("two-sided window", dict(q_offset=2, window=(3, 4)), np_window(T, S, 2, 3, 4)),
+        Call(
+            "key lengths",
+            dict(is_causal=True, q_offset=OFFSET, kv_lengths=lengths),
+            causal & np_lengths(lengths, S),
+        ),
+        Call(
+            "segment ids",
+            dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids),
+            np_segments(q_ids, kv_ids),
+        ),
+        Call("dense mask", dict(mask=mask), mask),
+        Call("bias", {}, None, bias=bias),
+        Call(
+            "soft-cap",
+            dict(is_causal=True, q_offset=OFFSET, logit_soft_cap=2.5),
+            causal,
+        ),
+        Call("scale", dict(scale=0.7), None),
+        Call(
+            "mask_fn",
+            dict(mask_fn=documents, is_causal=True, q_offset=OFFSET),
+            causal & by_document,
+        ),
+        Call(
+            "score_fn",
+            dict(score_fn=alibi, is_causal=True, q_offset=OFFSET),
+            causal,
+            score_bias=alibi_bias,
+        ),
+        Call("sinks", dict(is_causal=True, q_offset=OFFSET), causal, sinks=sinks),
+        Call("multi-query", dict(is_causal=True, q_offset=OFFSET), causal, heads=1),
+        Call(
+            "rows that see no key",
+            dict(is_causal=True, q_offset=-3, kv_lengths=np.array([0, 9], np.int32)),
+            np_causal(T, S, -3) & np_lengths(np.array([0, 9]), S),
+        ),
+        Call(
+            "every rule a kernel may serve without a dense mask",
+            dict(
+                is_causal=True,
+                q_offset=OFFSET,
+                window=(9, 0),
+                kv_lengths=lengths,
+                q_segment_ids=q_ids,
+                kv_segment_ids=kv_ids,
+                logit_soft_cap=4.0,
+                mask_fn=documents,
+            ),
+            causal
+            & np_window(T, S, OFFSET, 9, 0)
+            & np_lengths(lengths, S)
+            & np_segments(q_ids, kv_ids)
+            & by_document,
+            sinks=sinks,
+        ),
+    ]
+    return calls
+
+
+CALLS = _calls()
+NAMES = [c.name for c in CALLS]
+_PROGRAMS: dict = {}
+
+
+def _function(call: Call, attend):
+    """``f(q, k, v, bias, sinks) -> (out, lse)`` of one call."""
+    rules = call.arrays()
+
+    def f(q, k, v, bias, sinks):
+        extra = dict(rules)
+        if bias is not None:
+            extra["bias"] = bias
+        if sinks is not None:
+            extra["sinks"] = sinks
+        return attend(q, k, v, return_residual=True, **extra)
+
+    return f
+
+
+class BackendTestBase:
+    """The tests every backend passes; a subclass sets ``implementation``."""
+
+    implementation: str = ""
+
+    def attend(self, q, k, v, **rules):
+        """The backend's call (a subclass may add its own arguments, such as tiles)."""
+        return nanoattn.dot_product_attention(q, k, v, implementation=self.implementation, **rules)
+
+    def refusal(self, call: Call, dtype=jnp.float32) -> str | None:
+        """Why the backend cannot serve ``call``, or None."""
+        q, k, v, bias, sinks, _ = call.inputs()
+        rules = Rules.make(q, k, v, **call.arrays(), bias=bias, sinks=sinks)
+        return dispatch.refusal(registry.get(self.implementation), rules, dtype, 0.0)
+
+    def served(self) -> list[Call]:
+        return [c for c in CALLS if self.refusal(c) is None]
+
+    def program(self):
+        """One jitted program: for each served call, (out, lse) and the gradients of
+        ``sum(out * d_out)`` for q, k, v, bias, sinks (None where absent)."""
+        key = (type(self), self.implementation)
+        if key not in _PROGRAMS:
+            calls = self.served()
+            fns = [_function(c, self.attend) for c in calls]
+
+            @jax.jit
+            def run(inputs):
+                results = []
+                for f, (q, k, v, bias, sinks, d_out) in zip(fns, inputs, strict=True):
+                    (out, lse), vjp = jax.vjp(f, q, k, v, bias, sinks)
+                    grads = vjp((d_out.astype(out.dtype), jnp.zeros_like(lse)))
+                    results.append((out, lse, grads))
+                return results
+
+            _PROGRAMS[key] = (run, calls)
+        return _PROGRAMS[key]
+
+    def run(self, inputs=None):
+        run, calls = self.program()
+        if inputs is None:
+            inputs = [c.inputs() for c in calls]
+        return dict(zip([c.name for c in calls], run(inputs), strict=True))
+
+    @pytest.mark.parametrize("name", NAMES)
+    def test_output_lse_and_gradients_match_float64(self, name):
+        call = CALLS[NAMES.index(name)]
+        if reason := self.refusal(call):
+            pytest.skip(reason)
+        out, lse, grads = self.run()[name]
+        want_out, want_lse, want_grads = call.truth(*call.inputs())
+        where = f"{self.implementation}, {name}"
+        np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5, err_msg=where)
+        finite = np.isfinite(want_lse)
+        np.testing.assert_array_equal(np.isfinite(lse), finite, err_msg=where)
+        np.testing.assert_allclose(lse[finite], want_lse[finite], atol=2e-5, rtol=2e-5)
+        for label, got, want in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, want_grads):
+            if want is not None:
+                np.testing.assert_allclose(
+                    got, want, atol=1e-4, rtol=1e-4, err_msg=f"{where}: {label}"
+                )
+
+    def test_nan_and_inf_where_nothing_may_look_never_reach_a_result(self):
+        """Keys and values no query sees, queries that see no key and bias at blocked
+        cells hold NaN, inf or -inf: the results equal the clean ones."""
+        if reason := self.refusal(CALLS[0]):
+            pytest.skip(reason)
+        calls = [c for c in self.program()[1] if c.allowed is not None]
+        clean = self.run()
+        for bad in (np.nan, np.inf, -np.inf):
+            inputs = []
+            for call in self.program()[1]:
+                q, k, v, bias, sinks, d_out = call.inputs()
+                if call.allowed is not None:
+                    allowed = np.broadcast_to(call.allowed, (B, N, T, S))
+                    k, v, q = k.copy(), v.copy(), q.copy()
+                    unseen = ~allowed.any(axis=(1, 2))  # (B, S)
+                    k[unseen], v[unseen] = bad, bad
+                    q[~np.moveaxis(allowed.any(-1), 1, 2)] = bad  # (B, T, N)
+                    if bias is not None:
+                        blocked = sum_to_shape(allowed.astype(float), bias.shape) == 0
+                        bias = np.where(blocked, bad, bias).astype(np.float32)
+                inputs.append((q, k, v, bias, sinks, d_out))
+            dirty = self.run(inputs)
+            for call in calls:
+                pairs = zip(jax.tree.leaves(dirty[call.name]), jax.tree.leaves(clean[call.name]))
+                for got, want in pairs:
+                    np.testing.assert_array_equal(got, want, err_msg=f"{call.name}, {bad}")
+        assert calls, "no call of the base has content nothing may look at"
+
+    def test_every_rule_it_does_not_serve_is_refused_in_one_line(self):
+        backend = registry.get(self.implementation)
+        calls = {rule: _call_using(rule) for rule in RULE_NAMES if rule not in backend.serves}
+        for rule, call in calls.items():
+            q, k, v, bias, sinks, _ = call.inputs()
+            rules = Rules.make(q, k, v, **call.arrays(), bias=bias, sinks=sinks)
+            assert rule in rules.active()
+            reason = unserved(backend, rules)
+            assert reason is not None and RULE_NAMES[rule] in reason, (rule, reason)
+            with pytest.raises(ValueError) as info:
+                nanoattn.dot_product_attention(
+                    q, k, v, implementation=self.implementation, bias=bias, sinks=sinks,
+                    **call.arrays(),
+                )  # fmt: skip
+            message = str(info.value)
+            assert "\n" not in message
+            assert message.startswith(f"implementation={self.implementation!r} cannot serve")
+
+    def test_vmap_over_the_batch_equals_the_batched_call(self):
+        call = CALLS[NAMES.index("causal")]
+        if reason := self.refusal(call):
+            pytest.skip(reason)
+        q, k, v = (jnp.asarray(x) for x in call.inputs()[:3])
+        attend = functools.partial(self.attend, is_causal=True, q_offset=OFFSET)
+        batched = jax.jit(attend)(q, k, v)
+        mapped = jax.jit(jax.vmap(attend))(q[:, None], k[:, None], v[:, None])[:, 0]
+        np.testing.assert_allclose(mapped, batched, atol=1e-6, rtol=1e-6)
+
+    def test_bfloat16_is_within_twice_the_references_error(self):
+        call = CALLS[NAMES.index("causal")]
+        if reason := self.refusal(call, jnp.bfloat16):
+            pytest.skip(reason)
+        q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in call.inputs()[:3])
+        truth = call.truth(*(np.asarray(x, np.float64) for x in (q, k, v)), None, None,
+                           randn(4, B, T, N, H))[0]  # fmt: skip
+        rules = dict(is_causal=True, q_offset=OFFSET)
+        got = jax.jit(functools.partial(self.attend, **rules))(q, k, v)
+        own = nanoattn.dot_product_attention(q, k, v, implementation="xla", **rules)
+        assert got.dtype == jnp.bfloat16
+        error = np.abs(np.asarray(got, np.float64) - truth).max()
+        reference = np.abs(np.asarray(own, np.float64) - truth).max()
+        assert error <= 2 * reference + 2**-8, (error, reference)
+
+
+def _call_using(rule: str) -> Call:
+    """A call of :data:`CALLS` that uses ``rule``."""
+    for call in CALLS:
+        q, k, v, bias, sinks, _ = call.inputs()
+        if rule in Rules.make(q, k, v, **call.arrays(), bias=bias, sinks=sinks).active():
+            return call
+    raise AssertionError(f"no call of the backend test base uses {rule}")
