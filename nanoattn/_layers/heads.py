@@ -76,7 +76,7 @@ def core_options(cfg: AttentionConfig, *, positional: bool) -> dict:
     """The config's options of the core call: the soft-cap, and the window when
     ``positional`` (self-attention; it has no meaning between two sequences) and no
     ``sink_tokens`` (the layer then passes the window as a mask_fn that keeps them,
-    ``nanoattn._layers.steps.sink_window``)."""
+    ``nanoattn._layers.positional.window_mask``)."""
     options = {"logit_soft_cap": cfg.logit_soft_cap}
     if positional and not cfg.sink_tokens:
         options["window"] = cfg.window

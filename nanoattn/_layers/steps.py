@@ -25,6 +25,7 @@ from .heads import (
     rotate_qk,
     split_heads,
 )
+from .positional import and_masks, at_positions, visible, window_mask
 from .sharded import default_positions
 
 
@@ -79,41 +80,6 @@ def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids
         )
 
 
-def sink_window(cfg: AttentionConfig):
-    """With ``sink_tokens``, the window as a mask_fn (``core_options`` then leaves the
-    window out): causal, and within ``W`` positions or one of the first S0. None
-    without sink tokens."""
-    if not cfg.sink_tokens:
-        return None
-    W, S0 = cfg.window[0], cfg.sink_tokens
-
-    def window_or_sink(b, n, q_pos, k_pos):
-        return rolling.visible(q_pos, k_pos, W, S0)
-
-    return window_or_sink
-
-
-def and_masks(first, second):
-    """The mask_fn allowing what both allow; either may be None."""
-    if first is None or second is None:
-        return first if second is None else second
-
-    def both(b, n, q_pos, k_pos):
-        return first(b, n, q_pos, k_pos) & second(b, n, q_pos, k_pos)
-
-    return both
-
-
-def _at_positions(fn, key_positions, scores: bool):
-    """``mask_fn`` or ``score_fn`` called with each slot's position (``key_positions``
-    (B, S)) in place of the slot index, for a rolling cache."""
-    if fn is None:
-        return None
-    if scores:
-        return lambda score, b, n, q_pos, k: fn(score, b, n, q_pos, key_positions[b, k])
-    return lambda b, n, q_pos, k: fn(b, n, q_pos, key_positions[b, k])
-
-
 def self_attention(
     params: Parameters,
     cfg: AttentionConfig,
@@ -136,7 +102,7 @@ def self_attention(
     B, T, _ = x.shape
     dtype = compute_dtype(cfg, x)
     options = core_options(cfg, positional=True)
-    mask_fn = and_masks(sink_window(cfg), mask_fn)
+    mask_fn = and_masks(window_mask(cfg.window, cfg.sink_tokens), mask_fn)
     if positions is None:
         positions = jnp.arange(T) if cfg.sequence_axis is None else default_positions(cfg, T)
     elif jnp.ndim(positions) == 1:
@@ -229,13 +195,14 @@ def decode(
         held = rolling.slot_positions(end, capacity, S0)  # (B, S), -1: never written
 
         def in_view(b, n, q_pos, k):
-            return rolling.visible(q_pos, held[b, k], W, S0)
+            return visible(q_pos, held[b, k], W, S0)
 
-        rules = dict(mask_fn=and_masks(in_view, _at_positions(mask_fn, held, False)))
-        rules["score_fn"] = _at_positions(score_fn, held, True)
+        rules = dict(mask_fn=and_masks(in_view, at_positions(mask_fn, held, False)))
+        rules["score_fn"] = at_positions(score_fn, held, True)
         options.pop("window", None)
     else:
-        rules = dict(mask_fn=and_masks(sink_window(cfg), mask_fn), score_fn=score_fn)
+        window_or_sink = window_mask(cfg.window, cfg.sink_tokens)
+        rules = dict(mask_fn=and_masks(window_or_sink, mask_fn), score_fn=score_fn)
         rules |= dict(is_causal=True, kv_lengths=end)
     y = attend(
         params,

@@ -52,11 +52,3 @@ def slot_positions(end, capacity: int, sink_tokens: int):
     rolled = s + ring * laps
     held = jnp.where(s < sink_tokens, s, rolled)
     return jnp.where(s < end, held, -1)
-
-
-def visible(q_pos, key_pos, window: int, sink_tokens: int):
-    """Whether a query at ``q_pos`` sees the key at ``key_pos`` (broadcasting int
-    arrays; ``key_pos`` -1 for an empty slot): causal, within ``window`` positions,
-    or one of the first ``sink_tokens`` positions."""
-    seen = (key_pos >= 0) & (key_pos <= q_pos)
-    return seen & ((q_pos - key_pos <= window) | (key_pos < sink_tokens))
