@@ -150,10 +150,10 @@ def decode(
     ``lengths`` outside [0, T], a poisoned row, or tokens that do not fit (past the
     capacity of a full cache, past the chunk limit ``S - W - sink_tokens`` of a
     rolling one). Such a call raises ValueError naming the row (a message about the
-    capacity ends with ``hint``) when its inputs are concrete; under ``jit``, where they cannot be checked, those
-    rows write nothing, their outputs are NaN, and they are poisoned (position -1):
-    NaN in every later call until reset. ``last`` records each row's real tokens for
-    ``rewind``.
+    capacity ends with ``hint``) when its inputs are concrete; under ``jit``, where
+    they cannot be checked, those rows write nothing, their outputs are NaN, and they
+    are poisoned (position -1): NaN in every later call until reset. ``last``
+    records each row's real tokens for ``rewind``.
 
     Returns:
       (y (B, T, D), the advanced cache).
