@@ -184,7 +184,8 @@ def _rolling_full(x):
 
 @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 def _rolling_decode(cache, chunk, lengths, bug):
-    from nanoattn._layers.caches.rolling import slot_positions, visible
+    from nanoattn._layers.caches.rolling import slot_positions
+    from nanoattn._layers.positional import visible
 
     off, overwrite_sinks = bug
     B, L, _ = chunk.shape

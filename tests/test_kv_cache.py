@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nanoattn import padding_mask
-from nanoattn._layers.caches import kv_cache
+from nanoattn._layers.caches.full import FullCache
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 from _layer_configs import CONFIGS, D, K, N, random_params
@@ -238,7 +238,8 @@ def test_a_write_past_the_capacity_raises_when_the_position_is_concrete():
     ):
         c.decode(c.params, case("gqa").cache, jnp.ones((B, 14, D)))
     # Exactly full is fine (the same check, without running the layer eagerly).
-    kv_cache.check_chunk(np.array([4, 5]), np.array([2, 1]), 2, 6, hint="")
+    full = FullCache()
+    assert not full.broken_rows(np.array([4, 5]), np.array([2, 1]), 2, 6).any()
 
 
 def test_a_write_past_the_capacity_under_jit_gives_nan_in_that_row_only():
@@ -248,8 +249,8 @@ def test_a_write_past_the_capacity_under_jit_gives_nan_in_that_row_only():
     assert np.isnan(y[1]).all()
     np.testing.assert_allclose(y[0, :2], c.full(c.params, c.x)[0, 4:6], atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(y[0, 2:], 0)
-    np.testing.assert_array_equal(after["position"], [6, 7])
-    y, _ = c.step(c.params, after, c.x[:, 6:11], jnp.array([0, 1]))  # row 1 stays overflowed
+    np.testing.assert_array_equal(after["position"], [6, -1])  # row 1 is poisoned
+    y, _ = c.step(c.params, after, c.x[:, 6:11], jnp.array([0, 1]))  # and stays so
     assert np.isnan(y[1]).all() and (np.asarray(y[0]) == 0).all()
 
 

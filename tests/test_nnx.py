@@ -280,7 +280,7 @@ def test_a_write_past_the_capacity_raises_or_gives_nan_under_jit():
         module(x[:, 4:7], decode=True)
     y = step(module, x[:, 4:7], jnp.array([2, 3]))  # row 1 overflows; jit cannot raise
     assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
-    assert module.cache.position[...].tolist() == [6, 7]
+    assert module.cache.position[...].tolist() == [6, -1]  # row 1 is poisoned
 
 
 def test_decode_argument_errors():

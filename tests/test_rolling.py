@@ -1,9 +1,10 @@
-"""The slot arithmetic of rolling caches (nanoattn/rolling.py) against a literal
+"""The slot arithmetic of rolling caches (nanoattn/_layers/caches/rolling.py) against a literal
 simulation of a ring buffer: every write, every capacity, sink count and length."""
 
 import numpy as np
 import pytest
 
+from nanoattn._layers import positional
 from nanoattn._layers.caches import rolling
 
 
@@ -51,5 +52,5 @@ def test_within_the_chunk_limit_no_query_of_a_chunk_loses_a_key_it_sees():
 def test_visibility_is_causal_windowed_and_keeps_the_sinks():
     q = np.array([[10]])
     keys = np.array([[-1, 0, 1, 2, 5, 6, 10, 11]])
-    got = np.asarray(rolling.visible(q, keys, window=4, sink_tokens=2))
+    got = np.asarray(positional.visible(q, keys, window=4, sink_tokens=2))
     assert got.tolist() == [[False, True, True, False, False, True, True, False]]

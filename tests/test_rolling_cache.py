@@ -22,7 +22,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nanoattn import nnx as nanoattn_nnx
-from nanoattn._layers.caches import kv_cache, rolling
+from nanoattn._layers.caches import rolling
+from nanoattn._layers.caches.rolling import RollingCache
 from nanoattn.linen import AttentionConfig, CausalSelfAttention, cache_bytes, rewind
 
 from _layer_configs import random_params
@@ -77,7 +78,9 @@ class Case:
 
 @functools.cache
 def case(name, rolling=True):
-    slots = capacity(name) if rolling else T + 4
+    # A full cache holds every walk below: T tokens, or the rewind test's 24 calls of at
+    # most 3 (a row that would overflow it is poisoned, and its rewind refused).
+    slots = capacity(name) if rolling else 3 * T
     return Case(config(name, rolling), slots)
 
 
@@ -289,14 +292,15 @@ def test_the_chunk_limit_raises_when_concrete_and_poisons_the_row_under_jit():
         r"window - sink_tokens\), row 1 brings 4: they would overwrite keys still in view",
     ):
         c.decode(c.params, c.cache, chunk, jnp.array([3, 4]))
-    check = functools.partial(kv_cache.check_chunk, chunk=4, capacity=8, hint="", limit=3)
-    check(np.array([0, 0]), np.array([3, 3]))  # a wider padded chunk is fine
+    policy = RollingCache(W, sink_tokens=2)
+    check = functools.partial(policy.broken_rows, chunk=4, capacity=8)
+    assert not check(np.array([0, 0]), np.array([3, 3])).any()  # a wider padded chunk is fine
     y, cache = c.step(c.params, c.cache, chunk, jnp.array([3, 4]))
     assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
     np.testing.assert_array_equal(cache["position"], [3, -1])
     y, _ = c.step(c.params, cache, chunk, jnp.array([1, 1]))
     assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
-    check(np.array([1000, 7]), np.array([3, 1]))  # no capacity: decoding goes on forever
+    assert not check(np.array([1000, 7]), np.array([3, 1])).any()  # decoding goes on forever
 
 
 def test_configuration_and_capacity_errors():

@@ -74,9 +74,10 @@ def rotate_qk(cfg: AttentionConfig, q, k, positions):
 
 def core_options(cfg: AttentionConfig, *, positional: bool) -> dict:
     """The config's options of the core call: the soft-cap, and the window when
-    ``positional`` (self-attention; it has no meaning between two sequences) and no
-    ``sink_tokens`` (the layer then passes the window as a mask_fn that keeps them,
-    ``nanoattn._layers.steps.sink_window``)."""
+    ``positional`` (self-attention over a whole sequence; it has no meaning between
+    two sequences) and no ``sink_tokens`` (the layer then passes the window as a
+    mask_fn that keeps them, ``nanoattn._layers.positional.window_mask``). A decoding
+    step leaves the window to its cache policy's read rules."""
     options = {"logit_soft_cap": cfg.logit_soft_cap}
     if positional and not cfg.sink_tokens:
         options["window"] = cfg.window

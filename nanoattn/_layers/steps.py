@@ -14,7 +14,8 @@ from .._core.base.masks import padding_mask
 from .._core.base.trace import check_shape
 from .._core.base.validate import expect_bool, expect_floating, expect_integer, expect_shape
 from .axes import labels
-from .caches import kv_cache, rolling
+from .caches import kv_cache
+from .caches.kinds import policy_of
 from .config import AttentionConfig
 from .heads import (
     Parameters,
@@ -25,6 +26,7 @@ from .heads import (
     rotate_qk,
     split_heads,
 )
+from .positional import and_masks, window_mask
 from .sharded import default_positions
 
 
@@ -79,41 +81,6 @@ def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids
         )
 
 
-def sink_window(cfg: AttentionConfig):
-    """With ``sink_tokens``, the window as a mask_fn (``core_options`` then leaves the
-    window out): causal, and within ``W`` positions or one of the first S0. None
-    without sink tokens."""
-    if not cfg.sink_tokens:
-        return None
-    W, S0 = cfg.window[0], cfg.sink_tokens
-
-    def window_or_sink(b, n, q_pos, k_pos):
-        return rolling.visible(q_pos, k_pos, W, S0)
-
-    return window_or_sink
-
-
-def and_masks(first, second):
-    """The mask_fn allowing what both allow; either may be None."""
-    if first is None or second is None:
-        return first if second is None else second
-
-    def both(b, n, q_pos, k_pos):
-        return first(b, n, q_pos, k_pos) & second(b, n, q_pos, k_pos)
-
-    return both
-
-
-def _at_positions(fn, key_positions, scores: bool):
-    """``mask_fn`` or ``score_fn`` called with each slot's position (``key_positions``
-    (B, S)) in place of the slot index, for a rolling cache."""
-    if fn is None:
-        return None
-    if scores:
-        return lambda score, b, n, q_pos, k: fn(score, b, n, q_pos, key_positions[b, k])
-    return lambda b, n, q_pos, k: fn(b, n, q_pos, key_positions[b, k])
-
-
 def self_attention(
     params: Parameters,
     cfg: AttentionConfig,
@@ -136,7 +103,7 @@ def self_attention(
     B, T, _ = x.shape
     dtype = compute_dtype(cfg, x)
     options = core_options(cfg, positional=True)
-    mask_fn = and_masks(sink_window(cfg), mask_fn)
+    mask_fn = and_masks(window_mask(cfg.window, cfg.sink_tokens), mask_fn)
     if positions is None:
         positions = jnp.arange(T) if cfg.sequence_axis is None else default_positions(cfg, T)
     elif jnp.ndim(positions) == 1:
@@ -172,71 +139,42 @@ def decode(
     Row b's tokens sit at positions ``cache.position[b] + t``; only the first
     ``lengths[b]`` (default T) are real: they are written and the row advances
     by ``lengths[b]``, and outputs at padded tokens are zeros. Each query
-    attends causally over the keys written so far (``kv_lengths`` hides the
-    slots at and past the row's end from every backend). A write past the
-    capacity, or ``lengths`` outside [0, T], raises ValueError (the overflow's
-    message ends with ``hint``) when concrete; under ``jit``, where they cannot
-    be checked, those rows' outputs are NaN, and a row with bad ``lengths``
-    stays NaN in every later call (its position is set past the capacity).
+    attends causally over the keys written so far and within the layer's window.
     ``mask_fn`` and ``score_fn`` see each query at its position in the row
-    (``q_offset = cache.position``, per row) and each key at its position (its
-    cache slot in a full cache), so decoding equals the full forward with the same
-    functions.
+    (``q_offset = cache.position``, per row) and each key at its position, so
+    decoding equals the full forward with the same functions.
 
-    With ``cfg.rolling_cache`` the cache is a ring of S slots (``nanoattn._layers.caches.rolling``):
-    the chunk goes to the slots ``slot_of(position + t)``, and one mask_fn holds
-    every rule: a query at p sees a slot iff the position it holds (recomputed from
-    the row's new end, ``slot_positions``) is causal and within the window, or a
-    sink token. Each call takes at most ``S - W - sink_tokens`` real tokens per row
-    (a longer one raises when concrete, and poisons the row under ``jit``: NaN, and
-    position -1 from then on). ``last`` records each row's real tokens for
-    ``rewind``.
+    The cache's policy (``policy_of(cfg)``, ``nanoattn._layers.caches.policy``: a full
+    cache, or with ``cfg.rolling_cache`` a ring of slots) says where the chunk is
+    written, which slots each query may read, and which rows the call may not serve:
+    ``lengths`` outside [0, T], a poisoned row, or tokens that do not fit (past the
+    capacity of a full cache, past the chunk limit ``S - W - sink_tokens`` of a
+    rolling one). Such a call raises ValueError naming the row (a message about the
+    capacity ends with ``hint``) when its inputs are concrete; under ``jit``, where
+    they cannot be checked, those rows write nothing, their outputs are NaN, and they
+    are poisoned (position -1): NaN in every later call until reset. ``last``
+    records each row's real tokens for ``rewind``.
 
     Returns:
       (y (B, T, D), the advanced cache).
     """
     B, T, D = x.shape
-    capacity = cache.key.shape[1]
-    expect_shape("x", x.shape, "B T D", (cache.key.shape[0], None, D))
+    expect_shape("x", x.shape, "B T D", (cache.position.shape[0], None, D))
     dtype = compute_dtype(cfg, x)
-    position = cache.position  # (B,)
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
     lengths = _int_per_token("lengths", lengths, "B", (B,))
-    is_rolling = cfg.rolling_cache
-    W, S0 = (cfg.window[0] if cfg.window else 0), cfg.sink_tokens
-    if is_rolling:
-        kv_cache.check_rolling_capacity(capacity, W, S0, hint)
-    limit = rolling.chunk_limit(capacity, W, S0) if is_rolling else None
-    kv_cache.check_chunk(position, lengths, T, capacity, hint, limit)
-    # Under jit nothing could be checked: a row whose lengths are out of range (or, in a
-    # rolling cache, past the chunk limit, or already poisoned) writes nothing and is
-    # poisoned: NaN now and in every later call (its position past the end of a full
-    # cache, -1 in a rolling one, which never fills).
-    bad = (lengths < 0) | (lengths > T) | (position < 0)  # (B,)
-    if is_rolling:
-        bad = kv_cache.broken_rows(position, lengths, T, capacity, limit)
-    lengths = jnp.where(bad, 0, lengths)
-    start = jnp.maximum(position, 0)
+    policy = policy_of(cfg)
+    capacity = policy.capacity(cache)
+    policy.check_capacity(capacity, hint)
+    bad = policy.broken_rows(cache.position, lengths, T, capacity, hint)  # (B,) or raises
+    lengths = jnp.where(bad, 0, lengths)  # a broken row writes nothing
+    start = jnp.maximum(cache.position, 0)
     q, k, v = _project_qkv(params, cfg, x, dtype)
     q, k = rotate_qk(cfg, q, k, start[:, None] + jnp.arange(T)[None, :])  # (B, T) positions
-    ring = S0 if is_rolling else None
-    keys = kv_cache.write(cache.key, k, start, lengths, ring)
-    values = kv_cache.write(cache.value, v, start, lengths, ring)
+    cache = policy.write(cache, k, v, start, lengths)
     end = start + lengths  # (B,)
-    options = core_options(cfg, positional=True)
-    if is_rolling:  # every rule in one mask_fn over the positions the slots hold
-        held = rolling.slot_positions(end, capacity, S0)  # (B, S), -1: never written
-
-        def in_view(b, n, q_pos, k):
-            return rolling.visible(q_pos, held[b, k], W, S0)
-
-        rules = dict(mask_fn=and_masks(in_view, _at_positions(mask_fn, held, False)))
-        rules["score_fn"] = _at_positions(score_fn, held, True)
-        options.pop("window", None)
-    else:
-        rules = dict(mask_fn=and_masks(sink_window(cfg), mask_fn), score_fn=score_fn)
-        rules |= dict(is_causal=True, kv_lengths=end)
+    keys, values, rules = policy.read(cache, end, mask_fn=mask_fn, score_fn=score_fn)
     y = attend(
         params,
         q,
@@ -248,18 +186,13 @@ def decode(
         mask=mask,
         q_offset=start,
         **rules,
-        **options,
+        **core_options(cfg, positional=False),  # the window is in the read rules
     )
     real = jnp.arange(T)[None, :] < lengths[:, None]  # (B, T)
     y = jnp.where(real[..., None], y, 0)
-    broken = bad if is_rolling else bad | (end > capacity)  # only under jit: the errors above
-    y = jnp.where(broken[:, None, None], jnp.nan, y).astype(y.dtype)
-    if is_rolling:
-        end = jnp.where(bad, -1, end)
-    else:
-        end = jnp.where(bad, capacity + 1, end)  # every later call of the row overflows
-    last = jnp.where(bad, 0, lengths)
-    return y, kv_cache.KVCache(keys, values, end.astype(jnp.int32), last.astype(jnp.int32))
+    y = jnp.where(bad[:, None, None], jnp.nan, y).astype(y.dtype)  # only under jit
+    advanced = cache._replace(position=end.astype(jnp.int32), last=lengths.astype(jnp.int32))
+    return y, policy.poison(advanced, bad)
 
 
 def cross_attention(

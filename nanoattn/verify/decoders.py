@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx as _nnx
 
+from .._layers.caches.kinds import policy_of
 from ._decoding import Decoder as Decoder
 from ._inputs import jit
 
@@ -73,21 +74,26 @@ ROLLING_SLACK = 4  # the default rolling capacity C = W + S0 + 4: chunks of up t
 
 
 def _bounds(module, capacity: int | None) -> dict:
-    """``capacity`` and ``max_chunk`` for a :class:`Decoder` of ``module``: with a
-    rolling-cache config (``module.config.rolling_cache``) C = ``capacity`` (default
-    W + S0 + 4) and ``max_chunk = C - W - S0``; otherwise ``capacity`` as given (a
-    full cache: None) and no chunk limit."""
-    cfg = getattr(module, "config", None)
-    if not getattr(cfg, "rolling_cache", False):
+    """``capacity`` and ``max_chunk`` for a :class:`Decoder` of ``module``, from the
+    cache policy of ``module.config``: a cache that wraps (a rolling one) is bounded by
+    C = ``capacity`` slots (default: the fewest whose chunk limit is ROLLING_SLACK,
+    W + S0 + 4 for a rolling cache) and takes at most ``max_chunk``, its chunk limit
+    (C - W - S0); any other cache keeps ``capacity`` as given (a full cache: None)
+    and has no chunk limit."""
+    policy = policy_of(getattr(module, "config", None))
+    if not policy.wraps:
         return {"capacity": capacity}
-    W, S0 = cfg.window[0], cfg.sink_tokens
-    C = W + S0 + ROLLING_SLACK if capacity is None else capacity
-    if C < W + 1 + S0:
+    least = policy.least_capacity
+    if capacity is None:
+        capacity = least
+        while policy.chunk_limit(capacity) < ROLLING_SLACK:
+            capacity += 1
+    if capacity < least:
         raise ValueError(
-            f"a rolling cache needs capacity >= window + 1 + sink_tokens = {W + 1 + S0}, "
-            f"got capacity={C}"
+            f"a {policy.name} cache needs capacity >= {policy.least_capacity_rule} = {least}, "
+            f"got capacity={capacity}"
         )
-    return {"capacity": C, "max_chunk": C - W - S0}
+    return {"capacity": capacity, "max_chunk": policy.chunk_limit(capacity)}
 
 
 def _no_lengths(name: str, lengths) -> None:

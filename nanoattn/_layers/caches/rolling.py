@@ -23,9 +23,19 @@ no query of the chunk may see when ``L <= C - W - S0`` (:func:`chunk_limit`); so
 with chunks within that limit the cache loses nothing still in view, and a rewind
 (``end`` moved back by at most the last chunk's length) leaves only slots whose
 recomputed positions lie outside every later window.
+
+:class:`RollingCache` is the cache policy (``nanoattn._layers.caches.policy``) built
+on this arithmetic.
 """
 
+import dataclasses
+from typing import ClassVar
+
 import jax.numpy as jnp
+
+from .. import positional
+from .kv_cache import Rule
+from .policy import CachePolicy, positions
 
 
 def chunk_limit(capacity: int, window: int, sink_tokens: int) -> int:
@@ -54,9 +64,69 @@ def slot_positions(end, capacity: int, sink_tokens: int):
     return jnp.where(s < end, held, -1)
 
 
-def visible(q_pos, key_pos, window: int, sink_tokens: int):
-    """Whether a query at ``q_pos`` sees the key at ``key_pos`` (broadcasting int
-    arrays; ``key_pos`` -1 for an empty slot): causal, within ``window`` positions,
-    or one of the first ``sink_tokens`` positions."""
-    seen = (key_pos >= 0) & (key_pos <= q_pos)
-    return seen & ((q_pos - key_pos <= window) | (key_pos < sink_tokens))
+@dataclasses.dataclass(frozen=True)
+class RollingCache(CachePolicy):
+    """The policy of a rolling cache for a layer with ``window=(W, 0)`` and
+    ``sink_tokens`` S0: a ring of C >= W + 1 + S0 slots, chunks of at most
+    C - W - S0 tokens, and every rule of a query in one mask_fn over the positions
+    the slots hold (recomputed from the row's end, :func:`slot_positions`)."""
+
+    window: int
+    sink_tokens: int = 0
+
+    name: ClassVar[str] = "rolling"
+    wraps: ClassVar[bool] = True
+    least_capacity_rule: ClassVar[str] = "window + 1 + sink_tokens"
+
+    @property
+    def least_capacity(self) -> int:
+        """W + 1 + S0: the sink tokens, a query's window and one new token."""
+        return self.window + 1 + self.sink_tokens
+
+    def check_capacity(self, capacity: int, hint: str) -> None:
+        """Raises ValueError unless ``capacity`` >= W + 1 + S0."""
+        need = self.least_capacity
+        if capacity < need:
+            raise ValueError(
+                f"a rolling KV cache needs at least {self.least_capacity_rule} = {self.window} "
+                f"+ 1 + {self.sink_tokens} = {need} slots, got {capacity}; {hint}"
+            )
+
+    def chunk_limit(self, capacity: int) -> int:
+        """C - W - S0 (:func:`chunk_limit`): no query of the chunk loses a key it sees."""
+        return chunk_limit(capacity, self.window, self.sink_tokens)
+
+    def fit_rule(self, position, lengths, chunk: int, capacity: int, hint: str) -> Rule:
+        """A row fits while ``lengths[b]`` is within the chunk limit; the ring never
+        fills, so the position does not matter."""
+        limit = self.chunk_limit(capacity)
+        return Rule(
+            lengths > limit,
+            lambda b: (
+                f"a rolling KV cache of {capacity} slots takes at most {limit} tokens per "
+                f"call (capacity - window - sink_tokens), row {b} brings {int(lengths[b])}: they "
+                f"would overwrite keys still in view; split the chunk or {hint}"
+            ),
+        )
+
+    def slots(self, start, chunk: int, capacity: int):
+        """The ring slots of :func:`slot_of`."""
+        return slot_of(positions(start, chunk), capacity, self.sink_tokens)
+
+    def read_rules(self, end, capacity: int, *, mask_fn, score_fn) -> dict:
+        """One mask_fn holds every rule: a query at p sees a slot iff the position it
+        holds is causal and within the window, or a sink token
+        (:func:`nanoattn._layers.positional.visible`), and the user's ``mask_fn``
+        allows that position; ``score_fn`` sees it too. No ``kv_lengths`` and no core
+        ``window``, which would read slot indices as positions."""
+        W, S0 = self.window, self.sink_tokens
+        held = slot_positions(end, capacity, S0)  # (B, S), -1: never written
+
+        def in_view(b, n, q_pos, k):
+            return positional.visible(q_pos, held[b, k], W, S0)
+
+        at_positions = positional.at_positions
+        return dict(
+            mask_fn=positional.and_masks(in_view, at_positions(mask_fn, held, False)),
+            score_fn=at_positions(score_fn, held, True),
+        )

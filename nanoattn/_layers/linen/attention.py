@@ -12,6 +12,7 @@ import flax.linen as nn
 
 from .. import steps
 from ..caches import kv_cache
+from ..caches.kinds import policy_of
 from ..config import AttentionConfig
 from ..heads import compute_dtype
 from ..sharded import parameter_axes
@@ -20,11 +21,12 @@ from .norm import HeadRMSNorm
 # The "cache" collection: {"key": (B, S, K, H), "value": (B, S, K, H), "position": (B,),
 # "last": (B,)}.
 CACHE = "cache"
+# How to make a larger cache, ending the capacity errors: a cache that fills is sized by
+# the longest sequence, one that wraps (a ring) by its slots.
 _OVERFLOW_HINT = (
     "create the cache with a longer input (init with jnp.zeros((B, max_len, D)), decode=True)"
 )
-
-_ROLLING_HINT = "init with a longer input (jnp.zeros((B, C, D)), decode=True makes C slots)"
+_RING_HINT = "init with a longer input (jnp.zeros((B, C, D)), decode=True makes C slots)"
 
 
 def rewind(cache, n):
@@ -154,7 +156,8 @@ class CausalSelfAttention(nn.Module):
     query at its position in the row and each key at its cache slot). A write
     past the capacity raises ValueError when the position is concrete; under
     ``jit`` it cannot raise, and the overflowing rows' outputs are NaN instead
-    (their excess tokens are not stored).
+    (nothing of theirs is stored, and they are poisoned: NaN in every later call
+    until reset).
 
     Attributes:
       config: an :class:`AttentionConfig` (or any object with ``d_model``,
@@ -267,6 +270,8 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         fresh = not self.has_variable(CACHE, "key")
         dtype = compute_dtype(cfg, x)
+        policy = policy_of(cfg)
+        hint = _RING_HINT if policy.wraps else _OVERFLOW_HINT
 
         if fresh and not self.is_initializing():
             raise ValueError(
@@ -275,11 +280,11 @@ class CausalSelfAttention(nn.Module):
                 "'cache': variables['cache']}, ..., decode=True, mutable=['cache'])"
             )
 
-        if fresh and cfg.rolling_cache:
-            kv_cache.check_rolling_capacity(T, cfg.window[0], cfg.sink_tokens, _ROLLING_HINT)
+        if fresh:
+            policy.check_capacity(T, hint)
 
         def empty():  # called only by init, when the cache is created
-            return kv_cache.empty(B, T, cfg.kv_heads, cfg.head_dim, dtype)
+            return policy.empty(B, T, cfg.kv_heads, cfg.head_dim, dtype)
 
         variables = [
             self.variable(CACHE, name, lambda name=name: getattr(empty(), name))
@@ -301,7 +306,7 @@ class CausalSelfAttention(nn.Module):
             lengths=lengths,
             mask_fn=mask_fn,
             score_fn=score_fn,
-            hint=_ROLLING_HINT if cfg.rolling_cache else _OVERFLOW_HINT,
+            hint=hint,
         )
         for variable, value in zip(variables, cache, strict=True):
             variable.value = value

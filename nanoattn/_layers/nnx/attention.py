@@ -16,12 +16,15 @@ from flax import nnx
 from ..._core.base.validate import float_dtype
 from .. import steps
 from ..caches import kv_cache
+from ..caches.kinds import policy_of
 from ..config import AttentionConfig
 from ..sharded import parameter_axes
 from .parameters import HeadRMSNorm, Parameters
 
+# How to make a larger cache, ending the capacity errors: a cache that fills is sized by
+# the longest sequence, one that wraps (a ring) by its slots.
 _OVERFLOW_HINT = "create a larger cache with module.init_cache(batch, max_len)"
-_ROLLING_HINT = "create the cache with module.init_cache(batch, max_len) (max_len slots)"
+_RING_HINT = "create the cache with module.init_cache(batch, max_len) (max_len slots)"
 
 
 class KVCache(nnx.Module):
@@ -47,6 +50,10 @@ class KVCache(nnx.Module):
 
     def set(self, cache: kv_cache.KVCache) -> None:
         self.key[...], self.value[...], self.position[...], self.last[...] = cache
+
+
+def _hint(policy) -> str:
+    return _RING_HINT if policy.wraps else _OVERFLOW_HINT
 
 
 def _positive_int(name: str, value) -> int:
@@ -149,10 +156,11 @@ class CausalSelfAttention(_Attention):
     query at its position in the row and each key at its cache slot), with
     zeros at padded tokens. A write past the capacity raises ValueError when
     the position is concrete; under ``nnx.jit`` it cannot raise, and the
-    overflowing rows' outputs are NaN instead. With ``config.rolling_cache`` the
-    cache is a ring of ``max_len`` slots that decodes past any length (chunks of at
-    most ``max_len - W - sink_tokens`` tokens); ``module.rewind(n)`` takes back up
-    to the tokens of each row's last call, on either kind (docs/decoding.md).
+    overflowing rows' outputs are NaN instead (the rows are poisoned: NaN until
+    reset). With ``config.rolling_cache`` the cache is a ring of ``max_len``
+    slots that decodes past any length (chunks of at most ``max_len - W -
+    sink_tokens`` tokens); ``module.rewind(n)`` takes back up to the tokens of
+    each row's last call, on either kind (docs/decoding.md).
 
     Args:
       config: an :class:`AttentionConfig` (or any object with ``d_model``,
@@ -211,9 +219,9 @@ class CausalSelfAttention(_Attention):
             dtype = cfg.param_dtype if cfg.dtype is None else cfg.dtype
         else:
             dtype = float_dtype("dtype", dtype)
-        if cfg.rolling_cache:
-            kv_cache.check_rolling_capacity(max_len, cfg.window[0], cfg.sink_tokens, _ROLLING_HINT)
-        self.cache = KVCache(kv_cache.empty(batch, max_len, cfg.kv_heads, cfg.head_dim, dtype))
+        policy = policy_of(cfg)
+        policy.check_capacity(max_len, _hint(policy))
+        self.cache = KVCache(policy.empty(batch, max_len, cfg.kv_heads, cfg.head_dim, dtype))
 
     def __call__(
         self,
@@ -293,7 +301,7 @@ class CausalSelfAttention(_Attention):
             lengths=lengths,
             mask_fn=mask_fn,
             score_fn=score_fn,
-            hint=_ROLLING_HINT if cfg.rolling_cache else _OVERFLOW_HINT,
+            hint=_hint(policy_of(cfg)),
         )
         self.cache.set(cache)
         return y
@@ -305,7 +313,7 @@ class CausalSelfAttention(_Attention):
         and out of range; under ``nnx.jit`` such a row is poisoned (NaN outputs)."""
         if self.cache is None:
             raise ValueError("rewind needs a cache: call module.init_cache(batch, max_len) first")
-        self.cache.set(kv_cache.rewind(self.cache.get(), n))
+        self.cache.set(policy_of(self.config).rewind(self.cache.get(), n))
 
 
 MultiHeadAttention = CausalSelfAttention
