@@ -8,6 +8,15 @@ prints a blob to replay any failure it finds, to hunt for new bugs locally.
 """
 
 import os
+import sys
+
+# The test files live in folders that mirror the package (tests/core/, tests/backends/,
+# ...; docs/testing.md) and import the helper modules of tests/ (_reference, _cases, ...)
+# by name, so tests/ is on sys.path whichever folder a test file is in and whichever
+# import mode pytest runs in (its default puts only a test file's own folder there).
+# Scripts that tests start in a subprocess live in tests/ too and find the helpers
+# beside them.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # The suite runs with jax's strict rank promotion, as jax's own test suite and many
 # JAX codebases do: an implicit broadcast of arrays of different ranks raises. Set
@@ -52,7 +61,6 @@ if _EMITTERS not in os.environ.get("XLA_FLAGS", "") and not os.environ.get(
     "NANOATTN_TEST_NO_EMITTERS_FLAG"
 ):
     import subprocess
-    import sys
 
     _flags = f"{os.environ.get('XLA_FLAGS', '')} --{_EMITTERS}=false".strip()
     _probe = subprocess.run(

@@ -10,7 +10,6 @@ compile per program is much faster than eager dispatch, which compiles each oper
 
 import doctest
 import functools
-import pathlib
 import subprocess
 import sys
 
@@ -26,11 +25,11 @@ from nanoattn import flax_attention_fn
 from nanoattn._interop import flax_attention_fn as flax_attention_fn_module
 from nanoattn.bench import _flax_memory
 
+from _paths import ROOT
 from _reference import np_attention, randn
 
 BATCH, T, S, N, H, D = (2, 3), 5, 7, 11, 4, 13
 ATOL = 1e-5
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _allowing_rank_promotion(function):

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -22,7 +21,9 @@ import pytest
 
 from nanoattn.parallel import from_zigzag, ring_attention, to_zigzag
 
-SCRIPT = pathlib.Path(__file__).with_name("_parallel_cases.py")
+from _paths import TESTS
+
+SCRIPT = TESTS / "_parallel_cases.py"
 
 
 def _run_cases(*args, timeout=900):
@@ -423,14 +424,13 @@ def test_ring_across_two_processes_equals_one_process(tmp_path):
 
     import nanoattn
 
-    sys.path.insert(0, str(SCRIPT.parent))
     from _parallel_multiprocess import inputs
 
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "out.npy"
-    worker = SCRIPT.with_name("_parallel_multiprocess.py")
+    worker = TESTS / "_parallel_multiprocess.py"
     env = dict(os.environ)  # the worker adds its 4 devices to the suite's XLA flags
     procs = [
         subprocess.Popen(

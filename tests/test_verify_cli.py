@@ -7,11 +7,12 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from nanoattn.cli import _stages, main
+
+from _paths import TESTS
 
 
 def run(capsys, *argv):
@@ -85,7 +86,6 @@ def test_cli_verify_errors_exit_2(capsys, argv, message):
 
 
 def test_cli_verify_subprocess_from_the_target_directory():
-    tests = Path(__file__).parent
     done = subprocess.run(
         [
             sys.executable,
@@ -100,7 +100,7 @@ def test_cli_verify_subprocess_from_the_target_directory():
         ],
         capture_output=True,
         text=True,
-        cwd=tests,
+        cwd=TESTS,
     )
     assert done.returncode == 1 and "causality: FAIL" in done.stdout
 

@@ -9,7 +9,6 @@ bugs share one compiled step (tests/_verify_decoders.py switches them with a tra
 import functools
 import json
 import re
-from pathlib import Path
 
 import flax
 import jax
@@ -26,8 +25,8 @@ from nanoattn.verify._decoding import ragged_schedule, rewind_schedule
 
 import _verify_decoders
 from _layer_configs import CONFIGS, D, N  # the configurations of the decoding issue
+from _paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = (ROOT / "docs/verify.md").read_text()
 
 
