@@ -44,7 +44,7 @@ test-floor: $(FLOOR_VENV)/.installed-floor
 # flax's own attention tests with nanoattn.flax_attention_fn as the default attention_fn of
 # flax's layers (downloads flax's sdist into .cache/flax-sdist once; about 3 minutes).
 flax-tests: $(VENV)/.installed-test
-	$(BIN)/python tests/flax_upstream/run.py
+	$(BIN)/python tests/interop/flax_upstream/run.py
 
 # The native kernel built with AddressSanitizer and UndefinedBehaviorSanitizer, and its
 # tests and 200 fuzzed native programs (600 calls, tests/test_fuzz.py) run under them (one
@@ -54,8 +54,8 @@ SANITIZE_FUZZ_EXAMPLES ?= 200
 sanitize: $(VENV)/.installed-test
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
 	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
-	$(BIN)/python -m pytest -p no:xdist -q tests/test_native.py tests/test_native_blocks.py \
-	  tests/test_native_mask_fn.py
+	$(BIN)/python -m pytest -p no:xdist -q tests/backends/test_native.py \
+	  tests/backends/test_native_blocks.py tests/backends/test_native_mask_fn.py
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
 	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
 	NANOATTN_FUZZ_NATIVE_EXAMPLES=$(SANITIZE_FUZZ_EXAMPLES) \

@@ -2,7 +2,7 @@
 
 :class:`BackendTestBase` is subclassed once per backend (``implementation = "<name>"``),
 as tokamax's ``AttentionTestBase`` is: each test file of a backend holds a subclass,
-and a backend registered at run time (tests/test_registry.py's toy) runs the same
+and a backend registered at run time (tests/backends/test_registry.py's toy) runs the same
 tests by subclassing it too, with no other change. A call the backend does not serve
 (``dispatch.refusal``) is skipped with its reason, and every rule it does not list in
 its ``serves`` must be refused in one line.

@@ -71,7 +71,7 @@ SPARSE_BLOCKS = 4  # blocks per side of a block-sparse pattern (positions past i
 # the sinks merged into their output through its log-sum-exp) failing the criterion when
 # the merge took their output rounded to the dtype (out up to 3.5x, dv 17x, dsinks 78x the
 # reference's error); they now attend in float32 and round once (_attention._with_sinks,
-# pinned by tests/test_mask_fn.py).
+# pinned by tests/core/test_mask_fn.py).
 SINK_DTYPES = tuple(DTYPES)
 
 

@@ -1,5 +1,5 @@
 """Multi-device cases of nanoattn.parallel, run in one process on 8 simulated CPU
-devices and reported as JSON (tests/test_parallel.py starts it once).
+devices and reported as JSON (tests/parallel/test_parallel.py starts it once).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_parallel_cases.py [--slow]
 

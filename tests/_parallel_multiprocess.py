@@ -1,4 +1,4 @@
-"""One process of the two-process ring test (tests/test_parallel.py starts both).
+"""One process of the two-process ring test (tests/parallel/test_parallel.py starts both).
 
     python tests/_parallel_multiprocess.py PORT PROCESS_ID OUT.npy
 

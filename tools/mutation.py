@@ -32,19 +32,20 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".cache" / "mutation"
 THRESHOLD = 0.90
 
-# target -> (mutated files, relative to the root; the test files that exercise them)
+# target -> (mutated files, relative to the root; the test files that exercise them,
+# relative to tests/)
 TARGETS = {
     "masks": (
         ["nanoattn/_core/base/masks.py"],
-        ["test_masks.py", "test_window.py", "test_segments.py", "test_bad_input.py"],
+        ["core/test_masks.py", "core/test_window.py", "core/test_segments.py", "test_bad_input.py"],
     ),
     "reference": (
         ["nanoattn/_backends/xla/reference.py"],
         [
-            "test_attention.py",
-            "test_soft_cap.py",
-            "test_nonfinite.py",
-            "test_masks.py",
+            "core/test_attention.py",
+            "core/test_soft_cap.py",
+            "core/test_nonfinite.py",
+            "core/test_masks.py",
             "test_chapter.py",
             "test_bad_input.py",
         ],
@@ -52,15 +53,18 @@ TARGETS = {
     "spec": (
         ["nanoattn/_core/base/rules.py"],
         [
-            "test_soft_cap.py",
-            "test_attention.py",
-            "test_dispatch.py",
-            "test_window.py",
-            "test_segments.py",
+            "core/test_soft_cap.py",
+            "core/test_attention.py",
+            "backends/test_dispatch.py",
+            "core/test_window.py",
+            "core/test_segments.py",
             "test_bad_input.py",
         ],
     ),
-    "schedule": (["nanoattn/_backends/flash/schedule.py"], ["test_schedule.py", "test_flash.py"]),
+    "schedule": (
+        ["nanoattn/_backends/flash/schedule.py"],
+        ["backends/test_schedule.py", "backends/test_flash.py"],
+    ),
     "flash": (
         [
             "nanoattn/_backends/flash/kernel.py",
@@ -68,39 +72,40 @@ TARGETS = {
             "nanoattn/_core/base/shard_map.py",
         ],
         [
-            "test_flash.py",
-            "test_lse.py",
-            "test_schedule.py",
-            "test_nonfinite.py",
-            "test_soft_cap.py",
-            "test_combined.py",
-            "test_segments.py",
-            "test_window.py",
+            "backends/test_flash.py",
+            "backends/test_lse.py",
+            "backends/test_schedule.py",
+            "core/test_nonfinite.py",
+            "core/test_soft_cap.py",
+            "core/test_combined.py",
+            "core/test_segments.py",
+            "core/test_window.py",
             "test_bad_input.py",
         ],
     ),
     "native": (
         ["nanoattn/_backends/native/kernel.py"],
         [
-            "test_native.py",
-            "test_native_blocks.py",
-            "test_native_build.py",
-            "test_lse.py",
+            "backends/test_native.py",
+            "backends/test_native_blocks.py",
+            "backends/test_native_build.py",
+            "backends/test_lse.py",
             "test_bad_input.py",
         ],
     ),
     "verify": (
         ["nanoattn/verify/*"],
         [
-            "test_verify_causality.py",
-            "test_verify_padding.py",
-            "test_verify_row_sums.py",
-            "test_verify_shapes.py",
-            "test_verify_report.py",
-            "test_verify_inputs.py",
-            "test_verify_cli.py",
-            "test_verify_decoding.py",
-            "test_cli.py",  # its audit test with a leaking built-in module, once in test_verify.py
+            "verify/test_verify_causality.py",
+            "verify/test_verify_padding.py",
+            "verify/test_verify_row_sums.py",
+            "verify/test_verify_shapes.py",
+            "verify/test_verify_report.py",
+            "verify/test_verify_inputs.py",
+            "verify/test_verify_cli.py",
+            "verify/test_verify_decoding.py",
+            # its audit test with a leaking built-in module, once in test_verify.py
+            "cli/test_cli.py",
             "test_bad_input.py",
         ],
     ),

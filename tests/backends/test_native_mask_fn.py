@@ -8,7 +8,7 @@ attention.cc takes a mask_fn as its 64 x 64 blocks' kinds (empty, partial, full)
 the bits of the partial ones (nanoattn/_backends/native/kernel.py). Each mask is written
 twice,
 as a ``mask_fn`` of jax index arrays and as a numpy literal, so that the library never
-checks itself (as tests/test_mask_fn.py).
+checks itself (as tests/core/test_mask_fn.py).
 """
 
 import functools
@@ -126,7 +126,7 @@ def test_masks_match_the_float64_reference_in_float32(T, S, mask_fn, q_offset, r
 def test_bfloat16_is_as_close_to_the_truth_as_the_reference_in_bfloat16(
     T, S, mask_fn, q_offset, rules
 ):
-    # As tests/test_native.py: the kernel's error against the float64 truth on the same
+    # As tests/backends/test_native.py: the kernel's error against the float64 truth on the same
     # bfloat16 inputs is at most twice the reference's own bfloat16 error, plus a floor.
     q, k, v = (x.astype(jnp.bfloat16) for x in map(jnp.asarray, inputs(T, S)))
     d_out = randn(9, B, T, N, H)

@@ -394,7 +394,7 @@ def test_vmap_over_a_batch_axis_with_mask_fn_score_fn_and_sinks():
 
 
 def test_the_native_kernel_serves_mask_fn_and_leaves_score_fn_to_others():
-    # Its mask_fn tests: tests/test_native_mask_fn.py.
+    # Its mask_fn tests: tests/backends/test_native_mask_fn.py.
     from nanoattn._backends import native
 
     if native.load()[0] is None:

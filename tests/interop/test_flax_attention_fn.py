@@ -25,11 +25,12 @@ from nanoattn import flax_attention_fn
 from nanoattn._interop import flax_attention_fn as flax_attention_fn_module
 from nanoattn.bench import _flax_memory
 
-from _paths import ROOT
+from _paths import TESTS
 from _reference import np_attention, randn
 
 BATCH, T, S, N, H, D = (2, 3), 5, 7, 11, 4, 13
 ATOL = 1e-5
+UPSTREAM = TESTS / "interop" / "flax_upstream"  # flax's own tests with the adapter
 
 
 def _allowing_rank_promotion(function):
@@ -677,14 +678,14 @@ def test_exported():
 def test_flax_own_attention_tests_pass_with_the_adapter_as_default():
     """flax's tests/linen/linen_attention_test.py and tests/nnx/nn/attention_test.py, from
     the sdist of the installed flax, with the adapter as the layers' default attention_fn
-    (tests/flax_upstream/run.py; about 3 minutes on 2 cores)."""
-    sys.path.insert(0, str(ROOT / "tests" / "flax_upstream"))
+    (tests/interop/flax_upstream/run.py; about 3 minutes on 2 cores)."""
+    sys.path.insert(0, str(UPSTREAM))
     try:
         import run
     finally:
         sys.path.pop(0)
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "flax_upstream" / "run.py")],
+        [sys.executable, str(UPSTREAM / "run.py")],
         capture_output=True, text=True,
     )  # fmt: skip
     log = result.stdout + result.stderr

@@ -386,7 +386,7 @@ def test_bad_inputs_get_one_line_errors():
         lambda: nanoattn_nnx.from_linen(plain, params, rngs=nnx.Rngs(0)),
     )
     # (the sequence-parallel layer serves mask_fn, score_fn and sinks through the ring:
-    # tests/test_parallel.py's mask-layer-sequence-heads case)
+    # tests/parallel/test_parallel.py's mask-layer-sequence-heads case)
     # flax's attention_fn convention has no such arguments: Python names the one passed
     q = jnp.ones((B, T, N, H))
     one_line(

@@ -1,6 +1,6 @@
 """Runs flax's own attention tests with ``nanoattn.flax_attention_fn`` as the layers' default.
 
-    python tests/flax_upstream/run.py [pytest arguments...]
+    python tests/interop/flax_upstream/run.py [pytest arguments...]
 
 Downloads the source distribution of the installed flax version with pip into
 ``.cache/flax-sdist`` (once), extracts ``tests/linen/linen_attention_test.py``
@@ -23,7 +23,7 @@ import sys
 import tarfile
 
 HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+ROOT = HERE.parents[2]
 CACHE = ROOT / ".cache" / "flax-sdist"
 TEST_FILES = ("tests/linen/linen_attention_test.py", "tests/nnx/nn/attention_test.py")
 CONFIG = "pyproject.toml"  # flax's pytest settings
