@@ -11,8 +11,10 @@ The calls (:data:`CALLS`) are one per behaviour, at distinct prime sizes (B=2, T
 S=23, N=6, K=2, H=8; K=1 for MQA) so a swapped axis fails: every rule of
 ``dot_product_attention`` alone, then together, rows that see no key, and keys no
 query sees. Each backend runs every call it serves in ONE compiled program
-(forward, the log-sum-exp and the gradients), whose inputs are then swapped for NaN
-and inf where nothing may look.
+(the output, the log-sum-exp and the gradients of both, since the log-sum-exp is
+differentiable), whose inputs are then swapped for NaN and inf where nothing may
+look; and a call mapped over the batch with vmap, forward and backward, and one in
+bfloat16.
 """
 
 import dataclasses
@@ -67,19 +69,22 @@ class Call:
     heads: int = K
 
     def inputs(self):
-        """(q, k, v, bias, sinks, d_out), float32 numpy."""
+        """(q, k, v, bias, sinks, d_out, d_lse), float32 numpy: the cotangents of the
+        output and of the log-sum-exp, which is 0 in rows that see no key."""
         q = randn(1, B, T, N, H) * 2
         k, v = randn(2, B, S, self.heads, H), randn(3, B, S, self.heads, H)
-        return q, k, v, self.bias, self.sinks, randn(4, B, T, N, H)
+        seen = np.broadcast_to(True if self.allowed is None else self.allowed, (B, N, T, S))
+        d_lse = randn(8, B, T, N) * np.moveaxis(seen.any(-1), 1, 2)
+        return q, k, v, self.bias, self.sinks, randn(4, B, T, N, H), d_lse
 
-    def truth(self, q, k, v, bias, sinks, d_out):
+    def truth(self, q, k, v, bias, sinks, d_out, d_lse):
         """Float64 (out, lse, (dq, dk, dv, dbias, dsinks)) for these inputs."""
         total = None
         for part in (bias, self.score_bias):
             if part is not None:
                 total = part if total is None else total + part
         cap, scale = self.rules.get("logit_soft_cap"), self.rules.get("scale")
-        out, grads = np_attention_vjp(q, k, v, d_out, self.allowed, total, scale, cap, sinks)
+        out, grads = np_attention_vjp(q, k, v, d_out, self.allowed, total, scale, cap, sinks, d_lse)
         dq, dk, dv, dbias = grads[:4]
         dbias = None if bias is None else sum_to_shape(dbias, np.shape(bias))
         dsinks = grads[4] if sinks is not None else None
@@ -232,7 +237,7 @@ class BackendTestBase:
 
     def refusal(self, call: Call, dtype=jnp.float32) -> str | None:
         """Why the backend cannot serve ``call``, or None."""
-        q, k, v, bias, sinks, _ = call.inputs()
+        q, k, v, bias, sinks, *_ = call.inputs()
         rules = Rules.make(q, k, v, **call.arrays(), bias=bias, sinks=sinks)
         return dispatch.refusal(registry.get(self.implementation), rules, dtype, 0.0)
 
@@ -241,7 +246,8 @@ class BackendTestBase:
 
     def program(self):
         """One jitted program: for each served call, (out, lse) and the gradients of
-        ``sum(out * d_out)`` for q, k, v, bias, sinks (None where absent)."""
+        ``sum(out * d_out) + sum(lse * d_lse)`` for q, k, v, bias, sinks (None where
+        absent)."""
         key = (type(self), self.implementation)
         if key not in _PROGRAMS:
             calls = self.served()
@@ -250,9 +256,9 @@ class BackendTestBase:
             @jax.jit
             def run(inputs):
                 results = []
-                for f, (q, k, v, bias, sinks, d_out) in zip(fns, inputs, strict=True):
+                for f, (q, k, v, bias, sinks, d_out, d_lse) in zip(fns, inputs, strict=True):
                     (out, lse), vjp = jax.vjp(f, q, k, v, bias, sinks)
-                    grads = vjp((d_out.astype(out.dtype), jnp.zeros_like(lse)))
+                    grads = vjp((d_out.astype(out.dtype), d_lse.astype(lse.dtype)))
                     results.append((out, lse, grads))
                 return results
 
@@ -293,7 +299,7 @@ class BackendTestBase:
         for bad in (np.nan, np.inf, -np.inf):
             inputs = []
             for call in self.program()[1]:
-                q, k, v, bias, sinks, d_out = call.inputs()
+                q, k, v, bias, sinks, d_out, d_lse = call.inputs()
                 if call.allowed is not None:
                     allowed = np.broadcast_to(call.allowed, (B, N, T, S))
                     k, v, q = k.copy(), v.copy(), q.copy()
@@ -303,7 +309,7 @@ class BackendTestBase:
                     if bias is not None:
                         blocked = sum_to_shape(allowed.astype(float), bias.shape) == 0
                         bias = np.where(blocked, bad, bias).astype(np.float32)
-                inputs.append((q, k, v, bias, sinks, d_out))
+                inputs.append((q, k, v, bias, sinks, d_out, d_lse))
             dirty = self.run(inputs)
             for call in calls:
                 pairs = zip(jax.tree.leaves(dirty[call.name]), jax.tree.leaves(clean[call.name]))
@@ -315,7 +321,7 @@ class BackendTestBase:
         backend = registry.get(self.implementation)
         calls = {rule: _call_using(rule) for rule in RULE_NAMES if rule not in backend.serves}
         for rule, call in calls.items():
-            q, k, v, bias, sinks, _ = call.inputs()
+            q, k, v, bias, sinks, *_ = call.inputs()
             rules = Rules.make(q, k, v, **call.arrays(), bias=bias, sinks=sinks)
             assert rule in rules.active()
             reason = unserved(backend, rules)
@@ -329,15 +335,34 @@ class BackendTestBase:
             assert "\n" not in message
             assert message.startswith(f"implementation={self.implementation!r} cannot serve")
 
-    def test_vmap_over_the_batch_equals_the_batched_call(self):
-        call = CALLS[NAMES.index("causal")]
+    def test_vmap_over_the_batch_equals_the_batched_call_forward_and_backward(self):
+        """Calls of one row each, mapped over the batch with each row's key length,
+        equal the batched call: outputs and the gradients to q, k and v."""
+        call = CALLS[NAMES.index("key lengths")]
         if reason := self.refusal(call):
             pytest.skip(reason)
         q, k, v = (jnp.asarray(x) for x in call.inputs()[:3])
+        lengths = jnp.asarray(call.rules["kv_lengths"])
         attend = functools.partial(self.attend, is_causal=True, q_offset=OFFSET)
-        batched = jax.jit(attend)(q, k, v)
-        mapped = jax.jit(jax.vmap(attend))(q[:, None], k[:, None], v[:, None])[:, 0]
-        np.testing.assert_allclose(mapped, batched, atol=1e-6, rtol=1e-6)
+
+        def mapped(q, k, v):  # each row a call of batch 1 with its own length
+            one = lambda q, k, v, n: attend(q[None], k[None], v[None], kv_lengths=n[None])[0]  # noqa: E731
+            return jax.vmap(one)(q, k, v, lengths)
+
+        def loss(f):
+            return lambda q, k, v: jnp.sum(
+                f(q, k, v) * jnp.arange(H, dtype=q.dtype).reshape(1, 1, 1, H)
+            )
+
+        @jax.jit
+        def both(q, k, v):
+            batched = functools.partial(attend, kv_lengths=lengths)
+            return [jax.value_and_grad(loss(f), argnums=(0, 1, 2))(q, k, v)
+                    for f in (mapped, batched)]  # fmt: skip
+
+        got, want = both(q, k, v)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
 
     def test_bfloat16_is_within_twice_the_references_error(self):
         call = CALLS[NAMES.index("causal")]
@@ -345,7 +370,7 @@ class BackendTestBase:
             pytest.skip(reason)
         q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in call.inputs()[:3])
         truth = call.truth(*(np.asarray(x, np.float64) for x in (q, k, v)), None, None,
-                           randn(4, B, T, N, H))[0]  # fmt: skip
+                           randn(4, B, T, N, H), None)[0]  # fmt: skip
         rules = dict(is_causal=True, q_offset=OFFSET)
         got = jax.jit(functools.partial(self.attend, **rules))(q, k, v)
         own = nanoattn.dot_product_attention(q, k, v, implementation="xla", **rules)
@@ -358,7 +383,7 @@ class BackendTestBase:
 def _call_using(rule: str) -> Call:
     """A call of :data:`CALLS` that uses ``rule``."""
     for call in CALLS:
-        q, k, v, bias, sinks, _ = call.inputs()
+        q, k, v, bias, sinks, *_ = call.inputs()
         if rule in Rules.make(q, k, v, **call.arrays(), bias=bias, sinks=sinks).active():
             return call
     raise AssertionError(f"no call of the backend test base uses {rule}")

@@ -28,6 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
+from nanoattn._backends import registry
+
+from _backends import refusal
 from _reference import (
     np_attention_vjp,
     np_causal,
@@ -84,7 +87,7 @@ class Case:
 
 
 def attention_fn(implementation, tiles=None):
-    """The functional core with one backend: ``"xla"`` or ``"flash"`` (small tiles by default)."""
+    """The functional core with one backend; flash with small tiles by default."""
     import nanoattn
 
     if implementation == "flash":
@@ -146,13 +149,23 @@ def run_cases(cases, implementation, tiles=None, inputs=None):
     return compiled_cases(cases, implementation, tiles)(inputs)
 
 
-def assert_cases_match(
-    cases, implementations=("xla", "flash"), tiles=None, atol=2e-5, grad_atol=1e-4
-):
-    """Every case's output and gradients, in each backend, against its float64 truth.
+def serving_cases(cases) -> list[str]:
+    """The registered backends that serve every case of the table (tests/_backends.py)."""
+    return [
+        name
+        for name in registry.names()
+        if all(refusal(name, c.q, c.k, c.v, bias=c.bias, **c.kwargs) is None for c in cases)
+    ]
+
+
+def assert_cases_match(cases, implementations=None, tiles=None, atol=2e-5, grad_atol=1e-4):
+    """Every case's output and gradients, in each backend (by default every registered
+    backend that serves the whole table), against its float64 truth.
 
     Returns ``{implementation: [(out, grads) per case]}`` for further checks.
     """
+    if implementations is None:
+        implementations = serving_cases(cases)
     truths = [c.truth(c.cotangent()) for c in cases]
     everything = {}
     for implementation in implementations:

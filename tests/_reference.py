@@ -81,16 +81,18 @@ def np_lse(q, k, allowed=None, bias=None, scale=None, soft_cap=None, sinks=None)
 
 
 def np_attention_vjp(
-    q, k, v, d_out, allowed=None, bias=None, scale=None, soft_cap=None, sinks=None
+    q, k, v, d_out, allowed=None, bias=None, scale=None, soft_cap=None, sinks=None, d_lse=None
 ):
     """The output of :func:`np_attention` and its gradients, derived by hand in float64.
 
-    Returns ``out, (dq, dk, dv, dbias)`` for the cotangent ``d_out`` (B, T, N, H),
+    Returns ``out, (dq, dk, dv, dbias)`` for the cotangent ``d_out`` (B, T, N, H)
+    (and ``d_lse`` (B, T, N) of the log-sum-exp, :func:`np_lse`, when given),
     and ``dsinks`` (N,) fifth with ``sinks`` (a sink attends no value, so its weight
-    w gets dZ = -w * rowsum(P * dP));
+    w gets dZ = -w * rowsum(P * dP), plus w * d_lse);
     ``dbias`` has the full shape (B, N, T, S) (sum it to the bias's shape with
     :func:`sum_to_shape`). With P the weights, dP = dO V^T, the softmax gives
-    dZ = P * (dP - rowsum(P * dP)); the cap multiplies it by 1 - tanh^2(s / c);
+    dZ = P * (dP - rowsum(P * dP)), and the log-sum-exp adds P * d_lse (its
+    derivative is the softmax); the cap multiplies it by 1 - tanh^2(s / c);
     then dq = scale * dS K, dk = scale * dS^T Q, dv = P^T dO, each key/value
     head summing over its G query heads.
     """
@@ -104,7 +106,8 @@ def np_attention_vjp(
     out = np.einsum("bnts,bsnh->btnh", w, v_rep)
     dw = np.einsum("btnh,bsnh->bnts", d_out, v_rep)
     row_term = (w * dw).sum(-1, keepdims=True)  # (B, N, T, 1)
-    ds = w * (dw - row_term)
+    lse_term = 0 if d_lse is None else np.moveaxis(np.asarray(d_lse, np.float64), 1, 2)[..., None]
+    ds = w * (dw - row_term + lse_term)
     if soft_cap is not None:
         ds = ds * (1 - np.tanh(logits / soft_cap) ** 2)
     dq = scale * np.einsum("bnts,bsnh->btnh", ds, k_rep)
@@ -114,7 +117,7 @@ def np_attention_vjp(
         return out, (dq, dk, dv, ds)
     seen = w.sum(-1, keepdims=True) > 0  # a row with no allowed key gives zeros: no gradient
     w_sink = np.where(seen, 1 - w.sum(-1, keepdims=True), 0)  # the sink's weight
-    dsinks = -(w_sink * row_term).sum(axis=(0, 2, 3))
+    dsinks = (w_sink * (lse_term - row_term)).sum(axis=(0, 2, 3))
     return out, (dq, dk, dv, ds, dsinks)
 
 

@@ -1,9 +1,9 @@
 """One log-sum-exp convention across the kernels that produce one (flash, native,
 the ring): lse (B, T, N) float32 is the log of each row's softmax denominator,
 log sum_s exp(scale q.k_s) over the visible keys, and ``-inf`` for a row that sees
-no key (the convention of jax.nn's residuals and of logsumexp of an empty set)."""
-
-import functools
+no key (the convention of jax.nn's residuals and of logsumexp of an empty set).
+Here the kernels' own blocks; the public ``return_residual`` of every backend, values
+and gradients, is in the backend test base (tests/_backend_base.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -116,79 +116,14 @@ def test_ring_forward_lse_on_one_device(layout):
     _check(lse, q, k, visible)
 
 
-# return_residual: the public log-sum-exp of dot_product_attention and flash_attention,
-# the same on every backend, and differentiable: d lse / d logits is the softmax.
-RESIDUAL_RULES = {
-    "causal-lengths": dict(is_causal=True, q_offset=0, kv_lengths=jnp.array([0, 7, S])),
-    "window-cap": dict(window=(3, 1), q_offset=2, logit_soft_cap=2.5),
-    "bias": dict(bias=jnp.asarray(np.random.default_rng(5).standard_normal((1, N, T, S)))),
-}
-
-
-def _float64_lse(q, k, rules):
-    """The float64 truth of the residual: soft-capped, biased logits over the visible keys."""
-    q, k = np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), N // K, axis=2)
-    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
-    if "bias" in rules:
-        logits = logits + np.asarray(rules["bias"], np.float64)
-    if "logit_soft_cap" in rules:
-        cap = rules["logit_soft_cap"]
-        logits = cap * np.tanh(logits / cap)
-    visible = np.ones((B, 1, T, S), bool)
-    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
-    if rules.get("is_causal"):
-        visible = visible & (j <= i)
-    if "window" in rules:
-        p = i + rules["q_offset"]
-        visible = visible & (j >= p - rules["window"][0]) & (j <= p + rules["window"][1])
-    if "kv_lengths" in rules:
-        visible = visible & (j < np.asarray(rules["kv_lengths"])[:, None, None, None])
-    visible = np.broadcast_to(visible, logits.shape)
-    top = np.where(visible, logits, -np.inf).max(-1, keepdims=True)
-    safe = np.where(np.isfinite(top), top, 0)
-    with np.errstate(divide="ignore"):
-        lse = np.log(np.where(visible, np.exp(logits - safe), 0).sum(-1)) + safe[..., 0]
-    return np.moveaxis(lse, 1, 2)  # (B, T, N)
-
-
-def _residual_loss(q, k, v, *, implementation, rules, weights):
-    """The output's sum plus a weighted sum of the finite log-sum-exps."""
-    out, lse = nanoattn.dot_product_attention(
-        q, k, v, implementation=implementation, return_residual=True, **rules
-    )
-    return out.sum() + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * weights)
-
-
-@pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
-def test_return_residual_values_and_gradients_on_every_backend(implementation):
-    q, k, v = _inputs(T=T, S=S)
-    weights = jnp.asarray(np.random.default_rng(6).standard_normal((B, T, N)), jnp.float32)
-    for name, rules in RESIDUAL_RULES.items():
-        if implementation == "native" and name == "bias":
-            continue
-        _, lse = nanoattn.dot_product_attention(
-            q, k, v, implementation=implementation, return_residual=True, **rules
-        )
-        want = _float64_lse(q, k, rules)
-        np.testing.assert_array_equal(np.isinf(lse), np.isinf(want), err_msg=name)
-        finite = np.isfinite(want)
-        np.testing.assert_allclose(np.asarray(lse)[finite], want[finite], atol=2e-5, err_msg=name)
-
-        def grads(backend, rules=rules):
-            loss = functools.partial(
-                _residual_loss, implementation=backend, rules=rules, weights=weights
-            )
-            return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-        # The reference's gradient is jax's autodiff of plain operations: an independent
-        # derivation of the kernels' hand-written backward passes.
-        for g, w, what in zip(grads(implementation), grads("xla"), "qkv"):
-            np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4, err_msg=f"{name}: d{what}")
+# return_residual: the public log-sum-exp of dot_product_attention, its values and its
+# gradient on every backend and every rule, is held against the float64 truth by the
+# backend test base (tests/_backend_base.py); flash_attention returns it too.
 
 
 def test_flash_attention_returns_the_residual_too():
     q, k, v = _inputs(T=T, S=S)
-    rules = RESIDUAL_RULES["causal-lengths"]
+    rules = dict(is_causal=True, q_offset=0, kv_lengths=jnp.array([0, 7, S]))
     out, lse = nanoattn.flash_attention(
         q, k, v, return_residual=True, forward_tiles=(4, 8, 2), backward_tiles=(4, 4, 3), **rules
     )

@@ -487,28 +487,3 @@ def test_unbatched_calls_equal_a_batch_of_one_on_every_backend(implementation):
     assert weights.shape == (N, T, S)
     want = attention_weights(q[None], k[None], **_batched_rules(rules))[0]
     np.testing.assert_array_equal(weights, want)
-
-
-@pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
-def test_vmap_over_the_batch_equals_the_batched_call_forward_and_backward(implementation):
-    q, k, v = qkv(31)
-    lengths = np.array([7, 3], np.int32)
-
-    def one(q, k, v, lengths):  # an unbatched call: (T, N, H) and (S, K, H)
-        return dot_product_attention(
-            q, k, v, is_causal=True, q_offset=2, kv_lengths=lengths, implementation=implementation
-        )
-
-    def loss(f):
-        return lambda q, k, v: jnp.sum(f(q, k, v) * np.arange(H).reshape(1, 1, 1, H))
-
-    mapped = jax.vmap(one)
-    batched = lambda q, k, v: dot_product_attention(  # noqa: E731
-        q, k, v, is_causal=True, q_offset=2, kv_lengths=lengths, implementation=implementation
-    )
-    got = jax.jit(lambda q, k, v: mapped(q, k, v, lengths))(q, k, v)
-    np.testing.assert_allclose(got, batched(q, k, v), atol=1e-6, rtol=1e-6)
-    grads = jax.jit(jax.grad(loss(lambda q, k, v: mapped(q, k, v, lengths)), argnums=(0, 1, 2)))
-    want = jax.grad(loss(batched), argnums=(0, 1, 2))(q, k, v)
-    for g, w in zip(grads(q, k, v), want):
-        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,57 @@
+"""Which backends a test runs on, asked of the registry: every registered backend that
+serves the call, never a literal list of names, so a backend added to the registry is
+run by every test that uses these.
+
+* :func:`each_backend`: parametrizes a test over every registered backend's name; the
+  test passes its call to :func:`require`, which skips it with the backend's own
+  reason (``dispatch.refusal``) where the backend does not serve the call.
+* :func:`serving`: the names of the backends that serve a call, for a test that runs
+  several backends in one body.
+* :func:`refusal`: why one backend does not serve a call, or None.
+
+The calls are described as ``dot_product_attention``'s (``q, k, v`` batched and its rule
+keywords); the backends are asked about the call's rules, dtype and dropout rate, as
+the dispatcher asks them. A test about one backend (its own file, a kernel-specific
+behaviour) names it instead; so do tests that hold a backend against the reference
+(``"xla"``, which defines the output contract).
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from nanoattn._backends import dispatch, registry
+from nanoattn._core.base.rules import Rules
+
+
+def refusal(implementation: str, q, k, v=None, *, dropout_rate=0.0, **rules) -> str | None:
+    """Why the backend ``implementation`` does not serve this call, or None."""
+    spec = Rules.make(jnp.asarray(q), jnp.asarray(k), None if v is None else jnp.asarray(v),
+                      **rules)  # fmt: skip
+    return dispatch.refusal(registry.get(implementation), spec, jnp.asarray(q).dtype, dropout_rate)
+
+
+def serving(q, k, v=None, *, dropout_rate=0.0, **rules) -> list[str]:
+    """The names of the registered backends that serve this call, in the registry's order
+    (the reference, which serves every call, first)."""
+    return [
+        name
+        for name in registry.names()
+        if refusal(name, q, k, v, dropout_rate=dropout_rate, **rules) is None
+    ]
+
+
+def require(implementation: str, q, k, v=None, *, dropout_rate=0.0, **rules) -> None:
+    """Skips the test, with the backend's reason, unless it serves this call."""
+    if reason := refusal(implementation, q, k, v, dropout_rate=dropout_rate, **rules):
+        pytest.skip(f"{implementation}: {reason}")
+
+
+def each_backend(argname: str = "implementation", *, slow=()):
+    """Parametrizes ``argname`` over every registered backend's name (built-in ones, and
+    those registered when the test module is collected). Names in ``slow`` are marked
+    slow (``make test-all`` runs them)."""
+    params = [
+        pytest.param(name, marks=pytest.mark.slow if name in slow else ())
+        for name in registry.names()
+    ]
+    return pytest.mark.parametrize(argname, params)
