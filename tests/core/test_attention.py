@@ -10,6 +10,7 @@ from jax.test_util import check_grads
 import nanoattn
 from nanoattn import attention_weights, dot_product_attention, padding_mask
 
+from _backends import each_backend, refusal, require
 from _reference import np_attention, np_causal, randn
 
 B, T, S, N, K, H = 2, 5, 7, 6, 2, 8  # every axis a different size
@@ -233,13 +234,14 @@ def test_mixed_float64_operands_compute_in_float64(x64):
     np.testing.assert_allclose(jax.grad(loss_v)(v), want_dv, atol=1e-12)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
+@each_backend()
 @pytest.mark.parametrize("t, s", [(3, 0), (0, 5), (0, 0)])
 def test_no_keys_or_no_queries_give_zeros_on_every_backend(implementation, t, s):
     # No key to see: every row sees nothing, so zeros, and zero gradients (found by
     # mutation testing: the reference raised numpy's "zero-size array", flash divided
     # by zero, native gave zeros).
     q, k, v = qkv(21, t=t, s=s)
+    require(implementation, q, k, v)
 
     def loss(q, k, v):
         return dot_product_attention(q, k, v, implementation=implementation).sum()
@@ -459,11 +461,14 @@ def _batched_rules(rules):
     return out
 
 
-@pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
+@each_backend()
 def test_unbatched_calls_equal_a_batch_of_one_on_every_backend(implementation):
     q, k, v = (x[0] for x in qkv(30))
-    rules = {
-        n: r for n, r in UNBATCHED_RULES.items() if implementation != "native" or n != "mask-bias"
+    require(implementation, q[None], k[None], v[None])
+    rules = {  # the rules the backend serves
+        n: r
+        for n, r in UNBATCHED_RULES.items()
+        if refusal(implementation, q[None], k[None], v[None], **_batched_rules(r)) is None
     }
 
     @jax.jit
