@@ -18,6 +18,7 @@ import nanoattn
 from nanoattn._backends.flash import plan as flash_plan
 from nanoattn._core.base import block_mask, rules
 
+from _backends import each_backend, require, serving
 from _fuzz import check, concrete_call
 from _reference import np_attention, np_attention_vjp, np_index_grids, np_lse, randn
 
@@ -64,8 +65,17 @@ MASKS = {
 }
 
 
+@functools.cache
+def _truth(T, S, allowed_bits, shape):
+    """The float64 output and gradients for these sizes and mask, once for every backend."""
+    allowed = np.unpackbits(np.frombuffer(allowed_bits, np.uint8))[: np.prod(shape)]
+    q, k, v = inputs(T, S)
+    return np_attention_vjp(q, k, v, randn(9, B, T, N, H), allowed=allowed.reshape(shape) > 0)
+
+
 def check_against_reference(implementation, mask_fn, allowed, T, S, q_offset=None, **extra):
     q, k, v = inputs(T, S)
+    require(implementation, q, k, v, mask_fn=mask_fn, q_offset=q_offset, **extra)
     d_out = randn(9, B, T, N, H)
     kwargs = dict(mask_fn=mask_fn, implementation=implementation, **extra)
 
@@ -79,13 +89,13 @@ def check_against_reference(implementation, mask_fn, allowed, T, S, q_offset=Non
         return out, grads
 
     out, grads = run(q, k, v, q_offset)
-    want, want_grads = np_attention_vjp(q, k, v, d_out, allowed=allowed)
+    want, want_grads = _truth(T, S, np.packbits(allowed).tobytes(), allowed.shape)
     np.testing.assert_allclose(out, want, atol=ATOL)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want_grads):
         np.testing.assert_allclose(got, ref, atol=ATOL, err_msg=name)
 
 
-@pytest.mark.parametrize("implementation", [pytest.param("xla", marks=pytest.mark.slow), "flash"])
+@each_backend()
 @pytest.mark.parametrize("name", list(MASKS))
 def test_masks_as_functions_match_the_float64_reference(implementation, name):
     mask_fn, literal = MASKS[name]
@@ -94,7 +104,7 @@ def test_masks_as_functions_match_the_float64_reference(implementation, name):
         check_against_reference(implementation, mask_fn, allowed, T, S)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "flash"])
+@each_backend()
 def test_per_row_traced_offsets_and_unequal_lengths(implementation):
     T, S, offsets = 37, 301, np.array([0, 250])  # cross-attention, each row at its own place
     mask_fn, literal = MASKS["per_head_window"]
@@ -108,7 +118,8 @@ def test_mask_fn_is_anded_with_every_other_rule():
     _, literal = MASKS["documents"]
     allowed = literal(*positions(T, S)) & (np.arange(S) < lengths[:, None])[:, None, None]
     allowed = allowed & (np.abs(np.arange(T)[:, None] - np.arange(S)) <= 70)
-    for implementation in ("xla", "flash"):
+    rules = dict(mask_fn=documents, kv_lengths=jnp.asarray(lengths), window=70)
+    for implementation in serving(*inputs(T, S), **rules):
         check_against_reference(
             implementation, documents, allowed, T, S, kv_lengths=jnp.asarray(lengths), window=70
         )
@@ -238,10 +249,11 @@ def test_compiled_memory_with_mask_fn_holds_no_t_by_s_array():
 SLOPES = 2.0 ** -np.arange(1, N + 1)  # ALiBi, one slope per head
 
 
-@pytest.mark.parametrize("implementation", ["xla", "flash"])
+@each_backend()
 def test_alibi_through_score_fn_and_its_gradient_to_the_slopes(implementation):
     T, S = 37, 300
     q, k, v = inputs(T, S)
+    require(implementation, q, k, v, is_causal=True, q_offset=S - T, score_fn=lambda s, *_: s)
     d_out = randn(9, B, T, N, H)
     offset = S - T
 
@@ -269,9 +281,11 @@ def test_alibi_through_score_fn_and_its_gradient_to_the_slopes(implementation):
         np.testing.assert_allclose(got, ref, atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "flash"])
+@each_backend()
 def test_soft_capping_through_score_fn_equals_logit_soft_cap(implementation):
     q, k, v = map(jnp.asarray, inputs(300, 300))
+    require(implementation, q, k, v, is_causal=True, score_fn=lambda s, *_: s)
+    require(implementation, q, k, v, is_causal=True, logit_soft_cap=5.0)
 
     def loss(q, k, v, **rule):
         out = nanoattn.dot_product_attention(
@@ -297,12 +311,14 @@ def test_soft_capping_through_score_fn_equals_logit_soft_cap(implementation):
 SINKS = np.array([0.0, 1.5, -2.0, 3.0, -0.5, 0.25], np.float32)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
+@each_backend()
 def test_sinks_match_the_float64_reference_with_their_gradient(implementation):
     T, S = 37, 53
     q, k, v = inputs(T, S)
     d_out, d_lse = randn(9, B, T, N, H), np.zeros((B, T, N), np.float32)
     lengths = np.array([53, 0])  # row 1 sees no key: zeros, its lse the sink's
+    require(implementation, q, k, v, is_causal=True, q_offset=S - T, kv_lengths=lengths,
+            sinks=SINKS, return_residual=True)  # fmt: skip
 
     @jax.jit
     def run(q, k, v, sinks):
@@ -338,7 +354,7 @@ def test_sinks_in_the_weights_and_with_mask_fn():
     want = np_attention(q, k, v, allowed=allowed, sinks=SINKS, return_weights=True)
     np.testing.assert_allclose(weights, want, atol=1e-6)
     assert (np.asarray(weights).sum(-1) < 1).all()
-    for implementation in ("xla", "flash"):
+    for implementation in serving(q, k, v, mask_fn=prefix_lm, sinks=SINKS):
         attend = functools.partial(
             nanoattn.dot_product_attention, mask_fn=prefix_lm, implementation=implementation
         )
@@ -351,7 +367,7 @@ def test_sinks_in_the_weights_and_with_mask_fn():
 # --- masked content, transformations -------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", ["xla", "flash"])
+@each_backend()
 def test_keys_mask_fn_hides_are_never_read(implementation):
     # Keys 200..259 are hidden from every query by mask_fn alone: NaN and inf there
     # change no output and no gradient, and their own gradients are 0.
@@ -361,6 +377,7 @@ def test_keys_mask_fn_hides_are_never_read(implementation):
         return (kp <= qp) & ((kp < 200) | (kp >= 260))
 
     q, k, v = inputs(T, S)
+    require(implementation, q, k, v, mask_fn=mask_fn)
     dirty_k, dirty_v = k.copy(), v.copy()
     dirty_k[:, 200:230], dirty_v[:, 230:260] = np.nan, np.inf
 
@@ -385,7 +402,7 @@ def test_vmap_over_a_batch_axis_with_mask_fn_score_fn_and_sinks():
     q, k, v = inputs(37, 37)
     rules = dict(mask_fn=prefix_lm, score_fn=lambda s, b, n, qp, kp: s - 0.1 * (qp - kp),
                  sinks=jnp.asarray(SINKS))  # fmt: skip
-    for implementation in ("xla", "flash"):
+    for implementation in serving(q, k, v, **rules):
         one = functools.partial(
             nanoattn.dot_product_attention, implementation=implementation, **rules
         )
@@ -418,5 +435,5 @@ def test_half_precision_sinks_are_merged_before_rounding():
             2, 13, 31, 4, 2, 8, "bfloat16", seed, sinks=[1.3, 0.95, -2.0, 3.0], residual=True,
             is_causal=True, offset="static", static_offset=18,
         )  # fmt: skip
-        verdict = check(call, backends=("xla", "flash", "native"))
+        verdict = check(call)  # on every backend that serves it
         assert not verdict.failures, verdict.failures
