@@ -5,18 +5,18 @@
   compiled program per backend (``compiled_cases``), outputs and gradients.
 * ``SMALL_TILES``: flash tiles small enough that short sequences span several blocks.
 * ``ENTRY_POINTS``: the three public attention functions, called ``f(q, k, v, **kw)``.
-* ``CASES`` and ``FLASH_CASES``: every argument at once (window, segment ids, soft-cap,
-  RoPE, causality, a dense mask, key lengths, bias, grouped heads), built so that some
-  keys are seen by no query of their row, some queries see no key and some bias cells
-  are blocked (test_combined.py, test_nonfinite.py, test_native.py).
+* ``CASES``: every argument at once (window, segment ids, soft-cap, RoPE, causality, a
+  dense mask, key lengths, bias, grouped heads), built so that some keys are seen by
+  no query of their row, some queries see no key and some bias cells are blocked
+  (core/test_combined.py).
 * ``BAD``, :func:`blocked_places` and :func:`dirty_inputs`: NaN and inf written where
-  nothing may look (test_nonfinite.py, test_native.py).
+  nothing may look (core/test_combined.py).
 * ``LENGTHS`` and ``PRODUCT_LENGTHS``: sequence lengths at and around powers of two and
-  products (test_masks.py, test_chapter.py).
+  products (core/test_masks.py, test_chapter.py).
 * :func:`jit_vjp`: one backend's output and (dq, dk, dv) under jit, the rules closed
-  over (test_native.py, test_native_mask_fn.py).
+  over (backends/test_native.py, backends/test_native_mask_fn.py).
 * :func:`attention_case`: a hypothesis strategy of random calls with their literal
-  allowed mask (test_properties.py, test_dispatch.py).
+  allowed mask (core/test_properties.py, backends/test_dispatch.py).
 """
 
 import dataclasses
@@ -224,9 +224,9 @@ ENTRY_POINTS = _entry_points()
 
 
 # ---------------------------------------------------------------------------------------
-# Every argument at once. test_combined.py runs these cases against the reference in
-# both backends; test_nonfinite.py feeds the same compiled programs NaN and inf where
-# nothing may look; test_native.py runs them without their dense mask and bias.
+# Every argument at once. core/test_combined.py runs these cases against the reference on
+# every backend that serves them, then feeds the same compiled programs NaN and inf
+# where nothing may look.
 
 
 def static_offset_gqa():
@@ -321,7 +321,6 @@ def square_gqa3():
 
 
 CASES = [static_offset_gqa(), traced_offsets_mqa(), square_gqa3()]
-FLASH_CASES = CASES[:2]  # compiling the kernel dominates the run time
 
 
 # ---------------------------------------------------------------------------------------

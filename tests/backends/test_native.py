@@ -1,8 +1,9 @@
-"""The native C++ kernel against the float64 reference: outputs, gradients, masked
-content, transformations, dispatch and memory (its block classification:
-test_native_blocks.py; its build, cache and fallbacks: test_native_build.py)."""
+"""The native C++ kernel against the float64 reference: the backend test base (every
+rule alone and together, masked content, vmap, bfloat16), then lengths across its
+blocks, ragged rows, x64, transformations, dispatch, refusals, bfloat16 and its ISA
+builds (its block classification: test_native_blocks.py; its build, cache and
+fallbacks: test_native_build.py; its mask_fn: test_native_mask_fn.py)."""
 
-import dataclasses
 import functools
 import os
 import pathlib
@@ -18,16 +19,7 @@ import nanoattn
 from nanoattn._backends import native as native_kernel
 
 from _backend_base import BackendTestBase
-from _cases import (
-    BAD,
-    CASES,
-    Case,
-    assert_cases_match,
-    blocked_places,
-    dirty_inputs,
-    jit_vjp,
-    run_cases,
-)
+from _cases import jit_vjp
 from _reference import np_attention_vjp, np_causal, np_lengths, np_segments, np_window, randn
 
 pytestmark = pytest.mark.skipif(
@@ -58,45 +50,6 @@ def np_allowed(kwargs, B, T, S):
     if "q_segment_ids" in kwargs:
         allowed &= np_segments(kwargs["q_segment_ids"], kwargs["kv_segment_ids"])
     return allowed
-
-
-def without_mask_and_bias(case: Case) -> Case:
-    """The case with its dense mask and bias taken out, as the native kernel serves it."""
-    kwargs = {k: v for k, v in case.kwargs.items() if k != "mask"}
-    B, T, _, _ = case.q.shape
-    allowed = np_allowed(kwargs, B, T, case.k.shape[1])
-    return dataclasses.replace(case, name=f"{case.name}, no mask", allowed=allowed, bias=None,
-                               kwargs=kwargs)  # fmt: skip
-
-
-NATIVE_CASES = [without_mask_and_bias(c) for c in CASES]
-
-
-def test_every_argument_at_once_matches_the_reference():
-    # Causality at a static offset, traced per-row offsets, windows, key lengths,
-    # segments, soft-capping, RoPE, GQA and MQA; rows that see nothing, keys no one sees.
-    for case in NATIVE_CASES[:2]:
-        B, T, N, _ = case.q.shape
-        allowed = np.broadcast_to(case.allowed, (B, N, T, case.k.shape[1]))
-        assert (~allowed.any(-1)).any() and (~allowed.any(axis=(1, 2))).any(), case.name
-    assert_cases_match(NATIVE_CASES, implementations=("native",), atol=1e-5)
-
-
-def test_nan_and_inf_where_nothing_looks_change_nothing():
-    # Keys and values no query of their row sees, and queries that see no key.
-    for case in NATIVE_CASES[:2]:
-        assert all(place.any() for place in blocked_places(case)[::2]), case.name
-    clean = run_cases(NATIVE_CASES, "native")
-    for name, bad in BAD.items():
-        inputs = []
-        for c in NATIVE_CASES:
-            q, k, v, _, cot = dirty_inputs(c, ("keys", "values", "queries"), bad)
-            inputs.append((q, k, v, None, cot))  # no bias
-        dirty = run_cases(NATIVE_CASES, "native", inputs=inputs)
-        for case, (out, grads), (ref_out, ref_grads) in zip(NATIVE_CASES, dirty, clean):
-            np.testing.assert_array_equal(out, ref_out, err_msg=f"{name}, {case.name}")
-            for g, r in zip(grads[:3], ref_grads[:3]):
-                np.testing.assert_array_equal(g, r, err_msg=f"{name}, {case.name}")
 
 
 def run_and_truth(q, k, v, **kwargs):
@@ -290,7 +243,8 @@ def test_the_avx2_build_serves_too_on_an_avx512_machine(tmp_path):
     env = dict(os.environ, NANOATTN_NATIVE_CFLAGS="-mno-avx512f",
                NANOATTN_CACHE_DIR=str(tmp_path))  # fmt: skip
     tests = pathlib.Path(__file__)
-    selection = "lengths_across or ragged or bfloat16 or every_argument"
+    served = "match_float64 and not dense and not bias and not score_fn"  # the base's
+    selection = f"lengths_across or ragged or bfloat16 or ({served})"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          str(tests), "-k", selection],
