@@ -1,14 +1,20 @@
 """The layer configurations of the decoding tests: ``CONFIGS`` maps a name to the
 options of ``AttentionConfig(D, N, **options)`` (multi-head, grouped and multi-query
 heads, RoPE, a window, soft-capping, QK norm, attention sinks, and all of them at
-once in bfloat16 and on each backend). Shared by test_kv_cache.py, which decodes
-each through the KV cache, and test_verify_decoding.py, which runs check_decoding
-on each; and ``random_params``, the random weights of the decoding tests' layers.
+once in bfloat16 and on each registered backend that serves the layer's calls, named
+after it; ``LAYER_REFUSALS`` says why the others do not). Shared by
+layers/test_kv_cache.py, which decodes each through the KV cache, and
+verify/test_verify_decoding.py, which runs check_decoding on each; and
+``random_params``, the random weights of the decoding tests' layers.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from nanoattn._backends import registry
+
+from _backends import refusal
 from _reference import randn
 
 D, N, K = 48, 6, 2  # model width, query heads and key/value heads: H = 8
@@ -23,8 +29,24 @@ CONFIGS = {
     "qk_norm": dict(n_kv_heads=2, qk_norm=True),
     "sinks": dict(n_kv_heads=2, window=(4, 0), sinks=True),
     "bfloat16": dict(EVERYTHING, dtype=jnp.bfloat16),
-    "xla": dict(EVERYTHING, implementation="xla"),
-    "flash": dict(EVERYTHING, implementation="flash"),
+}
+
+
+def _layer_refusal(name: str) -> str | None:
+    """Why the backend ``name`` does not serve the attention calls of a layer with
+    EVERYTHING decoding (a chunk of 5 queries at per-row positions over 13 cache slots,
+    with per-row lengths), or None."""
+    q, k = np.zeros((2, 5, N, D // N), np.float32), np.zeros((2, 13, K, D // N), np.float32)
+    return refusal(name, q, k, k, is_causal=True, q_offset=np.array([0, 4]), window=(4, 0),
+                   logit_soft_cap=2.0, kv_lengths=np.array([5, 9]))  # fmt: skip
+
+
+# Every registered backend: why it does not serve the layer's calls, or None.
+LAYER_REFUSALS = {name: _layer_refusal(name) for name in registry.names()}
+CONFIGS |= {
+    name: dict(EVERYTHING, implementation=name)
+    for name, reason in LAYER_REFUSALS.items()
+    if reason is None
 }
 
 

@@ -19,7 +19,8 @@ from nanoattn import padding_mask
 from nanoattn._layers.caches.full import FullCache
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
-from _layer_configs import CONFIGS, D, K, N, random_params
+from _backends import each_backend
+from _layer_configs import CONFIGS, LAYER_REFUSALS, D, K, N, random_params
 from _reference import randn
 
 B, T, CAP = 2, 11, 13  # D, N and K come with the configurations
@@ -62,6 +63,14 @@ class Case:
 @functools.cache
 def case(name: str, **overrides) -> Case:
     return Case(**CONFIGS[name], **overrides)
+
+
+def case_on(implementation: str) -> Case:
+    """The layer with every option on the backend ``implementation``; skips the test,
+    with the backend's reason, when it does not serve the layer's calls."""
+    if reason := LAYER_REFUSALS[implementation]:
+        pytest.skip(f"{implementation}: {reason}")
+    return case(implementation)
 
 
 def cut(sizes, total=T):
@@ -114,9 +123,9 @@ def test_decoding_in_any_chunking_equals_the_full_forward(name, row0, row1):
     assert np.isfinite(np.asarray(cache["key"], np.float32)).all()  # padding never stored
 
 
-@pytest.mark.parametrize("name", ["xla", "flash"])
+@each_backend("name")
 def test_unpadded_chunks_of_any_length(name):
-    c = case(name)
+    c = case_on(name)
     cache, outs, start = c.cache, [], 0
     for size in [3, 1, 1, 5, 1]:
         y, cache = c.step(c.params, cache, c.x[:, start : start + size])
@@ -158,11 +167,11 @@ def test_decoding_ands_a_mask_over_the_cache_slots():
     assert np.abs(got[1] - c.full(c.params, c.x)[1]).max() > 1e-3  # the mask mattered
 
 
-@pytest.mark.parametrize("name", ["xla", "flash"])
+@each_backend("name")
 def test_ragged_prompts_prefilled_in_one_call_then_decoded_token_by_token(name):
     """Prompts of lengths 5 and 2 in one right-padded chunk of width 7, then one
     token per step, each row at its own position (row 0 skips one step)."""
-    c = case(name)
+    c = case_on(name)
     rows = [[5, 1, 1, 0, 1, 1, 1, 1], [2, 1, 1, 1, 1, 1, 1, 1]]
     got, cache = run_ragged(c, rows, widths=[7] + [1] * 7)
     want = np.asarray(c.full(c.params, c.x))
@@ -254,10 +263,10 @@ def test_a_write_past_the_capacity_under_jit_gives_nan_in_that_row_only():
     assert np.isnan(y[1]).all() and (np.asarray(y[0]) == 0).all()
 
 
-@pytest.mark.parametrize("implementation", ["xla", "flash"])
+@each_backend()
 @pytest.mark.parametrize("garbage", [np.nan, np.inf, -np.inf, 1e30])
 def test_unused_cache_slots_never_change_the_outputs(implementation, garbage):
-    c = case(implementation)
+    c = case_on(implementation)
     cache = prefilled(c, [3, 5])
     chunk, lengths = c.x[:, 5:10], jnp.array([2, 3])
     clean, _ = c.step(c.params, cache, chunk, lengths)
