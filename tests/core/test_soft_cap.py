@@ -2,7 +2,6 @@
 cap * tanh(s / cap) before masking and the softmax; gradients are exact."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
@@ -46,8 +45,10 @@ def soft_cap_cases():
 
 
 def test_matches_reference_outputs_and_gradients():
-    # The kernel's compile time dominates the run time: its soft-cap cases are the
-    # combined ones of test_combined.py.
+    # On the reference, which defines the rule. Every backend's soft-cap is held against
+    # float64 by the backend test base (tests/_backend_base.py) and, with bias and a
+    # dense mask, by test_combined.py, which also puts NaN and inf in the bias at blocked
+    # cells (tanh(NaN) is NaN, so they must be set aside before the cap).
     assert_cases_match(soft_cap_cases(), implementations=["xla"])
 
 
@@ -151,25 +152,3 @@ def test_invalid_cap(function, cap, error, pattern):
     q, k, v = qkv(5, 7, seed=60)
     with pytest.raises(error, match=pattern):
         FUNCTIONS[function](q, k, v, logit_soft_cap=cap)
-
-
-@pytest.mark.parametrize("implementation", ["xla", "flash"])
-def test_nan_and_inf_bias_where_blocked_reach_no_gradient(implementation):
-    # tanh(NaN) is NaN and its derivative too: blocked cells are set to 0 before the
-    # cap, so a NaN or inf bias there changes no output and no gradient.
-    q, k, v = randn(31, 1, 4, 2, 8), randn(32, 1, 4, 2, 8), randn(33, 1, 4, 2, 8)
-    mask = np.ones((4, 4), bool)
-    mask[:, 2:] = False
-    clean = randn(34, 1, 2, 4, 4)
-    dirty = clean.copy()
-    dirty[..., 2], dirty[..., 3] = np.inf, np.nan
-
-    def loss(q, k, v, bias):
-        out = dot_product_attention(
-            q, k, v, bias=bias, mask=mask, logit_soft_cap=2.0, implementation=implementation
-        )
-        return jnp.sum(out * np.arange(8).reshape(1, 1, 1, 8))
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-    for got, want in zip(grad(q, k, v, dirty), grad(q, k, v, clean)):
-        np.testing.assert_array_equal(got, want)
