@@ -11,6 +11,7 @@ from nanoattn._backends import dispatch
 from nanoattn._core.base.rules import Rules
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
+from _backends import serving
 from _cases import attention_case
 from _reference import randn
 
@@ -94,13 +95,14 @@ def test_explicit_flash_with_dropout_raises_and_auto_falls_back():
 
 @settings(max_examples=12, deadline=None)
 @given(attention_case())
-def test_flash_and_auto_match_the_reference(case):
+def test_every_backend_and_the_automatic_choice_match_the_reference(case):
     q, k, v, kwargs, _ = case
     run = jax.jit(dot_product_attention, static_argnames=("is_causal", "implementation"))
     ref = run(q, k, v, implementation="xla", **kwargs)
-    for implementation in ("flash", None):
+    others = [name for name in serving(q, k, v, **kwargs) if name != "xla"]
+    for implementation in (*others, None):
         got = run(q, k, v, implementation=implementation, **kwargs)
-        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5, err_msg=str(implementation))
 
 
 @pytest.mark.slow
@@ -109,12 +111,13 @@ def test_config_implementation():
         AttentionConfig(implementation="fast")
     x = jnp.asarray(randn(0, 2, 40, 32))
     outs = []
-    for implementation in ("xla", "flash", None):
+    q = jnp.zeros((2, 40, 4, 8))  # the layer's attention call: causal self-attention
+    for implementation in (*serving(q, q, q, is_causal=True), None):
         layer = CausalSelfAttention(AttentionConfig(32, 4, implementation=implementation))
         params = layer.init(jax.random.key(0), x, deterministic=True)
         outs.append(layer.apply(params, x, deterministic=True))
-    np.testing.assert_allclose(outs[1], outs[0], atol=1e-5)
-    np.testing.assert_allclose(outs[2], outs[0], atol=1e-5)
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], atol=1e-5)
     training = CausalSelfAttention(AttentionConfig(32, 4, dropout=0.1, implementation="flash"))
     with pytest.raises(ValueError, match="cannot serve this call: dropout"):
         training.apply(params, x, rngs={"dropout": jax.random.key(1)})
