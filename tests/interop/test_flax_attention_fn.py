@@ -25,6 +25,7 @@ from nanoattn import flax_attention_fn
 from nanoattn._interop import flax_attention_fn as flax_attention_fn_module
 from nanoattn.bench import _flax_memory
 
+from _backends import serving
 from _paths import TESTS
 from _reference import np_attention, randn
 
@@ -127,7 +128,7 @@ def test_causal_cross_attention_is_top_left_as_flax(served):
     q, k, v = randn(10, 2, T, N, H), randn(11, 2, S, N, H), randn(12, 2, S, N, H)
     want = np_attention(q, k, v, np.tril(np.ones((T, S), bool)))
     close(jitted(flax_nnx_fn, q, k, v, is_causal=True), want)
-    for implementation in ("xla", "flash"):
+    for implementation in serving(q, k, v, is_causal=True, q_offset=0):  # flax's: top-left
         close(jitted(flax_attention_fn, q, k, v, is_causal=True, implementation=implementation),
               want)  # fmt: skip
 
@@ -162,9 +163,14 @@ def test_precision_reaches_every_matrix_product_forward_and_backward(served):
         ).sum()  # fmt: skip
 
     highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
-    for implementation, rate in (("flash", 0.0), ("xla", 0.0), (None, 0.5)):
+    # Every backend that serves the call, and the automatic choice with dropout (the
+    # reference's dropout path).
+    calls = [(name, 0.0) for name in serving(q, k, v, is_causal=True)] + [(None, 0.5)]
+    for implementation, rate in calls:
         jaxpr = jax.make_jaxpr(jax.grad(loss), static_argnums=(1, 2))(q, implementation, rate)
         precisions = [eqn.params["precision"] for eqn in _eqns(jaxpr.jaxpr, "dot_general")]
+        if not precisions and _eqns(jaxpr.jaxpr, "ffi_call"):
+            continue  # a kernel outside XLA (the native one) has no matrix product here
         assert len(precisions) >= 3, implementation  # one forward, two backward at least
         assert all(p == highest for p in precisions), (implementation, precisions)
 
