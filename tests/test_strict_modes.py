@@ -17,10 +17,10 @@ from jax.sharding import PartitionSpec
 import nanoattn
 from nanoattn import linen
 from nanoattn import nnx as nanoattn_nnx
-from nanoattn._backends.registry import get
-from nanoattn._core.base.rules import Rules
 from nanoattn.parallel import ring_attention
 from nanoattn.verify import check_causality
+
+from _backends import each_backend, refusal, require
 
 B, T, N, K, H = 2, 9, 4, 2, 8
 D = N * H
@@ -69,18 +69,10 @@ RULES = {
 }
 
 
-def _serves(implementation, rules) -> bool:
-    """Whether the backend serves a call with these rules (the native kernel has no dense
-    mask, bias or score_fn)."""
-    q, k, v = _qkv()
-    spec = Rules.make(q, k, v, **rules)
-    return get(implementation).unsupported(spec, q.dtype, 0.0) is None
-
-
-@pytest.mark.parametrize("implementation", ["xla", "flash", "native"])
+@each_backend()
 def test_every_backend_forward_and_backward(strict, implementation):
-    rules = {n: r for n, r in RULES.items() if _serves(implementation, r)}
-    assert len(rules) >= len(RULES) - 3, rules.keys()  # native: no mask, bias, score_fn
+    require(implementation, *_qkv())
+    rules = {n: r for n, r in RULES.items() if refusal(implementation, *_qkv(), **r) is None}
 
     def loss(q, k, v):  # every rule in one program: one compilation per backend and mode
         total = 0.0
