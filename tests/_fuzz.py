@@ -29,7 +29,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import nanoattn
-from nanoattn._backends import native, registry
+from nanoattn._backends import dispatch, native, registry
 from nanoattn._core.base import rules
 
 from _reference import (
@@ -401,8 +401,9 @@ class Call:
         return allowed
 
     def backends(self) -> list[str]:
-        """The backends that can serve this call: each is asked (its ``unsupported``,
-        as the dispatcher asks it) about the call's spec, once per program (the answer
+        """The registered backends that serve this call: each is asked
+        (``dispatch.refusal``, as the dispatcher asks it) about the call's rules, once
+        per program (the answer
         depends on shapes, dtypes and static arguments, not on values)."""
         shapes = [None if x is None else np.shape(x) for x in (
             self.bias, self.mask, self.offset, self.kv_lengths, self.q_ids, self.score_params,
@@ -423,7 +424,7 @@ class Call:
                                     scale=self.statics.scale, **kwargs)  # fmt: skip
         dtype = DTYPES[self.dtype]
         return [name for name in registry.names()
-                if registry.get(name).unsupported(spec, dtype, 0.0) is None]  # fmt: skip
+                if dispatch.refusal(registry.get(name), spec, dtype, 0.0) is None]  # fmt: skip
 
     def dirty(self):
         """q, k, v, bias with ``bad`` at every place no query may look."""

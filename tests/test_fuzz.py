@@ -66,7 +66,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nanoattn
-from nanoattn._backends import native
+from nanoattn._backends import native, registry
 
 from _fuzz import KEEP_GOING, Call, Record, budget, calls, check
 
@@ -289,7 +289,7 @@ def _entry_calls(name, q, k, v, kwargs):
         (f"dot_product_attention[{impl}]",
          functools.partial(nanoattn.dot_product_attention, q, k, v, implementation=impl,
                            **kwargs))
-        for impl in (None, "xla", "flash", "native")
+        for impl in (None, *registry.names())
     ]  # fmt: skip
     calls.append(("flash_attention", functools.partial(nanoattn.flash_attention, q, k, v,
                                                        **kwargs)))  # fmt: skip
