@@ -112,7 +112,13 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("T, S, mask_fn, q_offset, rules", CASES)
+@pytest.mark.parametrize(
+    "T, S, mask_fn, q_offset, rules",
+    # The others, documents at T = S = 300 and per-head windows at per-row offsets with
+    # T = 37, S = 301, are the mask families of tests/core/test_mask_fn.py, which runs
+    # them on every backend that serves mask_fn, this kernel included.
+    [c for c in CASES if c.id not in (CASES[0].id, CASES[3].id)],
+)
 def test_masks_match_the_float64_reference_in_float32(T, S, mask_fn, q_offset, rules):
     q, k, v = inputs(T, S)
     d_out = randn(9, B, T, N, H)

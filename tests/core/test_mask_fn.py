@@ -410,22 +410,6 @@ def test_vmap_over_a_batch_axis_with_mask_fn_score_fn_and_sinks():
         np.testing.assert_allclose(mapped, jax.jit(one)(q, k, v), atol=1e-6)
 
 
-def test_the_native_kernel_serves_mask_fn_and_leaves_score_fn_to_others():
-    # Its mask_fn tests: tests/backends/test_native_mask_fn.py.
-    from nanoattn._backends import native
-
-    if native.load()[0] is None:
-        pytest.skip("the native kernel could not be built here")
-    q, k, v = inputs(37, 37)
-    out = nanoattn.dot_product_attention(q, k, v, mask_fn=prefix_lm, implementation="native")
-    allowed = MASKS["prefix_lm"][1](*positions(37, 37))
-    np.testing.assert_allclose(out, np_attention(q, k, v, allowed=allowed), atol=ATOL)
-    with pytest.raises(ValueError, match=r"score_fn is served by 'xla' and 'flash' only$"):
-        nanoattn.dot_product_attention(
-            q, k, v, score_fn=lambda s, b, n, qp, kp: s, implementation="native"
-        )
-
-
 def test_half_precision_sinks_are_merged_before_rounding():
     # The fuzz's find: flash and native got the sinks merged into their output rounded to
     # bfloat16 (and a cotangent rounded to it), so out, dv and dsinks were several times
