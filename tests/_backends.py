@@ -23,26 +23,32 @@ from nanoattn._backends import dispatch, registry
 from nanoattn._core.base.rules import Rules
 
 
-def refusal(implementation: str, q, k, v=None, *, dropout_rate=0.0, **rules) -> str | None:
-    """Why the backend ``implementation`` does not serve this call, or None."""
+def refusal(
+    implementation: str, q, k, v=None, *, dtype=None, dropout_rate=0.0, **rules
+) -> str | None:
+    """Why the backend ``implementation`` does not serve this call, or None. ``dtype``:
+    the dtype it is asked about, the query's by default (give it where the arrays
+    cannot hold it, float64 without x64)."""
     spec = Rules.make(jnp.asarray(q), jnp.asarray(k), None if v is None else jnp.asarray(v),
                       **rules)  # fmt: skip
-    return dispatch.refusal(registry.get(implementation), spec, jnp.asarray(q).dtype, dropout_rate)
+    dtype = jnp.asarray(q).dtype if dtype is None else dtype
+    return dispatch.refusal(registry.get(implementation), spec, dtype, dropout_rate)
 
 
-def serving(q, k, v=None, *, dropout_rate=0.0, **rules) -> list[str]:
+def serving(q, k, v=None, *, dtype=None, dropout_rate=0.0, **rules) -> list[str]:
     """The names of the registered backends that serve this call, in the registry's order
     (the reference, which serves every call, first)."""
     return [
         name
         for name in registry.names()
-        if refusal(name, q, k, v, dropout_rate=dropout_rate, **rules) is None
+        if refusal(name, q, k, v, dtype=dtype, dropout_rate=dropout_rate, **rules) is None
     ]
 
 
-def require(implementation: str, q, k, v=None, *, dropout_rate=0.0, **rules) -> None:
+def require(implementation: str, q, k, v=None, *, dtype=None, dropout_rate=0.0, **rules) -> None:
     """Skips the test, with the backend's reason, unless it serves this call."""
-    if reason := refusal(implementation, q, k, v, dropout_rate=dropout_rate, **rules):
+    if reason := refusal(implementation, q, k, v, dtype=dtype, dropout_rate=dropout_rate,
+                         **rules):  # fmt: skip
         pytest.skip(f"{implementation}: {reason}")
 
 

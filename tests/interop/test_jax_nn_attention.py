@@ -6,11 +6,13 @@ nanoattn's contract differs from jax.nn's (rows that see no key, padded queries,
 residual, top-left causality when T != S), the implementation names and the errors.
 
 Sizes are distinct (B=2, T=13, S=7, N=6 query heads, K=3 key/value heads, H=5), so a
-swapped axis fails. Each test forces nanoattn's automatic choice to one backend (the
-``backend`` fixture), so every CPU backend serves every call it can; "cudnn path" runs
-the adapter's ``implementation="cudnn"`` path (no log-sum-exp from the backend) on the
-reference, since cuDNN needs a GPU. Every comparison is one jitted program holding
-both functions (one compile per program is much faster than eager dispatch).
+swapped axis fails. Each test forces nanoattn's automatic choice to one backend
+(``force``), so every registered backend that serves a call here runs it; "cudnn path"
+runs the adapter's ``implementation="cudnn"`` path (no log-sum-exp from the backend) on
+the reference, since cuDNN needs a GPU. ``make test`` runs each backend on one
+combination of a test's other axes, ``make test-all`` on all of them (``grid``).
+Every comparison is one jitted program holding both functions (one compile per
+program is much faster than eager dispatch).
 """
 
 import doctest
@@ -31,12 +33,11 @@ from nanoattn._core.base.rules import Rules
 from nanoattn._interop import jax_nn_attention as jax_nn_attention_module
 from nanoattn._interop import jax_nn_rows
 
+from _backends import refusal, serving
 from _reference import randn
 
 B, T, S, N, K, H = 2, 13, 7, 6, 3, 5
-CPU_BACKENDS = ("xla", "flash", "native")
 CUDNN_PATH = "cudnn path"  # implementation="cudnn", served by the reference here
-BACKENDS = (*CPU_BACKENDS, CUDNN_PATH)
 
 # Compile at XLA's lowest level: these tests compile many small programs.
 jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
@@ -57,16 +58,50 @@ def force(monkeypatch, backend: str) -> str | None:
     return "cudnn" if backend == CUDNN_PATH else None
 
 
-def grid(fast, *axes, served=lambda *combo: True):
-    """pytest params for every combination of ``axes`` that is ``served``; those not in
-    ``fast`` are marked slow (``make test-all`` runs them), so the default run stays
-    short."""
+def grid(*axes, served=lambda *combo: True, fast=None, cudnn_path=True):
+    """pytest params ``(backend, *combination)`` for every registered backend that serves
+    a call here (``served_here``), the cuDNN path with ``cudnn_path``, and every
+    combination of ``axes`` that is ``served``. ``make test`` runs each backend on one
+    combination, the first it serves in the order of ``fast`` (combinations of ``axes``;
+    their own order by default); the rest are marked slow (``make test-all`` runs them)."""
+    backends = [*served_here(), *([CUDNN_PATH] if cudnn_path else [])]
+    combos = [(b, *rest) for b in backends for rest in itertools.product(*axes)
+              if served(b, *rest)]  # fmt: skip
+    order = list(itertools.product(*axes)) if fast is None else fast
+    quick = [next((b, *r) for r in order if (b, *r) in combos) for b in backends
+             if any(c[0] == b for c in combos)]  # fmt: skip
     slow = pytest.mark.slow
     return [
-        pytest.param(*combo, id="-".join(map(str, combo)), marks=() if combo in fast else slow)
-        for combo in itertools.product(*axes)
-        if served(*combo)
+        pytest.param(*combo, id="-".join(map(str, combo)), marks=() if combo in quick else slow)
+        for combo in combos
     ]
+
+
+def served_here() -> list[str]:
+    """The registered backends that serve a plain float32 call of this file's sizes here."""
+    return serving(*qkv(0))
+
+
+def adapter_rules(arguments: dict) -> dict:
+    """The keywords of nanoattn's call that the adapter makes of jax.nn's ``arguments``
+    (query_seq_lengths aside: the adapter zeros those queries itself)."""
+    window = arguments.get("local_window_size")
+    causal = arguments.get("is_causal", False)
+    return dict(
+        mask=arguments.get("mask"), bias=arguments.get("bias"), is_causal=causal,
+        kv_lengths=arguments.get("key_value_seq_lengths"),
+        window=(window, window) if isinstance(window, int) else window,
+        q_offset=0 if causal or window is not None else None,
+    )  # fmt: skip
+
+
+def serves(backend, arguments=None, T=T, S=S, dtype=np.float32) -> bool:
+    """Whether ``backend`` (or the cuDNN path, the reference here) serves the adapter's
+    call with jax.nn's ``arguments``."""
+    if backend == CUDNN_PATH:
+        return True
+    rules = adapter_rules(arguments or {})
+    return refusal(backend, *qkv(0, T, S), dtype=dtype, **rules, return_residual=True) is None
 
 
 def close(ours, theirs, atol=1e-5, rtol=1e-5):
@@ -125,10 +160,9 @@ MASK_CASES = {
 # The cases with rows that see no key or are padding, where the two contracts differ.
 EDGE_CASES = ("padding", "custom, rows that see no key", "causal, padding", "custom, padding",
               "sliding window of an int, T > S", "everything")  # fmt: skip
-FAST_MASK_CASES = {
-    ("everything", "xla"), ("everything", "flash"), ("everything", CUDNN_PATH),
-    ("causal, padding", "native"), ("sliding window of an int, T > S", "native"),
-}  # fmt: skip
+# In `make test` each backend runs the first of these it serves: every rule at once, or
+# the edge cases.
+FAST_MASK_CASES = [("everything",), *((case,) for case in EDGE_CASES)]
 
 
 def mask_case_results(fn, case, residual=True):
@@ -161,15 +195,13 @@ def jax_nn_mask_case_results(case):
     return mask_case_results(jax.nn.dot_product_attention, case)
 
 
-def _native_serves(case, name):
+def _serves_case(name, case):
     T, S, make = MASK_CASES[case]
-    return name != "native" or not {"bias", "mask"} & set(make(T, S))  # no dense mask, bias
+    return serves(name, make(T, S), T, S)
 
 
-@pytest.mark.parametrize(
-    "case, name", grid(FAST_MASK_CASES, MASK_CASES, BACKENDS, served=_native_serves)
-)
-def test_mask_modes_match_jax_nn(case, name, monkeypatch):
+@pytest.mark.parametrize("name, case", grid(MASK_CASES, served=_serves_case, fast=FAST_MASK_CASES))
+def test_mask_modes_match_jax_nn(name, case, monkeypatch):
     implementation = force(monkeypatch, name)
     ours = functools.partial(jax_nn_attention, implementation=implementation)
     ours = mask_case_results(ours, case, residual=implementation != "cudnn")
@@ -195,7 +227,7 @@ DTYPES = {
     "bfloat16": (jnp.bfloat16, 2e-2),
     "float16": (np.float16, 1e-2),
 }
-FAST_GROUPED = {("native", "float32", "vmap"), ("flash", "bfloat16", "batched")}
+FAST_GROUPED = [("bfloat16", "batched"), ("float32", "vmap")]  # each backend's first served
 
 
 def grouped_results(fn, dtype, G, jitted=True):
@@ -231,11 +263,11 @@ def jax_nn_grouped_results(dtype, G):
 @pytest.mark.parametrize(
     "name, dtype, use_vmap",
     grid(
-        FAST_GROUPED,
-        CPU_BACKENDS,
         DTYPES,
         ["batched", "vmap"],
-        served=lambda name, dtype, _: name != "native" or dtype == "float32",
+        served=lambda name, dtype, _: serves(name, dtype=DTYPES[dtype][0]),
+        fast=FAST_GROUPED,
+        cudnn_path=False,
     ),
 )
 def test_grouped_heads_match_jax_nn_with_repeated_heads(name, dtype, use_vmap, monkeypatch):
@@ -256,7 +288,8 @@ def test_grouped_heads_match_jax_nn_with_repeated_heads(name, dtype, use_vmap, m
 
 # --- jax's testDotProductAttentionBiasGradient ------------------------------------------
 
-FAST_BIAS = {("flash", "vmap", 3)}
+FAST_BIAS = [("vmap", 3)]
+BIAS_CALL = dict(bias=np.zeros((1, N, T, T)), mask=np.ones((1, 1, 1, T), bool))
 
 
 def bias_gradient_results(fn, use_vmap, batch):
@@ -285,7 +318,14 @@ def jax_nn_bias_gradient_results(use_vmap, batch):
 
 
 @pytest.mark.parametrize(
-    "name, use_vmap, batch", grid(FAST_BIAS, ["xla", "flash"], ["batched", "vmap"], [1, 3])
+    "name, use_vmap, batch",
+    grid(
+        ["batched", "vmap"],
+        [1, 3],
+        served=lambda name, *_: serves(name, BIAS_CALL, T, T),
+        fast=FAST_BIAS,
+        cudnn_path=False,
+    ),
 )
 def test_bias_gradient_matches_jax_nn(name, use_vmap, batch, monkeypatch):
     force(monkeypatch, name)
@@ -297,7 +337,13 @@ def test_bias_gradient_matches_jax_nn(name, use_vmap, batch, monkeypatch):
 # --- jax's testDotProductAttentionFloat64MaskDebugInfs -----------------------------------
 
 
-@pytest.mark.parametrize("name", ["xla", pytest.param("flash", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name",
+    grid(
+        served=lambda name: serves(name, dict(mask=np.ones(S, bool)), dtype=np.float64),
+        cudnn_path=False,
+    ),
+)
 def test_float64_with_a_mask_under_debug_infs(name, x64, monkeypatch):
     """jax issue 37422: float64 inputs with a mask, unbatched, eagerly under debug_infs:
     no inf anywhere, no warning, a float64 output. Then against jax.nn (whose softmax runs
@@ -343,13 +389,14 @@ def test_a_row_that_sees_no_key_under_debug_infs():
 # --- where nanoattn's contract differs: the values the adapter converts ---------------
 
 
-def backends(*fast, among=BACKENDS):
-    """Parametrizes ``name`` over ``among``; the backends not in ``fast`` run as slow."""
-    marks = {b: () if b in fast else pytest.mark.slow for b in among}
-    return pytest.mark.parametrize("name", [pytest.param(b, marks=marks[b]) for b in among])
+def backends(arguments=None, cudnn_path=True):
+    """Parametrizes ``name`` over every backend that serves the adapter's call with jax.nn's
+    ``arguments`` here (and the cuDNN path)."""
+    served = lambda name: serves(name, arguments)  # noqa: E731
+    return pytest.mark.parametrize("name", grid(served=served, cudnn_path=cudnn_path))
 
 
-@backends(*BACKENDS)
+@backends()
 def test_a_row_that_sees_no_key_returns_the_mean_of_all_values(name, monkeypatch):
     """jax.nn's softmax of equal large negatives weighs all S keys 1 / S, those past
     key_value_seq_lengths included; the gradient w.r.t. V is the output's over S."""
@@ -375,7 +422,7 @@ def test_a_row_that_sees_no_key_returns_the_mean_of_all_values(name, monkeypatch
     close(out[0], own[0])
 
 
-@backends("xla", "native", CUDNN_PATH)
+@backends(dict(query_seq_lengths=Q_LENGTHS))
 def test_padded_queries_are_zeros_and_never_read(name, monkeypatch):
     """Rows past query_seq_lengths: zeros and no gradient; NaN there reaches nothing
     (in jax.nn it reaches dK through 0 * NaN)."""
@@ -398,7 +445,7 @@ def test_padded_queries_are_zeros_and_never_read(name, monkeypatch):
     close(out, finite)
 
 
-@backends("flash", "native")
+@backends(dict(key_value_seq_lengths=np.array([5, 4])))
 def test_masked_values_do_not_reach_the_output(name, monkeypatch):
     """NaN in values past key_value_seq_lengths (an unwritten cache slot): the adapter
     keeps nanoattn's rule and never reads them; jax.nn multiplies them by 0 (NaN)."""
@@ -433,7 +480,7 @@ def test_jax_nn_reads_the_content_the_adapter_never_reads():
     assert np.isnan(dk).any() and np.isnan(hidden).all()
 
 
-@backends("xla", among=CPU_BACKENDS)
+@backends(dict(is_causal=True), cudnn_path=False)
 def test_causality_and_windows_are_top_left_when_t_and_s_differ(name, monkeypatch):
     """With q = 0 every visible key weighs the same, and one-hot values make the output
     the weights: literal expected rows. Query t sees keys s <= t (and t - 1 <= s <= t + 1
@@ -464,15 +511,16 @@ def test_causality_and_windows_are_top_left_when_t_and_s_differ(name, monkeypatc
             np.testing.assert_allclose(theirs, want, atol=1e-6)
 
 
-@backends("xla", "native", among=CPU_BACKENDS)
+@backends(dict(query_seq_lengths=Q_LENGTHS, key_value_seq_lengths=KV_LENGTHS),
+          cudnn_path=False)  # fmt: skip
 def test_residual_is_jax_nns(name, monkeypatch):
     """The residual: (B, T, N) or (T, N) in the dtype of the inputs, jax.nn's large
     negative where a row sees nothing or is padding (-inf in float16, as jax.nn's), and
     no gradient. (The cuDNN path gives none: nanoattn's cuDNN backend does not.)"""
     force(monkeypatch, name)
-    dtypes = (np.float32,) if name == "native" else (np.float32, np.float16)
     lengths = dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
                    key_value_seq_lengths=jnp.asarray(KV_LENGTHS))  # fmt: skip
+    dtypes = [d for d in (np.float32, np.float16) if serves(name, lengths, dtype=d)]
 
     @jit
     def run(q, k, v):
@@ -498,7 +546,7 @@ def test_residual_is_jax_nns(name, monkeypatch):
 # --- the rest of jax.nn's calling convention -------------------------------------------
 
 
-@backends("native", CUDNN_PATH)
+@backends(dict(is_causal=True))
 def test_unbatched_calls_and_vmap(name, monkeypatch):
     """Unbatched (T, N, H) calls, with (1,) sequence lengths as jax.nn takes them, and
     vmap over the batch, equal jax.nn's."""
