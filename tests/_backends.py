@@ -52,12 +52,7 @@ def require(implementation: str, q, k, v=None, *, dtype=None, dropout_rate=0.0, 
         pytest.skip(f"{implementation}: {reason}")
 
 
-def each_backend(argname: str = "implementation", *, slow=()):
+def each_backend(argname: str = "implementation"):
     """Parametrizes ``argname`` over every registered backend's name (built-in ones, and
-    those registered when the test module is collected). Names in ``slow`` are marked
-    slow (``make test-all`` runs them)."""
-    params = [
-        pytest.param(name, marks=pytest.mark.slow if name in slow else ())
-        for name in registry.names()
-    ]
-    return pytest.mark.parametrize(argname, params)
+    those registered when the test module is collected)."""
+    return pytest.mark.parametrize(argname, registry.names())
