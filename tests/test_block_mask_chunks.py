@@ -7,7 +7,6 @@ still match the float64 reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import nanoattn
 from nanoattn._backends import native as native_kernel
