@@ -14,7 +14,7 @@ from .._backends.registry import Implementation, get
 from .._backends.xla import reference
 from .base.dropout import check_dropout
 from .base.numerics import softmax_dtype
-from .base.rules import ARGUMENTS, Rules, batched
+from .base.rules import ARGUMENTS, Rules, batched, poison_rows
 from .base.validate import check_scale, check_tiles
 from .merge import add_sinks
 
@@ -89,8 +89,10 @@ def dot_product_attention(
       is_causal: apply the positional causal mask.
       q_offset: position of the first query; int, or int array () or (B,).
         Defaults to 0 when T == S; only with ``is_causal`` or ``window``.
-      kv_lengths: optional int array (B,): key j of row b is valid iff
-        ``j < kv_lengths[b]``.
+      kv_lengths: optional int array (B,) of values in [0, S]: key j of row b is
+        valid iff ``j < kv_lengths[b]``. A value outside [0, S] raises ValueError
+        naming the row; under ``jit``, where it cannot be checked, that row's output
+        (and log-sum-exp) is NaN and no other row changes.
       window: local attention: an int ``w`` (meaning ``(w, w)``) or a pair
         ``(left, right)`` of ints >= 0; combine with ``is_causal`` for causal
         sliding-window attention (then ``right`` has no effect).
@@ -193,6 +195,7 @@ def attention_weights(
     """
     call = _Call.of(query, key, None, _rule_arguments(locals()))
     weights = reference.weights(call.query, call.key, call.rules).astype(call.query.dtype)
+    weights = poison_rows(weights, call.rules.broken_rows())
     return weights[0] if call.unbatched else weights
 
 
@@ -240,7 +243,8 @@ def flash_attention(
     kernel = functools.partial(
         flash_kernel.flash_attention, forward_tiles=forward_tiles, backward_tiles=backward_tiles
     )
-    return call.unbatch(_with_sinks(kernel, call.query, call.key, call.value, call.rules, False))
+    result = _with_sinks(kernel, call.query, call.key, call.value, call.rules, False)
+    return call.unbatch(poison_rows(result, call.rules.broken_rows()))
 
 
 def attend(
@@ -257,7 +261,8 @@ def attend(
     backend = get(dispatch.choose(implementation, rules, query.dtype, dropout_rate))
     kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     sinks_inside = getattr(backend, "applies_sinks", False)
-    return _with_sinks(kernel, query, key, value, rules, sinks_inside)
+    result = _with_sinks(kernel, query, key, value, rules, sinks_inside)
+    return poison_rows(result, rules.broken_rows())
 
 
 def _rule_arguments(arguments: dict) -> dict:

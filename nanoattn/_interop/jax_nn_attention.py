@@ -18,8 +18,8 @@ import jax.numpy as jnp
 
 from .._core.api import attend
 from .._core.base.numerics import softmax_dtype
-from .._core.base.rules import Rules
-from .._core.base.validate import check_scale, expect_flag
+from .._core.base.rules import Rules, poison_rows
+from .._core.base.validate import check_scale, expect_flag, lengths_outside
 from .jax_nn_inputs import check_implementation, check_window, checked
 from .jax_nn_rows import as_jax_nn, query_valid, sees_a_key
 
@@ -147,6 +147,8 @@ def jax_nn_attention(
         out, lse = result, None
         sees = sees_a_key(rules)
     out, lse = as_jax_nn(out, lse if return_residual else None, v, sees, q_valid)
+    if arrays.q_lengths is not None:  # lengths outside [0, T] under jit: NaN rows
+        out, lse = poison_rows((out, lse), lengths_outside(arrays.q_lengths, q.shape[1]))
     out = out.reshape(arrays.shape)
     if not return_residual:
         return out
