@@ -389,6 +389,9 @@ def _on_mesh(mesh, axis_name, query, key, value, arguments: dict, placement: dic
     seq = PartitionSpec(None, axis_name)
     array_names = ("kv_lengths", "q_segment_ids", "kv_segment_ids", "sinks")
     arrays = Rules.make(query, key, value, **{name: arguments[name] for name in array_names})
+    # mask_fn and score_fn checked here, outside shard_map, where they can be evaluated
+    # (elementwise); inside it, under its trace, values made at trace time are traced.
+    _global_fns(arguments["mask_fn"], arguments["score_fn"], arrays.B, arrays.N, arrays.T)
     others = {name: value for name, value in arguments.items() if name not in array_names}
 
     def call(q, k, v, arrays: Rules):
