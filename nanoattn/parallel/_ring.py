@@ -32,6 +32,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from .._backends.flash.kernel import kernel_rules
 from .._core.base import zigzag
+from .._core.base.autodiff import in_forward_mode
 from .._core.base.block_mask import BlockMask
 from .._core.base.mask_fn import check_mask_fn, check_score_fn, closure_converted
 from .._core.base.numerics import softmax_dtype
@@ -310,6 +311,11 @@ def _ring_call(query, key, value, axis_name, arguments: dict, *, layout, forward
                backward_tiles):  # fmt: skip
     """The per-device call (inside shard_map): validation into one
     :class:`~nanoattn._core.base.rules.Rules`, then the ring."""
+    if in_forward_mode(query, key, value):
+        raise ValueError(
+            "ring_attention's gradient is reverse-mode only (a custom_vjp), and jax "
+            "differentiates this call in forward mode (jax.jvp, jax.jacfwd, jax.hessian)"
+        )
     zigzag.check_layout(layout)
     try:
         P = jax.lax.axis_size(axis_name)
