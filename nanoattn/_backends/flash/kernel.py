@@ -443,9 +443,12 @@ def forward_block(plan: Plan, inputs: BlockInputs):
                 # The block's own softmax, shifted twice: by its row maximum, then by the
                 # maximum of the very values that are exponentiated (XLA may compute the
                 # first from a differently rounded copy of s; see _numerics.masked_softmax).
-                top = s.max(-1)
+                # Both maxima are at least `neg`, so a row whose logits are all -inf (a
+                # bias or score_fn of -inf) gets weights exp(-inf) = 0, never -inf - -inf:
+                # it counts as a row that sees nothing, as in the reference.
+                top = jnp.maximum(s.max(-1), neg)
                 shifted = s - top[..., None]
-                peak = shifted.max(-1)
+                peak = jnp.maximum(shifted.max(-1), neg)
                 p = jnp.exp(jnp.minimum(shifted - peak[..., None], 0))
                 if masked:
                     p = jnp.where(allowed, p, 0)  # exact zeros, also in a row that sees nothing
