@@ -12,6 +12,7 @@ from .._backends import dispatch
 from .._backends.flash import kernel as flash_kernel
 from .._backends.registry import Implementation, get
 from .._backends.xla import reference
+from .base.debug import one_program
 from .base.dropout import check_dropout
 from .base.numerics import softmax_dtype
 from .base.rules import ARGUMENTS, Rules, batched, poison_rows
@@ -194,8 +195,12 @@ def attention_weights(
        [0.33333334 0.33333334 0.33333334]]
     """
     call = _Call.of(query, key, None, _rule_arguments(locals()))
-    weights = reference.weights(call.query, call.key, call.rules).astype(call.query.dtype)
-    weights = poison_rows(weights, call.rules.broken_rows())
+
+    def run(query, key, rules):
+        weights = reference.weights(query, key, rules).astype(query.dtype)
+        return poison_rows(weights, rules.broken_rows())
+
+    weights = one_program(run, call.query, call.key, call.rules)
     return weights[0] if call.unbatched else weights
 
 
@@ -243,8 +248,12 @@ def flash_attention(
     kernel = functools.partial(
         flash_kernel.flash_attention, forward_tiles=forward_tiles, backward_tiles=backward_tiles
     )
-    result = _with_sinks(kernel, call.query, call.key, call.value, call.rules, False)
-    return call.unbatch(poison_rows(result, call.rules.broken_rows()))
+
+    def run(query, key, value, rules):
+        result = _with_sinks(kernel, query, key, value, rules, False)
+        return poison_rows(result, rules.broken_rows())
+
+    return call.unbatch(one_program(run, call.query, call.key, call.value, call.rules))
 
 
 def attend(
@@ -259,10 +268,14 @@ def attend(
       log-sum-exp (B, T, N).
     """
     backend = get(dispatch.choose(implementation, rules, query.dtype, dropout_rate))
-    kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     sinks_inside = getattr(backend, "applies_sinks", False)
-    result = _with_sinks(kernel, query, key, value, rules, sinks_inside)
-    return poison_rows(result, rules.broken_rows())
+
+    def run(query, key, value, rules, dropout_rng):
+        kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        result = _with_sinks(kernel, query, key, value, rules, sinks_inside)
+        return poison_rows(result, rules.broken_rows())
+
+    return one_program(run, query, key, value, rules, dropout_rng)
 
 
 def _rule_arguments(arguments: dict) -> dict:

@@ -481,10 +481,13 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     # output and log-sum-exp carry on into the backward pass (docs/conventions.md).
     seen = l != 0
     out = o / jnp.einsum("BnKGq->BnqKG", jnp.where(seen, l, 1))[..., None]
-    # log 0 = -inf marks a row that sees no key (the backward pass never reads its query).
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)  # (B, nQ, K, G, bq)
+    # log 0 = -inf marks a row that sees no key (the backward pass never reads its query),
+    # set once the padded query rows are cut off, so that no array holds an inf that the
+    # call's results do not (jax's debug_infs checks every operation's output).
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), 0)  # (B, nQ, K, G, bq)
     lse = _unblock_rows(lse, plan).reshape(plan.B, plan.T, plan.K * plan.G)  # (B, T, N)
-    return _unblock_queries(out, plan), lse
+    seen = _unblock_rows(seen, plan).reshape(lse.shape)
+    return _unblock_queries(out, plan), jnp.where(seen, lse, -jnp.inf)
 
 
 def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> BlockGrads:
