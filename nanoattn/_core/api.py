@@ -17,6 +17,7 @@ from .base.dropout import check_dropout
 from .base.numerics import softmax_dtype
 from .base.rules import ARGUMENTS, Rules, batched, poison_rows
 from .base.validate import check_scale, check_tiles
+from .eager import cacheable, is_eager
 from .merge import add_sinks
 
 
@@ -245,15 +246,12 @@ def flash_attention(
     backward_tiles = check_tiles("backward_tiles", backward_tiles)
     call = _Call.of(query, key, value, _rule_arguments(locals()))
     dispatch.choose("flash", call.rules, call.query.dtype, 0.0)  # raises if it cannot serve
-    kernel = functools.partial(
-        flash_kernel.flash_attention, forward_tiles=forward_tiles, backward_tiles=backward_tiles
-    )
-
-    def run(query, key, value, rules):
-        result = _with_sinks(kernel, query, key, value, rules, False)
-        return poison_rows(result, rules.broken_rows())
-
-    return call.unbatch(one_program(run, call.query, call.key, call.value, call.rules))
+    arrays = (call.query, call.key, call.value, call.rules)
+    if is_eager(*arrays) and (kept := cacheable(call.rules)) is not None:
+        result = _compiled_flash(forward_tiles, backward_tiles, *arrays[:3], kept)
+    else:
+        result = one_program(functools.partial(_flash, forward_tiles, backward_tiles), *arrays)
+    return call.unbatch(result)
 
 
 def attend(
@@ -268,14 +266,36 @@ def attend(
       log-sum-exp (B, T, N).
     """
     backend = get(dispatch.choose(implementation, rules, query.dtype, dropout_rate))
+    arrays = (query, key, value, rules, dropout_rng)
+    if is_eager(*arrays) and (kept := cacheable(rules)) is not None:
+        # compiled once for the call's static parts (nanoattn/_core/eager.py)
+        return _compiled(backend, dropout_rate, query, key, value, kept, dropout_rng)
+    return one_program(functools.partial(_run, backend, dropout_rate), *arrays)
+
+
+def _run(backend, dropout_rate, query, key, value, rules, dropout_rng):
+    """:func:`attend`'s work once its backend is chosen."""
+    kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     sinks_inside = getattr(backend, "applies_sinks", False)
+    result = _with_sinks(kernel, query, key, value, rules, sinks_inside)
+    return poison_rows(result, rules.broken_rows())
 
-    def run(query, key, value, rules, dropout_rng):
-        kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-        result = _with_sinks(kernel, query, key, value, rules, sinks_inside)
-        return poison_rows(result, rules.broken_rows())
 
-    return one_program(run, query, key, value, rules, dropout_rng)
+# Eager calls as jitted programs, kept by jit's cache: the backend (a registered one by
+# identity, so another under the same name compiles anew) and the rate are static.
+_compiled = jax.jit(_run, static_argnums=(0, 1))
+
+
+def _flash(forward_tiles, backward_tiles, query, key, value, rules):
+    """:func:`flash_attention`'s work once its call is checked."""
+    kernel = functools.partial(
+        flash_kernel.flash_attention, forward_tiles=forward_tiles, backward_tiles=backward_tiles
+    )
+    result = _with_sinks(kernel, query, key, value, rules, False)
+    return poison_rows(result, rules.broken_rows())
+
+
+_compiled_flash = jax.jit(_flash, static_argnums=(0, 1))
 
 
 def _rule_arguments(arguments: dict) -> dict:

@@ -64,7 +64,11 @@ def closure_converted(score_fn, B: int, N: int, T: int, S: int, q_offset, dtype)
     :func:`~nanoattn._core.base.shard_map.eval_alike`, so it may be called inside
     ``jax.shard_map`` with arguments that vary over its axes."""
     example = (jax.ShapeDtypeStruct((B, N, T, S), dtype), *_abstract_grid(B, N, T, S, q_offset))
-    closed = jax.make_jaxpr(score_fn)(*(jnp.zeros(x.shape, x.dtype) for x in example))
+    # Traced through a fresh wrapper: jax caches traces by function, and a trace of
+    # score_fn itself would keep what it read the first time (a rebound dict entry, a
+    # rebound variable) for every later call.
+    fresh = lambda *args: score_fn(*args)  # noqa: E731
+    closed = jax.make_jaxpr(fresh)(*(jnp.zeros(x.shape, x.dtype) for x in example))
     hoisted = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in closed.consts]
     arrays = [c for c, h in zip(closed.consts, hoisted, strict=True) if h]
     kept = [c for c, h in zip(closed.consts, hoisted, strict=True) if not h]
