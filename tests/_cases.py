@@ -403,7 +403,7 @@ def attention_case(draw, extended=False):
         if "window" in kwargs:
             allowed &= np_window(T, S, kwargs["q_offset"], *kwargs["window"])
     if draw(st.booleans()):
-        kwargs["kv_lengths"] = rng.integers(0, S + 2, size=B).astype(np.int32)
+        kwargs["kv_lengths"] = rng.integers(0, S + 1, size=B).astype(np.int32)
         allowed &= (np.arange(S) < kwargs["kv_lengths"][:, None])[:, None, None, :]
     if extended and draw(st.booleans()):
         ids = draw(st.integers(1, 3))

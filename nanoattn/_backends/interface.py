@@ -30,6 +30,9 @@ class Backend(Protocol):
       serves: the rules (names of ``Rules.active``) it implements; a call using any
         other is refused (:func:`unserved`), so a new rule is refused by every backend
         until it lists it.
+      forward_mode: optional, False when missing: whether jax can differentiate it in
+        forward mode (``jax.jvp``, ``jax.jacfwd``); a backend with a ``custom_vjp``
+        cannot, and the automatic choice leaves it out of such calls.
       applies_sinks: optional, False when missing: whether it applies
         ``rules.sinks`` itself; otherwise it is called without them and with
         ``return_residual`` set, and the sinks are merged into its output

@@ -12,10 +12,12 @@ from .._backends import dispatch
 from .._backends.flash import kernel as flash_kernel
 from .._backends.registry import Implementation, get
 from .._backends.xla import reference
+from .base.debug import one_program
 from .base.dropout import check_dropout
 from .base.numerics import softmax_dtype
-from .base.rules import ARGUMENTS, Rules, batched
+from .base.rules import ARGUMENTS, Rules, batched, poison_rows
 from .base.validate import check_scale, check_tiles
+from .eager import cacheable, is_eager
 from .merge import add_sinks
 
 
@@ -89,8 +91,10 @@ def dot_product_attention(
       is_causal: apply the positional causal mask.
       q_offset: position of the first query; int, or int array () or (B,).
         Defaults to 0 when T == S; only with ``is_causal`` or ``window``.
-      kv_lengths: optional int array (B,): key j of row b is valid iff
-        ``j < kv_lengths[b]``.
+      kv_lengths: optional int array (B,) of values in [0, S]: key j of row b is
+        valid iff ``j < kv_lengths[b]``. A value outside [0, S] raises ValueError
+        naming the row; under ``jit``, where it cannot be checked, that row's output
+        (and log-sum-exp) is NaN and no other row changes.
       window: local attention: an int ``w`` (meaning ``(w, w)``) or a pair
         ``(left, right)`` of ints >= 0; combine with ``is_causal`` for causal
         sliding-window attention (then ``right`` has no effect).
@@ -192,7 +196,12 @@ def attention_weights(
        [0.33333334 0.33333334 0.33333334]]
     """
     call = _Call.of(query, key, None, _rule_arguments(locals()))
-    weights = reference.weights(call.query, call.key, call.rules).astype(call.query.dtype)
+
+    def run(query, key, rules):
+        weights = reference.weights(query, key, rules).astype(query.dtype)
+        return poison_rows(weights, rules.broken_rows())
+
+    weights = one_program(run, call.query, call.key, call.rules)
     return weights[0] if call.unbatched else weights
 
 
@@ -237,10 +246,12 @@ def flash_attention(
     backward_tiles = check_tiles("backward_tiles", backward_tiles)
     call = _Call.of(query, key, value, _rule_arguments(locals()))
     dispatch.choose("flash", call.rules, call.query.dtype, 0.0)  # raises if it cannot serve
-    kernel = functools.partial(
-        flash_kernel.flash_attention, forward_tiles=forward_tiles, backward_tiles=backward_tiles
-    )
-    return call.unbatch(_with_sinks(kernel, call.query, call.key, call.value, call.rules, False))
+    arrays = (call.query, call.key, call.value, call.rules)
+    if is_eager(*arrays) and (kept := cacheable(call.rules)) is not None:
+        result = _compiled_flash(forward_tiles, backward_tiles, *arrays[:3], kept)
+    else:
+        result = one_program(functools.partial(_flash, forward_tiles, backward_tiles), *arrays)
+    return call.unbatch(result)
 
 
 def attend(
@@ -255,9 +266,36 @@ def attend(
       log-sum-exp (B, T, N).
     """
     backend = get(dispatch.choose(implementation, rules, query.dtype, dropout_rate))
+    arrays = (query, key, value, rules, dropout_rng)
+    if is_eager(*arrays) and (kept := cacheable(rules)) is not None:
+        # compiled once for the call's static parts (nanoattn/_core/eager.py)
+        return _compiled(backend, dropout_rate, query, key, value, kept, dropout_rng)
+    return one_program(functools.partial(_run, backend, dropout_rate), *arrays)
+
+
+def _run(backend, dropout_rate, query, key, value, rules, dropout_rng):
+    """:func:`attend`'s work once its backend is chosen."""
     kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     sinks_inside = getattr(backend, "applies_sinks", False)
-    return _with_sinks(kernel, query, key, value, rules, sinks_inside)
+    result = _with_sinks(kernel, query, key, value, rules, sinks_inside)
+    return poison_rows(result, rules.broken_rows())
+
+
+# Eager calls as jitted programs, kept by jit's cache: the backend (a registered one by
+# identity, so another under the same name compiles anew) and the rate are static.
+_compiled = jax.jit(_run, static_argnums=(0, 1))
+
+
+def _flash(forward_tiles, backward_tiles, query, key, value, rules):
+    """:func:`flash_attention`'s work once its call is checked."""
+    kernel = functools.partial(
+        flash_kernel.flash_attention, forward_tiles=forward_tiles, backward_tiles=backward_tiles
+    )
+    result = _with_sinks(kernel, query, key, value, rules, False)
+    return poison_rows(result, rules.broken_rows())
+
+
+_compiled_flash = jax.jit(_flash, static_argnums=(0, 1))
 
 
 def _rule_arguments(arguments: dict) -> dict:

@@ -144,14 +144,26 @@ def merge(outputs, lses):
     lses = [lse.astype(acc) for lse in lses]
     top = functools.reduce(jnp.maximum, lses)  # (B, T, N); NaN if a part's lse is NaN
     nothing = top == -jnp.inf  # the rows no part saw
+    # A part whose lse is +inf (a sink of +inf) takes the whole row: weight 1 (shared
+    # with any other part at +inf), the others 0, and the row's lse is +inf.
+    infinite = top == jnp.inf
     # Shifted by the largest lse so that exp stays in range; the result does not depend
     # on the shift, so no gradient flows through it (nor through the max's ties).
     shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0))
-    weights = [jnp.exp(lse - shift) for lse in lses]  # exactly 0 where lse = -inf
+    weights = [
+        # exactly 0 where lse = -inf; exp is taken of -inf in an infinite row, so that no
+        # inf meets a zero cotangent in the gradient of the branch not taken
+        jnp.where(
+            infinite, (lse == jnp.inf).astype(acc),
+            jnp.exp(jnp.where(infinite, -jnp.inf, lse - shift)),
+        )
+        for lse in lses
+    ]  # fmt: skip
     # 1 for the rows no part saw (every weight 0), so that neither log nor the division
     # meets a zero, in the forward pass or the backward: their gradients stay finite.
     total = jnp.where(nothing, 1, functools.reduce(jnp.add, weights))
     lse = jnp.where(nothing, -jnp.inf, shift + jnp.log(total))
+    lse = jnp.where(infinite, jnp.inf, lse)
     out = jnp.zeros(outputs[0].shape, acc)
     for o, lse_p, w in zip(outputs, lses, weights):
         # A part that saw nothing is not read: weight 0 times a NaN would be NaN.

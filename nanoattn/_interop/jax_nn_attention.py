@@ -17,9 +17,10 @@ from typing import Literal
 import jax.numpy as jnp
 
 from .._core.api import attend
+from .._core.base.debug import one_program
 from .._core.base.numerics import softmax_dtype
-from .._core.base.rules import Rules
-from .._core.base.validate import check_scale, expect_flag
+from .._core.base.rules import Rules, poison_rows
+from .._core.base.validate import check_scale, expect_flag, lengths_outside
 from .jax_nn_inputs import check_implementation, check_window, checked
 from .jax_nn_rows import as_jax_nn, query_valid, sees_a_key
 
@@ -139,14 +140,23 @@ def jax_nn_attention(
         # jax.nn's alignment: query t sits at key position t
         q_offset=0 if is_causal or window is not None else None, return_residual=with_lse,
     )  # fmt: skip
-    result = attend(q, k, v, rules, implementation="cudnn" if cudnn else None)
-    if with_lse:
-        out, lse = result
-        sees = lse != -jnp.inf  # (B, T, N); NaN content is not "sees no key"
-    else:
-        out, lse = result, None
-        sees = sees_a_key(rules)
-    out, lse = as_jax_nn(out, lse if return_residual else None, v, sees, q_valid)
+
+    def run(q, k, v, rules, q_valid, q_lengths):
+        result = attend(q, k, v, rules, implementation="cudnn" if cudnn else None)
+        if with_lse:
+            out, lse = result
+            sees = lse != -jnp.inf  # (B, T, N); NaN content is not "sees no key"
+        else:
+            out, lse = result, None
+            sees = sees_a_key(rules)
+        out, lse = as_jax_nn(out, lse if return_residual else None, v, sees, q_valid)
+        if q_lengths is not None:  # lengths outside [0, T] under jit: NaN rows
+            out, lse = poison_rows((out, lse), lengths_outside(q_lengths, q.shape[1]))
+        return out, lse
+
+    # one program under jax's debug flags: the -inf kept for rows that see no key is
+    # internal, as jax.nn keeps none (nanoattn/_core/base/debug.py)
+    out, lse = one_program(run, q, k, v, rules, q_valid, arrays.q_lengths)
     out = out.reshape(arrays.shape)
     if not return_residual:
         return out

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from .._core.base.validate import as_array
+from .._core.base.validate import as_array, lengths_within
 
 # jax.nn's names for ``implementation`` (or None); nanoattn.dot_product_attention takes its own.
 IMPLEMENTATIONS = ("xla", "cudnn")
@@ -125,8 +125,8 @@ def checked(query, key, value, bias, mask, query_seq_lengths, key_value_seq_leng
             )
     if bias is not None:
         bias = _rank4("bias", bias, "broadcastable to (B, N, T, S) or (N, T, S)")
-    q_lengths = _lengths("query_seq_lengths", query_seq_lengths, B)
-    kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, B)
+    q_lengths = _lengths("query_seq_lengths", query_seq_lengths, B, q.shape[1])
+    kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, B, k.shape[1])
     return Arrays(q, k, v, bias, mask, q_lengths, kv_lengths, query.shape)
 
 
@@ -138,8 +138,9 @@ def _rank4(name: str, x, layout: str):
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _lengths(name: str, lengths, B: int):
-    """A sequence-length argument: None, or an int32 array (B,)."""
+def _lengths(name: str, lengths, B: int, most: int):
+    """A sequence-length argument: None, or an int32 array (B,) of values in [0, most]
+    when concrete (a traced one's rows outside it are made NaN by the caller)."""
     if lengths is None:
         return None
     lengths = as_array(name, lengths, "an int32 array (B,)")
@@ -148,4 +149,5 @@ def _lengths(name: str, lengths, B: int):
             f"{name} must be an int32 array of shape (B,) = ({B},), got {lengths.dtype} "
             f"of shape {lengths.shape}"
         )
+    lengths_within(name, lengths, most)
     return lengths

@@ -3,7 +3,7 @@ of the parameters, and the attention call of a layer whose config names mesh
 axes (``AttentionConfig.head_axis``, ``sequence_axis``).
 
 Logical axis names of the parameters (on linen ``nn.LogicallyPartitioned``
-boxes and NNX ``sharding_names``, attached only when ``head_axis`` is set, so
+boxes and NNX ``out_sharding`` metadata, attached only when ``head_axis`` is set, so
 a default layer's parameters are unchanged)::
 
     qkv.kernel (D, (N + 2K) H): ("embed", "qkv")      out.kernel (D, D): ("joined_heads", "embed")

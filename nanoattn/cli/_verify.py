@@ -146,7 +146,7 @@ def load_target(
         return _as_decoder(obj)
     if not callable(obj):
         wanted = "a (full, init, step) decoder" if decode else "a callable"
-        raise UsageError(f"{target} is a {type(obj).__name__}, not {wanted}")
+        raise UsageError(f"{target} is {_a(obj)}, not {wanted}")
     if _takes_no_arguments(obj):
         try:
             obj = obj()
@@ -154,13 +154,10 @@ def load_target(
             raise UsageError(f"calling the factory {target}() failed: {describe(e)}") from None
         if decode and not _is_decoder(obj):
             raise UsageError(
-                f"the factory {target}() returned a {type(obj).__name__}, not a "
-                "(full, init, step) decoder"
+                f"the factory {target}() returned {_a(obj)}, not a (full, init, step) decoder"
             )
         if not decode and not callable(obj):
-            raise UsageError(
-                f"the factory {target}() returned a {type(obj).__name__}, not a callable"
-            )
+            raise UsageError(f"the factory {target}() returned {_a(obj)}, not a callable")
     elif decode:
         raise UsageError(f"{target} takes arguments: --decode needs a (full, init, step) decoder")
     return _as_decoder(obj) if decode else obj
@@ -295,3 +292,9 @@ def _check_field(args, target, inputs: dict, width: str, stage):
     lengths = ",".join(map(str, seq_lens))
     mask = "" if mask_fn is None else f"--mask {args.mask} "
     return report, f"{mask}({width}, batch {args.batch}{heads}, lengths {lengths}{bound})"
+
+
+def _a(obj) -> str:
+    """The type of ``obj`` with its article: "an int", "a float"."""
+    name = type(obj).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

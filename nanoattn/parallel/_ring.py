@@ -32,10 +32,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from .._backends.flash.kernel import kernel_rules
 from .._core.base import zigzag
+from .._core.base.autodiff import in_forward_mode
 from .._core.base.block_mask import BlockMask
 from .._core.base.mask_fn import check_mask_fn, check_score_fn, closure_converted
 from .._core.base.numerics import softmax_dtype
-from .._core.base.rules import ARGUMENTS, Rules, check_sinks
+from .._core.base.rules import ARGUMENTS, Rules, check_lengths, check_sinks, poison_rows
 from .._core.base.shard_map import sum_to_varying, varying_like
 from .._core.base.validate import check_scale, check_tiles, expect_shape
 from .._core.merge import add_sinks
@@ -310,6 +311,11 @@ def _ring_call(query, key, value, axis_name, arguments: dict, *, layout, forward
                backward_tiles):  # fmt: skip
     """The per-device call (inside shard_map): validation into one
     :class:`~nanoattn._core.base.rules.Rules`, then the ring."""
+    if in_forward_mode(query, key, value):
+        raise ValueError(
+            "ring_attention's gradient is reverse-mode only (a custom_vjp), and jax "
+            "differentiates this call in forward mode (jax.jvp, jax.jacfwd, jax.hessian)"
+        )
     zigzag.check_layout(layout)
     try:
         P = jax.lax.axis_size(axis_name)
@@ -328,7 +334,8 @@ def _ring_call(query, key, value, axis_name, arguments: dict, *, layout, forward
         check_tiles("backward_tiles", backward_tiles),
     )
     # mask_fn, score_fn and sinks are checked on the whole sequence (global positions)
-    whole = ("mask_fn", "score_fn", "sinks")
+    # mask_fn, score_fn, sinks and key lengths are global: checked on the whole sequence
+    whole = ("mask_fn", "score_fn", "sinks", "kv_lengths")
     local = {name: value for name, value in arguments.items() if name not in whole}
     scale = check_scale(local.pop("scale"))
     rules = Rules.make(query, key, value, scale=scale, **local)
@@ -337,8 +344,9 @@ def _ring_call(query, key, value, axis_name, arguments: dict, *, layout, forward
     N = rules.N
     mask_fn, score_fn = _global_fns(arguments["mask_fn"], arguments["score_fn"], B, N, T * P)
     rules = rules.replace(
-        mask_fn=mask_fn, score_fn=score_fn, sinks=check_sinks(arguments["sinks"], N)
-    )
+        mask_fn=mask_fn, score_fn=score_fn, sinks=check_sinks(arguments["sinks"], N),
+        kv_lengths=check_lengths(arguments["kv_lengths"], B, T * P),
+    )  # fmt: skip
     converted, consts = None, ((), ())
     acc = softmax_dtype(query.dtype, key.dtype, value.dtype)
     C = T // zigzag.check_layout(layout)
@@ -356,7 +364,8 @@ def _ring_call(query, key, value, axis_name, arguments: dict, *, layout, forward
     if rules.sinks is not None:
         out, lse = add_sinks(out, lse, rules.sinks.astype(acc))
     out = out.astype(query.dtype)
-    return (out, lse) if rules.return_residual else out
+    result = (out, lse) if rules.return_residual else out
+    return poison_rows(result, rules.broken_rows(most=T * P))
 
 
 def _global_fns(mask_fn, score_fn, B: int, N: int, T: int):
@@ -386,6 +395,9 @@ def _on_mesh(mesh, axis_name, query, key, value, arguments: dict, placement: dic
     seq = PartitionSpec(None, axis_name)
     array_names = ("kv_lengths", "q_segment_ids", "kv_segment_ids", "sinks")
     arrays = Rules.make(query, key, value, **{name: arguments[name] for name in array_names})
+    # mask_fn and score_fn checked here, outside shard_map, where they can be evaluated
+    # (elementwise); inside it, under its trace, values made at trace time are traced.
+    _global_fns(arguments["mask_fn"], arguments["score_fn"], arrays.B, arrays.N, arrays.T)
     others = {name: value for name, value in arguments.items() if name not in array_names}
 
     def call(q, k, v, arrays: Rules):

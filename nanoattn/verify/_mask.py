@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from .._core.base.mask_fn import check_elementwise
 from ._bounds import SubjectFailed, runs_check, skipped, within
 from ._causality import _lengths
 from ._claimed import Claimed
@@ -301,6 +302,8 @@ def check_mask(
         raise TypeError(f"mask_fn must be callable as mask_fn(b, n, q_pos, k_pos), got {mask_fn!r}")
     n_heads = _int_at_least("n_heads", n_heads, 1)
     claims = {T: Claimed.of(mask_fn, batch, n_heads, T) for T in dict.fromkeys(lengths)}
+    T = max(lengths)  # a kernel evaluates mask_fn on blocks: its claims must not depend on them
+    check_elementwise("mask_fn", mask_fn, batch, n_heads, T, T, 0)
     sweep = Sweep.of(fn, inputs, lengths, batch, seed)
     while True:  # each failure leaves a run out, so this ends
         try:

@@ -14,6 +14,7 @@ nothing here compiles the kernel.
 import json
 import os
 import pathlib
+import re
 import stat
 import subprocess
 import sys
@@ -213,3 +214,14 @@ def test_without_the_kernel_it_says_so_once_and_the_pure_jax_kernels_serve(tmp_p
         out = np.load(tmp_path / f"{name}.npy")
         np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5, err_msg=name)
     assert not list((tmp_path / "cache").glob("**/*.so"))
+
+
+def test_the_first_build_says_so_and_how_long_it_took(fake_cxx, capsys):
+    cxx, compiles = fake_cxx
+    native_build._build(cxx)
+    lines = capsys.readouterr().err.splitlines()
+    assert compiles() == 1 and len(lines) == 2, lines
+    assert lines[0].startswith("nanoattn: building the native CPU kernel for this machine (once)")
+    assert re.fullmatch(r"nanoattn: built the native CPU kernel in \d+\.\d s", lines[1])
+    native_build._build(cxx)  # in the cache: nothing to say
+    assert compiles() == 1 and capsys.readouterr().err == ""

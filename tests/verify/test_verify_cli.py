@@ -58,7 +58,7 @@ def test_cli_verify_failing_target_json(capsys):
         (["nope_module:fn", "--d-model", "4"], "cannot import nope_module: ModuleNotFoundError"),
         (["_verify_targets:missing", "--d-model", "4"], "has no attribute 'missing'"),
         (["_verify_targets", "--d-model", "4"], "target must look like MODULE:OBJECT"),
-        (["_verify_targets:not_callable", "--d-model", "4"], "is a int, not a callable"),
+        (["_verify_targets:not_callable", "--d-model", "4"], "is an int, not a callable"),
         (
             ["_verify_targets:failing_factory", "--d-model", "4"],
             "calling the factory _verify_targets:failing_factory() failed: ValueError: no weights",

@@ -374,7 +374,7 @@ def test_cli_causality_on_token_ids(capsys, monkeypatch):
         (["_verify_decoders:correct", "--decode", "--vocab", "1"], "--vocab must be >= 2, got 1"),
         (
             ["_verify_decoders:not_a_triple", "--decode", "--d-model", "12"],
-            "the factory _verify_decoders:not_a_triple() returned a ArrayImpl, not a "
+            "the factory _verify_decoders:not_a_triple() returned an ArrayImpl, not a "
             "(full, init, step) decoder",
         ),
         (

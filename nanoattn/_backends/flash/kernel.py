@@ -443,9 +443,12 @@ def forward_block(plan: Plan, inputs: BlockInputs):
                 # The block's own softmax, shifted twice: by its row maximum, then by the
                 # maximum of the very values that are exponentiated (XLA may compute the
                 # first from a differently rounded copy of s; see _numerics.masked_softmax).
-                top = s.max(-1)
+                # Both maxima are at least `neg`, so a row whose logits are all -inf (a
+                # bias or score_fn of -inf) gets weights exp(-inf) = 0, never -inf - -inf:
+                # it counts as a row that sees nothing, as in the reference.
+                top = jnp.maximum(s.max(-1), neg)
                 shifted = s - top[..., None]
-                peak = shifted.max(-1)
+                peak = jnp.maximum(shifted.max(-1), neg)
                 p = jnp.exp(jnp.minimum(shifted - peak[..., None], 0))
                 if masked:
                     p = jnp.where(allowed, p, 0)  # exact zeros, also in a row that sees nothing
@@ -478,10 +481,13 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     # output and log-sum-exp carry on into the backward pass (docs/conventions.md).
     seen = l != 0
     out = o / jnp.einsum("BnKGq->BnqKG", jnp.where(seen, l, 1))[..., None]
-    # log 0 = -inf marks a row that sees no key (the backward pass never reads its query).
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)  # (B, nQ, K, G, bq)
+    # log 0 = -inf marks a row that sees no key (the backward pass never reads its query),
+    # set once the padded query rows are cut off, so that no array holds an inf that the
+    # call's results do not (jax's debug_infs checks every operation's output).
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), 0)  # (B, nQ, K, G, bq)
     lse = _unblock_rows(lse, plan).reshape(plan.B, plan.T, plan.K * plan.G)  # (B, T, N)
-    return _unblock_queries(out, plan), lse
+    seen = _unblock_rows(seen, plan).reshape(lse.shape)
+    return _unblock_queries(out, plan), jnp.where(seen, lse, -jnp.inf)
 
 
 def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> BlockGrads:

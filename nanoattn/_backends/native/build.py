@@ -33,7 +33,9 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 import warnings
 
 import jax
@@ -121,6 +123,9 @@ def _build(cxx: str) -> pathlib.Path:
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it now
         if not target.exists():
+            # The first call waits for this (about 20 s on a 2-core machine): say so.
+            _say(f"nanoattn: building the native CPU kernel for this machine (once) in {folder}")
+            started = time.perf_counter()
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
                 out = pathlib.Path(tmp) / target.name
                 done = _run([cxx, *build_flags, str(SOURCE), "-o", str(out)])
@@ -129,7 +134,13 @@ def _build(cxx: str) -> pathlib.Path:
                 if not out.is_file():
                     raise RuntimeError(f"{cxx} exited 0 but wrote no library")
                 os.replace(out, target)
+            _say(f"nanoattn: built the native CPU kernel in {time.perf_counter() - started:.1f} s")
     return target
+
+
+def _say(line: str) -> None:
+    """One line on stderr, where a program's own output is not."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def isa() -> str | None:

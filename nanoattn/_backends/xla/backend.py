@@ -10,6 +10,7 @@ class Xla:
     name = "xla"
     priority = 0  # the automatic choice's fallback: it serves every call
     serves = EVERY_RULE
+    forward_mode = True  # plain jax: jax.jvp, jacfwd and hessian differentiate it
     applies_sinks = True  # its softmax has them; other backends get them merged in
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .mask_fn import check_mask_fn, evaluate_mask, grid
+from .mask_fn import check_mask_fn, evaluate_mask, grid, off_mesh
 from .validate import expect_size
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -129,13 +129,6 @@ def coarsen(kinds, fq: int, fk: int):
     return xp.where(least == FULL, FULL, xp.where(most == EMPTY, EMPTY, PARTIAL)).astype(xp.int8)
 
 
-def _off_mesh():
-    """A context without the caller's mesh, for evaluation at trace time: eager
-    arrays made inside ``jax.shard_map`` under ``jax.set_mesh`` would take its manual
-    axes."""
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-
-
 def classify(mask_fn, B: int, N: int, T: int, S: int, q_offset, block_q: int, block_k: int):
     """The kinds (xB, xN, ceil(T / block_q), ceil(S / block_k)) of ``mask_fn``'s blocks:
     numpy when they can be found at trace time, a jax array otherwise. Padding cells
@@ -202,7 +195,7 @@ def chunk_pair_kinds(mask_fn, B: int, N: int, C: int, q_chunks, k_chunks, block_
 
     if any(isinstance(c, jax.core.Tracer) for c in q_chunks):  # run time (and in shard_map,
         return kinds_of(jnp)  # whose mesh axes compile-time evaluation would lose)
-    with _off_mesh(), jax.ensure_compile_time_eval():
+    with off_mesh(), jax.ensure_compile_time_eval():
         kinds = kinds_of(np)
     if isinstance(kinds, jax.core.Tracer):
         return kinds

@@ -9,14 +9,17 @@ Both must be elementwise (a cell's value depends on its four indices only), so
 a kernel may call them on any block of cells, in any layout that broadcasts.
 
 This module checks such functions once per call (:func:`check_mask_fn`,
-:func:`check_score_fn`, by tracing them on abstract arrays) and evaluates them on
-index grids (:func:`grid`, :func:`evaluate_mask`, :func:`evaluate_score`).
+:func:`check_score_fn`, by tracing them on abstract arrays, and
+:func:`check_elementwise`, by evaluating them on a small grid of the call's cells
+whole and in two blocks) and evaluates them on index grids (:func:`grid`,
+:func:`evaluate_mask`, :func:`evaluate_score`).
 """
 
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .shard_map import eval_alike
 from .validate import describe, expect_broadcastable
@@ -61,7 +64,11 @@ def closure_converted(score_fn, B: int, N: int, T: int, S: int, q_offset, dtype)
     :func:`~nanoattn._core.base.shard_map.eval_alike`, so it may be called inside
     ``jax.shard_map`` with arguments that vary over its axes."""
     example = (jax.ShapeDtypeStruct((B, N, T, S), dtype), *_abstract_grid(B, N, T, S, q_offset))
-    closed = jax.make_jaxpr(score_fn)(*(jnp.zeros(x.shape, x.dtype) for x in example))
+    # Traced through a fresh wrapper: jax caches traces by function, and a trace of
+    # score_fn itself would keep what it read the first time (a rebound dict entry, a
+    # rebound variable) for every later call.
+    fresh = lambda *args: score_fn(*args)  # noqa: E731
+    closed = jax.make_jaxpr(fresh)(*(jnp.zeros(x.shape, x.dtype) for x in example))
     hoisted = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in closed.consts]
     arrays = [c for c, h in zip(closed.consts, hoisted, strict=True) if h]
     kept = [c for c, h in zip(closed.consts, hoisted, strict=True) if not h]
@@ -115,6 +122,7 @@ def check_mask_fn(mask_fn, B: int, N: int, T: int, S: int, q_offset) -> Callable
             f"mask_fn must return a boolean array (True = may attend), got dtype {out.dtype}"
         )
     expect_broadcastable("mask_fn's result", out.shape, SCORE_AXES, (B, N, T, S))
+    check_elementwise("mask_fn", mask_fn, B, N, T, S, q_offset)
     return mask_fn
 
 
@@ -135,7 +143,90 @@ def check_score_fn(score_fn, B: int, N: int, T: int, S: int, q_offset) -> Callab
     if not jnp.issubdtype(out.dtype, jnp.floating):
         raise TypeError(f"score_fn must return a floating array, got dtype {out.dtype}")
     expect_broadcastable("score_fn's result", out.shape, SCORE_AXES, (B, N, T, S))
+    check_elementwise("score_fn", score_fn, B, N, T, S, q_offset)
     return score_fn
+
+
+PROBE = 12  # the most queries and keys of the grid check_elementwise evaluates
+
+
+def check_elementwise(name: str, fn, B: int, N: int, T: int, S: int, q_offset) -> None:
+    """Raises a one-line ValueError, naming ``name`` and saying "elementwise", when
+    ``fn`` (a ``mask_fn``, or a ``score_fn`` when ``name`` says so) gives a cell a
+    different value evaluated in a block than evaluated with its neighbours: a kernel
+    calls it on blocks of any shape and offset, so such a function would give an
+    answer that depends on the backend and the sequence length.
+
+    It is evaluated on a small grid of the call's own cells (the first two batch rows
+    and heads, up to :data:`PROBE` queries and keys: indices ``fn`` can read), whole
+    and in two blocks of different shapes and offsets. Nothing is checked when the
+    values depend on traced arrays (a closed-over array under ``jit``, a traced
+    offset), which cannot be read at trace time."""
+    tq, sk = min(T, PROBE), min(S, PROBE)
+    if tq * sk <= 1:
+        return
+    b, n, q, k = grid(min(B, 2), min(N, 2), tq, sk, _first_rows(q_offset, min(B, 2)))
+    score = None
+    if name == "score_fn":
+        rng = np.random.default_rng(0)
+        score = jnp.asarray(rng.standard_normal((*b.shape[:1], n.shape[1], tq, sk)), jnp.float32)
+
+    def values(rows: slice, cols: slice):
+        at = (q[:, :, rows], k[..., cols])
+        if score is None:
+            return evaluate_mask(fn, b, n, *at)
+        return evaluate_score(fn, score[:, :, rows, cols], b, n, *at)
+
+    r, c = max(1, tq // 2), max(1, sk // 3)  # two blocks of other shapes and offsets
+    first = (slice(0, r), slice(0, c))
+    second = (slice(r, tq) if r < tq else slice(0, tq), slice(c, sk) if c < sk else slice(0, sk))
+    regions = ((slice(0, tq), slice(0, sk)), first, second)
+    try:
+        with off_mesh(), jax.ensure_compile_time_eval():
+            whole, *blocks = [values(*region) for region in regions]
+    except Exception as error:  # the user's function: on a smaller block, or at trace time
+        try:  # fails abstractly too: not elementwise; else it needs its trace (shard_map's axes)
+            for region in regions:
+                jax.eval_shape(lambda region=region: values(*region))
+        except Exception:
+            raise ValueError(
+                f"{name} must be elementwise (a cell's value a function of its four "
+                f"indices alone), but it fails on a block of the cells: {describe(error)}"
+            ) from error
+        return
+    if any(isinstance(x, jax.core.Tracer) for x in (whole, *blocks)):
+        return
+    whole = np.broadcast_to(np.asarray(whole), (whole.shape[0], whole.shape[1], tq, sk))
+    for (rows, cols), got in zip((first, second), blocks, strict=True):
+        want = whole[:, :, rows, cols]
+        got = np.broadcast_to(np.asarray(got), want.shape)
+        same = (
+            np.array_equal(got, want)
+            if score is None
+            else np.allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+        )
+        if not same:
+            raise ValueError(
+                f"{name} must be elementwise (a cell's value a function of its four "
+                f"indices alone): evaluated on queries {rows.start}..{rows.stop - 1} and "
+                f"keys {cols.start}..{cols.stop - 1} alone it gives other values than "
+                f"with the rest of the row (a reduction such as max, sum or softmax over "
+                f"the scores or positions, or an index past a block, is not elementwise)"
+            )
+
+
+def off_mesh():
+    """A context without the caller's mesh, for evaluation at trace time: eager
+    arrays made inside ``jax.shard_map`` under ``jax.set_mesh`` would take its manual
+    axes."""
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+
+
+def _first_rows(q_offset, rows: int):
+    """``q_offset`` for the first ``rows`` batch rows (a per-row offset is cut)."""
+    if q_offset is None or isinstance(q_offset, int) or jnp.ndim(q_offset) == 0:
+        return q_offset
+    return q_offset[:rows]
 
 
 def evaluate_mask(mask_fn, b, n, q, k):

@@ -50,6 +50,13 @@ def masked_softmax(logits, allowed, return_lse: bool = False, sinks=None):
     neg = large_negative(logits.dtype)
     if allowed is not None:
         logits = jnp.where(allowed, logits, neg)
+    takes_all = None
+    if sinks is not None:
+        # A sink of +inf takes every weight: the row's probabilities are 0 and its
+        # log-sum-exp +inf. It is computed with a finite sink, then replaced, so that no
+        # inf - inf (NaN) reaches the row or its gradient.
+        takes_all = sinks.astype(logits.dtype) == jnp.inf
+        sinks = jnp.where(takes_all, 0, sinks)
     # The softmax is invariant to the subtracted maxima, so no gradient flows through them.
     top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=neg))
     if sinks is not None:
@@ -67,12 +74,16 @@ def masked_softmax(logits, allowed, return_lse: bool = False, sinks=None):
     if sinks is not None:
         total = total + jnp.exp(sinks - top - peak)
     probs = unnormalized / jnp.where(total == 0, 1, total)
+    if takes_all is not None:
+        probs = jnp.where(takes_all[..., None], 0, probs)
     if not return_lse:
         return probs
     # log sum exp(logits) = top + peak + log(total): the maxima carry no gradient,
     # log(total) carries the softmax's.
     empty = total == 0  # NaN content makes a NaN total: that row is not empty
     lse = jnp.where(empty, -jnp.inf, top + peak + jnp.log(jnp.where(empty, 1, total)))
+    if takes_all is not None:
+        lse = jnp.where(takes_all[..., None], jnp.inf, lse)
     return probs, lse[..., 0]
 
 

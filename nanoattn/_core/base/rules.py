@@ -39,6 +39,8 @@ from .validate import (
     expect_floating,
     expect_integer,
     expect_shape,
+    lengths_outside,
+    lengths_within,
     positive_number,
 )
 
@@ -149,7 +151,7 @@ class Rules:
             mask_fn.check_fits(B, N, T, S, q_offset)
         score_fn = check_score_fn(a["score_fn"], B, N, T, S, q_offset)
         sinks = check_sinks(a["sinks"], N)
-        kv_lengths = _check_lengths(a["kv_lengths"], B)
+        kv_lengths = check_lengths(a["kv_lengths"], B, S)
         q_ids, kv_ids = _check_segments(a["q_segment_ids"], a["kv_segment_ids"], B, T, S)
         logit_soft_cap = check_soft_cap(a["logit_soft_cap"])
         fixed_scale, traced_scale = _split_scale(a["scale"], H)
@@ -189,6 +191,15 @@ class Rules:
             "sinks": self.sinks is not None,
         }
         return tuple(name for name, used in uses.items() if used)
+
+    def broken_rows(self, most: int | None = None):
+        """(B,) bool: the batch rows whose ``kv_lengths`` are outside [0, ``most``]
+        (default S), which cannot be checked under ``jit`` (a concrete one raised in
+        :meth:`make`): their outputs must be NaN (:func:`poison_rows`); None without
+        key lengths."""
+        if self.kv_lengths is None:
+            return None
+        return lengths_outside(self.kv_lengths, self.S if most is None else most)
 
     def replace(self, **changes) -> "Rules":
         """These rules with ``changes`` (field names, or ``q_offset``: an int, an int
@@ -284,6 +295,22 @@ class Rules:
         return (self.B, self.N, self.T, self.S)
 
 
+def poison_rows(result, broken):
+    """``result`` (an output (B, T, ...) or a tuple of such, the log-sum-exp too) with
+    NaN in every batch row where ``broken`` (B,) is True; ``result`` itself when
+    ``broken`` is None. A value that cannot be checked under ``jit`` (key lengths out
+    of range) shows as NaN in its rows, never as a finite wrong answer; no other row
+    changes, and the gradients stay finite."""
+    if broken is None:
+        return result
+
+    def poison(x):
+        where = broken.reshape((-1,) + (1,) * (x.ndim - 1))
+        return jnp.where(where, jnp.asarray(jnp.nan, x.dtype), x)
+
+    return jax.tree.map(poison, result)
+
+
 def normalize_window(window) -> tuple[int, int] | None:
     """A ``window`` argument as ``(left, right)``, or None.
 
@@ -375,12 +402,16 @@ def _check_bias(bias, scores):
     return _as_rank4(bias)
 
 
-def _check_lengths(kv_lengths, B: int):
+def check_lengths(kv_lengths, B: int, most: int):
+    """``kv_lengths`` as an int array (B,) of values in [0, ``most``] (S, or the whole
+    sequence of a ring) when concrete; a traced one's rows outside it are made NaN
+    (:meth:`Rules.broken_rows`)."""
     if kv_lengths is None:
         return None
     kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
     expect_integer("kv_lengths", kv_lengths.dtype)
     expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
+    lengths_within("kv_lengths", kv_lengths, most)
     return kv_lengths
 
 

@@ -209,6 +209,26 @@ def check_tiles(name: str, tiles):
     return tuple(int(t) for t in tiles)
 
 
+def lengths_within(name: str, lengths, most: int) -> None:
+    """Raises a one-line ValueError naming ``name`` and the first row whose length is
+    outside [0, ``most``], when ``lengths`` is concrete; a traced one cannot be read
+    here (the caller makes those rows NaN, :func:`lengths_outside`)."""
+    import jax
+
+    if isinstance(lengths, jax.core.Tracer):
+        return
+    values = np.asarray(lengths)
+    bad = np.flatnonzero((values < 0) | (values > most))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"{name} must be in [0, {most}], got {name}[{b}]={int(values[b])}")
+
+
+def lengths_outside(lengths, most: int):
+    """(B,) bool: the rows whose length is outside [0, ``most``] (traced or not)."""
+    return (lengths < 0) | (lengths > most)
+
+
 def describe(error: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     message = str(error).splitlines()[0] if str(error) else ""

@@ -98,8 +98,8 @@ class _Attention(nnx.Module):
         if cfg.head_axis is not None:  # logical axis names (nanoattn.parallel.logical_rules)
             kernel_axes, bias_axes = parameter_axes(name)
             metadata = {
-                "kernel_metadata": {"sharding_names": kernel_axes, "eager_sharding": False},
-                "bias_metadata": {"sharding_names": bias_axes, "eager_sharding": False},
+                "kernel_metadata": {"out_sharding": kernel_axes, "eager_sharding": False},
+                "bias_metadata": {"out_sharding": bias_axes, "eager_sharding": False},
             }
         return nnx.Linear(
             d_in, features, use_bias=cfg.use_bias, param_dtype=cfg.param_dtype, rngs=rngs,
