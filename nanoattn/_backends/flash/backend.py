@@ -6,6 +6,7 @@ import jax
 
 from ..interface import NO_DROPOUT
 from . import kernel as flash_kernel
+from .paged import paged_flash_attention
 
 # On CPU the kernel beats the reference from about this many score cells per
 # batch row and head (T * S); measured with `nanoattn bench` (docs/performance.md).
@@ -20,7 +21,7 @@ class Flash:
     priority = 1
     serves = frozenset({
         "mask", "bias", "is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap",
-        "mask_fn", "score_fn", "sinks",
+        "mask_fn", "score_fn", "sinks", "page_table",
     })  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
@@ -37,6 +38,8 @@ class Flash:
         return rules.B * rules.N * cells * 4 >= ACCELERATOR_MIN_SCORE_BYTES
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
+        if rules.paged:  # key and value are pages (P, page_size, K, H)
+            return paged_flash_attention(query, key, value, rules)
         return flash_kernel.flash_attention(query, key, value, rules)
 
 

@@ -20,6 +20,10 @@ class Xla:
         return True
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
+        if rules.paged:  # key and value are pages (P, page_size, K, H)
+            return reference.paged_attend(
+                query, key, value, rules, return_residual=rules.return_residual
+            )
         return reference.attend(
             query, key, value, rules, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             return_residual=rules.return_residual,

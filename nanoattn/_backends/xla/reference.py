@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from ..._core.base.mask_fn import evaluate_mask, evaluate_score, grid
 from ..._core.base.masks import band_mask, combine_masks, lengths_to_valid, segment_mask
 from ..._core.base.numerics import masked_softmax, soft_cap, softmax_dtype
+from ..._core.base.paged import safe_page_table
 from ..._core.base.rules import Rules
 from ..._core.base.trace import record
 
@@ -143,3 +144,50 @@ def attend(
     if return_residual:
         extras.append(jnp.moveaxis(lse, 1, 2))  # (B, T, N)
     return (out, *extras) if extras else out
+
+
+def paged_attend(query, key_pages, value_pages, rules: Rules, *, return_residual: bool = False):
+    """A paged call (``nanoattn.paged_attention``) by the reference: each query row gets
+    its sequence's pages gathered into keys and values (T, S, K, H), as one batch row
+    of one query at its position, so every rule means what it means in :func:`attend`
+    (``mask_fn`` and ``score_fn`` see the row's sequence as ``b``).
+
+    Args:
+      query: (T, N, H), token-major; key_pages, value_pages: (P, page_size, K, H);
+        ``rules`` from :meth:`Rules.make_paged`.
+
+    Returns:
+      (T, N, H) in the query's dtype (zeros for padding rows), and with
+      ``return_residual`` the log-sum-exp (T, N).
+    """
+    T, S = rules.T, rules.S
+    layout = rules.layout()
+    table = safe_page_table(rules.page_table, rules.kv_lengths, rules.page_size, rules.pool_pages)
+    pages = table[layout.sequence]  # (T, M): each row's sequence's pages
+    keys = key_pages[pages].reshape(T, S, rules.K, rules.H)  # (T, S, K, H)
+    values = value_pages[pages].reshape(T, S, rules.K, rules.H)
+    lengths = jnp.where(layout.real, rules.kv_lengths[layout.sequence], 0)  # padding: no key
+    sequence = layout.sequence
+    mask_fn = score_fn = None
+    if rules.mask_fn is not None:
+
+        def mask_fn(b, n, q, k):
+            return rules.mask_fn(sequence[b], n, q, k)
+
+    if rules.score_fn is not None:
+
+        def score_fn(s, b, n, q, k):
+            return rules.score_fn(s, sequence[b], n, q, k)
+
+    rows = rules.replace(
+        B=T, T=1, page_table=None, query_starts=None, page_size=None, pool_pages=None,
+        q_offset=layout.position, kv_lengths=lengths, mask_fn=mask_fn, score_fn=score_fn,
+    )  # fmt: skip
+    result = attend(
+        query[:, None], keys, values, rows, dropout_rate=0.0, dropout_rng=None,
+        return_residual=return_residual,
+    )  # fmt: skip
+    if not return_residual:
+        return result[:, 0]
+    out, lse = result
+    return out[:, 0], lse[:, 0]

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec
 
 from .block_mask import BlockMask
 from .mask_fn import check_mask_fn, check_score_fn
+from .paged import check_paged, token_layout
 from .validate import (
     as_array,
     expect_bool,
@@ -64,6 +65,7 @@ RULE_NAMES = {
     "mask_fn": "mask_fn",
     "score_fn": "score_fn",
     "sinks": "sinks",
+    "page_table": "a page table (paged_attention)",
 }
 
 
@@ -99,6 +101,11 @@ class Rules:
       sinks: float (N,), one logit per query head added to each row's softmax
         denominator, or None.
       return_residual: whether the call also returns the log-sum-exp (B, T, N).
+      page_table, query_starts, page_size, pool_pages: a paged call's
+        (:meth:`make_paged`, :mod:`.paged`): the page table (B, M) of B sequences,
+        the starts (B + 1,) of their query rows among the T = Tq tokens, the keys per
+        page and the pages of the pool (P); S = M * page_size is the most keys a
+        sequence holds, and ``kv_lengths`` (B,) the keys each holds. None otherwise.
     """
 
     B: int = dataclasses.field(metadata=STATIC)
@@ -123,6 +130,10 @@ class Rules:
     score_fn: Any = dataclasses.field(default=None, metadata=STATIC)
     sinks: Any = None
     return_residual: bool = dataclasses.field(default=False, metadata=STATIC)
+    page_table: Any = None
+    query_starts: Any = None
+    page_size: int | None = dataclasses.field(default=None, metadata=STATIC)
+    pool_pages: int | None = dataclasses.field(default=None, metadata=STATIC)
 
     @classmethod
     def make(cls, query, key, value=None, **arguments) -> "Rules":
@@ -164,6 +175,64 @@ class Rules:
             mask_fn=mask_fn, score_fn=score_fn, sinks=sinks, return_residual=return_residual,
         )  # fmt: skip
 
+    @classmethod
+    def make_paged(cls, query, key_pages, value_pages, page_table, kv_lengths, query_starts,
+                   **arguments) -> "Rules":  # fmt: skip
+        """Checks a paged call (``nanoattn.paged_attention``) and returns its rules:
+        sizes B (sequences), T (query tokens), S (the most keys a sequence holds), N,
+        K, H. ``arguments`` are ``is_causal``, ``window``, ``logit_soft_cap``,
+        ``scale``, ``sinks``, ``mask_fn``, ``score_fn`` and ``return_residual``.
+
+        Raises:
+          ValueError: a shape problem, or a value of the page table, the lengths or
+            the starts that is invalid when concrete, naming the argument and the row.
+        """
+        allowed = {"is_causal", "window", "logit_soft_cap", "scale", "sinks", "mask_fn",
+                   "score_fn", "return_residual"}  # fmt: skip
+        unknown = sorted(set(arguments) - allowed)
+        if unknown:
+            raise TypeError(f"unknown arguments of a paged call {unknown}")
+        arrays, sizes = check_paged(
+            query, key_pages, value_pages, page_table, kv_lengths, query_starts
+        )
+        Tq, N, H, P, page_size, K, B, M = sizes
+        S = M * page_size
+        a = dict(is_causal=True, return_residual=False) | arguments
+        is_causal = expect_flag("is_causal", a["is_causal"])
+        window = normalize_window(a.get("window"))
+        # mask_fn and score_fn are checked on cells of real positions: queries at the
+        # end of a sequence that holds all S keys
+        T_probe = max(1, min(Tq, S))
+        mask_fn = check_mask_fn(a.get("mask_fn"), B, N, T_probe, S, S - T_probe)
+        if isinstance(mask_fn, BlockMask):
+            raise TypeError(
+                "mask_fn of a paged call must be a function, not a BlockMask (its blocks "
+                "are those of one (T, S) grid, not of pages)"
+            )
+        score_fn = check_score_fn(a.get("score_fn"), B, N, T_probe, S, S - T_probe)
+        fixed_scale, traced_scale = _split_scale(a.get("scale"), H)
+        return cls(
+            B=B, T=Tq, S=S, N=N, K=K, H=H, is_causal=is_causal, kv_lengths=arrays[4],
+            window=window, logit_soft_cap=check_soft_cap(a.get("logit_soft_cap")),
+            fixed_scale=fixed_scale, traced_scale=traced_scale, mask_fn=mask_fn,
+            score_fn=score_fn, sinks=check_sinks(a.get("sinks"), N),
+            return_residual=expect_flag("return_residual", a["return_residual"]),
+            page_table=arrays[3], query_starts=arrays[5], page_size=page_size, pool_pages=P,
+        )  # fmt: skip
+
+    @property
+    def paged(self) -> bool:
+        """Whether this is a paged call (``nanoattn.paged_attention``)."""
+        return self.page_table is not None
+
+    def layout(self):
+        """A paged call's :class:`~nanoattn._core.base.paged.TokenLayout` (each query
+        row's sequence and position, which rows are real and which broken)."""
+        return token_layout(
+            self.page_table, self.kv_lengths, self.query_starts, self.T, self.pool_pages,
+            self.page_size,
+        )  # fmt: skip
+
     def arguments(self) -> dict:
         """The keywords that :meth:`make` turns into these rules (the inverse of make,
         for a call made again on other arrays, such as a shard of these)."""
@@ -189,6 +258,7 @@ class Rules:
             "mask_fn": self.mask_fn is not None,
             "score_fn": self.score_fn is not None,
             "sinks": self.sinks is not None,
+            "page_table": self.page_table is not None,
         }
         return tuple(name for name, used in uses.items() if used)
 
@@ -197,6 +267,8 @@ class Rules:
         (default S), which cannot be checked under ``jit`` (a concrete one raised in
         :meth:`make`): their outputs must be NaN (:func:`poison_rows`); None without
         key lengths."""
+        if self.paged:  # a paged call's broken rows are query tokens (T,)
+            return self.layout().broken
         if self.kv_lengths is None:
             return None
         return lengths_outside(self.kv_lengths, self.S if most is None else most)

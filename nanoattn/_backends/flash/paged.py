@@ -1,0 +1,421 @@
+"""The blockwise kernel over a paged KV cache (``nanoattn.paged_attention``), pure JAX.
+
+The work is a list of (sequence, query block) pairs, made at run time from the
+query starts: sequence b's queries, rows ``query_starts[b] ..``, in blocks of
+``block_q``. For each pair the kernel walks only the key blocks the pair can see
+(``pages_per_block`` pages of the sequence, read through its page table: no page
+past those the sequence holds, nor any page the causal band or the window hides
+from the whole block), keeping the online softmax (FlashAttention-2) of the pair's
+rows, and writes the pair's rows of the output and the log-sum-exp. The loops have
+dynamic lengths (``lax.while_loop``), so a step's work follows the tokens each
+sequence holds, not the capacity of the page table. The backward pass (a
+``jax.custom_vjp``) walks the same pairs and blocks, recomputing the weights from
+the log-sum-exp, and adds each key block's gradients to the pages it came from
+(pages shared by several sequences receive each one's).
+
+Axis letters: Tq query tokens, B sequences, P pages, M pages per sequence at most,
+K key/value heads, G query heads per key/value head, H head width; a pair's block:
+q its ``block_q`` rows, k its ``pages_per_block * page_size`` keys.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ..._core.base.mask_fn import closure_converted, evaluate_mask, evaluate_score
+from ..._core.base.numerics import large_negative, softmax_dtype
+from ..._core.base.paged import safe_page_table
+from ..._core.base.rules import Rules
+
+BLOCK_Q = 16  # query rows per block: a decode token's block wastes few
+BLOCK_KEYS = 128  # keys per key block (whole pages; at least one)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPlan:
+    """Everything static about one paged call (hashable: a custom_vjp argument)."""
+
+    Tq: int
+    B: int
+    M: int
+    P: int
+    page_size: int
+    K: int
+    G: int
+    H: int
+    block_q: int
+    pages_per_block: int
+    scale: float
+    band: tuple | None  # (left, right) of the positional rule, or None
+    soft_cap: float | None
+    mask_fn: Callable | None
+    score_fn: Callable | None  # closure-converted: its arrays are inputs
+
+    @property
+    def N(self) -> int:
+        return self.K * self.G
+
+    @property
+    def block_k(self) -> int:
+        return self.pages_per_block * self.page_size
+
+    @property
+    def n_key_blocks(self) -> int:
+        return -(-self.M // self.pages_per_block)
+
+    @property
+    def most_pairs(self) -> int:
+        """A bound on the (sequence, query block) pairs: each block either lies inside
+        one sequence's rows or holds that sequence's last rows."""
+        return -(-self.Tq // self.block_q) + self.B
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedInputs:
+    """The arrays of a paged call (a pytree): query (Tq, N, H), the pools (P,
+    page_size, K, H), the safe page table (B, M'), the key lengths (B,), the query
+    starts (B + 1,), the rows that are real (Tq,) and score_fn's arrays."""
+
+    query: jax.Array
+    key_pages: jax.Array
+    value_pages: jax.Array
+    table: jax.Array
+    kv_lengths: jax.Array
+    starts: jax.Array
+    real: jax.Array
+    consts: tuple = ()
+
+
+def plan_of(rules: Rules, key_pages, dtype) -> tuple[PagedPlan, tuple]:
+    """The plan of a paged call and ``score_fn``'s arrays (hoisted, as the blockwise
+    kernel does, so that they cross the custom_vjp and get gradients)."""
+    per_block = max(1, BLOCK_KEYS // rules.page_size)
+    M = rules.S // rules.page_size
+    plan = PagedPlan(
+        Tq=rules.T, B=rules.B, M=M, P=rules.pool_pages, page_size=rules.page_size, K=rules.K,
+        G=rules.G, H=rules.H, block_q=max(1, min(BLOCK_Q, rules.T)),
+        pages_per_block=min(per_block, M), scale=float(rules.scale), band=rules.band,
+        soft_cap=rules.logit_soft_cap, mask_fn=rules.mask_fn, score_fn=None,
+    )  # fmt: skip
+    consts = ()
+    if rules.score_fn is not None:
+        fn, arrays = closure_converted(
+            rules.score_fn, 1, plan.N, plan.block_q, plan.block_k, None, dtype
+        )
+        plan = dataclasses.replace(plan, score_fn=fn)
+        consts = tuple(arrays)
+    return plan, consts
+
+
+def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
+    """A paged call by the blockwise kernel: (Tq, N, H) in the query's dtype, and with
+    ``rules.return_residual`` the log-sum-exp (Tq, N)."""
+    acc = softmax_dtype(query.dtype, key_pages.dtype, value_pages.dtype)
+    plan, consts = plan_of(rules, key_pages, acc)
+    table = safe_page_table(rules.page_table, rules.kv_lengths, rules.page_size, rules.pool_pages)
+    width = plan.n_key_blocks * plan.pages_per_block
+    table = jnp.pad(table, ((0, 0), (0, width - plan.M)))  # whole key blocks: page 0 past M
+    inputs = PagedInputs(
+        query, key_pages, value_pages, table, rules.kv_lengths.astype(jnp.int32),
+        rules.query_starts.astype(jnp.int32), rules.layout().real, consts,
+    )  # fmt: skip
+    out, lse = _attend(plan, inputs)
+    return (out, lse) if rules.return_residual else out
+
+
+def _pairs(plan: PagedPlan, starts):
+    """The (sequence, query block) pairs: their number, and for pair u < that number
+    its sequence and first row. Pairs are sequence-major, so that a pair's rows past
+    its sequence are written before the next sequence's pairs write them again."""
+    q_lens = jnp.maximum(starts[1:] - starts[:-1], 0)  # (B,)
+    blocks = -(-q_lens // plan.block_q)  # (B,)
+    ends = jnp.cumsum(blocks)  # (B,)
+    count = ends[-1] if plan.B else jnp.int32(0)
+
+    def pair(u):
+        b = jnp.searchsorted(ends, u, side="right").astype(jnp.int32)
+        b = jnp.minimum(b, plan.B - 1)
+        i = u - (ends[b] - blocks[b])
+        return b, starts[b] + i * plan.block_q
+
+    return count, pair
+
+
+def _rows(plan: PagedPlan, inputs: PagedInputs, b, first):
+    """A pair's rows: their positions (q,) in the sequence and which are real."""
+    rows = first + jnp.arange(plan.block_q, dtype=jnp.int32)
+    starts, lengths = inputs.starts, inputs.kv_lengths
+    q_len = starts[b + 1] - starts[b]
+    positions = lengths[b] - q_len + (rows - starts[b])
+    real = (rows < starts[b + 1]) & jnp.take(inputs.real, rows, mode="fill", fill_value=False)
+    return positions, real
+
+
+def _key_blocks(plan: PagedPlan, positions, real, length):
+    """The key blocks [first, last) a pair can see: only those the sequence holds,
+    and, under a positional rule, only those the band reaches from some real row."""
+    top = jnp.max(jnp.where(real, positions, -1))
+    bottom = jnp.min(jnp.where(real, positions, jnp.iinfo(jnp.int32).max))
+    end = length  # keys 0 .. length - 1 are held
+    start = jnp.int32(0)
+    if plan.band is not None:
+        left, right = plan.band
+        if right is not None:
+            end = jnp.minimum(end, top + right + 1)
+        if left is not None:
+            start = jnp.maximum(bottom - left, 0)
+    any_real = real.any()
+    last = jnp.where(any_real, -(-end // plan.block_k), 0)
+    first = jnp.where(any_real, start // plan.block_k, 0)
+    return first, jnp.maximum(last, first)
+
+
+def _block(plan: PagedPlan, inputs: PagedInputs, b, j, acc):
+    """Key block j of sequence b: keys and values (k, K, H) in ``acc``, their
+    positions (k,), and the pages they came from (pages_per_block,)."""
+    pages = jax.lax.dynamic_slice_in_dim(
+        inputs.table[b], j * plan.pages_per_block, plan.pages_per_block
+    )
+    shape = (plan.block_k, plan.K, plan.H)
+    keys = inputs.key_pages[pages].reshape(shape).astype(acc)
+    values = inputs.value_pages[pages].reshape(shape).astype(acc)
+    positions = j * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
+    return keys, values, positions, pages
+
+
+def _allowed(plan: PagedPlan, b, q_pos, real, k_pos, length):
+    """Which cells of a pair's block are visible: bool (N or 1, q, k)."""
+    seen = real[:, None] & (k_pos[None, :] < length)  # (q, k)
+    if plan.band is not None:
+        left, right = plan.band
+        if right is not None:
+            seen = seen & (k_pos[None, :] <= q_pos[:, None] + right)
+        if left is not None:
+            seen = seen & (k_pos[None, :] >= q_pos[:, None] - left)
+    seen = seen[None]  # (1, q, k)
+    if plan.mask_fn is not None:
+        n = jnp.arange(plan.N, dtype=jnp.int32).reshape(1, plan.N, 1, 1)
+        cells = evaluate_mask(plan.mask_fn, b.reshape(1, 1, 1, 1), n, q_pos.reshape(1, 1, -1, 1),
+                              k_pos.reshape(1, 1, 1, -1))  # fmt: skip
+        seen = seen & cells[0]
+    return seen
+
+
+def _unseen_zeroed(plan: PagedPlan, keys, values, allowed):
+    """Keys and values (k, K, H) that no query of the block's key/value head group sees,
+    zeroed: a blocked weight of 0 does not stop a NaN there (0 * NaN = NaN), and a
+    sequence's block may hold pages it does not (stale content of a freed page)."""
+    group = allowed.reshape(allowed.shape[0] // plan.G or 1, -1, allowed.shape[-1])
+    sees = jnp.moveaxis(group.any(axis=1), 0, 1)[..., None]  # (k, K or 1, 1)
+    zero = jnp.zeros((), keys.dtype)
+    return jnp.where(sees, keys, zero), jnp.where(sees, values, zero)
+
+
+def _scores(plan: PagedPlan, qs, keys, b, q_pos, k_pos, allowed, consts, with_vjp=False):
+    """The block's logits (K, G, q, k) from pre-scaled queries (q, K, G, H), through
+    score_fn and the soft-cap, blocked cells at the large negative; with ``with_vjp``
+    also tanh(logits / cap) (or None) and score_fn's VJP (or None)."""
+    s = jnp.einsum("qKGH,kKH->KGqk", qs, keys)
+    allowed = allowed.reshape(-1, 1, *allowed.shape[1:]) if allowed.shape[0] == 1 else (
+        allowed.reshape(plan.K, plan.G, *allowed.shape[1:])
+    )  # fmt: skip
+    score_vjp = None
+    if plan.score_fn is not None:
+        s = jnp.where(allowed, s, 0)  # a blocked cell's score is never looked at
+        n = jnp.arange(plan.N, dtype=jnp.int32).reshape(1, plan.N, 1, 1)
+        cells = (b.reshape(1, 1, 1, 1), n, q_pos.reshape(1, 1, -1, 1), k_pos.reshape(1, 1, 1, -1))
+
+        def modify(s, consts):
+            flat = s.reshape(1, plan.N, *s.shape[2:])
+            out = evaluate_score(lambda *a: plan.score_fn(*a, *consts), flat, *cells)
+            return out.reshape(s.shape)
+
+        if with_vjp:
+            s, score_vjp = jax.vjp(modify, s, tuple(consts))
+        else:
+            s = modify(s, tuple(consts))
+    tanh = None
+    if plan.soft_cap is not None:
+        s = jnp.where(allowed, s, 0)
+        tanh = jnp.tanh(s / plan.soft_cap)
+        s = plan.soft_cap * tanh
+    s = jnp.where(allowed, s, large_negative(s.dtype))
+    return s, allowed, tanh, score_vjp
+
+
+def _forward(plan: PagedPlan, inputs: PagedInputs):
+    """(out (Tq, N, H), lse (Tq, N)) in the softmax's dtype."""
+    q, acc = inputs.query, softmax_dtype(inputs.query.dtype, inputs.key_pages.dtype)
+    neg = large_negative(acc)
+    rows = plan.Tq + plan.block_q  # padded, so that no block's slice is clamped
+    qb = jnp.pad(q.astype(acc), ((0, plan.block_q), (0, 0), (0, 0))) * jnp.asarray(plan.scale, acc)
+    qb = qb.reshape(rows, plan.K, plan.G, plan.H)
+    out = jnp.zeros((rows, plan.K, plan.G, plan.H), acc)
+    lse = jnp.full((rows, plan.K, plan.G), 0, acc)  # set to -inf where unseen at the end
+    seen_heads = jnp.zeros((rows, plan.K, plan.G), bool)
+    count, pair = _pairs(plan, inputs.starts)
+
+    def one_pair(u, carry):
+        out, lse, seen_heads = carry
+        b, first = pair(u)
+        q_pos, real = _rows(plan, inputs, b, first)
+        length = inputs.kv_lengths[b]
+        lo, hi = _key_blocks(plan, q_pos, real, length)
+        qs = jax.lax.dynamic_slice_in_dim(qb, first, plan.block_q)  # (q, K, G, H)
+        qs = jnp.where(real[:, None, None, None], qs, 0)  # another sequence's rows: unread
+        state = (
+            jnp.full((plan.K, plan.G, plan.block_q), neg, acc),  # running maximum
+            jnp.zeros((plan.K, plan.G, plan.block_q), acc),  # running sum
+            jnp.zeros((plan.K, plan.G, plan.block_q, plan.H), acc),  # running output
+        )
+
+        def one_block(j, state):
+            m_old, l_old, o_old = state
+            keys, values, k_pos, _ = _block(plan, inputs, b, j, acc)
+            allowed = _allowed(plan, b, q_pos, real, k_pos, length)
+            keys, values = _unseen_zeroed(plan, keys, values, allowed)
+            s, allowed, _, _ = _scores(plan, qs, keys, b, q_pos, k_pos, allowed, inputs.consts)
+            # shifted twice, both maxima at least `neg`: see the blockwise kernel
+            top = jnp.maximum(s.max(-1), neg)
+            shifted = s - top[..., None]
+            peak = jnp.maximum(shifted.max(-1), neg)
+            p = jnp.where(allowed, jnp.exp(jnp.minimum(shifted - peak[..., None], 0)), 0)
+            m_block = top + peak
+            m_new = jnp.maximum(m_old, m_block)
+            rescale, weight = jnp.exp(m_old - m_new), jnp.exp(m_block - m_new)
+            l_new = l_old * rescale + p.sum(-1) * weight
+            pv = jnp.einsum("KGqk,kKH->KGqH", p, values)
+            o_new = o_old * rescale[..., None] + pv * weight[..., None]
+            return m_new, l_new, o_new
+
+        m, l, o = jax.lax.fori_loop(lo, hi, one_block, state)
+        seen = (l != 0) & real[None, None]  # (K, G, q): NaN content counts as seen
+        o = o / jnp.where(seen, l, 1)[..., None]
+        block_lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), 0)
+        o = jnp.einsum("KGqH->qKGH", jnp.where(seen[..., None], o, 0))
+        block_lse, seen = jnp.einsum("KGq->qKG", block_lse), jnp.einsum("KGq->qKG", seen)
+        keep = real[:, None, None, None]  # only the pair's own rows are written
+        old = jax.lax.dynamic_slice_in_dim(out, first, plan.block_q)
+        out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, o, old), first, 0)
+        old = jax.lax.dynamic_slice_in_dim(lse, first, plan.block_q)
+        lse = jax.lax.dynamic_update_slice_in_dim(
+            lse, jnp.where(keep[..., 0], block_lse, old), first, 0
+        )
+        old = jax.lax.dynamic_slice_in_dim(seen_heads, first, plan.block_q)
+        new = jnp.where(keep[..., 0], seen, old)
+        seen_heads = jax.lax.dynamic_update_slice_in_dim(seen_heads, new, first, 0)
+        return out, lse, seen_heads
+
+    out, lse, seen_heads = jax.lax.fori_loop(0, count, one_pair, (out, lse, seen_heads))
+    out = out[: plan.Tq].reshape(plan.Tq, plan.N, plan.H)
+    lse = lse[: plan.Tq].reshape(plan.Tq, plan.N)
+    seen_heads = seen_heads[: plan.Tq].reshape(plan.Tq, plan.N)
+    # -inf marks a row that sees no key (padding rows too), set once the padding is cut
+    return out, jnp.where(seen_heads, lse, -jnp.inf)
+
+
+def _backward(plan: PagedPlan, inputs: PagedInputs, out, lse, d_out, d_lse):
+    """Gradients of the query, the pools and score_fn's arrays."""
+    acc = lse.dtype
+    rows = plan.Tq + plan.block_q
+    seen = lse != -jnp.inf  # (Tq, N): rows that see a key (NaN included)
+
+    def padded(x, fill=0):
+        return jnp.pad(x, ((0, plan.block_q),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
+
+    qb = padded(jnp.where(seen[..., None], inputs.query.astype(acc), 0)) * jnp.asarray(
+        plan.scale, acc
+    )
+    qb = qb.reshape(rows, plan.K, plan.G, plan.H)
+    dob = padded(d_out.astype(acc)).reshape(rows, plan.K, plan.G, plan.H)
+    delta = (d_out.astype(acc) * out.astype(acc)).sum(-1) - d_lse.astype(acc)  # (Tq, N)
+    delta = padded(delta).reshape(rows, plan.K, plan.G)
+    lse_b = padded(jnp.where(seen, lse, 0)).reshape(rows, plan.K, plan.G)
+    grads = (
+        jnp.zeros((rows, plan.K, plan.G, plan.H), acc),  # dq
+        jnp.zeros(inputs.key_pages.shape, acc),
+        jnp.zeros(inputs.value_pages.shape, acc),
+        tuple(jnp.zeros_like(c) for c in inputs.consts),
+    )
+    count, pair = _pairs(plan, inputs.starts)
+
+    def one_pair(u, grads):
+        dq, dk_pool, dv_pool, d_consts = grads
+        b, first = pair(u)
+        q_pos, real = _rows(plan, inputs, b, first)
+        length = inputs.kv_lengths[b]
+        lo, hi = _key_blocks(plan, q_pos, real, length)
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first,
+                                 slice_size=plan.block_q)  # fmt: skip
+        qs = jnp.where(real[:, None, None, None], take(qb), 0)  # another sequence's: unread
+        dos = take(dob) * real[:, None, None, None]
+        delta_i = jnp.einsum("qKG->KGq", take(delta) * real[:, None, None])
+        lse_i = jnp.einsum("qKG->KGq", take(lse_b))
+
+        def one_block(j, grads):
+            dq_i, dk_pool, dv_pool, d_consts = grads
+            keys, values, k_pos, pages = _block(plan, inputs, b, j, acc)
+            allowed = _allowed(plan, b, q_pos, real, k_pos, length)
+            keys, values = _unseen_zeroed(plan, keys, values, allowed)
+            s, allowed, tanh, score_vjp = _scores(
+                plan, qs, keys, b, q_pos, k_pos, allowed, inputs.consts, with_vjp=True
+            )
+            p = jnp.where(allowed, jnp.exp(jnp.minimum(s - lse_i[..., None], 0)), 0)
+            dp = jnp.einsum("qKGH,kKH->KGqk", dos, values)
+            ds = p * (dp - delta_i[..., None])
+            if tanh is not None:
+                ds = ds * (1 - tanh * tanh)
+            dc = ()
+            if score_vjp is not None:
+                ds, dc = score_vjp(ds)
+            dq_i = dq_i + jnp.einsum("KGqk,kKH->qKGH", ds, keys)
+            dk = jnp.einsum("KGqk,qKGH->kKH", ds, qs)
+            dv = jnp.einsum("KGqk,qKGH->kKH", p, dos)
+            shape = (plan.pages_per_block, plan.page_size, plan.K, plan.H)
+            dk_pool = dk_pool.at[pages].add(dk.reshape(shape))
+            dv_pool = dv_pool.at[pages].add(dv.reshape(shape))
+            d_consts = tuple(x + y for x, y in zip(d_consts, dc, strict=True))
+            return dq_i, dk_pool, dv_pool, d_consts
+
+        zero = jnp.zeros((plan.block_q, plan.K, plan.G, plan.H), acc)
+        dq_i, dk_pool, dv_pool, d_consts = jax.lax.fori_loop(
+            lo, hi, one_block, (zero, dk_pool, dv_pool, d_consts)
+        )
+        old = jax.lax.dynamic_slice_in_dim(dq, first, plan.block_q)
+        new = jnp.where(real[:, None, None, None], old + dq_i, old)
+        return jax.lax.dynamic_update_slice_in_dim(dq, new, first, 0), dk_pool, dv_pool, d_consts
+
+    dq, dk_pool, dv_pool, d_consts = jax.lax.fori_loop(0, count, one_pair, grads)
+    dq = (dq[: plan.Tq] * jnp.asarray(plan.scale, acc)).reshape(inputs.query.shape)
+    return dq, dk_pool, dv_pool, d_consts
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(plan: PagedPlan, inputs: PagedInputs):
+    out, lse = _forward(plan, inputs)
+    return out.astype(inputs.query.dtype), lse
+
+
+def _attend_fwd(plan: PagedPlan, inputs: PagedInputs):
+    out, lse = _forward(plan, inputs)
+    return (out.astype(inputs.query.dtype), lse), (inputs, out, lse)
+
+
+def _attend_bwd(plan: PagedPlan, residuals, cotangents):
+    inputs, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv, d_consts = _backward(plan, inputs, out, lse, d_out, d_lse)
+    grads = PagedInputs(
+        query=dq.astype(inputs.query.dtype), key_pages=dk.astype(inputs.key_pages.dtype),
+        value_pages=dv.astype(inputs.value_pages.dtype), table=None, kv_lengths=None,
+        starts=None, real=None,
+        consts=tuple(g.astype(c.dtype) for g, c in zip(d_consts, inputs.consts, strict=True)),
+    )  # fmt: skip
+    return (grads,)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -1,0 +1,184 @@
+"""The rules of a paged call (``nanoattn.paged_attention``): a page table, key lengths
+and query starts, checked once, and what they say about each query token.
+
+A paged call attends the queries of B sequences at once, token-major: query
+(Tq, N, H) holds sequence b's queries in rows ``query_starts[b] .. query_starts[b+1]
+- 1`` (FlashAttention's ``cu_seqlens_q``); rows past ``query_starts[B]`` are padding.
+Keys and values sit in a pool of pages, (P, page_size, K, H) each; sequence b's j-th
+page is ``page_table[b, j]``, and it holds ``kv_lengths[b]`` keys, this call's
+included, so its ``q_len = query_starts[b+1] - query_starts[b]`` queries are its last
+positions ``kv_lengths[b] - q_len + i``. Entries of the page table past the pages a
+sequence holds are never read, whatever they hold.
+
+What cannot be checked under ``jit`` (a page id outside the pool, lengths outside
+[q_len, max_pages * page_size], decreasing query starts) makes the rows of the
+sequences concerned NaN (:func:`token_layout`'s ``broken``), and no page outside the
+pool is ever read (:func:`safe_page_table`). Axis letters: B sequences, Tq query
+tokens, P pages, M pages per sequence at most, S = M * page_size the most keys a
+sequence holds.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .validate import as_array, expect_floating, expect_integer, expect_shape
+
+
+class TokenLayout(NamedTuple):
+    """What the paged rules say about each query token (Tq,), traced or not.
+
+    Attributes:
+      sequence: int32, the sequence of each row (0 for a padding or broken row, which
+        reads nothing).
+      position: int32, each row's position in its sequence (0 where not ``real``).
+      real: bool, the rows that belong to one sequence and are not broken.
+      broken: bool, the rows of sequences whose page table, lengths or starts are
+        invalid (their outputs are NaN).
+      sequence_broken: bool (B,), the sequences those rows belong to.
+    """
+
+    sequence: jax.Array
+    position: jax.Array
+    real: jax.Array
+    broken: jax.Array
+    sequence_broken: jax.Array
+
+
+def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_starts):
+    """The arrays of a paged call, checked: shapes, dtypes, and, when concrete, the
+    values of the page table (held pages inside the pool), the lengths (in [q_len,
+    M * page_size]) and the starts (non-decreasing, from 0, at most Tq).
+
+    Returns:
+      ``(query, key_pages, value_pages, page_table, kv_lengths, query_starts)`` as
+      jax arrays, and the sizes ``(Tq, N, H, P, page_size, K, B, M)``.
+
+    Raises:
+      ValueError: a shape problem, or an invalid value naming the argument and the row.
+      TypeError: a dtype of the wrong kind.
+    """
+    query = as_array("query", query, "an array (Tq, N, H)")
+    key_pages = as_array("key_pages", key_pages, "an array (P, page_size, K, H)")
+    value_pages = as_array("value_pages", value_pages, "an array (P, page_size, K, H)")
+    expect_shape("query", query.shape, "Tq N H", (None,) * 3)
+    Tq, N, H = query.shape
+    expect_shape("key_pages", key_pages.shape, "P page_size K H", (None, None, None, H))
+    P, page_size, K, _ = key_pages.shape
+    expect_shape("value_pages", value_pages.shape, "P page_size K H", (P, page_size, K, H))
+    if K == 0 or N % K != 0:
+        raise ValueError(
+            f"the number of query heads N={N} must be a multiple of the number of key/value "
+            f"heads K={K} (query (Tq, N, H) = {query.shape}, key_pages (P, page_size, K, H) "
+            f"= {key_pages.shape})"
+        )
+    if page_size == 0:
+        raise ValueError(f"key_pages must hold pages of at least one key, got {key_pages.shape}")
+    for name, x in (("query", query), ("key_pages", key_pages), ("value_pages", value_pages)):
+        expect_floating(name, x.dtype)
+    page_table = as_array("page_table", page_table, "an int array (B, max_pages)")
+    expect_integer("page_table", page_table.dtype)
+    expect_shape("page_table", page_table.shape, "B max_pages", (None, None))
+    B, M = page_table.shape
+    kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
+    expect_integer("kv_lengths", kv_lengths.dtype)
+    expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
+    query_starts = as_array("query_starts", query_starts, "an int array (B + 1,)")
+    expect_integer("query_starts", query_starts.dtype)
+    expect_shape("query_starts", query_starts.shape, "B+1", (B + 1,))
+    _check_values(page_table, kv_lengths, query_starts, Tq, P, page_size)
+    arrays = (query, key_pages, value_pages, page_table, kv_lengths, query_starts)
+    return arrays, (Tq, N, H, P, page_size, K, B, M)
+
+
+def _concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _check_values(page_table, kv_lengths, query_starts, Tq: int, P: int, page_size: int):
+    """The concrete checks of :func:`check_paged` (a traced argument is left to
+    :func:`token_layout`, which makes the rows concerned NaN)."""
+    M = page_table.shape[1]
+    if _concrete(query_starts):
+        starts = np.asarray(query_starts)
+        if starts[0] != 0:
+            raise ValueError(f"query_starts[0] must be 0, got {int(starts[0])}")
+        drops = np.flatnonzero(np.diff(starts) < 0)
+        if drops.size:
+            b = int(drops[0]) + 1
+            raise ValueError(
+                f"query_starts must be non-decreasing, got query_starts[{b}]="
+                f"{int(starts[b])} < query_starts[{b - 1}]={int(starts[b - 1])}"
+            )
+        if starts[-1] > Tq:
+            raise ValueError(
+                f"query_starts[{len(starts) - 1}]={int(starts[-1])} is past the query's "
+                f"Tq={Tq} rows"
+            )
+    if _concrete(kv_lengths, query_starts):
+        lengths, q_lens = np.asarray(kv_lengths), np.diff(np.asarray(query_starts))
+        bad = np.flatnonzero((lengths < q_lens) | (lengths > M * page_size))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"kv_lengths must be in [q_len, max_pages * page_size] = [{int(q_lens[b])}, "
+                f"{M * page_size}] for each sequence (its queries are its last positions), "
+                f"got kv_lengths[{b}]={int(lengths[b])}"
+            )
+    if _concrete(page_table, kv_lengths):
+        table, lengths = np.asarray(page_table), np.asarray(kv_lengths)
+        held = np.arange(M)[None] < -(-lengths[:, None] // page_size)  # (B, M)
+        bad = np.argwhere(held & ((table < 0) | (table >= P)))
+        if bad.size:
+            b, j = (int(i) for i in bad[0])
+            raise ValueError(
+                f"page_table[{b}, {j}]={int(table[b, j])} is not a page of the pool "
+                f"(P={P}); sequence {b} holds {int(lengths[b])} keys, so its first "
+                f"{-(-int(lengths[b]) // page_size)} entries are read"
+            )
+
+
+def held_pages(kv_lengths, page_size: int, M: int):
+    """(B, M) bool: the entries of the page table each sequence holds."""
+    pages = (kv_lengths + page_size - 1) // page_size  # (B,)
+    return jnp.arange(M)[None] < pages[:, None]
+
+
+def safe_page_table(page_table, kv_lengths, page_size: int, P: int):
+    """The page table with every entry a sequence does not hold, and every id outside
+    [0, P), replaced by page 0: what a kernel may read without ever leaving the pool
+    (the rows that would read a bad page are NaN, :func:`token_layout`)."""
+    held = held_pages(kv_lengths, page_size, page_table.shape[1])
+    inside = (page_table >= 0) & (page_table < P)
+    return jnp.where(held & inside, page_table, 0).astype(jnp.int32)
+
+
+def token_layout(page_table, kv_lengths, query_starts, Tq: int, P: int, page_size: int):
+    """The :class:`TokenLayout` of a paged call's Tq query rows (traced or not).
+
+    A sequence is broken when its query count is negative, its rows overlap another
+    sequence's, its lengths are outside [q_len, M * page_size], or a page it holds is
+    outside the pool; every row it covers is then broken. ``query_starts[0] != 0``
+    breaks the rows before it; rows at or past ``query_starts[B]`` are padding."""
+    M = page_table.shape[1]
+    starts = query_starts.astype(jnp.int32)
+    q_lens = starts[1:] - starts[:-1]  # (B,)
+    held = held_pages(kv_lengths, page_size, M)
+    bad_page = (held & ((page_table < 0) | (page_table >= P))).any(axis=1)
+    bad_length = (kv_lengths < q_lens) | (kv_lengths > M * page_size)
+    overlap = jnp.concatenate([jnp.zeros((1,), bool), starts[1:-1] < starts[:-2]])
+    sequence_broken = (q_lens < 0) | bad_length | bad_page | overlap  # (B,)
+    t = jnp.arange(Tq, dtype=jnp.int32)[:, None]  # (Tq, 1)
+    member = (starts[None, :-1] <= t) & (t < starts[None, 1:])  # (Tq, B)
+    count = member.sum(axis=1)
+    sequence = jnp.argmax(member, axis=1).astype(jnp.int32)  # the first; 0 where none
+    broken = (count > 1) | (member & sequence_broken[None]).any(axis=1)
+    broken = broken | ((t[:, 0] < starts[0]) & (starts[0] != 0))  # rows before the start
+    real = (count == 1) & ~broken
+    i = t[:, 0] - starts[sequence]  # the row's index among its sequence's queries
+    position = kv_lengths[sequence] - q_lens[sequence] + i
+    position = jnp.where(real, position, 0).astype(jnp.int32)
+    sequence = jnp.where(real, sequence, 0)
+    return TokenLayout(sequence, position, real, broken, sequence_broken)

@@ -1,0 +1,100 @@
+"""``paged_attention``: attention of many sequences at once over a pool of key/value
+pages, each sequence a mix of any number of new queries (a prefill chunk, one decode
+token, a speculative chunk), in one call (docs/decoding.md, "Paged caches")."""
+
+import jax.numpy as jnp
+
+from .api import attend
+from .base.rules import Rules
+from .base.validate import check_scale
+
+
+def paged_attention(
+    query,
+    key_pages,
+    value_pages,
+    page_table,
+    kv_lengths,
+    query_starts,
+    *,
+    scale=None,
+    is_causal: bool = True,
+    window=None,
+    logit_soft_cap: float | None = None,
+    sinks=None,
+    mask_fn=None,
+    score_fn=None,
+    return_residual: bool = False,
+    implementation=None,
+):
+    r"""Attention of B sequences over a paged KV cache, their queries token-major.
+
+    .. math::
+
+       \mathrm{out}_{tnh} = \sum_{j \in \mathrm{allowed}(t)}
+         \mathrm{softmax}_j(\mathrm{scale}\; q_{tn} \cdot k^{(b)}_{j, n/G})\, v^{(b)}_{j, n/G}
+
+    where row t belongs to sequence b (``query_starts[b] <= t < query_starts[b+1]``),
+    and sequence b's key j sits in slot ``j % page_size`` of page
+    ``page_table[b, j // page_size]``. Sequence b holds ``kv_lengths[b]`` keys, this
+    call's included: its ``q_len = query_starts[b+1] - query_starts[b]`` queries are its
+    last positions ``kv_lengths[b] - q_len + i``, and causality, windows, the soft-cap,
+    sinks, ``mask_fn`` and ``score_fn`` mean exactly what they mean in
+    :func:`nanoattn.dot_product_attention` at those positions (``mask_fn(b, n, q_pos,
+    k_pos)`` sees the sequence b, the head, the query's position and the key's
+    position, never a page or a slot). One call takes any mix: a 512-token prefill
+    chunk of one sequence, one decode token of seven others, a speculative chunk of
+    another. Axis letters: Tq query tokens of all sequences, B sequences, P pages,
+    M pages per sequence at most, N query heads, K key/value heads (dividing N), H
+    head width.
+
+    Args:
+      query: (Tq, N, H); rows past ``query_starts[B]`` are padding (static shapes
+        under ``jit``): their outputs are zeros.
+      key_pages, value_pages: (P, page_size, K, H), the pool.
+      page_table: int (B, M): sequence b's j-th page. Entries past the
+        ``ceil(kv_lengths[b] / page_size)`` a sequence holds are never read,
+        whatever they hold.
+      kv_lengths: int (B,): the keys sequence b holds, this call's included.
+      query_starts: int (B + 1,), non-decreasing from 0 (FlashAttention's
+        ``cu_seqlens_q``).
+      scale: factor on ``q . k``; default ``1 / sqrt(H)``.
+      is_causal: a query at position p sees keys at positions <= p (default True:
+        decoding); False lets every query see every key its sequence holds.
+      window, logit_soft_cap, sinks, mask_fn, score_fn, return_residual: as in
+        :func:`nanoattn.dot_product_attention`.
+      implementation: ``"xla"`` (gathers each row's pages: the reference),
+        ``"flash"`` (blockwise over the pages each sequence holds), ``"native"``
+        (the C++ CPU kernel, reading the pool through the page table), or None for
+        the fastest that can serve the call.
+
+    Returns:
+      (Tq, N, H) in the query's dtype; with ``return_residual`` also the
+      log-sum-exp (Tq, N), ``-inf`` for a row that sees no key (padding rows).
+
+    Raises:
+      ValueError: a shape problem; and, when concrete, a page id outside [0, P)
+        among the pages a sequence holds, ``kv_lengths[b]`` above ``M * page_size``
+        or below sequence b's q_len, or ``query_starts`` that do not start at 0,
+        decrease or pass Tq, naming the argument and the row. Under ``jit``, where
+        they cannot be checked, the rows of the sequences concerned are NaN and no
+        other row changes; no page outside the pool is ever read.
+
+    Example:
+      >>> import jax.numpy as jnp, nanoattn
+      >>> pages = jnp.ones((6, 4, 2, 8))  # (P, page_size, K, H)
+      >>> table = jnp.array([[3, 1], [5, 0]])  # sequence 0: pages 3, 1; sequence 1: 5, 0
+      >>> q = jnp.ones((4, 2, 8))  # a chunk of 3 queries of sequence 0, one of sequence 1
+      >>> out = nanoattn.paged_attention(q, pages, pages, table, jnp.array([7, 5]),
+      ...                                jnp.array([0, 3, 4]))
+      >>> out.shape
+      (4, 2, 8)
+    """
+    rules = Rules.make_paged(
+        query, key_pages, value_pages, page_table, kv_lengths, query_starts,
+        scale=check_scale(scale), is_causal=is_causal, window=window,
+        logit_soft_cap=logit_soft_cap, sinks=sinks, mask_fn=mask_fn, score_fn=score_fn,
+        return_residual=return_residual,
+    )  # fmt: skip
+    query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
+    return attend(query, key_pages, value_pages, rules, implementation=implementation)

@@ -1,0 +1,284 @@
+"""nanoattn.paged_attention against the float64 reference of each sequence alone.
+
+Each sequence's keys are gathered from the pool in numpy through its page table, its
+queries cut from the token-major query, and np_attention (tests/_reference.py) gives
+its rows; padding rows must be zeros (log-sum-exp -inf). Every backend that serves
+the call (tests/_backends.py), outputs, log-sum-exp and gradients (query, pages,
+sinks) on those that differentiate; pages in shuffled physical order, page sizes 1,
+16 and a prime, sequences with no query, NaN and inf in every page and slot a
+sequence must not read, and invalid page tables, lengths and starts: one-line errors
+when concrete, NaN in the rows concerned (and no other row changed) under jit.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nanoattn
+from nanoattn._backends import registry
+
+from _reference import np_attention_vjp, np_lse, randn
+
+N, K, H = 6, 2, 8
+
+
+@functools.cache
+def _jitted(implementation, rules_key):
+    """The paged call and its VJP, jitted once per backend and rules."""
+    rules = dict(rules_key)
+    differentiable = implementation in ("xla", "flash")
+
+    def call(q, kp, vp, table, lengths, starts, sinks):
+        extra = dict(rules)
+        if sinks is not None:
+            extra["sinks"] = sinks
+        return nanoattn.paged_attention(
+            q, kp, vp, table, lengths, starts, return_residual=True,
+            implementation=implementation, **extra,
+        )  # fmt: skip
+
+    @jax.jit
+    def forward_backward(q, kp, vp, table, lengths, starts, sinks, d_out):
+        (out, lse), vjp = jax.vjp(
+            lambda q, kp, vp, sinks: call(q, kp, vp, table, lengths, starts, sinks),
+            q, kp, vp, sinks,
+        )  # fmt: skip
+        grads = vjp((d_out, jnp.zeros_like(lse))) if differentiable else None
+        return out, lse, grads
+
+    return forward_backward
+
+
+class Layout:
+    """A paged batch: B sequences with their lengths and query counts, pages of
+    ``page_size`` placed in shuffled physical order in a pool with spare pages, and
+    the inputs (NaN and inf in every page and slot no sequence may read)."""
+
+    def __init__(self, lengths, q_lens, page_size, seed=0, pad_rows=3, spare=4):
+        rng = np.random.default_rng(seed)
+        self.lengths = np.asarray(lengths, np.int32)
+        self.q_lens = np.asarray(q_lens, np.int32)
+        self.page_size = ps = page_size
+        B = len(lengths)
+        held = [-(-int(n) // ps) for n in lengths]
+        M = max(max(held), 1) + 1  # one entry past every sequence's pages
+        P = sum(held) + spare
+        order = rng.permutation(P)  # physical pages in shuffled order, the spare ones last
+        table = np.full((B, M), -5, np.int32)  # entries past the held pages: garbage
+        used = 0
+        for b, count in enumerate(held):
+            table[b, :count] = order[used : used + count]
+            used += count
+        self.table = table
+        self.starts = np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32)
+        Tq = int(self.starts[-1]) + pad_rows
+        self.q = randn(seed + 1, Tq, N, H)
+        self.q[self.starts[-1] :] = np.nan  # padding rows hold anything
+        kp, vp = randn(seed + 2, P, ps, K, H), randn(seed + 3, P, ps, K, H)
+        readable = np.zeros((P, ps), bool)  # the slots some sequence holds
+        for b in range(B):
+            for j in range(held[b]):
+                slots = min(ps, int(lengths[b]) - j * ps)
+                readable[table[b, j], :slots] = True
+        for i, bad in enumerate((np.nan, np.inf, -np.inf)):  # stale content elsewhere
+            kp[~readable] = np.where(rng.random((~readable).sum())[:, None, None] < 0.5, bad, 0)
+            vp[~readable] = bad if i == 0 else vp[~readable]
+        self.kp, self.vp = kp, vp
+        self.d_out = randn(seed + 4, Tq, N, H)
+        self.d_out[self.starts[-1] :] = 0
+
+    def arrays(self):
+        return (self.q, self.kp, self.vp, self.table, self.lengths, self.starts)
+
+    def sequence(self, b):
+        """Sequence b's queries (1, q_len, N, H), keys and values (1, length, K, H)."""
+        ps, length = self.page_size, int(self.lengths[b])
+        pages = self.table[b, : -(-length // ps)]
+        keys = self.kp[pages].reshape(-1, K, H)[:length][None]
+        values = self.vp[pages].reshape(-1, K, H)[:length][None]
+        rows = slice(self.starts[b], self.starts[b + 1])
+        return self.q[rows][None], keys, values, rows, pages
+
+
+def _allowed(q_len, length, window=None, causal=True, mask=None, b=0):
+    positions = length - q_len + np.arange(q_len)[:, None]
+    j = np.arange(length)[None]
+    allowed = np.ones((q_len, length), bool)
+    if causal:
+        allowed &= j <= positions
+    if window is not None:
+        allowed &= (j >= positions - window[0]) & (j <= positions + window[1])
+    if mask is not None:
+        allowed = allowed[None] & mask(b, np.arange(N)[:, None, None], positions[None], j[None])
+    return allowed
+
+
+def _check(layout, implementation, sinks=None, window=None, causal=True, cap=None,
+           mask=None, np_mask=None):  # fmt: skip
+    rules = dict(window=window, is_causal=causal, logit_soft_cap=cap, mask_fn=mask)
+    rules = {k: v for k, v in rules.items() if v is not None}
+    try:
+        run = _jitted(implementation, tuple(sorted(rules.items(), key=lambda kv: kv[0])))
+        args = [jnp.asarray(x) for x in layout.arrays()]
+        out, lse, grads = run(*args, None if sinks is None else jnp.asarray(sinks),
+                              jnp.asarray(layout.d_out))  # fmt: skip
+    except ValueError as error:
+        pytest.skip(str(error))
+    out, lse = np.asarray(out), np.asarray(lse)
+    end = layout.starts[-1]
+    empty = -np.inf if sinks is None else np.asarray(sinks, np.float32)  # a row with nothing
+    assert (out[end:] == 0).all() and (lse[end:] == empty).all()  # padding rows
+    dq = np.zeros(layout.q.shape)
+    dk, dv = np.zeros(layout.kp.shape), np.zeros(layout.vp.shape)
+    dsinks = np.zeros(N)
+    for b in range(len(layout.lengths)):
+        q, k, v, rows, pages = layout.sequence(b)
+        if q.shape[1] == 0:
+            continue
+        allowed = _allowed(q.shape[1], k.shape[1], window, causal, np_mask, b)
+        d_out = layout.d_out[rows][None]
+        want, g = np_attention_vjp(q, k, v, d_out, allowed, None, None, cap, sinks)
+        where = f"{implementation}, sequence {b}"
+        np.testing.assert_allclose(out[rows], want[0], atol=2e-5, rtol=2e-5, err_msg=where)
+        want_lse = np_lse(q, k, allowed, None, None, cap, sinks)[0]
+        finite = np.isfinite(want_lse)
+        assert (np.isfinite(lse[rows]) == finite).all(), where
+        np.testing.assert_allclose(lse[rows][finite], want_lse[finite], atol=2e-5, rtol=2e-5)
+        dq[rows] = g[0][0]
+        flat = slice(0, k.shape[1])
+        for pool, grad in ((dk, g[1]), (dv, g[2])):
+            full = np.zeros((len(pages) * layout.page_size, K, H))
+            full[flat] = grad[0]
+            np.add.at(pool, pages, full.reshape(len(pages), layout.page_size, K, H))
+        if sinks is not None:
+            dsinks += g[4]
+    if grads is not None:
+        for name, got, want in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
+            got = np.asarray(got)
+            readable = np.isfinite(want) if name == "dq" else slice(None)
+            np.testing.assert_allclose(
+                got[readable], want[readable], atol=1e-4, rtol=1e-4, err_msg=f"{name}"
+            )
+        if sinks is not None:
+            np.testing.assert_allclose(grads[3], dsinks, atol=1e-4, rtol=1e-4)
+
+
+MIXED = dict(lengths=[37, 1, 13, 20, 0, 9], q_lens=[5, 1, 0, 4, 0, 9])
+
+
+@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_a_mixed_batch_equals_each_sequence_alone(name, page_size):
+    _check(Layout(**MIXED, page_size=page_size), name)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_windows_soft_cap_sinks_and_bidirectional_rows(name):
+    layout = Layout(**MIXED, page_size=5, seed=3)
+    _check(layout, name, window=(6, 0), cap=3.0, sinks=randn(9, N))
+    _check(layout, name, causal=False)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_mask_fn_sees_the_sequence_and_positions(name):
+    def mask_fn(b, n, q, k):
+        return (k + b + n) % 3 != 0
+
+    _check(Layout(**MIXED, page_size=5, seed=5), name, mask=mask_fn, np_mask=mask_fn)
+
+
+@pytest.mark.parametrize("name", ["xla", "flash"])
+def test_the_result_does_not_depend_on_where_pages_sit(name):
+    layout = Layout(**MIXED, page_size=5, seed=7)
+    arrays = [jnp.asarray(x) for x in layout.arrays()]
+    call = functools.partial(nanoattn.paged_attention, implementation=name)
+    first = call(*arrays)
+    P = layout.kp.shape[0]
+    moved = np.random.default_rng(1).permutation(P)  # page p moves to slot moved[p]
+    kp, vp = np.empty_like(layout.kp), np.empty_like(layout.vp)
+    kp[moved], vp[moved] = layout.kp, layout.vp
+    table = np.where(layout.table >= 0, moved[np.clip(layout.table, 0, None)], layout.table)
+    second = call(arrays[0], jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table), *arrays[4:])
+    np.testing.assert_array_equal(first, second)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 23), st.integers(0, 6)), min_size=1, max_size=5),
+    st.sampled_from([1, 3, 16]),
+    st.integers(0, 2**16),
+)
+def test_random_layouts_equal_each_sequence_alone(sequences, page_size, seed):
+    lengths = [max(n, q) for n, q in sequences]
+    q_lens = [q for _, q in sequences]
+    _check(Layout(lengths, q_lens, page_size, seed=seed), "flash")
+
+
+def _bad_calls():
+    layout = Layout(**MIXED, page_size=5)
+    q, kp, vp, table, lengths, starts = layout.arrays()
+    bad_table = table.copy()
+    bad_table[3, 1] = 99  # a page sequence 3 holds, outside the pool
+    long = lengths.copy()
+    long[1] = table.shape[1] * 5 + 1
+    short = lengths.copy()
+    short[5] = 8  # below its 9 queries
+    down = starts.copy()
+    down[3] = down[2] - 1  # sequence 2's rows end before they start
+    return layout, {
+        "page id": (dict(page_table=bad_table), r"page_table\[3, 1\]=99 is not a page", [3]),
+        "lengths above": (dict(kv_lengths=long), r"kv_lengths\[1\]=", [1]),
+        "lengths below": (dict(kv_lengths=short), r"kv_lengths\[5\]=8", [5]),
+        "decreasing starts": (dict(query_starts=down), r"query_starts must be non-decreasing", [2, 3]),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["page id", "lengths above", "lengths below", "decreasing starts"])
+def test_invalid_inputs_raise_when_concrete_and_poison_their_rows_under_jit(case):
+    layout, cases = _bad_calls()
+    changes, message, sequences = cases[case]
+    names = ("query", "key_pages", "value_pages", "page_table", "kv_lengths", "query_starts")
+    arrays = dict(zip(names, (jnp.asarray(x) for x in layout.arrays())))
+    good = nanoattn.paged_attention(**arrays, implementation="flash")
+    arrays |= {k: jnp.asarray(v) for k, v in changes.items()}
+    with pytest.raises(ValueError, match=message):
+        nanoattn.paged_attention(**arrays)
+    for name in ("xla", "flash"):
+        bad = np.asarray(
+            jax.jit(functools.partial(nanoattn.paged_attention, implementation=name))(**arrays)
+        )
+        starts = np.asarray(arrays["query_starts"])
+        hit = np.zeros(bad.shape[0], bool)
+        for b in sequences:
+            hit[min(starts[b], starts[b + 1]) : max(starts[b], starts[b + 1])] = True
+        if case == "decreasing starts":  # rows of sequence 3 that overlap sequence 1's
+            hit[starts[3] : layout.starts[3]] = True
+        assert np.isnan(bad[hit]).all(), name
+        np.testing.assert_allclose(bad[~hit], np.asarray(good)[~hit], atol=2e-5, err_msg=name)
+
+
+def test_flash_memory_grows_with_the_block_not_the_page_table():
+    """Compiled temporaries of the flash kernel at 64 and at 512 pages per sequence (the
+    same tokens held): O(pages held and blocks), never O(B * capacity)."""
+
+    def temp_bytes(M):
+        Tq, B, ps, P = 20, 4, 16, 64
+        shapes = (
+            jax.ShapeDtypeStruct((Tq, N, H), jnp.float32),
+            jax.ShapeDtypeStruct((P, ps, K, H), jnp.float32),
+            jax.ShapeDtypeStruct((P, ps, K, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, M), jnp.int32),
+            jax.ShapeDtypeStruct((B,), jnp.int32),
+            jax.ShapeDtypeStruct((B + 1,), jnp.int32),
+        )
+        call = functools.partial(nanoattn.paged_attention, implementation="flash")
+        return jax.jit(call).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp_bytes(64), temp_bytes(512)
+    per_token_capacity = 4 * 512 * 16 * K * H * 4  # B * capacity keys, f32
+    assert large < small + 4 * 512 * 16 and large < per_token_capacity / 8, (small, large)
