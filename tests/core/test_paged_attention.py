@@ -221,7 +221,7 @@ def test_random_layouts_equal_each_sequence_alone(sequences, page_size, seed):
 
 def _bad_calls():
     layout = Layout(**MIXED, page_size=5)
-    q, kp, vp, table, lengths, starts = layout.arrays()
+    _, _, _, table, lengths, starts = layout.arrays()
     bad_table = table.copy()
     bad_table[3, 1] = 99  # a page sequence 3 holds, outside the pool
     long = lengths.copy()
