@@ -234,7 +234,9 @@ def _bad_calls():
         "page id": (dict(page_table=bad_table), r"page_table\[3, 1\]=99 is not a page", [3]),
         "lengths above": (dict(kv_lengths=long), r"kv_lengths\[1\]=", [1]),
         "lengths below": (dict(kv_lengths=short), r"kv_lengths\[5\]=8", [5]),
-        "decreasing starts": (dict(query_starts=down), r"query_starts must be non-decreasing", [2, 3]),
+        "decreasing starts": (
+            dict(query_starts=down), r"query_starts must be non-decreasing", [2, 3]
+        ),
     }  # fmt: skip
 
 
