@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from .._core.api import attention_weights, dot_product_attention
 from .._core.base.trace import check_shape
+from .._core.paged import paged_attention
 from .._core.rope import apply_rope
 from .config import AttentionConfig
 from .sharded import attend_sharded
@@ -93,7 +94,27 @@ def attend(
     ``q_offset``, ``mask_fn``, ``score_fn``, ...); the config's ``sinks``
     parameter (N,) joins them here, the one place every layer call passes.
     """
-    B, T, _, _ = q.shape
+    out = core(params, q, k, v, cfg, deterministic, **mask_args)
+    return project_out(params, cfg, out, dtype)
+
+
+def paged_core(params: Parameters, cfg: AttentionConfig, q, key_pages, value_pages, pages,
+               **rules):  # fmt: skip
+    """The core attention of a paged decoding step: ``nanoattn.paged_attention`` of the
+    token-major queries q (1, Tq, N, H) over the layer's pools (P, page_size, K, H),
+    through ``pages`` (a :class:`~nanoattn._layers.caches.paged.PagedBatch`), with the
+    config's sinks and soft-cap: (1, Tq, N, H)."""
+    if cfg.sinks:
+        rules["sinks"] = params.sinks()  # (N,)
+    out = paged_attention(
+        q[0], key_pages, value_pages, pages.page_table, pages.kv_lengths, pages.query_starts,
+        logit_soft_cap=cfg.logit_soft_cap, implementation=cfg.implementation, **rules,
+    )  # fmt: skip
+    return out[None]
+
+
+def core(params: Parameters, q, k, v, cfg: AttentionConfig, deterministic: bool, **mask_args):
+    """The core attention of a layer call, per head: (B, T, N, H) (:func:`attend`)."""
     rate = 0.0 if deterministic else cfg.dropout
     rng = params.dropout_rng() if rate > 0.0 else None
     if cfg.sinks:
@@ -106,6 +127,12 @@ def attend(
     else:  # sharded over a mesh: nanoattn.parallel
         out = attend_sharded(cfg, q, k, v, dropout_rate=rate, dropout_rng=rng, **mask_args)
     params.sow_weights(lambda: attention_weights(q, k, **mask_args))
+    return out
+
+
+def project_out(params: Parameters, cfg: AttentionConfig, out, dtype):
+    """The heads (B, T, N, H) concatenated and projected: (B, T, D)."""
+    B, T = out.shape[:2]
     merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)
     check_shape(
         merged,

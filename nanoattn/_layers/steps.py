@@ -21,8 +21,11 @@ from .heads import (
     Parameters,
     attend,
     compute_dtype,
+    core,
     core_options,
     normalize_qk,
+    paged_core,
+    project_out,
     rotate_qk,
     split_heads,
 )
@@ -130,6 +133,7 @@ def decode(
     deterministic: bool,
     mask=None,
     lengths=None,
+    pages=None,
     mask_fn=None,
     score_fn=None,
     hint: str,
@@ -155,44 +159,38 @@ def decode(
     are poisoned (position -1): NaN in every later call until reset. ``last``
     records each row's real tokens for ``rewind``.
 
+    With a paged cache (``cfg.page_size``), x is (1, Tq, D): the tokens of many
+    sequences, token-major, and ``pages`` (a ``PagedBatch`` from a ``PageAllocator``)
+    says whose they are and where their keys go; the cache is the layer's pool of
+    pages, and positions live on the host with the allocator.
+
     Returns:
       (y (B, T, D), the advanced cache).
     """
-    B, T, D = x.shape
-    expect_shape("x", x.shape, "B T D", (cache.position.shape[0], None, D))
+    B = x.shape[0]
     dtype = compute_dtype(cfg, x)
-    if lengths is None:
-        lengths = jnp.full((B,), T, jnp.int32)
-    lengths = _int_per_token("lengths", lengths, "B", (B,))
+    if lengths is not None:
+        lengths = _int_per_token("lengths", lengths, "B", (B,))
     policy = policy_of(cfg)
-    capacity = policy.capacity(cache)
-    policy.check_capacity(capacity, hint)
-    bad = policy.broken_rows(cache.position, lengths, T, capacity, hint)  # (B,) or raises
-    lengths = jnp.where(bad, 0, lengths)  # a broken row writes nothing
-    start = jnp.maximum(cache.position, 0)
+    layout = policy.prepare(cache, x.shape, lengths=lengths, pages=pages, hint=hint)
     q, k, v = _project_qkv(params, cfg, x, dtype)
-    q, k = rotate_qk(cfg, q, k, start[:, None] + jnp.arange(T)[None, :])  # (B, T) positions
-    cache = policy.write(cache, k, v, start, lengths)
-    end = start + lengths  # (B,)
-    keys, values, rules = policy.read(cache, end, mask_fn=mask_fn, score_fn=score_fn)
-    y = attend(
-        params,
-        q,
-        keys.astype(dtype),
-        values.astype(dtype),
-        cfg,
-        deterministic,
-        dtype,
-        mask=mask,
-        q_offset=start,
-        **rules,
-        **core_options(cfg, positional=False),  # the window is in the read rules
+    q, k = rotate_qk(cfg, q, k, layout.positions)  # (B, T) positions
+    cache = policy.write_step(cache, k, v, layout)
+    options = core_options(cfg, positional=False)  # the window is the policy's
+
+    def dense(q, keys, values, **rules):
+        return core(params, q, keys, values, cfg, deterministic, **rules, **options)
+
+    def paged(q, key_pages, value_pages, batch, **rules):
+        return paged_core(params, cfg, q, key_pages, value_pages, batch, **rules)
+
+    out = policy.attention(
+        cache, layout, q, dense=dense, paged=paged, mask=mask, mask_fn=mask_fn, score_fn=score_fn
     )
-    real = jnp.arange(T)[None, :] < lengths[:, None]  # (B, T)
-    y = jnp.where(real[..., None], y, 0)
-    y = jnp.where(bad[:, None, None], jnp.nan, y).astype(y.dtype)  # only under jit
-    advanced = cache._replace(position=end.astype(jnp.int32), last=lengths.astype(jnp.int32))
-    return y, policy.poison(advanced, bad)
+    y = project_out(params, cfg, out, dtype)
+    y = jnp.where(layout.real[..., None], y, 0)
+    y = jnp.where(layout.broken[..., None], jnp.nan, y).astype(y.dtype)  # only under jit
+    return y, policy.advance(cache, layout)
 
 
 def cross_attention(

@@ -9,11 +9,11 @@ from typing import ClassVar
 
 from .. import positional
 from .kv_cache import Rule
-from .policy import CachePolicy, positions
+from .policy import SlotCache, positions
 
 
 @dataclasses.dataclass(frozen=True)
-class FullCache(CachePolicy):
+class FullCache(SlotCache):
     """The policy of a full cache for a layer with ``window`` (None or ``(left,
     right)``) and ``sink_tokens`` S0 (the first S0 positions stay visible)."""
 

@@ -22,26 +22,57 @@ what it means:
   (position ``kv_cache.POISONED``, -1), one rewind;
 * ``empty(batch, capacity, kv_heads, head_dim, dtype)``: a fresh cache.
 
+A decoding step (``steps.decode``) asks four questions of every kind and nothing
+else: ``prepare`` (where the chunk's tokens sit, which are real, which the call
+cannot serve: a :class:`StepLayout`), ``write_step``, ``attention`` (the core call
+that reads only what each query may see) and ``advance``.
+
 The kinds: ``full.FullCache`` (position j in slot j) and ``rolling.RollingCache``
-(a ring of slots that keeps the sink tokens); ``kinds.policy_of(config)`` picks a
-layer's. Axis letters (docs/conventions.md): B batch, L chunk length, S capacity,
-K key/value heads, H head width.
+(a ring of slots that keeps the sink tokens), both :class:`SlotCache` (a row of
+slots per batch row); ``paged.PagedCache`` (a pool of pages shared by every
+sequence, read through a page table kept on the host by a ``PageAllocator``);
+``kinds.policy_of(config)`` picks a layer's. Axis letters (docs/conventions.md):
+B batch, L chunk length, S capacity, K key/value heads, H head width.
 """
 
 import abc
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
+from ..._core.base.validate import expect_shape
 from . import kv_cache
 from .kv_cache import KVCache, Rule
 
 
-class CachePolicy(abc.ABC):
-    """What a kind of KV cache answers; see the module docstring. The concrete
-    methods are the same for every kind so far; a kind overrides them when its state
-    differs (a paged cache writes and reads through its page table)."""
+class StepLayout(NamedTuple):
+    """Where a decoding step's tokens sit, as its cache policy says (:meth:`prepare`).
 
-    name: str  # "full", "rolling": for messages
+    Attributes:
+      positions: int32 (B, L): each token's position (what RoPE rotates by).
+      real: bool (B, L): the tokens that are written, whose outputs are kept (the
+        others' are zeros).
+      broken: bool (B, L): the tokens of rows the call cannot serve (only under
+        ``jit``, where that cannot raise): their outputs are NaN.
+      start, lengths: int32 (B,) each, a slot cache's: the first position of each
+        row's chunk and its real tokens; None for a paged cache.
+      pages: a paged cache's :class:`~nanoattn._layers.caches.paged.PagedBatch`;
+        None otherwise.
+    """
+
+    positions: jax.Array
+    real: jax.Array
+    broken: jax.Array
+    start: Any = None
+    lengths: Any = None
+    pages: Any = None
+
+
+class CachePolicy(abc.ABC):
+    """What a kind of KV cache answers; see the module docstring."""
+
+    name: str  # "full", "rolling", "paged": for messages
     wraps: bool  # decoding goes on past the capacity: a row's position may exceed it
     least_capacity: int  # the fewest slots the cache works with
     least_capacity_rule: str  # what least_capacity is made of, in words, for messages
@@ -59,6 +90,49 @@ class CachePolicy(abc.ABC):
     def chunk_limit(self, capacity: int) -> int | None:
         """The most real tokens one call may bring per row, or None when only the
         capacity bounds them (``fit_rule``)."""
+
+    @abc.abstractmethod
+    def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
+        """The :class:`StepLayout` of a step of a chunk of ``shape`` (B, L, D), after
+        checking the call: ``lengths`` (B,) of a slot cache, or ``pages`` of a paged
+        one. Raises ValueError naming the row when the call is invalid and concrete."""
+
+    @abc.abstractmethod
+    def write_step(self, cache: KVCache, k, v, layout: StepLayout) -> KVCache:
+        """``cache`` with the real tokens' keys and values (B, L, K, H) written."""
+
+    @abc.abstractmethod
+    def attention(self, cache: KVCache, layout: StepLayout, q, *, dense, paged, mask,
+                  mask_fn, score_fn):  # fmt: skip
+        """The per-head output (B, L, N, H) of the queries q (B, L, N, H) over what the
+        cache holds, each reading only what it may see: through ``dense(q, keys,
+        values, **rules)`` (the core's ``dot_product_attention``) or ``paged(q,
+        key_pages, value_pages, pages, **rules)`` (``paged_attention``), whichever the
+        kind's state needs; ``mask_fn`` and ``score_fn`` see positions."""
+
+    @abc.abstractmethod
+    def advance(self, cache: KVCache, layout: StepLayout) -> KVCache:
+        """``cache`` after the step: each row's position moved on by its real tokens,
+        the rows that could not be served poisoned (a kind whose positions are kept on
+        the host returns it as it is)."""
+
+    def poison(self, cache: KVCache, bad) -> KVCache:
+        """The rows ``bad`` poisoned: position -1 and last 0 (``kv_cache.poison``)."""
+        return kv_cache.poison(cache, bad)
+
+    def rewind(self, cache: KVCache, n) -> KVCache:
+        """Each row b moved back by ``n[b]`` tokens (``kv_cache.rewind``)."""
+        return kv_cache.rewind(cache, n)
+
+    def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
+        """A fresh cache of ``capacity`` slots, every row at position 0."""
+        return kv_cache.empty(batch, capacity, kv_heads, head_dim, dtype)
+
+
+class SlotCache(CachePolicy):
+    """A cache of one row of S slots per batch row (the full and the rolling kinds):
+    a row's position lives in the cache, and its own questions say which slot holds
+    which position (:meth:`slots`) and what a query may read (:meth:`read_rules`)."""
 
     @abc.abstractmethod
     def fit_rule(self, position, lengths, chunk: int, capacity: int, hint: str) -> Rule:
@@ -123,17 +197,48 @@ class CachePolicy(abc.ABC):
         rules = self.read_rules(end, self.capacity(cache), mask_fn=mask_fn, score_fn=score_fn)
         return cache.key, cache.value, rules
 
-    def poison(self, cache: KVCache, bad) -> KVCache:
-        """The rows ``bad`` poisoned: position -1 and last 0 (``kv_cache.poison``)."""
-        return kv_cache.poison(cache, bad)
+    def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
+        """Rows of B (the cache's), each bringing its first ``lengths[b]`` (default L)
+        tokens at its position; a row the call cannot serve (:meth:`broken_rows`)
+        writes nothing and is broken."""
+        B, L, _ = shape
+        if pages is not None:
+            raise ValueError(
+                f"pages= is for a paged KV cache (AttentionConfig(page_size=...)); this "
+                f"layer's cache is {self.name}: pass lengths= for ragged rows"
+            )
+        expect_shape("x", shape, "B T D", (cache.position.shape[0], None, shape[2]))
+        capacity = self.capacity(cache)
+        self.check_capacity(capacity, hint)
+        if lengths is None:
+            lengths = jnp.full((B,), L, jnp.int32)
+        bad = self.broken_rows(cache.position, lengths, L, capacity, hint)  # or raises
+        lengths = jnp.where(bad, 0, lengths).astype(jnp.int32)  # a broken row writes nothing
+        start = jnp.maximum(cache.position, 0).astype(jnp.int32)
+        real = jnp.arange(L)[None, :] < lengths[:, None]  # (B, L)
+        broken = jnp.broadcast_to(jnp.asarray(bad)[:, None], (B, L))
+        return StepLayout(positions(start, L), real, broken, start, lengths)
 
-    def rewind(self, cache: KVCache, n) -> KVCache:
-        """Each row b moved back by ``n[b]`` tokens (``kv_cache.rewind``)."""
-        return kv_cache.rewind(cache, n)
+    def write_step(self, cache: KVCache, k, v, layout: StepLayout) -> KVCache:
+        """:meth:`write` at the rows' starts."""
+        return self.write(cache, k, v, layout.start, layout.lengths)
 
-    def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
-        """A fresh cache of ``capacity`` slots, every row at position 0."""
-        return kv_cache.empty(batch, capacity, kv_heads, head_dim, dtype)
+    def attention(self, cache: KVCache, layout: StepLayout, q, *, dense, paged, mask,
+                  mask_fn, score_fn):  # fmt: skip
+        """``dense`` over the whole row of slots, under :meth:`read_rules`, the queries
+        at their rows' positions (``q_offset`` per row)."""
+        end = layout.start + layout.lengths
+        keys, values, rules = self.read(cache, end, mask_fn=mask_fn, score_fn=score_fn)
+        dtype = q.dtype
+        return dense(
+            q, keys.astype(dtype), values.astype(dtype), mask=mask, q_offset=layout.start, **rules
+        )
+
+    def advance(self, cache: KVCache, layout: StepLayout) -> KVCache:
+        """Each row at its end, ``last`` its real tokens; the broken rows poisoned."""
+        end = layout.start + layout.lengths
+        advanced = cache._replace(position=end.astype(jnp.int32), last=layout.lengths)
+        return self.poison(advanced, layout.broken[:, 0])
 
 
 def positions(start, chunk: int):

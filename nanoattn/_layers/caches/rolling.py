@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from .. import positional
 from .kv_cache import Rule
-from .policy import CachePolicy, positions
+from .policy import SlotCache, positions
 
 
 def chunk_limit(capacity: int, window: int, sink_tokens: int) -> int:
@@ -65,7 +65,7 @@ def slot_positions(end, capacity: int, sink_tokens: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class RollingCache(CachePolicy):
+class RollingCache(SlotCache):
     """The policy of a rolling cache for a layer with ``window=(W, 0)`` and
     ``sink_tokens`` S0: a ring of C >= W + 1 + S0 slots, chunks of at most
     C - W - S0 tokens, and every rule of a query in one mask_fn over the positions
