@@ -22,5 +22,8 @@ from ._core.paged import paged_attention as paged_attention
 from ._core.rope import apply_rope as apply_rope
 from ._interop.flax_attention_fn import flax_attention_fn as flax_attention_fn
 from ._interop.jax_nn_attention import jax_nn_attention as jax_nn_attention
+from ._layers.caches.allocator import PageAllocator as PageAllocator
+from ._layers.caches.allocator import PoolExhausted as PoolExhausted
+from ._layers.caches.paged import PagedBatch as PagedBatch
 
 __version__ = "0.1.0"

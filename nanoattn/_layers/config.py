@@ -59,6 +59,11 @@ class AttentionConfig:
         keeps the sink tokens and the keys still in view, decodes past any
         length in chunks of at most C - W - ``sink_tokens`` tokens, and
         equals the full windowed forward (docs/decoding.md).
+      page_size: None, or the tokens of a page of a paged KV cache: the layer decodes
+        through a pool of pages shared by many sequences, a step bringing the tokens
+        of any of them token-major (x (1, Tq, D)) with ``pages=``, a ``PagedBatch``
+        of a ``nanoattn.PageAllocator`` (docs/decoding.md, "Paged caches"). Not with
+        ``rolling_cache`` or ``sequence_axis``.
       sink_tokens: S0 >= 0, needs a ``window``: the first S0 positions stay
         visible to every later query in addition to the window (StreamingLLM),
         in training and decoding; a rolling cache keeps their slots. Not the
@@ -105,6 +110,7 @@ class AttentionConfig:
     sinks: bool = False
     rolling_cache: bool = False
     sink_tokens: int = 0
+    page_size: int | None = None
 
     def __post_init__(self):
         for name in ("d_model", "n_heads"):
@@ -130,9 +136,27 @@ class AttentionConfig:
         for name in ("qk_norm", "use_bias", "sinks", "rolling_cache"):
             expect_flag(name, getattr(self, name))
         self._check_streaming()
+        self._check_paging()
         if self.dtype is not None:
             object.__setattr__(self, "dtype", float_dtype("dtype", self.dtype))
         object.__setattr__(self, "param_dtype", float_dtype("param_dtype", self.param_dtype))
+
+    def _check_paging(self) -> None:
+        size = self.page_size
+        if size is None:
+            return
+        if not _is_int(size) or size < 1:
+            raise ValueError(f"page_size must be an int >= 1 or None, got page_size={size!r}")
+        if self.rolling_cache:
+            raise ValueError(
+                "page_size (a paged KV cache) and rolling_cache=True are two kinds of cache; "
+                "choose one per layer"
+            )
+        if self.sequence_axis is not None:
+            raise ValueError(
+                f"page_size is not supported with sequence_axis={self.sequence_axis!r}: "
+                "the ring has no KV cache"
+            )
 
     def _check_kv_heads(self) -> None:
         K = self.n_kv_heads

@@ -65,7 +65,8 @@ def _project_qkv(params: Parameters, cfg: AttentionConfig, x, dtype):
     return (*normalize_qk(params, cfg, q, k, dtype), v)
 
 
-def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids, lengths):
+def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids, lengths,
+                pages=None):  # fmt: skip
     """Validates a self-attention call's input and its arguments for the mode."""
     expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
     _expect_input_dtype(cfg, "x", x)
@@ -82,6 +83,8 @@ def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids
             "lengths only applies with decode=True; in full-sequence mode pass a "
             "padding mask or segment_ids"
         )
+    elif pages is not None:
+        raise ValueError("pages only applies with decode=True and a paged cache (page_size)")
 
 
 def self_attention(

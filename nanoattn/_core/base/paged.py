@@ -88,7 +88,7 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
     query_starts = as_array("query_starts", query_starts, "an int array (B + 1,)")
     expect_integer("query_starts", query_starts.dtype)
     expect_shape("query_starts", query_starts.shape, "B+1", (B + 1,))
-    _check_values(page_table, kv_lengths, query_starts, Tq, P, page_size)
+    check_paged_values(page_table, kv_lengths, query_starts, Tq, P, page_size)
     arrays = (query, key_pages, value_pages, page_table, kv_lengths, query_starts)
     return arrays, (Tq, N, H, P, page_size, K, B, M)
 
@@ -97,9 +97,10 @@ def _concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def _check_values(page_table, kv_lengths, query_starts, Tq: int, P: int, page_size: int):
-    """The concrete checks of :func:`check_paged` (a traced argument is left to
-    :func:`token_layout`, which makes the rows concerned NaN)."""
+def check_paged_values(page_table, kv_lengths, query_starts, Tq: int, P: int, page_size: int):
+    """The concrete checks of :func:`check_paged`, on the page table, lengths and starts
+    (a traced argument is left to :func:`token_layout`, which makes the rows concerned
+    NaN); the paged cache's steps check their batches with it too."""
     M = page_table.shape[1]
     if _concrete(query_starts):
         starts = np.asarray(query_starts)

@@ -208,6 +208,7 @@ class CausalSelfAttention(nn.Module):
         segment_ids=None,
         decode: bool = False,
         lengths=None,
+        pages=None,
         mask_fn=None,
         score_fn=None,
     ):
@@ -231,6 +232,9 @@ class CausalSelfAttention(nn.Module):
           lengths: only with ``decode=True``: optional int (B,), the real
             tokens of each row of a right-padded chunk, in [0, T]. Row b
             advances by ``lengths[b]``; its outputs at padded tokens are zeros.
+          pages: only with ``decode=True`` and a paged cache (``config.page_size``):
+            the step's ``PagedBatch`` (``nanoattn.PageAllocator.batch``); x is then
+            (1, Tq, D), the new tokens of many sequences token-major.
           mask_fn: optional ``mask_fn(b, n, q_pos, k_pos) -> bool`` (True = may
             attend), ANDed with causality, the window, ``mask``, ``lengths``
             and the segment ids (``nanoattn.dot_product_attention``). Positions
@@ -252,7 +256,13 @@ class CausalSelfAttention(nn.Module):
         """
         cfg = AttentionConfig.from_config(self.config)
         steps.check_input(
-            cfg, x, decode=decode, positions=positions, segment_ids=segment_ids, lengths=lengths
+            cfg,
+            x,
+            decode=decode,
+            positions=positions,
+            segment_ids=segment_ids,
+            lengths=lengths,
+            pages=pages,
         )
         params = _Parameters(self, cfg)
         if not decode:
@@ -304,6 +314,7 @@ class CausalSelfAttention(nn.Module):
             deterministic=deterministic,
             mask=mask,
             lengths=lengths,
+            pages=pages,
             mask_fn=mask_fn,
             score_fn=score_fn,
             hint=hint,

@@ -232,6 +232,7 @@ class CausalSelfAttention(_Attention):
         segment_ids=None,
         decode: bool = False,
         lengths=None,
+        pages=None,
         mask_fn=None,
         score_fn=None,
         deterministic: bool | None = None,
@@ -252,6 +253,9 @@ class CausalSelfAttention(_Attention):
             over everything cached.
           lengths: only with ``decode=True``: optional int (B,), the real
             tokens of each row of a right-padded chunk, in [0, T].
+          pages: only with ``decode=True`` and a paged cache (``config.page_size``):
+            the step's ``PagedBatch`` (``nanoattn.PageAllocator.batch``); x is then
+            (1, Tq, D), the new tokens of many sequences token-major.
           mask_fn: optional ``mask_fn(b, n, q_pos, k_pos) -> bool`` (True = may
             attend), ANDed with causality, the window, ``mask``, ``lengths``
             and the segment ids (``nanoattn.dot_product_attention``). Positions
@@ -271,7 +275,13 @@ class CausalSelfAttention(_Attention):
         """
         cfg = self.config
         steps.check_input(
-            cfg, x, decode=decode, positions=positions, segment_ids=segment_ids, lengths=lengths
+            cfg,
+            x,
+            decode=decode,
+            positions=positions,
+            segment_ids=segment_ids,
+            lengths=lengths,
+            pages=pages,
         )
         params = Parameters(self, rngs)
         deterministic = self._deterministic(deterministic)
@@ -299,6 +309,7 @@ class CausalSelfAttention(_Attention):
             deterministic=deterministic,
             mask=mask,
             lengths=lengths,
+            pages=pages,
             mask_fn=mask_fn,
             score_fn=score_fn,
             hint=_hint(policy_of(cfg)),

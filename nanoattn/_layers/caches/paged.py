@@ -1,0 +1,211 @@
+"""The paged KV cache: every layer keeps a pool of fixed-size pages shared by every
+sequence it serves, and one page table, kept on the host by a
+:class:`~nanoattn._layers.caches.allocator.PageAllocator` and shared by the layers,
+says which pages hold which sequence's keys (docs/decoding.md, "Paged caches").
+
+A decoding step brings the tokens of many sequences at once, token-major (x (1,
+Tq, D)): prefill chunks, decode tokens and speculative chunks mixed. Its
+:class:`PagedBatch` says whose each token is and where its key goes: sequence b's
+``q_len`` new tokens are its last positions ``kv_lengths[b] - q_len + i``, written
+at slot ``p % page_size`` of page ``page_table[b, p // page_size]``, after the
+step's copy-on-write copies (``copies``: a page a fork shares is copied before it is
+written). The attention is ``nanoattn.paged_attention`` over the pool, so a step
+reads only the pages each sequence holds. Positions live on the host with the
+allocator: the cache itself is the pool (``KVCache.key`` and ``value`` (P,
+page_size, K, H); ``position`` and ``last`` are empty), and a rewind is the
+allocator's. Axis letters: Tq tokens of a step, B sequences of a step's batch
+(its rows), M pages per sequence at most, P pages of the pool, C copies.
+"""
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from ..._core.base.paged import check_paged_values, safe_page_table, token_layout
+from ..._core.base.validate import as_array, expect_integer, expect_shape
+from .. import positional
+from .kv_cache import KVCache
+from .policy import CachePolicy, StepLayout
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedBatch:
+    """What a paged decoding step needs of the host's page table (a pytree of int32
+    arrays of static shapes, so that admitting and retiring sequences never
+    recompiles; ``PageAllocator.batch`` makes it).
+
+    Attributes:
+      page_table: (B, M): row b's j-th page.
+      kv_lengths: (B,): the keys row b holds after this step (0 for an unused row).
+      query_starts: (B + 1,): row b's tokens are rows ``query_starts[b] ..
+        query_starts[b + 1] - 1`` of the step's x.
+      copies: (C, 2): pages to copy before writing, ``(source, destination)``; -1
+        for an unused entry.
+    """
+
+    page_table: jax.Array
+    kv_lengths: jax.Array
+    query_starts: jax.Array
+    copies: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCache(CachePolicy):
+    """The policy of a paged cache of pages of ``page_size`` tokens, for a layer with
+    ``window`` (None or ``(left, right)``) and ``sink_tokens``."""
+
+    page_size: int
+    window: tuple[int, int] | None = None
+    sink_tokens: int = 0
+
+    name: ClassVar[str] = "paged"
+    wraps: ClassVar[bool] = False
+
+    @property
+    def least_capacity(self) -> int:
+        """One page."""
+        return self.page_size
+
+    least_capacity_rule: ClassVar[str] = "page_size"
+
+    def capacity(self, cache: KVCache) -> int:
+        """The pool's tokens: P * page_size."""
+        return cache.key.shape[0] * cache.key.shape[1]
+
+    def check_capacity(self, capacity: int, hint: str) -> None:
+        """Raises ValueError unless the pool is whole pages, at least one."""
+        if capacity < self.page_size or capacity % self.page_size:
+            raise ValueError(
+                f"a paged KV cache holds whole pages of page_size={self.page_size} tokens: its "
+                f"capacity must be a positive multiple of it, got {capacity}; {hint}"
+            )
+
+    def chunk_limit(self, capacity: int) -> None:
+        """None: a step may bring any number of tokens of a sequence that its pages hold."""
+        return None
+
+    def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
+        """A pool of ``capacity / page_size`` pages (``batch`` is not the pool's: any
+        number of sequences share it), with no row state."""
+        self.check_capacity(capacity, "init with a length that is a multiple of page_size")
+        pool = jnp.zeros((capacity // self.page_size, self.page_size, kv_heads, head_dim), dtype)
+        none = jnp.zeros((0,), jnp.int32)
+        return KVCache(pool, pool, none, none)
+
+    def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
+        """The tokens' sequences and positions from ``pages`` (invalid page tables,
+        lengths and starts raise when concrete; under ``jit`` their tokens are broken:
+        NaN outputs, and they are never written)."""
+        if lengths is not None:
+            raise ValueError(
+                "lengths= is for a slot cache; a paged step's tokens and their sequences "
+                "come from pages= (a PagedBatch from PageAllocator.batch)"
+            )
+        if pages is None:
+            raise ValueError(
+                "a paged KV cache (page_size) decodes with pages=, a PagedBatch from "
+                "PageAllocator.batch: whose each token is and where its key goes"
+            )
+        if not isinstance(pages, PagedBatch):
+            raise TypeError(f"pages must be a PagedBatch (PageAllocator.batch), got {pages!r}")
+        if shape[0] != 1:
+            raise ValueError(
+                f"x of a paged step must be (1, Tq, D), every sequence's tokens token-major, "
+                f"got {tuple(shape)}"
+            )
+        Tq, P = shape[1], cache.key.shape[0]
+        table = _ints("page_table", pages.page_table, "B M", (None, None))
+        B = table.shape[0]
+        lengths = _ints("kv_lengths", pages.kv_lengths, "B", (B,))
+        starts = _ints("query_starts", pages.query_starts, "B+1", (B + 1,))
+        copies = _ints("copies", pages.copies, "C 2", (None, 2))
+        check_paged_values(table, lengths, starts, Tq, P, self.page_size)
+        _check_copies(copies, P)
+        layout = token_layout(table, lengths, starts, Tq, P, self.page_size)
+        pages = PagedBatch(table, lengths, starts, copies)
+        return StepLayout(
+            layout.position[None], layout.real[None], layout.broken[None], pages=pages
+        )
+
+    def write_step(self, cache: KVCache, k, v, layout: StepLayout) -> KVCache:
+        """The step's copies first (copy-on-write of shared pages), then each real
+        token's key and value at its slot of its sequence's page; other tokens are
+        never written."""
+        pages = layout.pages
+        P, ps = cache.key.shape[:2]
+        copies = pages.copies
+        used = (copies[:, 0] >= 0) & (copies[:, 0] < P) & (copies[:, 1] >= 0) & (copies[:, 1] < P)
+        source = jnp.where(used, copies[:, 0], 0)
+        target = jnp.where(used, copies[:, 1], P)  # P: dropped
+        layout_t = token_layout(
+            pages.page_table, pages.kv_lengths, pages.query_starts, k.shape[1], P, ps
+        )
+        table = safe_page_table(pages.page_table, pages.kv_lengths, ps, P)
+        position = layout_t.position
+        page = table[layout_t.sequence, position // ps]
+        page = jnp.where(layout_t.real, page, P)  # padding and broken tokens: dropped
+        slot = position % ps
+
+        def write(pool, new):
+            pool = pool.at[target].set(pool[source], mode="drop")
+            return pool.at[page, slot].set(new[0].astype(pool.dtype), mode="drop")
+
+        return cache._replace(key=write(cache.key, k), value=write(cache.value, v))
+
+    def attention(self, cache: KVCache, layout: StepLayout, q, *, dense, paged, mask,
+                  mask_fn, score_fn):  # fmt: skip
+        """``paged`` over the pool: causal, the window (or, with sink tokens, a mask_fn
+        that keeps them) and the user's functions at the sequence's positions."""
+        if mask is not None:
+            raise ValueError(
+                "mask is not served by a paged KV cache (its keys are no (B, S) row); "
+                "give the rule as mask_fn, which sees each key's position"
+            )
+        window_or_sink = positional.window_mask(self.window, self.sink_tokens)
+        rules = dict(
+            is_causal=True, mask_fn=positional.and_masks(window_or_sink, mask_fn),
+            score_fn=score_fn,
+        )  # fmt: skip
+        if not self.sink_tokens:
+            rules["window"] = self.window
+        dtype = q.dtype
+        return paged(q, cache.key.astype(dtype), cache.value.astype(dtype), layout.pages, **rules)
+
+    def advance(self, cache: KVCache, layout: StepLayout) -> KVCache:
+        """The pool as written: positions live on the host (the allocator)."""
+        return cache
+
+    def rewind(self, cache: KVCache, n) -> KVCache:
+        """Raises ValueError: a paged cache rewinds on the host."""
+        raise ValueError(
+            "a paged KV cache rewinds through its PageAllocator (allocator.rewind(seq_id, "
+            "n)): the positions live on the host, not in the cache"
+        )
+
+    def poison(self, cache: KVCache, bad) -> KVCache:
+        """The pool as it is: a paged step's broken tokens are never written."""
+        return cache
+
+
+def _ints(name: str, x, axes: str, dims):
+    x = as_array(name, x, f"an int32 array ({', '.join(axes.split())})")
+    expect_integer(name, x.dtype)
+    expect_shape(name, x.shape, axes, dims)
+    return x.astype(jnp.int32)
+
+
+def _check_copies(copies, P: int) -> None:
+    """Raises ValueError for a used copy naming a page outside the pool, when concrete."""
+    if isinstance(copies, jax.core.Tracer):
+        return
+    import numpy as np
+
+    values = np.asarray(copies)
+    used = values[:, 0] >= 0
+    bad = np.flatnonzero(used & ((values >= P).any(axis=1) | (values[:, 1] < 0)))
+    if bad.size:
+        c = int(bad[0])
+        raise ValueError(f"copies[{c}]={values[c].tolist()} names a page outside the pool (P={P})")

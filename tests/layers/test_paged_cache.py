@@ -1,0 +1,269 @@
+"""The paged KV cache: the host's PageAllocator (its invariants under random
+operations: no page held twice unless shared, every page freed once, a fork's write
+never changes the parent, the pool's exhaustion), and the linen and NNX layers
+decoding through it: mixed steps of prefill chunks and decode tokens of many
+sequences, forks that share a prompt, pages reused after free holding stale NaN and
+inf, and rewinds, each sequence equal to its own full forward (docs/decoding.md,
+"Paged caches")."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoattn import PageAllocator, PoolExhausted
+from nanoattn import nnx as nanoattn_nnx
+from nanoattn.linen import AttentionConfig, CausalSelfAttention
+
+from _layer_configs import random_params
+
+D, N, K = 24, 6, 2  # H = 4
+PS, PAGES, SEQS, MAX_PAGES, TQ = 5, 23, 4, 7, 13  # page size and pool: primes
+
+
+def _config(**options):
+    return AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0, page_size=PS, **options)
+
+
+@functools.cache
+def _layer(**options):
+    """A paged layer, its full-cache twin, random parameters and a jitted step."""
+    layer = CausalSelfAttention(_config(**options))
+    plain = CausalSelfAttention(AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0, **options))
+    shapes = jax.eval_shape(
+        functools.partial(layer.init, decode=True), jax.random.key(0), jnp.zeros((1, PAGES * PS, D))
+    )
+    params = random_params(shapes["params"], 3)
+
+    @jax.jit
+    def step(cache, x, pages):
+        y, state = layer.apply(
+            {"params": params, "cache": cache}, x, True, decode=True, pages=pages,
+            mutable=["cache"],
+        )  # fmt: skip
+        return y, state["cache"]
+
+    full = jax.jit(lambda x: plain.apply({"params": params}, x, True))
+    empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes["cache"])
+    return step, full, empty
+
+
+class Driver:
+    """Runs steps of a paged layer: ``feed(rows)`` with rows ``(seq_id, tokens)`` of new
+    tokens (a prefill chunk or one decode token each), allocating and extending as it
+    goes; keeps every sequence's tokens and outputs."""
+
+    def __init__(self, seed=0, stale=True, **options):
+        self.step, self.full, self.cache = _layer(**options)
+        self.alloc = PageAllocator(PAGES, PS, max_sequences=SEQS, max_pages=MAX_PAGES, seed=seed)
+        if stale:  # the pool as a long-running server leaves it: NaN, inf, old keys
+            rng = np.random.default_rng(seed)
+            bad = rng.choice([np.nan, np.inf, -np.inf, 3.0], size=self.cache["key"].shape)
+            self.cache = dict(self.cache, key=jnp.asarray(bad, jnp.float32),
+                              value=jnp.asarray(bad[::-1], jnp.float32))  # fmt: skip
+        self.tokens, self.outputs = {}, {}
+
+    def feed(self, rows):
+        xs = []
+        for seq_id, x in rows:
+            if seq_id in self.alloc.sequences():
+                self.alloc.extend(seq_id, len(x))
+            else:
+                self.alloc.allocate(seq_id, len(x))
+            self.tokens.setdefault(seq_id, []).append(x)
+            xs.append(x)
+        x = np.concatenate(xs)
+        x = np.pad(x, ((0, TQ - len(x)), (0, 0)))[None].astype(np.float32)
+        batch = self.alloc.batch([(s, len(t)) for s, t in rows], tokens=TQ)
+        y, self.cache = self.step(self.cache, jnp.asarray(x), batch)
+        at = 0
+        for seq_id, t in rows:
+            self.outputs.setdefault(seq_id, []).append(np.asarray(y[0, at : at + len(t)]))
+            at += len(t)
+        return np.asarray(y[0, at:])  # the padding rows' outputs
+
+    def check(self, seq_id, tokens=None):
+        tokens = np.concatenate(self.tokens[seq_id]) if tokens is None else tokens
+        want = np.asarray(self.full(jnp.asarray(tokens)[None]))[0]
+        got = np.concatenate(self.outputs[seq_id])
+        np.testing.assert_allclose(got, want[-len(got) :], atol=2e-5, rtol=2e-5, err_msg=seq_id)
+
+
+def _x(seed, n):
+    return np.random.default_rng(seed).standard_normal((n, D)).astype(np.float32)
+
+
+def test_mixed_steps_of_prefill_chunks_and_decode_tokens_equal_each_full_forward():
+    run = Driver()
+    a, b, c = _x(1, 14), _x(2, 9), _x(3, 6)
+    padding = run.feed([("a", a[:8]), ("b", b[:4])])
+    assert (padding == 0).all()
+    run.feed([("a", a[8:9]), ("b", b[4:5]), ("c", c[:6])])  # two decode tokens, a prefill
+    run.feed([("b", b[5:9]), ("a", a[9:10])])  # a speculative chunk of 4, a decode token
+    run.feed([("a", a[10:14])])
+    for seq_id in "abc":
+        run.check(seq_id)
+
+
+def test_a_freed_sequences_pages_serve_the_next_with_their_stale_content():
+    run = Driver(seed=1)
+    a, b = _x(4, 12), _x(5, 17)
+    run.feed([("a", a)])
+    run.alloc.free("a")
+    assert run.alloc.free_pages == PAGES
+    run.feed([("b", b[:12])])  # the pages a held, holding a's keys
+    run.feed([("b", b[12:17])])
+    run.check("b")
+
+
+def test_forks_share_a_prompt_and_never_change_each_other():
+    run = Driver(seed=2)
+    prompt, left, right = _x(6, 7), _x(7, 4), _x(8, 3)  # 7 tokens: a partial second page
+    run.feed([("p", prompt)])
+    run.alloc.fork("p", "q")
+    shared = run.alloc.pages_of("p")
+    assert run.alloc.pages_of("q") == shared and all(run.alloc.refs(p) == 2 for p in shared)
+    run.feed([("q", left), ("p", right)])  # both write into the shared partial page
+    assert run.alloc.pages_of("p")[0] == shared[0] == run.alloc.pages_of("q")[0]  # full page
+    assert run.alloc.pages_of("p")[1] != run.alloc.pages_of("q")[1]  # the partial one copied
+    run.check("p")
+    run.outputs["q"] = run.outputs["q"][-1:]
+    run.check("q", np.concatenate([prompt, left]))
+
+
+def test_a_rewound_speculative_chunk_is_never_read_again():
+    run = Driver(seed=3)
+    a = _x(9, 10)
+    run.feed([("a", a[:6])])
+    run.feed([("a", _x(10, 4))])  # a draft of 4 tokens, all rejected
+    run.alloc.rewind("a", 4)
+    run.outputs["a"].pop()
+    run.tokens["a"].pop()
+    run.feed([("a", a[6:10])])
+    run.check("a")
+
+
+def test_nnx_decodes_the_same_through_pages():
+    cfg = _config()
+    _, full, _ = _layer()
+    linen_params = random_params(
+        jax.eval_shape(functools.partial(CausalSelfAttention(cfg).init, decode=True),
+                       jax.random.key(0), jnp.zeros((1, PAGES * PS, D)))["params"], 3,
+    )  # fmt: skip
+    module = nanoattn_nnx.from_linen(cfg, linen_params, rngs=nnx.Rngs(0))
+    module.init_cache(1, PAGES * PS)
+    alloc = PageAllocator(PAGES, PS, max_sequences=SEQS, max_pages=MAX_PAGES, seed=4)
+    a = _x(11, 9)
+    outs = []
+    for chunk in (a[:5], a[5:6], a[6:9]):
+        if "a" in alloc.sequences():
+            alloc.extend("a", len(chunk))
+        else:
+            alloc.allocate("a", len(chunk))
+        x = np.pad(chunk, ((0, TQ - len(chunk)), (0, 0)))[None]
+        y = nnx.jit(lambda m, x, p: m(x, decode=True, pages=p, deterministic=True))(
+            module, jnp.asarray(x), alloc.batch([("a", len(chunk))], tokens=TQ)
+        )
+        outs.append(np.asarray(y[0, : len(chunk)]))
+    want = full(jnp.asarray(a)[None])[0]
+    np.testing.assert_allclose(np.concatenate(outs), want, atol=2e-5, rtol=2e-5)
+
+
+def test_misuse_is_refused_in_one_line():
+    run = Driver()
+    cache = run.cache
+    batch = run.alloc.batch([], tokens=TQ)
+    step, _, _ = _layer()
+    with pytest.raises(ValueError, match=r"must be \(1, Tq, D\)"):
+        step(cache, jnp.zeros((2, TQ, D)), batch)
+    layer = CausalSelfAttention(_config())
+    params = jax.tree.map(
+        jnp.zeros_like, layer.init(jax.random.key(0), jnp.zeros((1, PS, D)), True)
+    )
+    with pytest.raises(ValueError, match=r"decodes with pages="):
+        layer.apply({**params, "cache": cache}, jnp.zeros((1, TQ, D)), True, decode=True,
+                    mutable=["cache"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"lengths= is for a slot cache"):
+        layer.apply({**params, "cache": cache}, jnp.zeros((1, TQ, D)), True, decode=True,
+                    pages=batch, lengths=jnp.zeros((1,), jnp.int32), mutable=["cache"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"page_size .* and rolling_cache=True"):
+        AttentionConfig(D, N, window=(3, 0), rolling_cache=True, page_size=PS)
+
+
+# --- the allocator alone ----------------------------------------------------------
+
+
+def test_the_pool_says_when_it_is_exhausted_and_changes_nothing():
+    alloc = PageAllocator(4, 3, max_sequences=2, max_pages=4)
+    alloc.allocate("a", 9)  # 3 pages
+    with pytest.raises(PoolExhausted, match=r"pool of 4 pages is exhausted: sequence 'b' needs 2"):
+        alloc.allocate("b", 4)
+    assert alloc.free_pages == 1 and alloc.sequences() == ["a"]
+    alloc.allocate("b", 1)  # the last page
+    with pytest.raises(PoolExhausted):
+        alloc.extend("a", 3)
+    assert alloc.length("a") == 9 and alloc.free_pages == 0
+    with pytest.raises(ValueError, match=r"more than max_pages \* page_size = 4 \* 3 = 12"):
+        alloc.extend("a", 4)
+
+
+def test_a_batch_has_static_shapes_and_carries_the_copies_once():
+    alloc = PageAllocator(9, 4, max_sequences=3, max_pages=5)
+    alloc.allocate("a", 6)
+    alloc.fork("a", "b")
+    alloc.extend("b", 1)
+    first = alloc.batch([("b", 1)], tokens=7)
+    second = alloc.batch([("b", 0)], tokens=7)
+    for batch in (first, second):
+        assert batch.page_table.shape == (3, 5) and batch.copies.shape == (3, 2)
+    assert first.copies[0].tolist() == [alloc.pages_of("a")[1], alloc.pages_of("b")[1]]
+    assert (second.copies == -1).all()  # carried out by the first step
+    assert first.query_starts.tolist() == [0, 1, 1, 1] and first.kv_lengths.tolist() == [7, 0, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("afxrs"), st.integers(0, 4), st.integers(0, 9)),
+                max_size=40))  # fmt: skip
+def test_the_allocator_keeps_its_invariants(operations):
+    """Random allocate, extend, fork, rewind and free: every page is held by as many
+    sequences as its count says, no page is free and held, a page is shared only by a
+    fork (copy-on-write before a write), and freeing everything returns every page once."""
+    alloc = PageAllocator(16, 3, max_sequences=5, max_pages=6, seed=1)
+    contents = {}  # seq -> the token ids it holds, to check that a write never reaches another
+    for kind, seq, n in operations:
+        sid, other = f"s{seq}", f"s{(seq + 1) % 5}"
+        try:
+            if kind == "a" and sid not in contents:
+                alloc.allocate(sid, n)
+                contents[sid] = [(sid, i) for i in range(n)]
+            elif kind == "x" and sid in contents:
+                alloc.extend(sid, n)
+                contents[sid] += [(sid, len(contents[sid]) + i) for i in range(n)]
+            elif kind == "f" and sid in contents and other not in contents:
+                alloc.fork(sid, other)
+                contents[other] = list(contents[sid])
+            elif kind == "r" and sid in contents:
+                back = min(n, alloc._sequences[sid].last)
+                alloc.rewind(sid, back)
+                del contents[sid][len(contents[sid]) - back :]
+            elif kind == "s" and sid in contents:
+                alloc.free(sid)
+                del contents[sid]
+        except PoolExhausted:
+            pass
+        held = {}
+        for s in alloc.sequences():
+            assert alloc.length(s) == len(contents[s])
+            assert len(alloc.pages_of(s)) == -(-alloc.length(s) // 3)
+            for page in alloc.pages_of(s):
+                held[page] = held.get(page, 0) + 1
+        assert all(alloc.refs(p) == held.get(p, 0) for p in range(16))
+        assert not set(alloc._free) & set(held) and len(alloc._free) == 16 - len(held)
+    for s in alloc.sequences():
+        alloc.free(s)
+    assert sorted(alloc._free) == list(range(16))
