@@ -89,13 +89,17 @@ class _Parameters:
                 "bias_init": nn.with_logical_partitioning(nn.initializers.zeros_init(), bias_axes),
             }
         layer = nn.Dense(
-            features, use_bias=cfg.use_bias, dtype=dtype, param_dtype=cfg.param_dtype, name=name,
-            **inits,
+            features, use_bias=cfg.has_bias(name), dtype=dtype, param_dtype=cfg.param_dtype,
+            name=name, **inits,
         )  # fmt: skip
         return layer(x)
 
     def norm(self, name, x, dtype):
-        return HeadRMSNorm(dtype=dtype, param_dtype=self.cfg.param_dtype, name=name)(x)
+        cfg = self.cfg
+        return HeadRMSNorm(
+            dtype=dtype, param_dtype=cfg.param_dtype, axes=2 if cfg.qk_norm == "projection" else 1,
+            eps=cfg.qk_norm_eps, offset=cfg.qk_norm_offset, name=name,
+        )(x)  # fmt: skip
 
     def sinks(self):
         N = self.cfg.n_heads

@@ -82,10 +82,17 @@ class _Attention(nnx.Module):
             raise TypeError(f"rngs must be an nnx.Rngs, e.g. nnx.Rngs(0), got {rngs!r}")
         self.config = cfg
         D, H = cfg.d_model, cfg.head_dim
-        self.out = self._linear(D, D, rngs, "out")
+        self.out = self._linear(cfg.q_width, D, rngs, "out")  # N H -> D
         if cfg.qk_norm:
-            self.q_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
-            self.k_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
+            joint = cfg.qk_norm == "projection"  # over N H and K H, else over H per head
+            norm = dict(
+                param_dtype=cfg.param_dtype,
+                axes=2 if joint else 1,
+                eps=cfg.qk_norm_eps,
+                offset=cfg.qk_norm_offset,
+            )
+            self.q_norm = HeadRMSNorm(cfg.q_width if joint else H, **norm)
+            self.k_norm = HeadRMSNorm(cfg.kv_heads * H if joint else H, **norm)
         if cfg.sinks:  # one logit per query head, as linen's zeros-initialised "sinks"
             self.sinks = nnx.Param(jnp.zeros((cfg.n_heads,), cfg.param_dtype))  # (N,)
         self.sow_weights = sow_weights
@@ -102,7 +109,7 @@ class _Attention(nnx.Module):
                 "bias_metadata": {"out_sharding": bias_axes, "eager_sharding": False},
             }
         return nnx.Linear(
-            d_in, features, use_bias=cfg.use_bias, param_dtype=cfg.param_dtype, rngs=rngs,
+            d_in, features, use_bias=cfg.has_bias(name), param_dtype=cfg.param_dtype, rngs=rngs,
             **metadata,
         )  # fmt: skip
 
@@ -358,7 +365,7 @@ class CrossAttention(_Attention):
     ):
         super().__init__(config, sow_weights=sow_weights, deterministic=deterministic, rngs=rngs)
         cfg = self.config
-        self.q = self._linear(cfg.d_model, cfg.d_model, rngs, "q")
+        self.q = self._linear(cfg.d_model, cfg.q_width, rngs, "q")  # D -> N H
         self.kv = self._linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, rngs, "kv")
 
     def __call__(
