@@ -18,8 +18,8 @@ from ._core.base.masks import segment_mask as segment_mask
 from ._core.base.masks import window_mask as window_mask
 from ._core.base.numerics import large_negative as large_negative
 from ._core.merge import merge_attention as merge_attention
-from ._layers.rope import apply_rope as apply_rope
 from ._interop.flax_attention_fn import flax_attention_fn as flax_attention_fn
 from ._interop.jax_nn_attention import jax_nn_attention as jax_nn_attention
+from ._layers.rope import apply_rope as apply_rope
 
 __version__ = "0.1.0"
