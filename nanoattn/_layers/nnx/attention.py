@@ -125,25 +125,29 @@ class CausalSelfAttention(_Attention):
     .. math::
 
        y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}(i)}
-           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+           \big(c \tanh(s\, q_{in} \cdot k_{j,n/G} / c)\big)\, v_{j,n/G}\Big)
 
-    with ``[q | k | v] = qkv(x)`` (columns [Q (N*H) | K (K*H) | V (K*H)]),
-    ``q, k`` RMS-normalised per head (``qk_norm``) and then rotated by RoPE at
-    their positions (``rope_base``), query head n reading key/value head
-    ``n // G``, and ``c = logit_soft_cap`` (no tanh when None). Query i may
-    see key j iff ``j <= i``, ``i - left <= j <= i + right`` (``window``),
-    the ``mask`` and the call's ``mask_fn`` allow it and, when packing, both
-    have the same segment id. With ``sinks`` the softmax's denominator also
-    holds ``exp(sinks[n])`` for head n (no value is attended for it), and a
+    with ``[q | k | v] = qkv(x)`` (columns [Q (N*H) | K (K*H) | V (K*H)]), ``q, k``
+    RMS-normalised (``qk_norm``: per head, or per projection) and then rotated by
+    RoPE at their positions (``rope_base``, with ``rope_scaling``, ``rotary_dim``
+    and ``rope_layout``), ``s = scale`` (``1 / sqrt(H)`` by default), query head n
+    reading key/value head ``n // G``, and ``c = logit_soft_cap`` (no tanh when
+    None). Query i may see key j iff ``j <= i``, ``i - left <= j <= i + right``
+    (``window``), the ``mask`` and the call's ``mask_fn`` allow it and, when
+    packing, both have the same segment id. With ``sinks`` the softmax's denominator
+    also holds ``exp(sinks[n])`` for head n (no value is attended for it), and a
     call's ``score_fn`` modifies the scaled logits before the soft-cap.
 
     Parameters (``nnx.Param``), named and shaped as the linen module's, so
     ``from_linen``/``to_linen`` convert them::
 
         qkv: Linear, kernel (D, (N + 2K) H), bias ((N + 2K) H,)
-        out: Linear, kernel (D, D), bias (D,)
+        out: Linear, kernel (N H, D), bias (D,)          # (D, D) when H = D / N
         q_norm, k_norm: HeadRMSNorm, scale (H,)          # with qk_norm only
         sinks: (N,), zeros                               # with sinks only
+
+    (biases as ``qkv_bias``/``out_bias`` say; with ``qk_norm="projection"`` the
+    norms' scales are (N H,) and (K H,).)
 
     **Dropout** (on the attention weights, rate ``config.dropout``) follows
     NNX: as ``nnx.Dropout(rate, rngs=rngs)``, the module forks its own stream
@@ -333,18 +337,18 @@ class CrossAttention(_Attention):
     .. math::
 
        y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}}
-           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+           \big(c \tanh(s\, q_{in} \cdot k_{j,n/G} / c)\big)\, v_{j,n/G}\Big)
 
     with ``q = q(x)``, ``[k | v] = kv(context)`` (columns [K (K*H) | V (K*H)]),
-    query head n reading key/value head ``n // G``, q and k RMS-normalised per
-    head with ``qk_norm``, and ``c = logit_soft_cap``. No causal triangle and
-    no cache; ``rope_base`` and ``window`` do not apply between two sequences
-    and are ignored; ``sinks`` applies as in :class:`CausalSelfAttention`.
-    Parameters::
+    query head n reading key/value head ``n // G``, q and k RMS-normalised with
+    ``qk_norm``, ``s = scale`` (``1 / sqrt(H)`` by default), and ``c =
+    logit_soft_cap``. No causal triangle and no cache; ``rope_base`` and ``window``
+    do not apply between two sequences and are ignored; ``sinks`` applies as in
+    :class:`CausalSelfAttention`. Parameters::
 
-        q: Linear, kernel (D, D), bias (D,)
+        q: Linear, kernel (D, N H), bias (N H,)                   # (D, D) when H = D / N
         kv: Linear, kernel (D, 2KH), bias (2KH,)                  # (D, 2D) when K = N
-        out: Linear, kernel (D, D), bias (D,)
+        out: Linear, kernel (N H, D), bias (D,)
         q_norm, k_norm: HeadRMSNorm, scale (H,)                   # with qk_norm only
         sinks: (N,), zeros                                        # with sinks only
 
