@@ -1,7 +1,9 @@
 """The layer configurations of the decoding tests: ``CONFIGS`` maps a name to the
 options of ``AttentionConfig(D, N, **options)`` (multi-head, grouped and multi-query
-heads, RoPE, a window, soft-capping, QK norm, attention sinks, and all of them at
-once in bfloat16 and on each registered backend that serves the layer's calls, named
+heads, RoPE, a window, soft-capping, QK norm, attention sinks, the options of open
+models' checkpoints together (a head width of its own, a scale, RoPE scaling, partial
+and interleaved RoPE, the projection QK norm, per-projection biases), and all of them
+at once in bfloat16 and on each registered backend that serves the layer's calls, named
 after it; ``LAYER_REFUSALS`` says why the others do not). Shared by
 layers/test_kv_cache.py, which decodes each through the KV cache, and
 verify/test_verify_decoding.py, which runs check_decoding on each; and
@@ -29,6 +31,22 @@ CONFIGS = {
     "qk_norm": dict(n_kv_heads=2, qk_norm=True),
     "sinks": dict(n_kv_heads=2, window=(4, 0), sinks=True),
     "bfloat16": dict(EVERYTHING, dtype=jnp.bfloat16),
+    # The options of today's open models at once (issue 36): a head width of its own (N H
+    # = 60, not D), a scale, YaRN on an interleaved partial rotary, the OLMo 2 norm with
+    # Gemma's offset, no output bias.
+    "open_models": dict(
+        n_kv_heads=K,
+        head_dim=10,
+        scale=0.2,
+        rope_base=100.0,
+        rotary_dim=6,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4),
+        rope_layout="interleaved",
+        qk_norm="projection",
+        qk_norm_eps=1e-5,
+        qk_norm_offset=1.0,
+        out_bias=False,
+    ),
 }
 
 

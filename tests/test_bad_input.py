@@ -345,6 +345,25 @@ ROWS += [
         match="base must be"),
     row("apply_rope-string-base", rope, Q, np.arange(T), base="1e4", raises=TypeError,
         match="base must be a float"),
+    row("apply_rope-odd-rotary-dim", rope, Q, np.arange(T), rotary_dim=5, raises=ValueError,
+        match="rotary_dim must be an even int in [2, H] (the rotated features of each head), "
+              "got rotary_dim=5 with H=8"),
+    row("apply_rope-rotary-dim-past-H", rope, Q, np.arange(T), rotary_dim=10, raises=ValueError,
+        match="got rotary_dim=10 with H=8"),
+    row("apply_rope-unknown-layout", rope, Q, np.arange(T), rope_layout="gptj", raises=ValueError,
+        match="rope_layout must be 'half' or 'interleaved', got rope_layout='gptj'"),
+    row("apply_rope-unknown-scaling", rope, Q, np.arange(T), rope_scaling={"rope_type": "ntk"},
+        raises=ValueError, match="rope_scaling rope_type must be one of"),
+    row("apply_rope-scaling-missing-key", rope, Q, np.arange(T),
+        rope_scaling={"rope_type": "llama3", "factor": 8.0}, raises=ValueError,
+        match="rope_scaling rope_type 'llama3' needs low_freq_factor"),
+    row("apply_rope-scaling-string", rope, Q, np.arange(T), rope_scaling="yarn",
+        raises=TypeError, match="rope_scaling must be None or a mapping with a rope_type"),
+    row("apply_rope-dynamic-traced-positions",
+        jax.jit(lambda q, p: rope(q, p, rope_scaling={"rope_type": "dynamic", "factor": 2.0,
+                                                      "original_max_position_embeddings": 2})),
+        Q, np.arange(T), raises=ValueError,
+        match="rope_scaling rope_type 'dynamic' needs concrete positions"),
 ]  # fmt: skip
 
 
@@ -497,6 +516,78 @@ ROWS += [
         sequence_layout="spiral", raises=ValueError, match="sequence_layout must be"),
     row("AttentionConfig-from-other-object", Config.from_config, object(), raises=TypeError,
         match="config must be an AttentionConfig or have d_model and n_heads"),
+    row("AttentionConfig-zero-head-dim", Config, d_model=D, n_heads=4, head_dim=0,
+        raises=ValueError, match="head_dim must be an int >= 1 or None, got head_dim=0"),
+    row("AttentionConfig-float-head-dim", Config, d_model=D, n_heads=4, head_dim=8.0,
+        raises=TypeError, match="head_dim must be an int >= 1 or None, got head_dim=8.0"),
+    row("AttentionConfig-negative-scale", Config, d_model=D, n_heads=4, scale=-0.5,
+        raises=ValueError, match="scale must be a finite float > 0, got scale=-0.5"),
+    row("AttentionConfig-rope-scaling-without-rope", Config, d_model=D, n_heads=4,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, raises=ValueError,
+        match="needs rope_base: without it no RoPE is applied"),
+    row("AttentionConfig-rope-scaling-unknown-key", Config, d_model=D, n_heads=4, rope_base=1e4,
+        rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8,
+                      "low_freq_factor": 1.0},
+        raises=ValueError, match="rope_scaling key 'low_freq_factor' is not a parameter of "
+                                 "rope_type 'yarn'"),
+    row("AttentionConfig-odd-rotary-dim", Config, d_model=D, n_heads=4, rope_base=1e4,
+        rotary_dim=3, raises=ValueError, match="got rotary_dim=3 with H=4"),
+    row("AttentionConfig-odd-head-dim-rope", Config, d_model=D, n_heads=4, head_dim=7,
+        rope_base=1e4, raises=ValueError,
+        match="rope_base needs an even head width H, got head_dim=7"),
+    row("AttentionConfig-unknown-rope-layout", Config, d_model=D, n_heads=4, rope_base=1e4,
+        rope_layout="neox", raises=ValueError, match="rope_layout must be 'half' or 'interleaved'"),
+    row("AttentionConfig-unknown-qk-norm", Config, d_model=D, n_heads=4, qk_norm="layer",
+        raises=ValueError, match="qk_norm must be 'head', 'projection', True or False"),
+    row("AttentionConfig-qk-norm-eps-without-norm", Config, d_model=D, n_heads=4,
+        qk_norm_eps=1e-5, raises=ValueError, match="qk_norm_eps=1e-05 needs qk_norm"),
+    row("AttentionConfig-zero-qk-norm-eps", Config, d_model=D, n_heads=4, qk_norm="head",
+        qk_norm_eps=0.0, raises=ValueError, match="qk_norm_eps must be a finite float > 0"),
+    row("AttentionConfig-string-qk-norm-offset", Config, d_model=D, n_heads=4, qk_norm="head",
+        qk_norm_offset="1", raises=TypeError, match="qk_norm_offset must be a finite float"),
+    row("AttentionConfig-int-out-bias", Config, d_model=D, n_heads=4, out_bias=0,
+        raises=TypeError, match="out_bias must be True or False, got 0"),
+    row("AttentionConfig-string-qkv-bias", Config, d_model=D, n_heads=4, qkv_bias="yes",
+        raises=TypeError, match="qkv_bias must be True or False, got 'yes'"),
+]  # fmt: skip
+
+# from_transformers(config, state_dict, layer) and to_transformers(config, params, layer).
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": D,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "rope_theta": 1e4,
+}
+LLAMA_STATE = {
+    f"model.layers.0.self_attn.{p}_proj.weight": f32(*shape)
+    for p, shape in (("q", (D, D)), ("k", (D // 2, D)), ("v", (D // 2, D)), ("o", (D, D)))
+}
+ROWS += [
+    row("from_transformers-unknown-family", linen.from_transformers,
+        dict(LLAMA, model_type="falcon"), LLAMA_STATE, 0, raises=ValueError,
+        match="config model_type 'falcon' is not supported; supported: llama, mistral"),
+    row("from_transformers-config-not-a-dict", linen.from_transformers, "llama", LLAMA_STATE,
+        0, raises=TypeError, match="config must be the model's configuration as a dict"),
+    row("from_transformers-layer-out-of-range", linen.from_transformers, LLAMA, LLAMA_STATE, 2,
+        raises=ValueError, match="layer must be in [0, 2) (num_hidden_layers), got layer=2"),
+    row("from_transformers-negative-layer", linen.from_transformers, LLAMA, LLAMA_STATE, -1,
+        raises=ValueError, match="layer must be in [0, 2)"),
+    row("from_transformers-layer-missing", linen.from_transformers, LLAMA, LLAMA_STATE, 1,
+        raises=ValueError, match="state_dict has no model.layers.1.self_attn.q_proj.weight"),
+    row("from_transformers-wrong-shape", linen.from_transformers, LLAMA,
+        LLAMA_STATE | {"model.layers.0.self_attn.k_proj.weight": f32(D, D)}, 0,
+        raises=ValueError, match="state_dict model.layers.0.self_attn.k_proj.weight has shape "
+                                 "(16, 16); the config gives (8, 16)"),
+    row("from_transformers-unknown-rope", linen.from_transformers,
+        LLAMA | {"rope_scaling": {"rope_type": "longrope"}}, LLAMA_STATE, 0, raises=ValueError,
+        match="config rope_type 'longrope' is not supported"),
+    row("to_transformers-wrong-shape", linen.to_transformers, LLAMA,
+        {"qkv": {"kernel": f32(D, D)}, "out": {"kernel": f32(D, D)}}, raises=ValueError,
+        match="params qkv/kernel has shape (16, 16); the config gives (16, 32)"),
+    row("to_transformers-not-a-dict", linen.to_transformers, LLAMA, [1], raises=TypeError,
+        match="params must be a dict of parameters, got list"),
 ]  # fmt: skip
 
 

@@ -180,6 +180,7 @@ def test_readme_shows_the_real_audit_output(default_audit):
         "nanoattn._core.rope",
         "nanoattn._layers.linen.attention",
         "nanoattn._layers.config",
+        "nanoattn._interop.transformers",
     ],
 )
 def test_docstring_examples(module):

@@ -9,8 +9,15 @@ import numpy as np
 from .._backends.registry import check_implementation
 from .._core.base.dropout import check_rate
 from .._core.base.rules import check_soft_cap, normalize_window
-from .._core.base.validate import expect_flag, float_dtype, positive_number
+from .._core.base.validate import expect_flag, expect_real, float_dtype, positive_number
 from .._core.base.zigzag import check_layout
+from .._core.rope import check_layout as check_rope_layout
+from .._core.rope import check_rotary_dim, rope_scaling_of
+from .norm import EPSILON
+
+# The projections of the layers, by which bias option covers them.
+_INPUT_PROJECTIONS = ("qkv", "q", "kv")
+QK_NORMS = ("head", "projection")
 
 
 def _divisors(n: int) -> str:
@@ -26,12 +33,13 @@ class AttentionConfig:
     """Sizes and options of an attention layer.
 
     Axis letters (docs/conventions.md): D model width, N query heads, K
-    key/value heads, G = N / K query heads per key/value head, H = D / N head
-    width.
+    key/value heads, G = N / K query heads per key/value head, H head width
+    (D / N unless ``head_dim`` says otherwise), R the rotated width.
 
     Attributes:
       d_model: D, the model width.
-      n_heads: N, the number of query heads; must divide ``d_model``.
+      n_heads: N, the number of query heads; must divide ``d_model`` unless
+        ``head_dim`` is given.
       dropout: dropout rate on the attention weights, in [0, 1).
       implementation: the attention backend, ``"xla"``, ``"flash"``,
         ``"native"``, ``"cudnn"`` or None for the automatic choice (see
@@ -41,14 +49,19 @@ class AttentionConfig:
         None means K = N (multi-head attention); 1 < K < N is grouped-query
         attention, K = 1 multi-query attention.
       rope_base: None for no rotary embedding, else the frequency base of
-        ``nanoattn.apply_rope`` applied to queries and keys (needs an even H).
+        ``nanoattn.apply_rope`` applied to queries and keys (needs an even H, or
+        an even ``rotary_dim``).
       window: None, an int ``w`` (meaning ``(w, w)``) or ``(left, right)``:
         a query at position p sees keys at ``p - left .. p + right`` (ANDed
         with causality). Stored as ``(left, right)``.
       logit_soft_cap: None or a float ``cap`` > 0: logits become
         ``cap * tanh(logits / cap)`` before the softmax (Gemma 2).
-      qk_norm: RMSNorm over H on every query and key head, with a learned
-        scale per feature, before RoPE (Gemma 3, OLMo 2).
+      qk_norm: RMSNorm of queries and keys before RoPE, with a learned scale
+        per feature: ``"head"`` (or True) over H on every query and key head,
+        one scale (H,) shared by the heads (Qwen3, Gemma 3); ``"projection"``
+        over the whole query projection (N H) and the whole key projection
+        (K H), all heads jointly, scales (N H,) and (K H,) (OLMo 2); False: none.
+        Stored as ``"head"``, ``"projection"`` or False.
       sinks: attention sinks (gpt-oss): a learned parameter ``sinks`` (N,),
         one logit per query head, initialised to zeros, in ``param_dtype``;
         each row's softmax denominator gains ``exp(sinks[n])`` and no value is
@@ -68,7 +81,8 @@ class AttentionConfig:
         visible to every later query in addition to the window (StreamingLLM),
         in training and decoding; a rolling cache keeps their slots. Not the
         learned logit ``sinks``.
-      use_bias: whether the projections have biases.
+      use_bias: whether the projections have biases (the default of
+        ``qkv_bias`` and ``out_bias``).
       dtype: the compute dtype of projections and attention, and the dtype of
         the KV cache; None means the input's dtype.
       param_dtype: the dtype of the parameters.
@@ -85,6 +99,29 @@ class AttentionConfig:
       sequence_layout: ``"zigzag"`` (the default) or ``"contiguous"``, the
         layout of the sequence over ``sequence_axis``
         (``nanoattn.parallel.to_zigzag``).
+      head_dim: H, the width of one head; None means ``d_model // n_heads``
+        (stored as that int, which ``dataclasses.replace`` then keeps). Given,
+        H is independent of D: q projects D -> N H, k and v D -> K H, and the
+        output N H -> D (Gemma 2/3, small Qwen3).
+      scale: the softmax scale of the logits ``scale * q . k``; None means
+        ``1 / sqrt(H)`` (Gemma's ``query_pre_attn_scalar ** -0.5`` differs).
+      rope_scaling: None, or a mapping with ``rope_type`` (``"linear"``,
+        ``"llama3"``, ``"yarn"``, ``"dynamic"``) and that type's parameters with
+        transformers' names (``nanoattn.apply_rope``); needs ``rope_base``. Stored
+        as a frozen ``RopeScaling`` (``.as_dict()`` gives the mapping back).
+        ``"dynamic"`` reads the longest position, so it cannot decode under ``jit``.
+      rotary_dim: R, an even int <= H, needs ``rope_base``: only the first R
+        features of each head rotate (partial rotary); None: all H.
+      rope_layout: ``"half"`` (feature i pairs with i + R/2) or ``"interleaved"``
+        (2i with 2i + 1), ``nanoattn.apply_rope``'s conventions.
+      qk_norm_eps: the epsilon of ``qk_norm`` (1e-6; OLMo 2 uses 1e-5).
+      qk_norm_offset: added to the learned scale of ``qk_norm``: 1.0 for Gemma's
+        ``x * (1 + w)`` convention, whose checkpoints store ``w``; the scale is
+        initialised to ``1 - qk_norm_offset``, so a fresh norm multiplies by 1.
+      qkv_bias: whether the input projections (``qkv``; cross-attention's ``q``
+        and ``kv``) have biases; None: ``use_bias``.
+      out_bias: whether the output projection has a bias; None: ``use_bias``
+        (Qwen2 has q, k, v biases and none on its output).
 
     Example:
       >>> config = AttentionConfig(d_model=128, n_heads=4, n_kv_heads=2, window=16)
@@ -100,7 +137,7 @@ class AttentionConfig:
     rope_base: float | None = None
     window: Any = None
     logit_soft_cap: float | None = None
-    qk_norm: bool = False
+    qk_norm: bool | str = False
     use_bias: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -110,6 +147,15 @@ class AttentionConfig:
     sinks: bool = False
     rolling_cache: bool = False
     sink_tokens: int = 0
+    head_dim: int | None = None
+    scale: float | None = None
+    rope_scaling: Any = None
+    rotary_dim: int | None = None
+    rope_layout: str = "half"
+    qk_norm_eps: float = EPSILON
+    qk_norm_offset: float = 0.0
+    qkv_bias: bool | None = None
+    out_bias: bool | None = None
     page_size: int | None = None
 
     def __post_init__(self):
@@ -120,21 +166,30 @@ class AttentionConfig:
             raise ValueError(f"n_heads must be >= 1, got n_heads={self.n_heads}")
         if self.d_model < 1:
             raise ValueError(f"d_model must be >= 1, got d_model={self.d_model}")
-        if self.d_model % self.n_heads != 0:
+        self._check_head_dim()
+        if self.head_dim is None and self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}, so the "
                 f"heads cannot split it into equal widths; head counts that divide "
                 f"{self.d_model}: {_divisors(self.d_model)}"
             )
+        derived = self.head_dim is None
+        if derived:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         check_rate("dropout", self.dropout)
         check_implementation(self.implementation)
         self._check_kv_heads()
-        self._check_rope()
+        self._check_rope(derived)
+        object.__setattr__(self, "scale", positive_number("scale", self.scale, optional=True))
         self._check_mesh_axes()
         object.__setattr__(self, "window", normalize_window(self.window))
         object.__setattr__(self, "logit_soft_cap", check_soft_cap(self.logit_soft_cap))
-        for name in ("qk_norm", "use_bias", "sinks", "rolling_cache"):
+        for name in ("use_bias", "sinks", "rolling_cache"):
             expect_flag(name, getattr(self, name))
+        for name in ("qkv_bias", "out_bias"):
+            if getattr(self, name) is not None:
+                expect_flag(name, getattr(self, name))
+        self._check_qk_norm()
         self._check_streaming()
         self._check_paging()
         if self.dtype is not None:
@@ -206,19 +261,87 @@ class AttentionConfig:
                 f"rolling_cache=True needs window=(W, 0) (no look-ahead), got window={self.window}"
             )
 
-    def _check_rope(self) -> None:
-        if positive_number("rope_base", self.rope_base, optional=True) is None:
+    def _check_head_dim(self) -> None:
+        H = self.head_dim
+        if H is None:
             return
-        if self.head_dim % 2:
+        if not _is_int(H):
+            raise TypeError(f"head_dim must be an int >= 1 or None, got head_dim={H!r}")
+        if H < 1:
+            raise ValueError(f"head_dim must be an int >= 1 or None, got head_dim={H}")
+        object.__setattr__(self, "head_dim", int(H))
+
+    def _check_rope(self, derived: bool) -> None:
+        scaling = rope_scaling_of(self.rope_scaling)
+        object.__setattr__(self, "rope_scaling", scaling)
+        check_rope_layout(self.rope_layout)
+        if positive_number("rope_base", self.rope_base, optional=True) is None:
+            unset = (("rope_scaling", None), ("rotary_dim", None), ("rope_layout", "half"))
+            for name, default in unset:
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} needs rope_base: without it no RoPE "
+                        f"is applied"
+                    )
+            return
+        if self.rotary_dim is not None:
+            object.__setattr__(self, "rotary_dim", check_rotary_dim(self.rotary_dim, self.head_dim))
+        elif self.head_dim % 2:
+            if derived:
+                raise ValueError(
+                    f"rope_base needs an even head width H, got H={self.head_dim} "
+                    f"(d_model={self.d_model} / n_heads={self.n_heads})"
+                )
             raise ValueError(
-                f"rope_base needs an even head width H, got H={self.head_dim} "
-                f"(d_model={self.d_model} / n_heads={self.n_heads})"
+                f"rope_base needs an even head width H, got head_dim={self.head_dim}; "
+                f"rotary_dim can rotate an even part of it"
+            )
+        if scaling is not None and scaling.rope_type == "dynamic" and self.rotary_width <= 2:
+            raise ValueError(
+                f"rope_scaling rope_type 'dynamic' needs a rotated width above 2, got "
+                f"{self.rotary_width}"
             )
 
+    def _check_qk_norm(self) -> None:
+        kind = self.qk_norm
+        if isinstance(kind, str):
+            if kind not in QK_NORMS:
+                raise ValueError(
+                    f"qk_norm must be 'head', 'projection', True or False, got qk_norm={kind!r}"
+                )
+        else:
+            kind = "head" if expect_flag("qk_norm", kind) else False
+        object.__setattr__(self, "qk_norm", kind)
+        eps = positive_number("qk_norm_eps", self.qk_norm_eps)
+        expect_real("qk_norm_offset", self.qk_norm_offset, "a finite float")
+        offset = float(self.qk_norm_offset)
+        if not np.isfinite(offset):
+            raise ValueError(f"qk_norm_offset must be a finite float, got qk_norm_offset={offset}")
+        if not kind:
+            for name, value, default in (
+                ("qk_norm_eps", eps, EPSILON),
+                ("qk_norm_offset", offset, 0.0),
+            ):
+                if value != default:
+                    raise ValueError(f"{name}={value} needs qk_norm ('head' or 'projection')")
+        object.__setattr__(self, "qk_norm_eps", eps)
+        object.__setattr__(self, "qk_norm_offset", offset)
+
     @property
-    def head_dim(self) -> int:
-        """H, the width of one head: ``d_model // n_heads``."""
-        return self.d_model // self.n_heads
+    def rotary_width(self) -> int:
+        """R, the features of each head that RoPE rotates: ``rotary_dim``, else H."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def q_width(self) -> int:
+        """N H, the width of the query projection and of the concatenated heads."""
+        return self.n_heads * self.head_dim
+
+    def has_bias(self, projection: str) -> bool:
+        """Whether the projection ``projection`` (``"qkv"``, ``"q"``, ``"kv"`` or
+        ``"out"``) has a bias: ``qkv_bias`` or ``out_bias``, else ``use_bias``."""
+        own = self.qkv_bias if projection in _INPUT_PROJECTIONS else self.out_bias
+        return self.use_bias if own is None else own
 
     @property
     def kv_heads(self) -> int:

@@ -18,6 +18,7 @@ from .._core.api import attention_weights, dot_product_attention
 from .._core.base.trace import check_shape
 from .._core.paged import paged_attention
 from .._core.rope import apply_rope
+from .axes import labels
 from .config import AttentionConfig
 from .sharded import attend_sharded
 
@@ -29,7 +30,9 @@ class Parameters(Protocol):
         """The projection called ``name`` (kernel (D_in, features), optional bias)."""
 
     def norm(self, name: str, x: jax.Array, dtype) -> jax.Array:
-        """The head RMSNorm called ``name`` (``q_norm`` or ``k_norm``) over the last axis."""
+        """The QK RMSNorm called ``name`` (``q_norm`` or ``k_norm``) of heads x
+        (B, L, N|K, H), as the config's ``qk_norm`` says: over H per head, or over
+        the heads and H jointly (``"projection"``)."""
 
     def sinks(self) -> jax.Array:
         """The learned attention sinks (N,), one logit per query head, named
@@ -57,29 +60,36 @@ def split_heads(x, name: str, axes: str, heads: int, cfg: AttentionConfig):
 
 
 def normalize_qk(params: Parameters, cfg: AttentionConfig, q, k, dtype):
-    """RMSNorm over H of each query and key head (params ``q_norm``, ``k_norm``), if on."""
+    """RMSNorm of the query and key heads (params ``q_norm``, ``k_norm``), if on: over H
+    per head (``qk_norm="head"``) or over N H and K H (``"projection"``)."""
     if not cfg.qk_norm:
         return q, k
     return params.norm("q_norm", q, dtype), params.norm("k_norm", k, dtype)
 
 
 def rotate_qk(cfg: AttentionConfig, q, k, positions):
-    """RoPE on queries and keys at integer ``positions`` (B, L) or (L,), if on."""
+    """RoPE on queries and keys at integer ``positions`` (B, L) or (L,), if on, with the
+    config's scaling, rotated width and layout."""
     if cfg.rope_base is None:
         return q, k
-    return (
-        apply_rope(q, positions, base=cfg.rope_base),
-        apply_rope(k, positions, base=cfg.rope_base),
+    options = dict(
+        base=cfg.rope_base,
+        rope_scaling=cfg.rope_scaling,
+        rotary_dim=cfg.rotary_dim,
+        rope_layout=cfg.rope_layout,
     )
+    return apply_rope(q, positions, **options), apply_rope(k, positions, **options)
 
 
 def core_options(cfg: AttentionConfig, *, positional: bool) -> dict:
-    """The config's options of the core call: the soft-cap, and the window when
+    """The config's options of the core call: the scale, the soft-cap, and the window when
     ``positional`` (self-attention over a whole sequence; it has no meaning between
     two sequences) and no ``sink_tokens`` (the layer then passes the window as a
     mask_fn that keeps them, ``nanoattn._layers.positional.window_mask``). A decoding
     step leaves the window to its cache policy's read rules."""
     options = {"logit_soft_cap": cfg.logit_soft_cap}
+    if cfg.scale is not None:
+        options["scale"] = cfg.scale
     if positional and not cfg.sink_tokens:
         options["window"] = cfg.window
     return options
@@ -88,7 +98,8 @@ def core_options(cfg: AttentionConfig, *, positional: bool) -> dict:
 def attend(
     params: Parameters, q, k, v, cfg: AttentionConfig, deterministic: bool, dtype, **mask_args
 ):
-    """Core attention, then heads concatenated and the output projection: (B, T, D).
+    """Core attention, then heads concatenated (B, T, N H) and the output projection:
+    (B, T, D).
 
     ``mask_args`` are the core's rules of the call (``mask``, ``is_causal``,
     ``q_offset``, ``mask_fn``, ``score_fn``, ...); the config's ``sinks``
@@ -108,7 +119,8 @@ def paged_core(params: Parameters, cfg: AttentionConfig, q, key_pages, value_pag
         rules["sinks"] = params.sinks()  # (N,)
     out = paged_attention(
         q[0], key_pages, value_pages, pages.page_table, pages.kv_lengths, pages.query_starts,
-        logit_soft_cap=cfg.logit_soft_cap, implementation=cfg.implementation, **rules,
+        logit_soft_cap=cfg.logit_soft_cap, scale=cfg.scale, implementation=cfg.implementation,
+        **rules,
     )  # fmt: skip
     return out[None]
 
@@ -133,12 +145,12 @@ def core(params: Parameters, q, k, v, cfg: AttentionConfig, deterministic: bool,
 def project_out(params: Parameters, cfg: AttentionConfig, out, dtype):
     """The heads (B, T, N, H) concatenated and projected: (B, T, D)."""
     B, T = out.shape[:2]
-    merged = out.reshape(B, T, cfg.d_model)  # (B, T, D)
+    merged = out.reshape(B, T, cfg.q_width)  # (B, T, N H)
     check_shape(
         merged,
         "concatenated heads",
-        "B T D",
-        (B, T, cfg.d_model),
+        f"B T {labels(cfg).q_width}",
+        (B, T, cfg.q_width),
         op="reshape",
         source="per-head output",
     )

@@ -128,7 +128,8 @@ def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_arg
             q, k, v, axis_name=cfg.sequence_axis, is_causal=True,
             q_segment_ids=arrays.q_segment_ids, kv_segment_ids=arrays.kv_segment_ids,
             window=mask_args.get("window"), logit_soft_cap=mask_args.get("logit_soft_cap"),
-            layout=cfg.sequence_layout, mask_fn=mask_fn, score_fn=score_fn, sinks=arrays.sinks,
+            scale=mask_args.get("scale"), layout=cfg.sequence_layout, mask_fn=mask_fn,
+            score_fn=score_fn, sinks=arrays.sinks,
         )  # fmt: skip
 
     in_specs = (seq, seq, seq, specs)

@@ -9,6 +9,7 @@ width, D model width.
 """
 
 import jax.numpy as jnp
+import numpy as np
 
 from .._core.base.masks import padding_mask
 from .._core.base.trace import check_shape
@@ -48,7 +49,7 @@ def _expect_input_dtype(cfg: AttentionConfig, name: str, x) -> None:
 
 def _project_qkv(params: Parameters, cfg: AttentionConfig, x, dtype):
     """x (B, T, D) -> query heads (B, T, N, H), key and value heads (B, T, K, H)."""
-    B, T, D = x.shape
+    B, T, _ = x.shape
     N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_dim
     label = labels(cfg)
     qkv = params.dense("qkv", x, (N + 2 * K) * H, dtype)
@@ -56,7 +57,7 @@ def _project_qkv(params: Parameters, cfg: AttentionConfig, x, dtype):
         qkv, "qkv", f"B T {label.qkv}", (B, T, (N + 2 * K) * H), op="project", source="input"
     )
     q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)  # [Q (N*H) | K (K*H) | V (K*H)]
-    check_shape(q, "q", "B T D", (B, T, D), op="split", source="qkv")
+    check_shape(q, "q", f"B T {label.q_width}", (B, T, N * H), op="split", source="qkv")
     for name, part in (("k", k), ("v", v)):
         check_shape(part, name, f"B S {label.kv_width}", (B, T, K * H), op="split", source="qkv")
     q = split_heads(q, "q", "B T N H", N, cfg)
@@ -110,8 +111,8 @@ def self_attention(
     dtype = compute_dtype(cfg, x)
     options = core_options(cfg, positional=True)
     mask_fn = and_masks(window_mask(cfg.window, cfg.sink_tokens), mask_fn)
-    if positions is None:
-        positions = jnp.arange(T) if cfg.sequence_axis is None else default_positions(cfg, T)
+    if positions is None:  # numpy: concrete under jit too, as dynamic RoPE scaling needs
+        positions = np.arange(T) if cfg.sequence_axis is None else default_positions(cfg, T)
     elif jnp.ndim(positions) == 1:
         positions = _int_per_token("positions", positions, "T", (T,))
     else:
@@ -231,7 +232,7 @@ def cross_attention(
     check_shape(x, "input", "B T D", (B, T, D), op="input")
     check_shape(context, "context", "B S D", (B, S, D), op="input")
     q = params.dense("q", x, N * H, dtype)
-    check_shape(q, "q", "B T D", (B, T, D), op="project", source="input")
+    check_shape(q, "q", f"B T {label.q_width}", (B, T, N * H), op="project", source="input")
     kv = params.dense("kv", context, 2 * K * H, dtype)
     check_shape(kv, "kv", f"B S {label.kv_pair}", (B, S, 2 * K * H), op="project", source="context")
     k, v = jnp.split(kv, 2, axis=-1)  # 2 x (B, S, K*H), in the order [K | V]

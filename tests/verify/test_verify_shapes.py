@@ -42,6 +42,24 @@ def test_check_shapes_knows_the_grouped_query_axes():
     assert {"qkv", "k", "v", "k heads", "v heads"} <= failed
 
 
+def test_check_shapes_knows_a_head_width_of_its_own():
+    from nanoattn.verify._shapes import axis_sizes, trace_stages
+
+    config = AttentionConfig(30, 6, n_kv_heads=2, head_dim=7)  # N H = 42, not D = 30
+    for kv_len in (None, 5):
+        report = check_shapes(config, batch=2, seq_len=3, kv_len=kv_len)
+        assert report.passed, report
+        shapes = {c.name: (c.data["shape"], c.data["axes"]) for c in report.checks}
+        assert shapes["q"] == ([2, 3, 42], ["B", "T", "NH"])
+        assert shapes["concatenated heads"] == ([2, 3, 42], ["B", "T", "NH"])
+        assert shapes["output"] == ([2, 3, 30], ["B", "T", "D"])
+    # The same trace judged against H = D / N = 5 fails at every stage of width N H.
+    stages = trace_stages(config, 2, 3, None)
+    wrong = axis_sizes(AttentionConfig(30, 6, n_kv_heads=2, head_dim=5), 2, 3, None)
+    failed = {c.name for c in shape_report(stages, wrong, "planted").checks if not c.passed}
+    assert {"q", "q heads", "concatenated heads"} <= failed
+
+
 def test_shape_report_catches_lost_elements_and_wrong_axis_sizes():
     sizes = {"B": 2, "T": 5, "D": 8, "N": 2, "H": 4, "3D": 24}
     stages = [

@@ -89,13 +89,17 @@ class _Parameters:
                 "bias_init": nn.with_logical_partitioning(nn.initializers.zeros_init(), bias_axes),
             }
         layer = nn.Dense(
-            features, use_bias=cfg.use_bias, dtype=dtype, param_dtype=cfg.param_dtype, name=name,
-            **inits,
+            features, use_bias=cfg.has_bias(name), dtype=dtype, param_dtype=cfg.param_dtype,
+            name=name, **inits,
         )  # fmt: skip
         return layer(x)
 
     def norm(self, name, x, dtype):
-        return HeadRMSNorm(dtype=dtype, param_dtype=self.cfg.param_dtype, name=name)(x)
+        cfg = self.cfg
+        return HeadRMSNorm(
+            dtype=dtype, param_dtype=cfg.param_dtype, axes=2 if cfg.qk_norm == "projection" else 1,
+            eps=cfg.qk_norm_eps, offset=cfg.qk_norm_offset, name=name,
+        )(x)  # fmt: skip
 
     def sinks(self):
         N = self.cfg.n_heads
@@ -123,25 +127,29 @@ class CausalSelfAttention(nn.Module):
     .. math::
 
        y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}(i)}
-           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+           \big(c \tanh(s\, q_{in} \cdot k_{j,n/G} / c)\big)\, v_{j,n/G}\Big)
 
-    with ``[q | k | v] = qkv(x)`` (columns [Q (N*H) | K (K*H) | V (K*H)]),
-    ``q, k`` RMS-normalised per head (``qk_norm``) and then rotated by RoPE at
-    their positions (``rope_base``), query head n reading key/value head
-    ``n // G``, and ``c = logit_soft_cap`` (no tanh when None). Query i may
-    see key j iff ``j <= i``, ``i - left <= j <= i + right`` (``window``),
-    the ``mask`` and the call's ``mask_fn`` allow it and, when packing, both
-    have the same segment id. With ``sinks`` the softmax's denominator also
-    holds ``exp(sinks[n])`` for head n (no value is attended for it), and a
+    with ``[q | k | v] = qkv(x)`` (columns [Q (N*H) | K (K*H) | V (K*H)]), ``q, k``
+    RMS-normalised (``qk_norm``: per head, or per projection) and then rotated by
+    RoPE at their positions (``rope_base``, with ``rope_scaling``, ``rotary_dim``
+    and ``rope_layout``), ``s = scale`` (``1 / sqrt(H)`` by default), query head n
+    reading key/value head ``n // G``, and ``c = logit_soft_cap`` (no tanh when
+    None). Query i may see key j iff ``j <= i``, ``i - left <= j <= i + right``
+    (``window``), the ``mask`` and the call's ``mask_fn`` allow it and, when
+    packing, both have the same segment id. With ``sinks`` the softmax's denominator
+    also holds ``exp(sinks[n])`` for head n (no value is attended for it), and a
     call's ``score_fn`` modifies the scaled logits before the soft-cap.
 
     Parameters, with K = N and ``use_bias=True`` exactly the seed's
     (``Dense_0`` -> ``qkv``, ``Dense_1`` -> ``out``)::
 
         {"qkv": {"kernel": (D, (N + 2K) H), "bias": ((N + 2K) H,)},   # (D, 3D) when K = N
-         "out": {"kernel": (D, D), "bias": (D,)},
+         "out": {"kernel": (N H, D), "bias": (D,)},                   # (D, D) when H = D / N
          "q_norm": {"scale": (H,)}, "k_norm": {"scale": (H,)},        # with qk_norm only
          "sinks": (N,)}                                               # with sinks only, zeros
+
+    (``qkv_bias``/``out_bias`` say which biases there are, ``use_bias`` by
+    default; with ``qk_norm="projection"`` the norms' scales are (N H,) and (K H,).)
 
     **Decoding** (the flax convention): ``layer.init(key, jnp.zeros((B,
     max_len, D)), decode=True)`` also returns a ``"cache"`` collection of
@@ -333,19 +341,19 @@ class CrossAttention(nn.Module):
     .. math::
 
        y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}}
-           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+           \big(c \tanh(s\, q_{in} \cdot k_{j,n/G} / c)\big)\, v_{j,n/G}\Big)
 
     with ``q = q(x)``, ``[k | v] = kv(context)`` (columns [K (K*H) | V (K*H)]),
-    query head n reading key/value head ``n // G``, q and k RMS-normalised per
-    head with ``qk_norm``, and ``c = logit_soft_cap`` (no tanh when None). No
-    causal triangle and no cache (the keys do not grow). The positional
-    options of the config, ``rope_base`` and ``window``, do not apply between
-    two sequences and are ignored; ``sinks`` applies as in
-    :class:`CausalSelfAttention`. Parameters::
+    query head n reading key/value head ``n // G``, q and k RMS-normalised with
+    ``qk_norm``, ``s = scale`` (``1 / sqrt(H)`` by default), and ``c =
+    logit_soft_cap`` (no tanh when None). No causal triangle and no cache (the keys
+    do not grow). The positional options of the config, ``rope_base`` and
+    ``window``, do not apply between two sequences and are ignored; ``sinks``
+    applies as in :class:`CausalSelfAttention`. Parameters::
 
-        {"q": {"kernel": (D, D), "bias": (D,)},
+        {"q": {"kernel": (D, N H), "bias": (N H,)},                # (D, D) when H = D / N
          "kv": {"kernel": (D, 2KH), "bias": (2KH,)},                # (D, 2D) when K = N
-         "out": {"kernel": (D, D), "bias": (D,)},
+         "out": {"kernel": (N H, D), "bias": (D,)},
          "q_norm": {"scale": (H,)}, "k_norm": {"scale": (H,)},     # with qk_norm only
          "sinks": (N,)}                                            # with sinks only, zeros
 

@@ -82,10 +82,17 @@ class _Attention(nnx.Module):
             raise TypeError(f"rngs must be an nnx.Rngs, e.g. nnx.Rngs(0), got {rngs!r}")
         self.config = cfg
         D, H = cfg.d_model, cfg.head_dim
-        self.out = self._linear(D, D, rngs, "out")
+        self.out = self._linear(cfg.q_width, D, rngs, "out")  # N H -> D
         if cfg.qk_norm:
-            self.q_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
-            self.k_norm = HeadRMSNorm(H, param_dtype=cfg.param_dtype)
+            joint = cfg.qk_norm == "projection"  # over N H and K H, else over H per head
+            norm = dict(
+                param_dtype=cfg.param_dtype,
+                axes=2 if joint else 1,
+                eps=cfg.qk_norm_eps,
+                offset=cfg.qk_norm_offset,
+            )
+            self.q_norm = HeadRMSNorm(cfg.q_width if joint else H, **norm)
+            self.k_norm = HeadRMSNorm(cfg.kv_heads * H if joint else H, **norm)
         if cfg.sinks:  # one logit per query head, as linen's zeros-initialised "sinks"
             self.sinks = nnx.Param(jnp.zeros((cfg.n_heads,), cfg.param_dtype))  # (N,)
         self.sow_weights = sow_weights
@@ -102,7 +109,7 @@ class _Attention(nnx.Module):
                 "bias_metadata": {"out_sharding": bias_axes, "eager_sharding": False},
             }
         return nnx.Linear(
-            d_in, features, use_bias=cfg.use_bias, param_dtype=cfg.param_dtype, rngs=rngs,
+            d_in, features, use_bias=cfg.has_bias(name), param_dtype=cfg.param_dtype, rngs=rngs,
             **metadata,
         )  # fmt: skip
 
@@ -118,25 +125,29 @@ class CausalSelfAttention(_Attention):
     .. math::
 
        y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}(i)}
-           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+           \big(c \tanh(s\, q_{in} \cdot k_{j,n/G} / c)\big)\, v_{j,n/G}\Big)
 
-    with ``[q | k | v] = qkv(x)`` (columns [Q (N*H) | K (K*H) | V (K*H)]),
-    ``q, k`` RMS-normalised per head (``qk_norm``) and then rotated by RoPE at
-    their positions (``rope_base``), query head n reading key/value head
-    ``n // G``, and ``c = logit_soft_cap`` (no tanh when None). Query i may
-    see key j iff ``j <= i``, ``i - left <= j <= i + right`` (``window``),
-    the ``mask`` and the call's ``mask_fn`` allow it and, when packing, both
-    have the same segment id. With ``sinks`` the softmax's denominator also
-    holds ``exp(sinks[n])`` for head n (no value is attended for it), and a
+    with ``[q | k | v] = qkv(x)`` (columns [Q (N*H) | K (K*H) | V (K*H)]), ``q, k``
+    RMS-normalised (``qk_norm``: per head, or per projection) and then rotated by
+    RoPE at their positions (``rope_base``, with ``rope_scaling``, ``rotary_dim``
+    and ``rope_layout``), ``s = scale`` (``1 / sqrt(H)`` by default), query head n
+    reading key/value head ``n // G``, and ``c = logit_soft_cap`` (no tanh when
+    None). Query i may see key j iff ``j <= i``, ``i - left <= j <= i + right``
+    (``window``), the ``mask`` and the call's ``mask_fn`` allow it and, when
+    packing, both have the same segment id. With ``sinks`` the softmax's denominator
+    also holds ``exp(sinks[n])`` for head n (no value is attended for it), and a
     call's ``score_fn`` modifies the scaled logits before the soft-cap.
 
     Parameters (``nnx.Param``), named and shaped as the linen module's, so
     ``from_linen``/``to_linen`` convert them::
 
         qkv: Linear, kernel (D, (N + 2K) H), bias ((N + 2K) H,)
-        out: Linear, kernel (D, D), bias (D,)
+        out: Linear, kernel (N H, D), bias (D,)          # (D, D) when H = D / N
         q_norm, k_norm: HeadRMSNorm, scale (H,)          # with qk_norm only
         sinks: (N,), zeros                               # with sinks only
+
+    (biases as ``qkv_bias``/``out_bias`` say; with ``qk_norm="projection"`` the
+    norms' scales are (N H,) and (K H,).)
 
     **Dropout** (on the attention weights, rate ``config.dropout``) follows
     NNX: as ``nnx.Dropout(rate, rngs=rngs)``, the module forks its own stream
@@ -337,18 +348,18 @@ class CrossAttention(_Attention):
     .. math::
 
        y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}}
-           \big(c \tanh(q_{in} \cdot k_{j,n/G} / (c \sqrt{H}))\big)\, v_{j,n/G}\Big)
+           \big(c \tanh(s\, q_{in} \cdot k_{j,n/G} / c)\big)\, v_{j,n/G}\Big)
 
     with ``q = q(x)``, ``[k | v] = kv(context)`` (columns [K (K*H) | V (K*H)]),
-    query head n reading key/value head ``n // G``, q and k RMS-normalised per
-    head with ``qk_norm``, and ``c = logit_soft_cap``. No causal triangle and
-    no cache; ``rope_base`` and ``window`` do not apply between two sequences
-    and are ignored; ``sinks`` applies as in :class:`CausalSelfAttention`.
-    Parameters::
+    query head n reading key/value head ``n // G``, q and k RMS-normalised with
+    ``qk_norm``, ``s = scale`` (``1 / sqrt(H)`` by default), and ``c =
+    logit_soft_cap``. No causal triangle and no cache; ``rope_base`` and ``window``
+    do not apply between two sequences and are ignored; ``sinks`` applies as in
+    :class:`CausalSelfAttention`. Parameters::
 
-        q: Linear, kernel (D, D), bias (D,)
+        q: Linear, kernel (D, N H), bias (N H,)                   # (D, D) when H = D / N
         kv: Linear, kernel (D, 2KH), bias (2KH,)                  # (D, 2D) when K = N
-        out: Linear, kernel (D, D), bias (D,)
+        out: Linear, kernel (N H, D), bias (D,)
         q_norm, k_norm: HeadRMSNorm, scale (H,)                   # with qk_norm only
         sinks: (N,), zeros                                        # with sinks only
 
@@ -369,7 +380,7 @@ class CrossAttention(_Attention):
     ):
         super().__init__(config, sow_weights=sow_weights, deterministic=deterministic, rngs=rngs)
         cfg = self.config
-        self.q = self._linear(cfg.d_model, cfg.d_model, rngs, "q")
+        self.q = self._linear(cfg.d_model, cfg.q_width, rngs, "q")  # D -> N H
         self.kv = self._linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, rngs, "kv")
 
     def __call__(

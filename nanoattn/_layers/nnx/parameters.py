@@ -12,19 +12,32 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..norm import head_rms_norm
+from ..norm import EPSILON, rms_norm
 
 
 class HeadRMSNorm(nnx.Module):
-    r"""RMSNorm of each head over its H features (``nanoattn._layers.norm.head_rms_norm``),
-    with a learned ``scale`` (H,) initialised to ones and shared by every head."""
+    r"""RMSNorm of heads over their last ``axes`` axes (``nanoattn._layers.norm.rms_norm``),
+    with a learned ``scale`` (``features``,): (H,) shared by every head, or (N H,) over a
+    whole projection with ``axes=2``; initialised to ``1 - offset`` (a fresh norm
+    multiplies by 1)."""
 
-    def __init__(self, head_dim: int, *, param_dtype=jnp.float32):
-        self.scale = nnx.Param(jnp.ones((head_dim,), param_dtype))
+    def __init__(
+        self,
+        features: int,
+        *,
+        param_dtype=jnp.float32,
+        axes: int = 1,
+        eps: float = EPSILON,
+        offset: float = 0.0,
+    ):
+        self.scale = nnx.Param(jnp.full((features,), 1.0 - offset, param_dtype))
+        self.axes, self.eps, self.offset = axes, eps, offset
 
     def __call__(self, x, dtype=None):
         """x: (..., H), e.g. query heads (B, T, N, H) or key heads (B, S, K, H)."""
-        return head_rms_norm(x, self.scale[...], dtype)
+        return rms_norm(
+            x, self.scale[...], axes=self.axes, eps=self.eps, offset=self.offset, dtype=dtype
+        )
 
 
 def linear(layer: nnx.Linear, x, dtype):
