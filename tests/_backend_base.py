@@ -319,7 +319,8 @@ class BackendTestBase:
 
     def test_every_rule_it_does_not_serve_is_refused_in_one_line(self):
         backend = registry.get(self.implementation)
-        calls = {rule: _call_using(rule) for rule in RULE_NAMES if rule not in backend.serves}
+        unserved_rules = set(RULE_NAMES) - set(backend.serves) - {"page_table"}
+        calls = {rule: _call_using(rule) for rule in unserved_rules}
         for rule, call in calls.items():
             q, k, v, bias, sinks, *_ = call.inputs()
             rules = Rules.make(q, k, v, **call.arrays(), bias=bias, sinks=sinks)
@@ -334,6 +335,25 @@ class BackendTestBase:
             message = str(info.value)
             assert "\n" not in message
             assert message.startswith(f"implementation={self.implementation!r} cannot serve")
+
+    def test_a_page_table_it_does_not_serve_is_refused_in_one_line(self):
+        """The page table is paged_attention's rule (dot_product_attention has none):
+        a backend that does not serve it refuses a paged call in one line."""
+        backend = registry.get(self.implementation)
+        if "page_table" in backend.serves:
+            pytest.skip(f"{self.implementation!r} serves a page table")
+        q = jnp.ones((3, N, H))
+        pages = jnp.ones((4, 2, K, H))
+        table, lengths, starts = jnp.zeros((1, 2), jnp.int32), jnp.array([3]), jnp.array([0, 3])
+        rules = Rules.make_paged(q, pages, pages, table, lengths, starts)
+        reason = unserved(backend, rules)
+        assert reason is not None and RULE_NAMES["page_table"] in reason, reason
+        with pytest.raises(ValueError) as info:
+            nanoattn.paged_attention(q, pages, pages, table, lengths, starts,
+                                     implementation=self.implementation)  # fmt: skip
+        message = str(info.value)
+        assert "\n" not in message
+        assert message.startswith(f"implementation={self.implementation!r} cannot serve")
 
     def test_vmap_over_the_batch_equals_the_batched_call_forward_and_backward(self):
         """Calls of one row each, mapped over the batch with each row's key length,
