@@ -711,11 +711,16 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, f
     return cost;
   });
   // Keys as (BK, Hp) rows for the transposed scores, or transposed (Hp, BK) for a
-  // decode step's, and values as (BK, Hp) rows, packed once for every query block.
+  // decode step's, and values as (BK, Hp) rows, packed once for every query block: only
+  // the key blocks some query of the row may see (a decoding step over a cache of S
+  // slots packs what the row holds, not the capacity), which are all any task reads.
   const bool decode = p.T < VW;
   Tiles keys(p.B * p.K * p.n_k(), BK * p.Hp, 0), values(p.B * p.K * p.n_k(), BK * p.Hp, 1);
+  std::vector<std::pair<int64_t, int64_t>> held(p.B);
+  for (int64_t b = 0; b < p.B; ++b) held[b] = key_blocks(p, geo[b], 0, p.T);
   parallel_for(pool, threads, p.B * p.K * p.n_k(), [&](int64_t t, int) {
     const int64_t kb = t % p.n_k(), kh = (t / p.n_k()) % p.K, b = t / (p.n_k() * p.K);
+    if (kb < held[b].first || kb > held[b].second) return;
     // The transposed scores of bfloat16 read the keys as pairs where the CPU has
     // AVX512_BF16 (forward_task); a decode step reads them transposed.
     constexpr bool pairs = kPairs && std::is_same_v<ffi::NativeType<DT>, uint16_t>;
