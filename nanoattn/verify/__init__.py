@@ -13,6 +13,7 @@ from ._decoding import Decoder as Decoder
 from ._decoding import check_decoding as check_decoding
 from ._mask import check_mask as check_mask
 from ._padding import check_padding as check_padding
+from ._paged_decoding import PagedDecoder as PagedDecoder
 from ._report import CheckResult as CheckResult
 from ._report import Report as Report
 from ._shapes import check_shapes as check_shapes

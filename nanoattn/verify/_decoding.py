@@ -30,6 +30,7 @@ import numpy as np
 
 from ._inputs import Inputs, as_features
 from ._leaks import Leaks, per_feature, positive_control
+from ._paged_decoding import PagedDecoder, as_rows, check_forks
 from ._report import CheckResult, Report
 
 DEFAULT_SEQ_LEN = 13
@@ -253,7 +254,20 @@ def check_decoding(
       >>> check_decoding(full, init, step, d_model=3).passed
       True
     """
-    if isinstance(full, Decoder):
+    inputs = Inputs.of(d_model, vocab)
+    paged = full if isinstance(full, PagedDecoder) else None
+    if paged is not None:
+        if init is not None or step is not None:
+            raise ValueError("pass a PagedDecoder alone, without init and step")
+        given = {"rewind": rewind, "capacity": capacity, "max_chunk": max_chunk}
+        for name, value in given.items():
+            if value is not None:
+                raise ValueError(
+                    f"a PagedDecoder takes no {name}: its pages come from a PageAllocator, "
+                    f"which rewinds and has no chunk limit; got {name}={value!r}"
+                )
+        full, (init, step, rewind) = paged.full, as_rows(paged, inputs)
+    elif isinstance(full, Decoder):
         if init is not None or step is not None:
             raise ValueError("pass a Decoder alone, or the functions full, init and step")
         full, init, step, rewind, capacity, max_chunk = (
@@ -266,7 +280,6 @@ def check_decoding(
         )
     elif init is None or step is None:
         raise ValueError("pass the decoder's full, init and step, or a Decoder")
-    inputs = Inputs.of(d_model, vocab)
     if rewind is not None and not callable(rewind):
         raise ValueError(f"rewind must be None or a function (state, n) -> state, got {rewind!r}")
     for name, value, least in (("capacity", capacity, 1), ("max_chunk", max_chunk, 1)):
@@ -308,7 +321,9 @@ def check_decoding(
         "cache equivalence",
         f"{len(runs)} chunking{'s' if len(runs) > 1 else ''} ({names}) reproduce"
         f"{'' if len(runs) > 1 else 's'} the full forward at all {T} positions "
-        f"of {batch} rows" + ("" if capacity is None else f" through a cache of {capacity} slots"),
+        f"of {batch} rows"
+        + ("" if capacity is None else f" through a cache of {capacity} slots")
+        + ("" if paged is None else f" {paged.describe()}"),
         first="first divergence",
     )
     if not result.passed:
@@ -357,6 +372,8 @@ def check_decoding(
     )
     if rewind is not None:
         checks.append(_rewinding(full, init, step, rewind, inputs, batch, T, width, tol, max_len))
+    if paged is not None:
+        checks.append(check_forks(paged, inputs, T, batch, tol))
     return Report("decoding", checks)
 
 
