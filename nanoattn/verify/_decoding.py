@@ -21,6 +21,10 @@ Optionally (a :class:`Decoder` carries them, or pass them to the check):
 
 Every run starts from a fresh ``init`` and threads the state linearly, so a
 decoder that mutates its state in place is checked as well as a pure one.
+
+A decoder with a paged cache is a :class:`~nanoattn.verify.PagedDecoder`
+(``init(pages)``, ``step(state, chunk, batch)``), run through this same protocol
+by :mod:`nanoattn.verify._paged_decoding`, plus its forks check.
 """
 
 import dataclasses
@@ -192,7 +196,14 @@ def check_decoding(
     the real tokens per row of a right-padded chunk. :mod:`nanoattn.verify.decoders`
     builds the triple for nanoattn's and flax's modules. ``full`` may instead be a
     :class:`Decoder`, which brings ``init``, ``step`` and its optional ``rewind``,
-    ``capacity`` and ``max_chunk`` (an argument given here wins). With T =
+    ``capacity`` and ``max_chunk`` (an argument given here wins), or a
+    :class:`PagedDecoder` (a paged cache: ``init(pages)``, ``step(state, chunk,
+    batch)``), which the checks drive through a ``PageAllocator``: each row a sequence,
+    a call's rows one token-major step of B * L tokens (the padding past them poison),
+    pages handed out in a shuffled order after poison sequences (NaN and +-3e38
+    inputs, or random ids) filled the pool and were freed, the page table's unused
+    entries random pages, a rewind the allocator's (so rewinding is always checked),
+    and one more check, forks (below). With T =
     ``seq_len`` (default 13) and a capacity of T + 3 slots, or with ``capacity`` C
     (a bounded, rolling cache) C slots and T = 4 C + 3 by default, so that the ring
     wraps several times, from random x:
@@ -217,7 +228,12 @@ def check_decoding(
       ``n[b]`` in ``[0, lengths[b]]`` per row (none, part or all of the chunk),
       until every row keeps T tokens: every output at a kept token equals the full
       forward of what its row kept. The tokens after a rewind differ from the
-      dropped ones, so a stale slot that stays readable changes the outputs.
+      dropped ones, so a stale slot that stays readable changes the outputs;
+    * forks, for a :class:`PagedDecoder`: a parent row's prefix of about T / 2
+      tokens, not a whole number of pages, is forked into max(batch, 3) - 1 children
+      (sharing its pages, the partial last one copied on write), and every row goes
+      on with tokens of its own in right-padded chunks (the children's first): each
+      row equals the full forward of its own sequence.
 
     ``max_chunk`` M bounds every chunk: the one-call run becomes chunks of M, and
     the cycle, the ragged and the rewinding chunks are at most M wide; a chunk of
@@ -226,6 +242,9 @@ def check_decoding(
     (its ragged rows then get chunks of 1 with lengths 0 or 1).
 
     Args:
+      full: the decoder's ``full``, or a :class:`Decoder` or :class:`PagedDecoder`
+        (then no ``init`` and ``step``; a PagedDecoder takes no ``rewind``,
+        ``capacity`` or ``max_chunk``).
       rewind: None (not checked) or ``rewind(state, n) -> state``, ``n`` int32 (B,).
       capacity: None, or the slots ``init`` gets for a decoder whose cache is bounded.
       max_chunk: None, or the most tokens one call may take.
@@ -373,7 +392,7 @@ def check_decoding(
     if rewind is not None:
         checks.append(_rewinding(full, init, step, rewind, inputs, batch, T, width, tol, max_len))
     if paged is not None:
-        checks.append(check_forks(paged, inputs, T, batch, tol))
+        checks.append(check_forks(paged, inputs, T, batch, tol, width))
     return Report("decoding", checks)
 
 

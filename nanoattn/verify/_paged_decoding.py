@@ -30,10 +30,11 @@ import numpy as np
 from .._layers.caches.allocator import PageAllocator
 from ._inputs import Inputs, _int_at_least, as_features
 from ._leaks import Leaks, per_feature
+from ._report import CheckResult
 
 HUGE = 3e38  # a poison input near float32's largest: its keys overflow to inf
 FORK_CHILDREN = 2  # the forks check forks the parent into at least this many children
-FORK_WIDTH = 4  # the forks check's chunks: right-padded, at most 4 tokens a row
+FORK_WIDTH = 4  # the forks check's chunks: right-padded, at most 4 tokens a row (1 unchunked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,12 +216,14 @@ def fork_schedule(R: int, T: int, p: int, width: int):
     return calls, forked_at
 
 
-def check_forks(decoder: PagedDecoder, inputs: Inputs, T: int, batch: int, tol: float):
+def check_forks(decoder: PagedDecoder, inputs: Inputs, T: int, batch: int, tol: float,
+                width: int = FORK_WIDTH) -> CheckResult:  # fmt: skip
     """Row 0 (the parent) takes a prefix of p tokens (:func:`fork_point`, a partial
-    last page), R - 1 >= 2 children fork it, and every row goes on with tokens of its
-    own in right-padded chunks of up to 4 (:func:`fork_schedule`): each row must give
-    the full forward of its own sequence, the parent at all T positions, the children
-    from p on."""
+    last page), R = max(batch, 3) - 1 >= 2 children fork it, and every row goes on
+    with tokens of its own in right-padded chunks of up to ``width`` (4; 1 for a
+    decoder checked one token per call) (:func:`fork_schedule`): each row must give
+    the full forward of its own sequence, the parent at all T positions, the
+    children from p on."""
     rng = np.random.default_rng(4)
     R = max(batch, FORK_CHILDREN + 1)
     p = fork_point(T, decoder.page_size)
@@ -228,14 +231,14 @@ def check_forks(decoder: PagedDecoder, inputs: Inputs, T: int, batch: int, tol: 
     x[1:, :p] = x[0, :p]  # the children's prefix is the parent's
     init, step, _ = as_rows(decoder, inputs)
     rows, done = init(R, T + 3), np.zeros(R, int)
-    calls, forked_at = fork_schedule(R, T, p, FORK_WIDTH)
+    calls, forked_at = fork_schedule(R, T, p, width)
     outs = [[] for _ in range(R)]
     for c, lengths in enumerate(calls):
         if c == forked_at:
             for child in range(1, R):
                 rows.fork(0, child)
             done[1:] = p
-        chunk = inputs.random(rng, R, FORK_WIDTH)
+        chunk = inputs.random(rng, R, width)
         for b, n in enumerate(lengths):
             chunk[b, :n] = x[b, done[b] : done[b] + n]
         rows, y = step(rows, chunk, lengths.astype(np.int32))
