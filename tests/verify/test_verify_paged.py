@@ -143,7 +143,7 @@ def test_the_rows_get_poisoned_shuffled_pages_and_random_unused_entries():
     assert pages != list(range(3))  # shuffled, not lowest first
     table = batch.page_table
     assert table.shape == (2, 6) and ((table >= 0) & (table < 15)).all()
-    assert table[0, 1:].tolist() != [0] * 5  # random pages, not the allocator's zeros
+    assert (table[0, 2:] != 0).any() and (table[1, 1:] != 0).any()  # not the allocator's zeros
     assert y.shape == (2, 4, 2)
     rows = rewind(rows, np.array([3, 1]))
     assert [rows.alloc.length(s) for s in rows.ids] == [1, 0]
