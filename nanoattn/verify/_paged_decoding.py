@@ -57,11 +57,17 @@ class PagedDecoder:
         page table's unused entries.
 
     Example:
-      >>> from nanoattn.verify import PagedDecoder
-      >>> decoder = PagedDecoder(lambda x: x, lambda pages: None, lambda s, x, b: (s, x),
-      ...                        page_size=4)
+      >>> import jax, jax.numpy as jnp
+      >>> from nanoattn.linen import AttentionConfig, CausalSelfAttention
+      >>> from nanoattn.verify import check_decoding, decoders
+      >>> layer = CausalSelfAttention(AttentionConfig(d_model=16, n_heads=2, page_size=4))
+      >>> params = layer.init(jax.random.key(0), jnp.ones((1, 2, 16)), deterministic=True)
+      >>> decoder = decoders.linen(layer, params)  # a PagedDecoder: the layer is paged
       >>> decoder.page_size, decoder.slack
       (4, 3)
+      >>> report = check_decoding(decoder, d_model=16, seq_len=7)
+      >>> report.passed, report.checks[-1].name
+      (True, 'forks')
     """
 
     full: object
