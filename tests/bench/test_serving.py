@@ -136,3 +136,16 @@ def test_cli_bench_only_serving(tmp_path, capsys, monkeypatch):
     assert main(argv) == 1  # the full sizes are judged: the mixed call misses its bound
     assert shapes[-1] == _serving.FULL
     assert "| serving mixed flash float32: a 512-token" in capsys.readouterr().out
+
+
+def test_the_part_is_chosen_by_only_and_sized_by_quick():
+    from nanoattn.cli import build_parser
+    from nanoattn.cli._bench import config_from_args
+
+    def config(*argv):
+        return config_from_args(build_parser().parse_args(["bench", *argv]))
+
+    assert config().serving == "full" and config("--quick").serving == ""
+    assert config("--only", "serving").serving == "full"
+    assert config("--quick", "--only", "serving").serving == "quick"
+    assert config("--only", "masks").serving == ""
