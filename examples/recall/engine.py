@@ -182,72 +182,91 @@ class Engine:
     def run(self, requests, progress=None) -> Served:
         """Serves ``requests`` in order of arrival; ``progress(n)`` is called with the
         tokens each step generated."""
-        c, alloc = self.config, self._allocator()
+        c = self.config
         for r in requests:
             if c.pages_for(r.need) > min(c.pages, self.max_pages):
                 raise ValueError(
                     f"request {r.id} needs {r.need} tokens of cache: more than the pool "
                     f"({c.pages} pages) or the engine's max_len ({self.max_pages} pages) hold"
                 )
+        self.allocator = alloc = self._allocator()  # every page free again at the end
         waiting, running, outputs = collections.deque(requests), {}, {}
-        reserved, steps, mixed = 0, 0, 0  # pages promised to the requests in flight
+        steps = mixed = 0
         start = time.perf_counter()
         while waiting or running:
-            # Admission: a free row and every page the request will need.
-            while waiting and len(running) < c.max_sequences:
-                need = c.pages_for(waiting[0].need)
-                if reserved + need > c.pages:
-                    break
-                request = waiting.popleft()
-                alloc.allocate(request.id, 0)
-                running[request.id] = _Live(request)
-                reserved += need
-            # One mixed step: a token of every decoding request, then prompt chunks.
-            budget, rows, fed = c.step_tokens, [], []
-            for live in running.values():
-                if not live.prefilling:
-                    rows.append(live)
-                    fed.append([live.generated[-1]])
-                    budget -= 1
-            decoding = len(rows)
-            for live in running.values():
-                if live.prefilling and budget:
-                    chunk = live.request.prompt[live.held : live.held + budget]
-                    rows.append(live)
-                    fed.append(list(chunk))
-                    budget -= len(chunk)
+            self._admit(alloc, waiting, running)
+            rows, fed = self._compose(running)
+            mixed += 0 < sum(not live.prefilling for live in rows) < len(rows)
             for live, tokens in zip(rows, fed):
                 alloc.extend(live.request.id, len(tokens))
                 live.held += len(tokens)
-            mixed += 0 < decoding < len(rows)
-            batch = alloc.batch(
-                [(live.request.id, len(t)) for live, t in zip(rows, fed)], tokens=c.step_tokens
-            )
-            x = np.full(c.step_tokens, data.PAD, np.int32)
-            flat = [t for tokens in fed for t in tokens]
-            x[: len(flat)] = flat
-            last = np.zeros(c.max_sequences, np.int32)
-            last[: len(rows)] = np.asarray(batch.query_starts[1 : len(rows) + 1]) - 1
-            self.state, next_tokens = self.step(self.state, x, batch, last)
-            next_tokens = np.asarray(next_tokens)
+            next_tokens = self._step(alloc, rows, fed)
             steps += 1
-            # Retirement: a request with all its tokens frees its pages.
-            made = 0
-            for b, live in enumerate(rows):
-                if live.prefilling:
-                    continue  # its prompt is not all in yet: this logit predicts nothing new
-                live.generated.append(int(next_tokens[b]))
-                made += 1
-                request = live.request
-                if len(live.generated) == request.new_tokens:
-                    alloc.free(request.id)
-                    reserved -= c.pages_for(request.need)
-                    outputs[request.id] = live.generated
-                    del running[request.id]
+            made = self._retire(alloc, rows, next_tokens, running, outputs)
             if progress:
                 progress(made)
-        self.allocator = alloc  # every page free again: tests look
         return Served(outputs, time.perf_counter() - start, steps, mixed)
+
+    def _admit(self, alloc, waiting, running) -> None:
+        """Admission: the next requests in the queue while a row and every page each
+        will need are free (their whole need is reserved: the pool never runs out)."""
+        c = self.config
+        reserved = sum(c.pages_for(live.request.need) for live in running.values())
+        while waiting and len(running) < c.max_sequences:
+            need = c.pages_for(waiting[0].need)
+            if reserved + need > c.pages:
+                return
+            request = waiting.popleft()
+            alloc.allocate(request.id, 0)
+            running[request.id] = _Live(request)
+            reserved += need
+
+    def _compose(self, running) -> tuple[list, list]:
+        """One mixed step's rows and their tokens: the next token of every decoding
+        request, then chunks of the prompts being prefilled, up to ``step_tokens``."""
+        budget, rows, fed = self.config.step_tokens, [], []
+        for live in running.values():
+            if not live.prefilling:
+                rows.append(live)
+                fed.append([live.generated[-1]])
+                budget -= 1
+        for live in running.values():
+            if live.prefilling and budget:
+                chunk = live.request.prompt[live.held : live.held + budget]
+                rows.append(live)
+                fed.append(list(chunk))
+                budget -= len(chunk)
+        return rows, fed
+
+    def _step(self, alloc, rows, fed) -> np.ndarray:
+        """The jitted call on the rows' tokens, token-major and padded: (B,) the greedy
+        token after each row's last one."""
+        c = self.config
+        batch = alloc.batch(
+            [(live.request.id, len(t)) for live, t in zip(rows, fed)], tokens=c.step_tokens
+        )
+        x = np.full(c.step_tokens, data.PAD, np.int32)
+        flat = [t for tokens in fed for t in tokens]
+        x[: len(flat)] = flat
+        last = np.zeros(c.max_sequences, np.int32)
+        last[: len(rows)] = np.asarray(batch.query_starts[1 : len(rows) + 1]) - 1
+        self.state, next_tokens = self.step(self.state, x, batch, last)
+        return np.asarray(next_tokens)
+
+    def _retire(self, alloc, rows, next_tokens, running, outputs) -> int:
+        """Each row whose prompt is all in takes its token; a request with all its
+        tokens frees its pages. Returns the tokens generated."""
+        made = 0
+        for b, live in enumerate(rows):
+            if live.prefilling:
+                continue  # its prompt is not all in yet: this logit predicts nothing new
+            live.generated.append(int(next_tokens[b]))
+            made += 1
+            if len(live.generated) == live.request.new_tokens:
+                alloc.free(live.request.id)
+                outputs[live.request.id] = live.generated
+                del running[live.request.id]
+        return made
 
 
 class Static:
