@@ -8,7 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from . import _generation, _masks, _native, _targets, _torch, _window
+from . import _generation, _masks, _native, _serving, _targets, _torch, _window
 from ._cell import measure_cell
 from ._measure import matmul_peak_gflops
 from ._peers import PEERS
@@ -44,6 +44,10 @@ class BenchConfig:
       masks_length: T of the masks-as-functions benchmark (``mask_fn`` against
         segment ids and full causal, sinks and ``return_residual`` against the call
         without them, :mod:`nanoattn.bench._masks`); 0 to skip it.
+      serving: the serving part (decode over a paged KV cache against the copy
+        bandwidth and a full cache, a mixed prefill-and-decode call,
+        :mod:`nanoattn.bench._serving`): "full" at the issue's sizes (judged),
+        "quick" at small ones (reported, not judged), "" to skip it.
     """
 
     lengths: tuple[int, ...] = FULL_LENGTHS
@@ -58,6 +62,7 @@ class BenchConfig:
     window_length: int = 16384
     native_lengths: tuple[int, ...] = ()
     masks_length: int = 0
+    serving: str = ""
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -144,15 +149,15 @@ def _part(report, part: str, items: list, measure) -> list:
 
 
 def run_bench(config: BenchConfig, progress=None) -> dict:
-    """Runs the grid, the targets and the generation, window, native and masks
+    """Runs the grid, the targets and the generation, window, native, masks and serving
     benchmarks that ``config`` asks for, and returns every measurement as plain data.
 
     ``progress(part, done, total, label)`` (e.g. :class:`nanoattn.bench._progress.ItemLines`)
     is called before each measured item of each part ("peak", "grid", "targets",
-    "generation", "window", "native", "masks"), ``done`` of the part's ``total`` items being
-    finished, and once with ``done == total`` when the part ends. Items skipped without
-    being measured (torch missing, scores over ``max_score_gib``) are neither reported
-    nor counted; a part with nothing left to measure is reported once, with
+    "generation", "window", "native", "masks", "serving"), ``done`` of the part's
+    ``total`` items being finished, and once with ``done == total`` when the part ends.
+    Items skipped without being measured (torch missing, scores over ``max_score_gib``)
+    are neither reported nor counted; a part with nothing left to measure is reported once, with
     ``total == 0`` and why in ``label``.
     """
     report = progress or (lambda part, done, total, label: None)
@@ -214,6 +219,13 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         masks = _part(report, "masks", items, lambda *job: _masks.measure_pair(*job))
         if config.masks_length == _masks.LENGTH:  # judged at the issue's length only
             targets += _masks.masks_targets(masks)
+    serving = None
+    if config.serving:
+        shape = {"full": _serving.FULL, "quick": _serving.QUICK}[config.serving]
+        relay = _Relay(report, "serving", "")
+        serving = _serving.measure_serving(shape, relay)
+        relay.end()
+        targets += _serving.serving_targets(serving)
     return {
         "machine": machine() | {"matmul_peak_gflops": peak},
         "config": dataclasses.asdict(config),
@@ -223,4 +235,5 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         "window": window,
         "native": native,
         "masks": masks,
+        "serving": serving,
     }
