@@ -151,9 +151,9 @@ class Engine:
         paged.eval()
         paged.init_cache(1, config.cache_tokens)
         graphdef, state = nnx.split(paged)
-        # A buffer of its own for every leaf (the empty pool's keys and values are one
-        # zeros array: the step donates the state, updating the pool in place), on the
-        # device the step's outputs are on (else the second call compiles again).
+        # A buffer of its own for every leaf (the parameters are the model's own arrays,
+        # and the step donates the state, updating the pools in place), on the device the
+        # step's outputs are on (else the second call compiles again).
         device = jax.devices()[0]
         self.state = jax.tree.map(lambda a: jax.device_put(jnp.copy(a), device), state)
 

@@ -91,9 +91,10 @@ class PagedCache(CachePolicy):
         """A pool of ``capacity / page_size`` pages (``batch`` is not the pool's: any
         number of sequences share it), with no row state."""
         self.check_capacity(capacity, "init with a length that is a multiple of page_size")
-        pool = jnp.zeros((capacity // self.page_size, self.page_size, kv_heads, head_dim), dtype)
-        none = jnp.zeros((0,), jnp.int32)
-        return KVCache(pool, pool, none, none)
+        shape = (capacity // self.page_size, self.page_size, kv_heads, head_dim)
+        # Four buffers of their own, so that a step may donate the cache.
+        key, value = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        return KVCache(key, value, jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
 
     def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
         """The tokens' sequences and positions from ``pages`` (invalid page tables,
