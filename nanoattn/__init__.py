@@ -19,6 +19,8 @@ from ._core.base.masks import window_mask as window_mask
 from ._core.base.numerics import large_negative as large_negative
 from ._core.merge import merge_attention as merge_attention
 from ._core.paged import paged_attention as paged_attention
+from ._core.quantize import dequantize_kv as dequantize_kv
+from ._core.quantize import quantize_kv as quantize_kv
 from ._core.rope import apply_rope as apply_rope
 from ._interop.flax_attention_fn import flax_attention_fn as flax_attention_fn
 from ._interop.jax_nn_attention import jax_nn_attention as jax_nn_attention
