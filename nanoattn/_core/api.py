@@ -15,6 +15,7 @@ from .._backends.xla import reference
 from .base.debug import one_program
 from .base.dropout import check_dropout
 from .base.numerics import softmax_dtype
+from .base.quantized import is_quantized
 from .base.rules import ARGUMENTS, Rules, batched, poison_rows
 from .base.validate import check_scale, check_tiles
 from .eager import cacheable, is_eager
@@ -42,6 +43,8 @@ def dot_product_attention(
     score_fn=None,
     sinks=None,
     return_residual: bool = False,
+    key_scales=None,
+    value_scales=None,
     implementation: Implementation | None = None,
 ):
     r"""Multi-head scaled dot-product attention.
@@ -125,6 +128,14 @@ def dot_product_attention(
       return_residual: also return the log-sum-exp of each row's logits, as
         ``jax.nn.dot_product_attention`` does (docs/conventions.md): gradients
         flow through both results; with ``sinks`` the sink is in the sum.
+      key_scales, value_scales: float (B, S, K), the scales of quantized keys and
+        values (:func:`nanoattn.quantize_kv`): key and value are then int8 or
+        float8_e4m3fn and token s of head k stands for ``key[b, s, k] *
+        key_scales[b, s, k]``; both or neither. The scores and the softmax stay in
+        at least float32; a NaN scale is a NaN token (visible where it is seen).
+        Served by ``"xla"`` (dequantized first) and ``"flash"`` (per key block);
+        gradients through ``"flash"`` raise (the reference differentiates the query
+        and the scales).
       implementation: ``"xla"`` (the reference: full score tensor, every
         feature), ``"flash"`` (blockwise kernel, O(T) memory, no dropout),
         ``"native"`` (C++ CPU kernel, float32, O(T) memory, no dense mask,
@@ -316,7 +327,8 @@ def _with_sinks(kernel, query, key, value, rules: Rules, sinks_inside: bool):
     # the output, dv and dsinks several times less accurate than the reference's.
     dtype = query.dtype
     wide = softmax_dtype(dtype, key.dtype, value.dtype)
-    q, k, v = (x.astype(wide) for x in (query, key, value))
+    # quantized keys and values stay as they are: the kernel reads them with their scales
+    q, k, v = (x if is_quantized(x) else x.astype(wide) for x in (query, key, value))
     out, lse = kernel(q, k, v, keys_only)
     out, lse = add_sinks(out, lse, rules.sinks)
     out = out.astype(dtype)

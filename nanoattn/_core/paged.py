@@ -25,6 +25,8 @@ def paged_attention(
     mask_fn=None,
     score_fn=None,
     return_residual: bool = False,
+    key_scales=None,
+    value_scales=None,
     implementation=None,
 ):
     r"""Attention of B sequences over a paged KV cache, their queries token-major.
@@ -63,6 +65,9 @@ def paged_attention(
         decoding); False lets every query see every key its sequence holds.
       window, logit_soft_cap, sinks, mask_fn, score_fn, return_residual: as in
         :func:`nanoattn.dot_product_attention`.
+      key_scales, value_scales: float (P, page_size, K), the scales of quantized
+        pages (int8 or float8_e4m3fn; :func:`nanoattn.quantize_kv`), both or neither;
+        served by ``"xla"`` and ``"flash"`` (dequantized per page block).
       implementation: ``"xla"`` (gathers each row's pages: the reference),
         ``"flash"`` (blockwise over the pages each sequence holds), ``"native"``
         (the C++ CPU kernel, reading the pool through the page table), or None for
@@ -94,7 +99,7 @@ def paged_attention(
         query, key_pages, value_pages, page_table, kv_lengths, query_starts,
         scale=check_scale(scale), is_causal=is_causal, window=window,
         logit_soft_cap=logit_soft_cap, sinks=sinks, mask_fn=mask_fn, score_fn=score_fn,
-        return_residual=return_residual,
+        return_residual=return_residual, key_scales=key_scales, value_scales=value_scales,
     )  # fmt: skip
     query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
     return attend(query, key_pages, value_pages, rules, implementation=implementation)

@@ -40,12 +40,19 @@ import jax.numpy as jnp
 from ..._core.base.block_mask import EMPTY, BlockMask, block_mask
 from ..._core.base.mask_fn import closure_converted, evaluate_mask, evaluate_score
 from ..._core.base.numerics import large_negative, softmax_dtype
+from ..._core.base.quantized import dequantize, is_quantized
 from ..._core.base.rules import Rules
 from ..._core.base.shard_map import sum_to_varying, varying_like
 from .plan import Plan, kernel_plans
 from .schedule import Schedule
 
-_ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
+_ITEM = "BLKGqk"
+# The backward pass does not differentiate through a quantized cache.
+NO_QUANTIZED_GRADIENTS = (
+    "gradients through quantized keys and values (key_scales, value_scales) are not "
+    "implemented by the blockwise kernel; use implementation='xla', which differentiates "
+    "the query and the scales"
+)  # the axes of one step's scores: batch, lane, kv head, group, query, key
 
 
 @jax.tree_util.register_dataclass
@@ -137,8 +144,9 @@ def _query_blocks(x, plan: Plan, dtype):
 
 
 def _key_blocks(x, plan: Plan, dtype):
-    """(B, S, K, H) -> (B, nK, bk, K, H): a reshape, no copy unless S is padded."""
-    x = _pad(x.astype(dtype), 1, plan.n_k * plan.block_k)
+    """(B, S, K, H) -> (B, nK, bk, K, H): a reshape, no copy unless S is padded.
+    Quantized keys and values keep their dtype: each step dequantizes its blocks."""
+    x = _pad(x if is_quantized(x) else x.astype(dtype), 1, plan.n_k * plan.block_k)
     return x.reshape(plan.B, plan.n_k, plan.block_k, plan.K, plan.H)
 
 
@@ -270,6 +278,8 @@ class RuleBlocks(NamedTuple):
       kv_lengths: int (B,), or None.
       index_shift: int (), added to the positions ``mask_fn`` and ``score_fn`` see
         (:attr:`BlockInputs.index_shift`), or None.
+      key_scales, value_scales: the scales of quantized keys and values as blocks
+        (B, nK, bk, K) in the softmax's dtype, or None.
     """
 
     mask: jax.Array | None
@@ -278,6 +288,8 @@ class RuleBlocks(NamedTuple):
     q_offset: jax.Array | None
     kv_lengths: jax.Array | None
     index_shift: jax.Array | None
+    key_scales: jax.Array | None = None
+    value_scales: jax.Array | None = None
 
     @classmethod
     def of(cls, plan: Plan, inputs: BlockInputs, acc) -> "RuleBlocks":
@@ -290,7 +302,27 @@ class RuleBlocks(NamedTuple):
             q_offset=rules.offset,
             kv_lengths=rules.kv_lengths,
             index_shift=inputs.index_shift,
+            key_scales=_scale_blocks(rules.key_scales, plan, acc),
+            value_scales=_scale_blocks(rules.value_scales, plan, acc),
         )
+
+
+def _scale_blocks(scales, plan: Plan, acc):
+    """Scales (B, S, K) of quantized keys or values -> (B, nK, bk, K) in ``acc``."""
+    if scales is None:
+        return None
+    scales = _pad(scales.astype(acc), 1, plan.n_k * plan.block_k)
+    return scales.reshape(plan.B, plan.n_k, plan.block_k, plan.K)
+
+
+def _take_dequantized(blocks, scales, kj):
+    """Each lane's key (or value) block, head-major (B, L, K, bk, H), dequantized with
+    its scales (B, nK, bk, K) in their dtype when it is quantized (None: float)."""
+    x = _take_keys(blocks, kj)
+    if scales is None:
+        return x
+    s = jnp.einsum("BLkK->BLKk", jnp.take(scales, kj, axis=1))  # (B, L, K, bk)
+    return dequantize(x, s, scales.dtype)
 
 
 def _allowed(plan: Plan, blocks: RuleBlocks, qi, kj, cells=None):
@@ -340,7 +372,8 @@ def _item_keys(plan: Plan, masked: bool, kb, vb, blocks: RuleBlocks, qc, kj):
     ``mask_fn`` and ``score_fn`` (None without them) and, for a masked schedule, which
     cells are visible, with the keys and values no query of the item sees zeroed (None
     for a full one): what both passes read of an item before its scores."""
-    ks, vs = _take_keys(kb, kj), _take_keys(vb, kj)
+    ks = _take_dequantized(kb, blocks.key_scales, kj)
+    vs = _take_dequantized(vb, blocks.value_scales, kj)
     cells = None
     if plan.mask_fn or plan.score_fn:
         cells = _cells(plan, qc, kj, blocks.q_offset, blocks.index_shift)
@@ -644,6 +677,8 @@ def _attend_fwd(plan, backward_plan, inputs: BlockInputs):
 
 
 def _attend_bwd(plan, backward_plan, residuals: Residuals, cotangents):
+    if residuals.inputs.rules.key_scales is not None:
+        raise ValueError(NO_QUANTIZED_GRADIENTS)
     d_out, d_lse = cotangents
     grads = backward_block(backward_plan, residuals, d_out, d_lse=d_lse)
     inputs = residuals.inputs

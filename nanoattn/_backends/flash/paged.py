@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from ..._core.base.mask_fn import closure_converted, evaluate_mask, evaluate_score
 from ..._core.base.numerics import large_negative, softmax_dtype
 from ..._core.base.paged import safe_page_table
+from ..._core.base.quantized import dequantize
 from ..._core.base.rules import Rules
+from .kernel import NO_QUANTIZED_GRADIENTS
 
 BLOCK_Q = 16  # query rows per block: a decode token's block wastes few
 BLOCK_KEYS = 128  # keys per key block (whole pages; at least one)
@@ -78,7 +80,8 @@ class PagedPlan:
 class PagedInputs:
     """The arrays of a paged call (a pytree): query (Tq, N, H), the pools (P,
     page_size, K, H), the safe page table (B, M'), the key lengths (B,), the query
-    starts (B + 1,), the rows that are real (Tq,) and score_fn's arrays."""
+    starts (B + 1,), the rows that are real (Tq,), score_fn's arrays, and the
+    scales (P, page_size, K) of quantized pools (None for float ones)."""
 
     query: jax.Array
     key_pages: jax.Array
@@ -88,6 +91,8 @@ class PagedInputs:
     starts: jax.Array
     real: jax.Array
     consts: tuple = ()
+    key_scales: jax.Array | None = None
+    value_scales: jax.Array | None = None
 
 
 def plan_of(rules: Rules, key_pages, dtype) -> tuple[PagedPlan, tuple]:
@@ -122,6 +127,7 @@ def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
     inputs = PagedInputs(
         query, key_pages, value_pages, table, rules.kv_lengths.astype(jnp.int32),
         rules.query_starts.astype(jnp.int32), rules.layout().real, consts,
+        rules.key_scales, rules.value_scales,
     )  # fmt: skip
     out, lse = _attend(plan, inputs)
     return (out, lse) if rules.return_residual else out
@@ -181,10 +187,19 @@ def _block(plan: PagedPlan, inputs: PagedInputs, b, j, acc):
         inputs.table[b], j * plan.pages_per_block, plan.pages_per_block
     )
     shape = (plan.block_k, plan.K, plan.H)
-    keys = inputs.key_pages[pages].reshape(shape).astype(acc)
-    values = inputs.value_pages[pages].reshape(shape).astype(acc)
+    keys = _read_pages(inputs.key_pages, inputs.key_scales, pages, shape, acc)
+    values = _read_pages(inputs.value_pages, inputs.value_scales, pages, shape, acc)
     positions = j * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
     return keys, values, positions, pages
+
+
+def _read_pages(pool, scales, pages, shape, acc):
+    """The pages ``pages`` of a pool as one key block ``shape`` (k, K, H) in ``acc``,
+    dequantized with their scales (P, page_size, K) when the pool is quantized."""
+    block = pool[pages].reshape(shape)
+    if scales is None:
+        return block.astype(acc)
+    return dequantize(block, scales[pages].reshape(shape[:-1]), acc)
 
 
 def _allowed(plan: PagedPlan, b, q_pos, real, k_pos, length):
@@ -407,6 +422,8 @@ def _attend_fwd(plan: PagedPlan, inputs: PagedInputs):
 
 def _attend_bwd(plan: PagedPlan, residuals, cotangents):
     inputs, out, lse = residuals
+    if inputs.key_scales is not None:
+        raise ValueError(NO_QUANTIZED_GRADIENTS)
     d_out, d_lse = cotangents
     dq, dk, dv, d_consts = _backward(plan, inputs, out, lse, d_out, d_lse)
     grads = PagedInputs(

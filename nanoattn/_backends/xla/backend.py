@@ -2,6 +2,8 @@
 tensor. Always available, every rule and dropout; it defines the output contract every
 other backend is tested against."""
 
+from ..._core.base.numerics import softmax_dtype
+from ..._core.base.quantized import dequantized_call
 from ..interface import EVERY_RULE
 from . import reference
 
@@ -20,6 +22,8 @@ class Xla:
         return True
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
+        # quantized keys and values: dequantized first, the arithmetic kernels match
+        key, value, rules = dequantized_call(key, value, rules, softmax_dtype(query.dtype))
         if rules.paged:  # key and value are pages (P, page_size, K, H)
             return reference.paged_attend(
                 query, key, value, rules, return_residual=rules.return_residual

@@ -4,6 +4,7 @@ the masked softmax with its log-sum-exp, and the logit soft-cap (docs/convention
 import jax
 import jax.numpy as jnp
 
+from .quantized import storage_name
 from .validate import float_dtype
 
 
@@ -24,6 +25,8 @@ def softmax_dtype(*dtypes):
     A rule of nanoattn's, not a promotion of the caller's arrays: it holds under
     ``jax_numpy_dtype_promotion='strict'`` too, where bfloat16 and float32 have no
     implicit common type."""
+    # quantized keys and values (int8, float8) are read in float32 at least
+    dtypes = [jnp.float32 if storage_name(d) else d for d in dtypes]
     with jax.numpy_dtype_promotion("standard"):
         return jnp.result_type(*dtypes, jnp.float32)
 

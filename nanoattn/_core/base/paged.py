@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .quantized import is_quantized
 from .validate import as_array, expect_floating, expect_integer, expect_shape
 
 
@@ -77,7 +78,8 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
     if page_size == 0:
         raise ValueError(f"key_pages must hold pages of at least one key, got {key_pages.shape}")
     for name, x in (("query", query), ("key_pages", key_pages), ("value_pages", value_pages)):
-        expect_floating(name, x.dtype)
+        if not (name != "query" and is_quantized(x)):  # their scales: check_kv_scales
+            expect_floating(name, x.dtype)
     page_table = as_array("page_table", page_table, "an int array (B, max_pages)")
     expect_integer("page_table", page_table.dtype)
     expect_shape("page_table", page_table.shape, "B max_pages", (None, None))

@@ -55,6 +55,18 @@ def dequantize(values, scales, dtype):
     return values.astype(dtype) * scales.astype(dtype)[..., None]
 
 
+def dequantized_call(key, value, rules, dtype):
+    """A call's quantized keys and values dequantized in ``dtype`` (the compute
+    dtype) and its rules without their scales: ``(key, value, rules)``, unchanged for a
+    call of float keys. The reference's way (a float copy of the cache); the
+    blockwise kernels dequantize per block instead."""
+    if rules.key_scales is None:
+        return key, value, rules
+    key = dequantize(key, rules.key_scales, dtype)
+    value = dequantize(value, rules.value_scales, dtype)
+    return key, value, rules.replace(key_scales=None, value_scales=None)
+
+
 def check_kv_scales(key, value, key_scales, value_scales, axes: str):
     """The scales of quantized keys and values, checked: both or neither; with them,
     key and value of a storage dtype and scales floating of shape ``key.shape[:-1]``

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec
 from .block_mask import BlockMask
 from .mask_fn import check_mask_fn, check_score_fn
 from .paged import check_paged, token_layout
+from .quantized import check_kv_scales, is_quantized
 from .validate import (
     as_array,
     expect_bool,
@@ -51,7 +52,7 @@ SCORE_AXES = "B N T S"
 ARGUMENTS = (
     "mask", "bias", "is_causal", "q_offset", "kv_lengths", "window", "q_segment_ids",
     "kv_segment_ids", "logit_soft_cap", "scale", "mask_fn", "score_fn", "sinks",
-    "return_residual",
+    "return_residual", "key_scales", "value_scales",
 )  # fmt: skip
 # How an error names each rule of Rules.active.
 RULE_NAMES = {
@@ -66,6 +67,7 @@ RULE_NAMES = {
     "score_fn": "score_fn",
     "sinks": "sinks",
     "page_table": "a page table (paged_attention)",
+    "kv_scales": "a quantized cache (key_scales, value_scales)",
 }
 
 
@@ -106,6 +108,9 @@ class Rules:
         the starts (B + 1,) of their query rows among the T = Tq tokens, the keys per
         page and the pages of the pool (P); S = M * page_size is the most keys a
         sequence holds, and ``kv_lengths`` (B,) the keys each holds. None otherwise.
+      key_scales, value_scales: float (B, S, K) (a paged call's (P, page_size, K)),
+        the scales of quantized keys and values (:mod:`.quantized`): key token s of
+        head k is ``key[b, s, k] * key_scales[b, s, k]``; None for float keys.
     """
 
     B: int = dataclasses.field(metadata=STATIC)
@@ -134,6 +139,8 @@ class Rules:
     query_starts: Any = None
     page_size: int | None = dataclasses.field(default=None, metadata=STATIC)
     pool_pages: int | None = dataclasses.field(default=None, metadata=STATIC)
+    key_scales: Any = None
+    value_scales: Any = None
 
     @classmethod
     def make(cls, query, key, value=None, **arguments) -> "Rules":
@@ -166,6 +173,10 @@ class Rules:
         q_ids, kv_ids = _check_segments(a["q_segment_ids"], a["kv_segment_ids"], B, T, S)
         logit_soft_cap = check_soft_cap(a["logit_soft_cap"])
         fixed_scale, traced_scale = _split_scale(a["scale"], H)
+        key_scales, value_scales = check_kv_scales(
+            jnp.asarray(key), None if value is None else jnp.asarray(value), a["key_scales"],
+            a["value_scales"], "B S K",
+        )  # fmt: skip
         static = isinstance(q_offset, int)
         return cls(
             B=B, T=T, S=S, N=N, K=K, H=H, mask=mask, bias=bias, is_causal=is_causal,
@@ -173,6 +184,7 @@ class Rules:
             kv_lengths=kv_lengths, window=window, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
             logit_soft_cap=logit_soft_cap, fixed_scale=fixed_scale, traced_scale=traced_scale,
             mask_fn=mask_fn, score_fn=score_fn, sinks=sinks, return_residual=return_residual,
+            key_scales=key_scales, value_scales=value_scales,
         )  # fmt: skip
 
     @classmethod
@@ -181,14 +193,15 @@ class Rules:
         """Checks a paged call (``nanoattn.paged_attention``) and returns its rules:
         sizes B (sequences), T (query tokens), S (the most keys a sequence holds), N,
         K, H. ``arguments`` are ``is_causal``, ``window``, ``logit_soft_cap``,
-        ``scale``, ``sinks``, ``mask_fn``, ``score_fn`` and ``return_residual``.
+        ``scale``, ``sinks``, ``mask_fn``, ``score_fn``, ``return_residual``, and
+        ``key_scales`` and ``value_scales`` (P, page_size, K) of quantized pages.
 
         Raises:
           ValueError: a shape problem, or a value of the page table, the lengths or
             the starts that is invalid when concrete, naming the argument and the row.
         """
         allowed = {"is_causal", "window", "logit_soft_cap", "scale", "sinks", "mask_fn",
-                   "score_fn", "return_residual"}  # fmt: skip
+                   "score_fn", "return_residual", "key_scales", "value_scales"}  # fmt: skip
         unknown = sorted(set(arguments) - allowed)
         if unknown:
             raise TypeError(f"unknown arguments of a paged call {unknown}")
@@ -211,6 +224,9 @@ class Rules:
             )
         score_fn = check_score_fn(a.get("score_fn"), B, N, T_probe, S, S - T_probe)
         fixed_scale, traced_scale = _split_scale(a.get("scale"), H)
+        key_scales, value_scales = check_kv_scales(
+            arrays[1], arrays[2], a.get("key_scales"), a.get("value_scales"), "P page_size K"
+        )
         return cls(
             B=B, T=Tq, S=S, N=N, K=K, H=H, is_causal=is_causal, kv_lengths=arrays[4],
             window=window, logit_soft_cap=check_soft_cap(a.get("logit_soft_cap")),
@@ -218,6 +234,7 @@ class Rules:
             score_fn=score_fn, sinks=check_sinks(a.get("sinks"), N),
             return_residual=expect_flag("return_residual", a["return_residual"]),
             page_table=arrays[3], query_starts=arrays[5], page_size=page_size, pool_pages=P,
+            key_scales=key_scales, value_scales=value_scales,
         )  # fmt: skip
 
     @property
@@ -241,7 +258,8 @@ class Rules:
             kv_lengths=self.kv_lengths, window=self.window, q_segment_ids=self.q_segment_ids,
             kv_segment_ids=self.kv_segment_ids, logit_soft_cap=self.logit_soft_cap,
             scale=self.scale, mask_fn=self.mask_fn, score_fn=self.score_fn, sinks=self.sinks,
-            return_residual=self.return_residual,
+            return_residual=self.return_residual, key_scales=self.key_scales,
+            value_scales=self.value_scales,
         )  # fmt: skip
 
     def active(self) -> tuple[str, ...]:
@@ -259,6 +277,7 @@ class Rules:
             "score_fn": self.score_fn is not None,
             "sinks": self.sinks is not None,
             "page_table": self.page_table is not None,
+            "kv_scales": self.key_scales is not None,
         }
         return tuple(name for name, used in uses.items() if used)
 
@@ -303,6 +322,8 @@ class Rules:
             offset=PartitionSpec(), kv_lengths=PartitionSpec(), traced_scale=PartitionSpec(),
             q_segment_ids=PartitionSpec(None, sequence),
             kv_segment_ids=PartitionSpec(None, sequence), sinks=PartitionSpec(heads),
+            key_scales=PartitionSpec(None, sequence, heads),
+            value_scales=PartitionSpec(None, sequence, heads),
         )  # fmt: skip
         return dataclasses.replace(
             self, **{name: spec for name, spec in specs.items() if getattr(self, name) is not None}
@@ -447,7 +468,7 @@ def _sizes(query, key, value) -> tuple[int, ...]:
             f"(B, S, K, H) = {key.shape})"
         )
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if x is not None:
+        if x is not None and not (name != "query" and is_quantized(x)):  # scales: make
             expect_floating(name, jnp.result_type(x))
     return B, T, S, N, K, H
 
@@ -553,7 +574,7 @@ def batched(query, key, value, **rules):
     """An unbatched call made batched, as ``jax.nn.dot_product_attention`` takes it:
     query (T, N, H) with key and value (S, K, H) become (1, T, N, H) and (1, S, K, H),
     ``kv_lengths`` () becomes (1,), segment ids (T,) and (S,) become (1, T) and
-    (1, S); a mask or bias broadcastable to (N, T, S) needs nothing. A batched
+    (1, S), key and value scales (S, K) become (1, S, K); a mask or bias broadcastable to (N, T, S) needs nothing. A batched
     call (query of any other rank) is returned as it is.
 
     Returns:
@@ -577,8 +598,10 @@ def batched(query, key, value, **rules):
                 )
             shapes[name] = x[None]
     rules = dict(rules)
-    for name, rank in (("kv_lengths", 0), ("q_segment_ids", 1), ("kv_segment_ids", 1)):
+    ranks = (("kv_lengths", 0), ("q_segment_ids", 1), ("kv_segment_ids", 1),
+             ("key_scales", 2), ("value_scales", 2))  # fmt: skip
+    for name, rank in ranks:
         if rules.get(name) is not None:
-            x = as_array(name, rules[name], "an int array")
+            x = as_array(name, rules[name], "an array")
             rules[name] = x[None] if x.ndim == rank else x
     return query[None], shapes["key"], shapes["value"], rules, True
