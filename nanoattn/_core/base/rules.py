@@ -574,8 +574,8 @@ def batched(query, key, value, **rules):
     """An unbatched call made batched, as ``jax.nn.dot_product_attention`` takes it:
     query (T, N, H) with key and value (S, K, H) become (1, T, N, H) and (1, S, K, H),
     ``kv_lengths`` () becomes (1,), segment ids (T,) and (S,) become (1, T) and
-    (1, S), key and value scales (S, K) become (1, S, K); a mask or bias broadcastable to (N, T, S) needs nothing. A batched
-    call (query of any other rank) is returned as it is.
+    (1, S), key and value scales (S, K) become (1, S, K); a mask or bias broadcastable to
+    (N, T, S) needs nothing. A batched call (query of any other rank) is returned as it is.
 
     Returns:
       ``(query, key, value, rules, unbatched)``; with ``unbatched``, the output
