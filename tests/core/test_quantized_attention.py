@@ -1,0 +1,172 @@
+"""Attention over quantized keys and values (key_scales, value_scales) on every backend
+that serves it, against the float64 reference applied to the dequantized values (the
+arithmetic every kernel must do): GQA, causality with an offset, a window, sinks, key
+lengths, the paged call; a NaN scale visible where its token is seen and never read
+where it is not; refusals, one-line errors, and gradients (the reference's, flash's
+clear error)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nanoattn
+from nanoattn._backends import registry
+from nanoattn._backends.interface import unserved
+from nanoattn._core.base.quantized import QUANTIZED_DTYPES
+from nanoattn._core.base.rules import Rules
+
+from _backends import each_backend, require
+from _reference import np_attention, np_causal, np_lengths, np_window, randn
+
+B, T, S, N, K, H = 2, 5, 11, 6, 2, 7  # G = 3
+OFFSET = S - T
+LENGTHS = np.array([S, 8], np.int32)
+SINKS = np.linspace(-1.0, 1.0, N).astype(np.float32)
+
+
+def _np_dequantized(values, scales):
+    """Dequantized in float64 numpy, without the library's code."""
+    return np.asarray(values).astype(np.float64) * np.asarray(scales, np.float64)[..., None]
+
+
+def _quantized(seed, dtype, shape=(B, S, K, H)):
+    values, scales = nanoattn.quantize_kv(randn(seed, *shape) * np.float32(2.0), dtype)
+    return values, np.asarray(scales)
+
+
+CASES = {
+    "causal": (dict(is_causal=True, q_offset=OFFSET), lambda: np_causal(T, S, OFFSET)),
+    "window": (dict(is_causal=True, q_offset=OFFSET, window=(3, 0)),
+               lambda: np_window(T, S, OFFSET, 3, 0)),
+    "lengths_sinks": (dict(is_causal=True, q_offset=OFFSET, kv_lengths=LENGTHS, sinks=SINKS),
+                      lambda: np_causal(T, S, OFFSET) & np_lengths(LENGTHS, S)),
+}  # fmt: skip
+
+
+@each_backend()
+@pytest.mark.parametrize("dtype", QUANTIZED_DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_output_is_the_reference_s_on_the_dequantized_keys_and_values(implementation, dtype,
+                                                                     case):  # fmt: skip
+    rules, allowed = CASES[case]
+    q = randn(0, B, T, N, H)
+    (kq, ks), (vq, vs) = _quantized(1, dtype), _quantized(2, dtype)
+    scales = dict(key_scales=ks, value_scales=vs)
+    require(implementation, q, kq, vq, **rules, **scales)
+    out = nanoattn.dot_product_attention(q, kq, vq, **rules, **scales,
+                                         implementation=implementation)  # fmt: skip
+    assert out.dtype == q.dtype
+    expected = np_attention(q, _np_dequantized(kq, ks), _np_dequantized(vq, vs),
+                            allowed=allowed(), sinks=rules.get("sinks"))  # fmt: skip
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=2e-5)
+
+
+@each_backend()
+def test_a_nan_scale_is_visible_where_its_token_is_seen_and_never_read_past_the_lengths(
+    implementation,
+):
+    q = randn(3, B, T, N, H)
+    (kq, ks), (vq, vs) = _quantized(4, "int8"), _quantized(5, "int8")
+    vs = vs.copy()
+    vs[0, 2, 1] = np.nan  # row 0, token 2, kv head 1: query heads 3, 4, 5 see it
+    ks = ks.copy()
+    ks[1, 9, 0] = np.nan  # row 1, token 9: past its length 8, never read
+    rules = dict(is_causal=True, q_offset=OFFSET, kv_lengths=LENGTHS,
+                 key_scales=ks, value_scales=vs)  # fmt: skip
+    require(implementation, q, kq, vq, **rules)
+    out = np.asarray(nanoattn.dot_product_attention(q, kq, vq, **rules,
+                                                    implementation=implementation))  # fmt: skip
+    assert np.all(np.isnan(out[0, :, 3:]))
+    assert np.all(np.isfinite(out[0, :, :3])) and np.all(np.isfinite(out[1]))
+
+
+P, PAGE = 7, 3  # pool pages, keys per page
+
+
+@each_backend()
+@pytest.mark.parametrize("dtype", QUANTIZED_DTYPES)
+def test_paged_output_is_the_reference_s_on_the_dequantized_pages(implementation, dtype):
+    table = np.array([[4, 0, 6], [2, 5, 1]], np.int32)  # shuffled pages, page 3 spare
+    lengths, starts = np.array([8, 4], np.int32), np.array([0, 3, 4], np.int32)
+    (kq, ks), (vq, vs) = (
+        _quantized(6, dtype, (P, PAGE, K, H)),
+        _quantized(7, dtype, (P, PAGE, K, H)),
+    )
+    ks, vs = ks.copy(), vs.copy()
+    ks[3], vs[3] = np.nan, np.nan  # a page no sequence holds
+    ks[1, 2] = np.nan  # sequence 1's key 8: past its 4 keys
+    q = randn(8, 5, N, H)  # row 4 is padding
+    try:
+        out = nanoattn.paged_attention(q, kq, vq, table, lengths, starts, key_scales=ks,
+                                       value_scales=vs, implementation=implementation)  # fmt: skip
+    except ValueError as error:
+        if "cannot serve this call" not in str(error):
+            raise
+        pytest.skip(str(error))
+    keys, values = _np_dequantized(kq, ks), _np_dequantized(vq, vs)
+    expected = np.zeros((5, N, H))
+    for b in range(2):
+        rows = slice(starts[b], starts[b + 1])
+        n = starts[b + 1] - starts[b]
+        k = keys[table[b]].reshape(-1, K, H)[: lengths[b]][None]
+        v = values[table[b]].reshape(-1, K, H)[: lengths[b]][None]
+        allowed = np_causal(n, lengths[b], lengths[b] - n)
+        expected[rows] = np_attention(q[rows][None], k, v, allowed=allowed)[0]
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_backends_that_do_not_serve_a_quantized_cache_say_so():
+    q = randn(0, B, T, N, H)
+    (kq, ks), (vq, vs) = _quantized(1, "int8"), _quantized(2, "int8")
+    rules = Rules.make(jnp.asarray(q), kq, vq, key_scales=ks, value_scales=vs)
+    assert "kv_scales" in rules.active()
+    for name in registry.names():
+        backend = registry.get(name)
+        reason = unserved(backend, rules)
+        if "kv_scales" in backend.serves:
+            assert reason is None
+        else:
+            assert "key_scales" in reason and "'xla'" in reason
+
+
+def test_the_reference_differentiates_the_query_and_flash_raises_a_clear_error():
+    q = jnp.asarray(randn(0, B, T, N, H))
+    (kq, ks), (vq, vs) = _quantized(1, "int8"), _quantized(2, "int8")
+    k, v = nanoattn.dequantize_kv(kq, ks), nanoattn.dequantize_kv(vq, vs)
+
+    def loss(q, implementation, quantized):
+        keys = (kq, vq) if quantized else (k, v)
+        scales = dict(key_scales=ks, value_scales=vs) if quantized else {}
+        out = nanoattn.dot_product_attention(q, *keys, is_causal=True, q_offset=OFFSET,
+                                             implementation=implementation, **scales)  # fmt: skip
+        return jnp.sum(out * jnp.arange(H).reshape(1, 1, 1, H))
+
+    got = jax.grad(loss)(q, "xla", True)
+    np.testing.assert_allclose(got, jax.grad(loss)(q, "xla", False), atol=1e-6)
+    with pytest.raises(ValueError, match="gradients through quantized keys and values"):
+        jax.grad(loss)(q, "flash", True)
+
+
+def _bad(**changes):
+    q = randn(0, B, T, N, H)
+    (kq, ks), (vq, vs) = _quantized(1, "int8"), _quantized(2, "int8")
+    arguments = dict(key=kq, value=vq, key_scales=ks, value_scales=vs) | changes
+    return lambda: nanoattn.dot_product_attention(q, **arguments, is_causal=True,
+                                                  q_offset=OFFSET)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (_bad(value_scales=None), "value_scales is missing"),
+        (_bad(key_scales=None, value_scales=None), "key of dtype int8 is quantized"),
+        (_bad(key=randn(1, B, S, K, H)), "key must be of a quantized dtype"),
+        (_bad(key_scales=np.ones((B, S, N), np.float32)),
+         r"key_scales must have shape \(B, S, K\) = \(2, 11, 2\)"),
+    ],
+)  # fmt: skip
+def test_bad_scales_raise_one_line_errors_naming_the_argument(call, message):
+    with pytest.raises(ValueError, match=message) as error:
+        call()
+    assert "\n" not in str(error.value)
