@@ -8,6 +8,7 @@ import numpy as np
 
 from .._backends.registry import check_implementation
 from .._core.base.dropout import check_rate
+from .._core.base.quantized import check_storage
 from .._core.base.rules import check_soft_cap, normalize_window
 from .._core.base.validate import expect_flag, expect_real, float_dtype, positive_number
 from .._core.base.zigzag import check_layout
@@ -122,6 +123,11 @@ class AttentionConfig:
         and ``kv``) have biases; None: ``use_bias``.
       out_bias: whether the output projection has a bias; None: ``use_bias``
         (Qwen2 has q, k, v biases and none on its output).
+      kv_cache_dtype: None (the cache holds keys and values in the compute dtype),
+        ``"int8"`` or ``"float8_e4m3fn"``: every kind of KV cache stores them
+        quantized with a float32 scale per token and key/value head
+        (``nanoattn.quantize_kv``); each step quantizes only its new tokens and the
+        kernel reads them with their scales (docs/decoding.md, "Quantized caches").
 
     Example:
       >>> config = AttentionConfig(d_model=128, n_heads=4, n_kv_heads=2, window=16)
@@ -157,6 +163,7 @@ class AttentionConfig:
     qkv_bias: bool | None = None
     out_bias: bool | None = None
     page_size: int | None = None
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("d_model", "n_heads"):
@@ -192,6 +199,10 @@ class AttentionConfig:
         self._check_qk_norm()
         self._check_streaming()
         self._check_paging()
+        if self.kv_cache_dtype is not None:
+            object.__setattr__(
+                self, "kv_cache_dtype", check_storage("kv_cache_dtype", self.kv_cache_dtype)
+            )
         if self.dtype is not None:
             object.__setattr__(self, "dtype", float_dtype("dtype", self.dtype))
         object.__setattr__(self, "param_dtype", float_dtype("param_dtype", self.param_dtype))

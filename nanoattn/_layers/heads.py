@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from .._core.api import attention_weights, dot_product_attention
 from .._core.base.trace import check_shape
 from .._core.paged import paged_attention
+from .._core.quantize import dequantize_kv
 from .._core.rope import apply_rope
 from .axes import labels
 from .config import AttentionConfig
@@ -138,8 +139,17 @@ def core(params: Parameters, q, k, v, cfg: AttentionConfig, deterministic: bool,
         )  # fmt: skip
     else:  # sharded over a mesh: nanoattn.parallel
         out = attend_sharded(cfg, q, k, v, dropout_rate=rate, dropout_rng=rng, **mask_args)
-    params.sow_weights(lambda: attention_weights(q, k, **mask_args))
+    params.sow_weights(lambda: _weights(q, k, mask_args))
     return out
+
+
+def _weights(q, k, mask_args):
+    """The attention weights a layer sows, of float or of quantized keys (dequantized)."""
+    rules = dict(mask_args)
+    key_scales = rules.pop("key_scales", None)
+    rules.pop("value_scales", None)
+    keys = k if key_scales is None else dequantize_kv(k, key_scales, q.dtype)
+    return attention_weights(q, keys, **rules)
 
 
 def project_out(params: Parameters, cfg: AttentionConfig, out, dtype):

@@ -8,7 +8,9 @@ its next token, and ``last[b]`` how many of them its last call brought (what
 :func:`rewind` may take back). Which slot holds which position, which slots a
 query may read and how many tokens a call may bring is the cache policy's
 (``nanoattn._layers.caches.policy``: a full cache holds position j in slot j, a
-rolling one a ring of slots). A row whose position is negative (``POISONED``) is
+rolling one a ring of slots). A quantized cache (``AttentionConfig(kv_cache_dtype=)``)
+holds int8 or float8 keys and values and two more arrays, ``"key_scales"`` and
+``"value_scales"`` (B, S, K) float32 (:mod:`.quantized`). A row whose position is negative (``POISONED``) is
 poisoned (an invalid call or rewind under ``jit``): its outputs are NaN until it
 is reset. The linen modules keep the cache in the ``"cache"`` collection, the NNX
 modules in ``nnx.Cache`` variables; both advance it with :func:`decode` of
@@ -22,25 +24,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..._core.base.quantized import storage_name
+
 POISONED = -1  # the position of a poisoned row, in every kind of cache
 
 
 class KVCache(NamedTuple):
     """key, value: (B, S, K, H); position: (B,) int32, the tokens each row has taken;
-    last: (B,) int32, the tokens each row took in its last call."""
+    last: (B,) int32, the tokens each row took in its last call; key_scales,
+    value_scales: (B, S, K) float32, the scales of a quantized cache's keys and values
+    (None for a float cache)."""
 
     key: jax.Array
     value: jax.Array
     position: jax.Array
     last: jax.Array
+    key_scales: Any = None
+    value_scales: Any = None
+
+
+# The fields of a float cache's state, and those a quantized cache adds.
+FLOAT_FIELDS = KVCache._fields[:4]
+SCALE_FIELDS = KVCache._fields[4:]
+
+
+def fields(quantized: bool) -> tuple[str, ...]:
+    """The names of the arrays of a cache's state (a float or a quantized one)."""
+    return KVCache._fields if quantized else FLOAT_FIELDS
+
+
+def as_mapping(cache: KVCache) -> dict:
+    """The state as the ``"cache"`` collection holds it: its arrays by name (a float
+    cache without the scale fields)."""
+    return {name: x for name, x in cache._asdict().items() if x is not None}
+
+
+def quantized_zeros(shape, dtype):
+    """Keys or values of ``shape`` (..., K, H) and, for a storage ``dtype`` (int8,
+    float8_e4m3fn), their scales (..., K) float32; None instead for a float dtype."""
+    if storage_name(dtype) is None:
+        return jnp.zeros(shape, dtype), None
+    return jnp.zeros(shape, dtype), jnp.zeros(shape[:-1], jnp.float32)
 
 
 def empty(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
-    """A cache of capacity S = ``capacity`` with every row at position 0."""
+    """A cache of capacity S = ``capacity`` with every row at position 0; quantized
+    when ``dtype`` is a storage dtype (int8, float8_e4m3fn): zero scales too."""
     shape = (batch, capacity, kv_heads, head_dim)  # (B, S, K, H)
-    zeros = jnp.zeros(shape, dtype)
+    zeros, scales = quantized_zeros(shape, dtype)
     rows = jnp.zeros((batch,), jnp.int32)
-    return KVCache(zeros, zeros, rows, rows)
+    return KVCache(zeros, zeros, rows, rows, scales, scales)
 
 
 def is_concrete(x) -> bool:
@@ -129,8 +162,9 @@ def rewind(cache: KVCache, n) -> KVCache:
 
 
 def is_cache(tree) -> bool:
-    """Whether ``tree`` is one layer's cache: a mapping of exactly the KVCache fields."""
-    return isinstance(tree, Mapping) and set(tree) == set(KVCache._fields)
+    """Whether ``tree`` is one layer's cache: a mapping of exactly the fields of a
+    float or of a quantized KVCache."""
+    return isinstance(tree, Mapping) and set(tree) in (set(FLOAT_FIELDS), set(KVCache._fields))
 
 
 def cache_bytes(tree) -> dict[str, int]:
@@ -139,7 +173,8 @@ def cache_bytes(tree) -> dict[str, int]:
     Returns ``{"path/to/layer": bytes}`` (the path joined with ``/``; ``""`` for a
     lone layer's cache): every array of the layer's cache, i.e.
     ``2 * B * S * K * H * itemsize`` for keys and values plus ``8 * B`` for
-    ``position`` and ``last``. Works on shapes too (``jax.eval_shape``'s output).
+    ``position`` and ``last``, and for a quantized cache ``2 * B * S * K * 4`` for
+    the scales. Works on shapes too (``jax.eval_shape``'s output).
     """
     found = {}
 

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from ..._core.base.paged import check_paged_values, safe_page_table, token_layout
 from ..._core.base.validate import as_array, expect_integer, expect_shape
 from .. import positional
-from .kv_cache import KVCache
+from . import quantized
+from .kv_cache import KVCache, quantized_zeros
 from .policy import CachePolicy, StepLayout
 
 
@@ -93,8 +94,9 @@ class PagedCache(CachePolicy):
         self.check_capacity(capacity, "init with a length that is a multiple of page_size")
         shape = (capacity // self.page_size, self.page_size, kv_heads, head_dim)
         # Four buffers of their own, so that a step may donate the cache.
-        key, value = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-        return KVCache(key, value, jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
+        (key, key_scales), (value, value_scales) = (quantized_zeros(shape, dtype) for _ in "kv")
+        rows = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
+        return KVCache(key, value, *rows, key_scales, value_scales)
 
     def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
         """The tokens' sequences and positions from ``pages`` (invalid page tables,
@@ -154,7 +156,7 @@ class PagedCache(CachePolicy):
             pool = pool.at[target].set(pool[source], mode="drop")
             return pool.at[page, slot].set(new[0].astype(pool.dtype), mode="drop")
 
-        return cache._replace(key=write(cache.key, k), value=write(cache.value, v))
+        return quantized.store(cache, k, v, write)
 
     def attention(self, cache: KVCache, layout: StepLayout, q, *, dense, paged, mask,
                   mask_fn, score_fn):  # fmt: skip
@@ -172,8 +174,8 @@ class PagedCache(CachePolicy):
         )  # fmt: skip
         if not self.sink_tokens:
             rules["window"] = self.window
-        dtype = q.dtype
-        return paged(q, cache.key.astype(dtype), cache.value.astype(dtype), layout.pages, **rules)
+        keys, values, scales = quantized.read(cache, cache.key, cache.value, q.dtype)
+        return paged(q, keys, values, layout.pages, **rules, **scales)
 
     def advance(self, cache: KVCache, layout: StepLayout) -> KVCache:
         """The pool as written: positions live on the host (the allocator)."""

@@ -20,7 +20,9 @@ what it means:
   user's ``mask_fn`` and ``score_fn`` seeing key positions, not slots;
 * ``poison(cache, bad)`` and ``rewind(cache, n)``: one marker for every kind
   (position ``kv_cache.POISONED``, -1), one rewind;
-* ``empty(batch, capacity, kv_heads, head_dim, dtype)``: a fresh cache.
+* ``empty(batch, capacity, kv_heads, head_dim, dtype)``: a fresh cache (quantized
+  for a storage dtype: the writes quantize the new tokens and the reads hand the
+  kernel their scales, :mod:`.quantized`).
 
 A decoding step (``steps.decode``) asks four questions of every kind and nothing
 else: ``prepare`` (where the chunk's tokens sit, which are real, which the call
@@ -42,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from ..._core.base.validate import expect_shape
-from . import kv_cache
+from . import kv_cache, quantized
 from .kv_cache import KVCache, Rule
 
 
@@ -177,10 +179,7 @@ class SlotCache(CachePolicy):
         (B, L, K, H) written at positions ``start[b]`` onwards (:meth:`slots`); padded
         tokens and slots past the capacity are never written."""
         slots = self.slots(start, k.shape[1], self.capacity(cache))
-        return cache._replace(
-            key=kv_cache.scatter(cache.key, k, slots, lengths),
-            value=kv_cache.scatter(cache.value, v, slots, lengths),
-        )
+        return quantized.store(cache, k, v, lambda x, new: kv_cache.scatter(x, new, slots, lengths))
 
     @abc.abstractmethod
     def read_rules(self, end, capacity: int, *, mask_fn, score_fn) -> dict:
@@ -229,10 +228,8 @@ class SlotCache(CachePolicy):
         at their rows' positions (``q_offset`` per row)."""
         end = layout.start + layout.lengths
         keys, values, rules = self.read(cache, end, mask_fn=mask_fn, score_fn=score_fn)
-        dtype = q.dtype
-        return dense(
-            q, keys.astype(dtype), values.astype(dtype), mask=mask, q_offset=layout.start, **rules
-        )
+        keys, values, scales = quantized.read(cache, keys, values, q.dtype)
+        return dense(q, keys, values, mask=mask, q_offset=layout.start, **rules, **scales)
 
     def advance(self, cache: KVCache, layout: StepLayout) -> KVCache:
         """Each row at its end, ``last`` its real tokens; the broken rows poisoned."""

@@ -52,7 +52,7 @@ def rewind(cache, n):
       (Array([2, 0], dtype=int32), Array([2, 0], dtype=int32))
     """
     if kv_cache.is_cache(cache):
-        return kv_cache.rewind(kv_cache.KVCache(**cache), n)._asdict()
+        return kv_cache.as_mapping(kv_cache.rewind(kv_cache.KVCache(**cache), n))
     if not hasattr(cache, "items"):
         raise TypeError(
             f"cache must be a layer's 'cache' collection (a mapping of key, value, position "
@@ -302,18 +302,18 @@ class CausalSelfAttention(nn.Module):
             policy.check_capacity(T, hint)
 
         def empty():  # called only by init, when the cache is created
-            return policy.empty(B, T, cfg.kv_heads, cfg.head_dim, dtype)
+            return policy.empty(B, T, cfg.kv_heads, cfg.head_dim, cfg.kv_cache_dtype or dtype)
 
-        variables = [
-            self.variable(CACHE, name, lambda name=name: getattr(empty(), name))
-            for name in kv_cache.KVCache._fields
-        ]
+        variables = {
+            name: self.variable(CACHE, name, lambda name=name: getattr(empty(), name))
+            for name in kv_cache.fields(cfg.kv_cache_dtype is not None)
+        }
         if fresh:  # init: an empty cache of capacity T; the output is the full forward of x
             return steps.self_attention(
                 params, cfg, x, deterministic=deterministic, mask=mask, mask_fn=mask_fn,
                 score_fn=score_fn,
             )  # fmt: skip
-        cache = kv_cache.KVCache(*(v.value for v in variables))
+        cache = kv_cache.KVCache(**{name: v.value for name, v in variables.items()})
         y, cache = steps.decode(
             params,
             cfg,
@@ -327,8 +327,8 @@ class CausalSelfAttention(nn.Module):
             score_fn=score_fn,
             hint=hint,
         )
-        for variable, value in zip(variables, cache, strict=True):
-            variable.value = value
+        for name, value in kv_cache.as_mapping(cache).items():
+            variables[name].value = value
         return y
 
 

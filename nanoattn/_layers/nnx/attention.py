@@ -31,7 +31,8 @@ class KVCache(nnx.Module):
     """The decoding cache of one layer as ``nnx.Cache`` variables: ``key`` and
     ``value`` (B, S, K, H) in the cache dtype, ``position`` (B,) int32 (the
     tokens each row has taken) and ``last`` (B,) int32 (the tokens of its last
-    call, what ``rewind`` may take back). Slots at and past ``position[b]`` are
+    call, what ``rewind`` may take back); a quantized cache's ``key_scales`` and
+    ``value_scales`` (B, S, K) float32 too. Slots at and past ``position[b]`` are
     never read (in a rolling cache: slots holding positions out of view)."""
 
     def __init__(self, cache: kv_cache.KVCache):
@@ -40,16 +41,16 @@ class KVCache(nnx.Module):
                 "cache must be a KVCache of key, value (B, S, K, H) and position (B,), "
                 f"got {type(cache).__name__}; create one with module.init_cache(batch, max_len)"
             )
-        self.key = nnx.Cache(cache.key)
-        self.value = nnx.Cache(cache.value)
-        self.position = nnx.Cache(cache.position)
-        self.last = nnx.Cache(cache.last)
+        self.fields = tuple(kv_cache.as_mapping(cache))  # the scales of a quantized cache too
+        for name in self.fields:
+            setattr(self, name, nnx.Cache(getattr(cache, name)))
 
     def get(self) -> kv_cache.KVCache:
-        return kv_cache.KVCache(self.key[...], self.value[...], self.position[...], self.last[...])
+        return kv_cache.KVCache(**{name: getattr(self, name)[...] for name in self.fields})
 
     def set(self, cache: kv_cache.KVCache) -> None:
-        self.key[...], self.value[...], self.position[...], self.last[...] = cache
+        for name in self.fields:
+            getattr(self, name)[...] = getattr(cache, name)
 
 
 def _hint(policy) -> str:
@@ -222,7 +223,8 @@ class CausalSelfAttention(_Attention):
           dtype: the dtype of the cached keys and values; default
             ``config.dtype``, else ``config.param_dtype`` (linen's
             ``init(x, decode=True)``, which has an input, takes ``config.dtype``,
-            else ``x``'s: the same cache when ``x`` is in ``param_dtype``).
+            else ``x``'s: the same cache when ``x`` is in ``param_dtype``). With
+            ``config.kv_cache_dtype`` the cache stores that dtype and its scales.
         """
         cfg = self.config
         batch, max_len = _positive_int("batch", batch), _positive_int("max_len", max_len)
@@ -232,7 +234,8 @@ class CausalSelfAttention(_Attention):
             dtype = float_dtype("dtype", dtype)
         policy = policy_of(cfg)
         policy.check_capacity(max_len, _hint(policy))
-        self.cache = KVCache(policy.empty(batch, max_len, cfg.kv_heads, cfg.head_dim, dtype))
+        storage = cfg.kv_cache_dtype or dtype  # a quantized cache: int8 or float8 and scales
+        self.cache = KVCache(policy.empty(batch, max_len, cfg.kv_heads, cfg.head_dim, storage))
 
     def __call__(
         self,
