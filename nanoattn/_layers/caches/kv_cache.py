@@ -8,12 +8,13 @@ its next token, and ``last[b]`` how many of them its last call brought (what
 :func:`rewind` may take back). Which slot holds which position, which slots a
 query may read and how many tokens a call may bring is the cache policy's
 (``nanoattn._layers.caches.policy``: a full cache holds position j in slot j, a
-rolling one a ring of slots). A quantized cache (``AttentionConfig(kv_cache_dtype=)``)
-holds int8 or float8 keys and values and two more arrays, ``"key_scales"`` and
-``"value_scales"`` (B, S, K) float32 (:mod:`.quantized`). A row whose position is negative (``POISONED``) is
-poisoned (an invalid call or rewind under ``jit``): its outputs are NaN until it
-is reset. The linen modules keep the cache in the ``"cache"`` collection, the NNX
-modules in ``nnx.Cache`` variables; both advance it with :func:`decode` of
+rolling one a ring of slots). A quantized cache
+(``AttentionConfig(kv_cache_dtype=)``) holds int8 or float8 keys and values and two
+more arrays, ``"key_scales"`` and ``"value_scales"`` (B, S, K) float32
+(:mod:`.quantized`). A row whose position is negative (``POISONED``) is poisoned (an
+invalid call or rewind under ``jit``): its outputs are NaN until it is reset. The
+linen modules keep the cache in the ``"cache"`` collection, the NNX modules in
+``nnx.Cache`` variables; both advance it with :func:`decode` of
 ``nanoattn._layers.steps``.
 """
 
