@@ -19,6 +19,10 @@ one of the bugs that decoders ship with:
   layer: outputs off by about a thousandth, which only the tolerance separates
   from rounding.
 
+``quantized(bug)`` is nanoattn's linen layer with an int8 KV cache and the bugs of
+``QUANTIZED_BUGS`` planted in the cache each step hands the next (checked with
+``atol=QUANTIZED_ATOL``).
+
 With ``vocab`` it is a language model on token ids (an embedding in front).
 The bugs are switched by a traced array, so every variant shares one compiled
 step per chunk length.
@@ -320,3 +324,62 @@ def paged(bug: str | None = None, vocab: int | None = None):
 def paged_correct():
     """A zero-argument factory for `nanoattn verify --decode`: the correct paged decoder."""
     return paged()
+
+
+# A quantized cache (AttentionConfig(kv_cache_dtype="int8")): nanoattn's linen layer,
+# with bugs planted in the cache it hands the next step, as a broken kernel or write
+# would leave it:
+# * "dropped_value_scale": the cached values are read without their scales (1);
+# * "scale_off_by_one": each cached key is read with its neighbour's scale;
+# * "requantized": every call quantizes all the cached tokens again, with one scale
+#   per row and head (its largest value), as a cache of per-block scales does when a
+#   new token raises its block's maximum.
+QUANTIZED_BUGS = ("dropped_value_scale", "scale_off_by_one", "requantized")
+# Above the correct int8 cache's error against the float forward on this layer
+# (measured 0.0085), below every planted bug's (requantized: 0.013 to 0.017).
+QUANTIZED_ATOL = 0.012
+
+
+@functools.cache
+def _quantized_layer():
+    from nanoattn.linen import AttentionConfig, CausalSelfAttention
+    from nanoattn.verify import decoders
+
+    module = CausalSelfAttention(AttentionConfig(D, N, rope_base=ROPE_BASE, kv_cache_dtype="int8"))
+    params = module.init(jax.random.key(0), jnp.zeros((1, 4, D)), True)
+    return decoders.linen(module, params)
+
+
+def _requantized(cache):
+    keys = {}
+    for name in ("key", "value"):
+        x = cache[name].astype(jnp.float32) * cache[f"{name}_scales"][..., None]  # (B, S, K, H)
+        scale = jnp.max(jnp.abs(x), axis=(1, 3), keepdims=True) / 127  # (B, 1, K, 1)
+        safe = jnp.where(scale > 0, scale, 1)
+        keys[name] = jnp.round(x / safe).astype(jnp.int8)
+        keys[f"{name}_scales"] = jnp.broadcast_to(scale[..., 0], cache[f"{name}_scales"].shape)
+    return dict(cache, **keys)
+
+
+_QUANTIZED_BUGS = {
+    "dropped_value_scale": lambda c: dict(c, value_scales=jnp.ones_like(c["value_scales"])),
+    "scale_off_by_one": lambda c: dict(c, key_scales=jnp.roll(c["key_scales"], 1, axis=1)),
+    "requantized": _requantized,
+}
+
+
+def quantized(bug: str | None = None):
+    """The int8-cache decoder (a ``Decoder`` with its rewind), with ``bug`` planted."""
+    from nanoattn.verify import Decoder
+
+    decoder = _quantized_layer()
+    if bug is None:
+        return decoder
+    full, init, step = decoder
+    spoil = _QUANTIZED_BUGS[bug]
+
+    def buggy(state, chunk, lengths):
+        fresh = isinstance(state, tuple)  # before the first chunk: no cache yet
+        return step(state if fresh else spoil(state), chunk, lengths)
+
+    return Decoder(full, init, buggy, rewind=decoder.rewind)
