@@ -59,7 +59,7 @@ class Layout:
     ``page_size`` placed in shuffled physical order in a pool with spare pages, and
     the inputs (NaN and inf in every page and slot no sequence may read)."""
 
-    def __init__(self, lengths, q_lens, page_size, seed=0, pad_rows=3, spare=4):
+    def __init__(self, lengths, q_lens, page_size, seed=0, pad_rows=3, spare=4, value_width=H):
         rng = np.random.default_rng(seed)
         self.lengths = np.asarray(lengths, np.int32)
         self.q_lens = np.asarray(q_lens, np.int32)
@@ -79,7 +79,7 @@ class Layout:
         Tq = int(self.starts[-1]) + pad_rows
         self.q = randn(seed + 1, Tq, N, H)
         self.q[self.starts[-1] :] = np.nan  # padding rows hold anything
-        kp, vp = randn(seed + 2, P, ps, K, H), randn(seed + 3, P, ps, K, H)
+        kp, vp = randn(seed + 2, P, ps, K, H), randn(seed + 3, P, ps, K, value_width)
         readable = np.zeros((P, ps), bool)  # the slots some sequence holds
         for b in range(B):
             for j in range(held[b]):
@@ -89,7 +89,7 @@ class Layout:
             kp[~readable] = np.where(rng.random((~readable).sum())[:, None, None] < 0.5, bad, 0)
             vp[~readable] = bad if i == 0 else vp[~readable]
         self.kp, self.vp = kp, vp
-        self.d_out = randn(seed + 4, Tq, N, H)
+        self.d_out = randn(seed + 4, Tq, N, value_width)
         self.d_out[self.starts[-1] :] = 0
 
     def arrays(self):
@@ -100,7 +100,7 @@ class Layout:
         ps, length = self.page_size, int(self.lengths[b])
         pages = self.table[b, : -(-length // ps)]
         keys = self.kp[pages].reshape(-1, K, H)[:length][None]
-        values = self.vp[pages].reshape(-1, K, H)[:length][None]
+        values = self.vp[pages].reshape(-1, K, self.vp.shape[-1])[:length][None]
         rows = slice(self.starts[b], self.starts[b + 1])
         return self.q[rows][None], keys, values, rows, pages
 
@@ -152,9 +152,9 @@ def _check(layout, implementation, sinks=None, window=None, causal=True, cap=Non
         dq[rows] = g[0][0]
         flat = slice(0, k.shape[1])
         for pool, grad in ((dk, g[1]), (dv, g[2])):
-            full = np.zeros((len(pages) * layout.page_size, K, H))
+            full = np.zeros((len(pages) * layout.page_size, K, pool.shape[-1]))
             full[flat] = grad[0]
-            np.add.at(pool, pages, full.reshape(len(pages), layout.page_size, K, H))
+            np.add.at(pool, pages, full.reshape(len(pages), layout.page_size, K, -1))
         if sinks is not None:
             dsinks += g[4]
     if grads is not None:
@@ -175,6 +175,12 @@ MIXED = dict(lengths=[37, 1, 13, 20, 0, 9], q_lens=[5, 1, 0, 4, 0, 9])
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 def test_a_mixed_batch_equals_each_sequence_alone(name, page_size):
     _check(Layout(**MIXED, page_size=page_size), name)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_values_of_their_own_width(name):
+    """Value pages (P, page_size, K, Hv) with Hv != H give outputs (Tq, N, Hv)."""
+    _check(Layout(**MIXED, page_size=5, value_width=5), name)
 
 
 @pytest.mark.parametrize("name", registry.names())

@@ -54,7 +54,8 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
 
     Returns:
       ``(query, key_pages, value_pages, page_table, kv_lengths, query_starts)`` as
-      jax arrays, and the sizes ``(Tq, N, H, P, page_size, K, B, M)``.
+      jax arrays, and the sizes ``(Tq, N, H, Hv, P, page_size, K, B, M)`` (Hv: the
+      values' head width).
 
     Raises:
       ValueError: a shape problem, or an invalid value naming the argument and the row.
@@ -62,12 +63,12 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
     """
     query = as_array("query", query, "an array (Tq, N, H)")
     key_pages = as_array("key_pages", key_pages, "an array (P, page_size, K, H)")
-    value_pages = as_array("value_pages", value_pages, "an array (P, page_size, K, H)")
+    value_pages = as_array("value_pages", value_pages, "an array (P, page_size, K, Hv)")
     expect_shape("query", query.shape, "Tq N H", (None,) * 3)
     Tq, N, H = query.shape
     expect_shape("key_pages", key_pages.shape, "P page_size K H", (None, None, None, H))
     P, page_size, K, _ = key_pages.shape
-    expect_shape("value_pages", value_pages.shape, "P page_size K H", (P, page_size, K, H))
+    expect_shape("value_pages", value_pages.shape, "P page_size K Hv", (P, page_size, K, None))
     if K == 0 or N % K != 0:
         raise ValueError(
             f"the number of query heads N={N} must be a multiple of the number of key/value "
@@ -90,7 +91,7 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
     expect_shape("query_starts", query_starts.shape, "B+1", (B + 1,))
     check_paged_values(page_table, kv_lengths, query_starts, Tq, P, page_size)
     arrays = (query, key_pages, value_pages, page_table, kv_lengths, query_starts)
-    return arrays, (Tq, N, H, P, page_size, K, B, M)
+    return arrays, (Tq, N, H, value_pages.shape[3], P, page_size, K, B, M)
 
 
 def _concrete(*xs) -> bool:

@@ -66,6 +66,7 @@ RULE_NAMES = {
     "score_fn": "score_fn",
     "sinks": "sinks",
     "page_table": "a page table (paged_attention)",
+    "value_width": "a value head width Hv other than H",
 }
 
 
@@ -80,7 +81,9 @@ class Rules:
 
     Attributes:
       B, T, S, N, K, H: batch, query time, key time, query heads, key/value heads and
-        head width.
+        head width (of queries and keys).
+      Hv: the head width of values and of the output (H unless the values have a
+        width of their own, as in multi-head latent attention; docs/latent.md).
       mask: boolean, rank 4, broadcastable to (B, N, T, S), or None.
       bias: floating, rank 4, broadcastable to (B, N, T, S), or None.
       is_causal: whether the positional causal mask applies.
@@ -114,6 +117,7 @@ class Rules:
     N: int = dataclasses.field(metadata=STATIC)
     K: int = dataclasses.field(metadata=STATIC)
     H: int = dataclasses.field(metadata=STATIC)
+    Hv: int = dataclasses.field(metadata=STATIC)
     mask: Any = None
     bias: Any = None
     is_causal: bool = dataclasses.field(default=False, metadata=STATIC)
@@ -149,7 +153,7 @@ class Rules:
         if unknown:
             raise TypeError(f"unknown rule arguments {unknown}; the rules are {ARGUMENTS}")
         a = dict.fromkeys(ARGUMENTS) | dict(is_causal=False, return_residual=False) | arguments
-        B, T, S, N, K, H = _sizes(query, key, value)
+        B, T, S, N, K, H, Hv = _sizes(query, key, value)
         scores = (B, N, T, S)
         mask, bias = _check_mask(a["mask"], scores), _check_bias(a["bias"], scores)
         is_causal = expect_flag("is_causal", a["is_causal"])
@@ -168,7 +172,7 @@ class Rules:
         fixed_scale, traced_scale = _split_scale(a["scale"], H)
         static = isinstance(q_offset, int)
         return cls(
-            B=B, T=T, S=S, N=N, K=K, H=H, mask=mask, bias=bias, is_causal=is_causal,
+            B=B, T=T, S=S, N=N, K=K, H=H, Hv=Hv, mask=mask, bias=bias, is_causal=is_causal,
             static_offset=q_offset if static else None, offset=None if static else q_offset,
             kv_lengths=kv_lengths, window=window, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
             logit_soft_cap=logit_soft_cap, fixed_scale=fixed_scale, traced_scale=traced_scale,
@@ -195,7 +199,7 @@ class Rules:
         arrays, sizes = check_paged(
             query, key_pages, value_pages, page_table, kv_lengths, query_starts
         )
-        Tq, N, H, P, page_size, K, B, M = sizes
+        Tq, N, H, Hv, P, page_size, K, B, M = sizes
         S = M * page_size
         a = dict(is_causal=True, return_residual=False) | arguments
         is_causal = expect_flag("is_causal", a["is_causal"])
@@ -212,7 +216,7 @@ class Rules:
         score_fn = check_score_fn(a.get("score_fn"), B, N, T_probe, S, S - T_probe)
         fixed_scale, traced_scale = _split_scale(a.get("scale"), H)
         return cls(
-            B=B, T=Tq, S=S, N=N, K=K, H=H, is_causal=is_causal, kv_lengths=arrays[4],
+            B=B, T=Tq, S=S, N=N, K=K, H=H, Hv=Hv, is_causal=is_causal, kv_lengths=arrays[4],
             window=window, logit_soft_cap=check_soft_cap(a.get("logit_soft_cap")),
             fixed_scale=fixed_scale, traced_scale=traced_scale, mask_fn=mask_fn,
             score_fn=score_fn, sinks=check_sinks(a.get("sinks"), N),
@@ -259,6 +263,7 @@ class Rules:
             "score_fn": self.score_fn is not None,
             "sinks": self.sinks is not None,
             "page_table": self.page_table is not None,
+            "value_width": self.Hv != self.H,
         }
         return tuple(name for name, used in uses.items() if used)
 
@@ -430,16 +435,19 @@ def check_sinks(sinks, N: int):
 
 
 def _sizes(query, key, value) -> tuple[int, ...]:
-    """(B, T, S, N, K, H) of query (B, T, N, H), key and value (B, S, K, H)."""
+    """(B, T, S, N, K, H, Hv) of query (B, T, N, H), key (B, S, K, H) and value
+    (B, S, K, Hv) (Hv = H without a value)."""
     query = as_array("query", query, "an array (B, T, N, H)")
     key = as_array("key", key, "an array (B, S, K, H)")
     expect_shape("query", query.shape, "B T N H", (None,) * 4)
     B, T, N, H = query.shape
     expect_shape("key", key.shape, "B S K H", (B, None, None, H))
     _, S, K, _ = key.shape
+    Hv = H
     if value is not None:
-        value = as_array("value", value, "an array (B, S, K, H)")
-        expect_shape("value", value.shape, "B S K H", (B, S, K, H))
+        value = as_array("value", value, "an array (B, S, K, Hv)")
+        expect_shape("value", value.shape, "B S K Hv", (B, S, K, None))
+        Hv = value.shape[3]
     if K == 0 or N % K != 0:
         raise ValueError(
             f"the number of query heads N={N} must be a multiple of the number of key/value "
@@ -449,7 +457,7 @@ def _sizes(query, key, value) -> tuple[int, ...]:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x is not None:
             expect_floating(name, jnp.result_type(x))
-    return B, T, S, N, K, H
+    return B, T, S, N, K, H, Hv
 
 
 def _as_rank4(x):
