@@ -9,8 +9,8 @@ its ``serves`` must be refused in one line.
 
 The calls (:data:`CALLS`) are one per behaviour, at distinct prime sizes (B=2, T=19,
 S=23, N=6, K=2, H=8; K=1 for MQA, Hv=5 for values of their own width) so a swapped
-axis fails: every rule of ``dot_product_attention`` alone, then together, rows that see no key, and keys no
-query sees. Each backend runs every call it serves in ONE compiled program
+axis fails: every rule of ``dot_product_attention`` alone, then together, rows that
+see no key, and keys no query sees. Each backend runs every call it serves in ONE compiled program
 (the output, the log-sum-exp and the gradients of both, since the log-sum-exp is
 differentiable), whose inputs are then swapped for NaN and inf where nothing may
 look; and a call mapped over the batch with vmap, forward and backward, and one in
