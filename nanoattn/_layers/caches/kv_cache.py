@@ -26,7 +26,7 @@ POISONED = -1  # the position of a poisoned row, in every kind of cache
 
 
 class KVCache(NamedTuple):
-    """key, value: (B, S, K, H); position: (B,) int32, the tokens each row has taken;
+    """key: (B, S, K, H); value: (B, S, K, Hv) (Hv = H but in a latent cache); position: (B,) int32, the tokens each row has taken;
     last: (B,) int32, the tokens each row took in its last call."""
 
     key: jax.Array
@@ -35,12 +35,17 @@ class KVCache(NamedTuple):
     last: jax.Array
 
 
-def empty(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
-    """A cache of capacity S = ``capacity`` with every row at position 0."""
-    shape = (batch, capacity, kv_heads, head_dim)  # (B, S, K, H)
-    zeros = jnp.zeros(shape, dtype)
+def empty(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype,
+          value_dim: int | None = None) -> KVCache:  # fmt: skip
+    """A cache of capacity S = ``capacity`` with every row at position 0: keys (B, S, K,
+    H) and values (B, S, K, Hv), Hv = ``value_dim`` (None: H; 0 for a latent cache,
+    whose values are a slice of its keys, docs/latent.md)."""
+    keys = jnp.zeros((batch, capacity, kv_heads, head_dim), dtype)  # (B, S, K, H)
+    values = keys if value_dim in (None, head_dim) else (
+        jnp.zeros((batch, capacity, kv_heads, value_dim), dtype)  # (B, S, K, Hv)
+    )  # fmt: skip
     rows = jnp.zeros((batch,), jnp.int32)
-    return KVCache(zeros, zeros, rows, rows)
+    return KVCache(keys, values, rows, rows)
 
 
 def is_concrete(x) -> bool:

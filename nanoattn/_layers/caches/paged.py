@@ -87,13 +87,17 @@ class PagedCache(CachePolicy):
         """None: a step may bring any number of tokens of a sequence that its pages hold."""
         return None
 
-    def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
+    def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype,
+              value_dim: int | None = None) -> KVCache:  # fmt: skip
         """A pool of ``capacity / page_size`` pages (``batch`` is not the pool's: any
-        number of sequences share it), with no row state."""
+        number of sequences share it), with no row state; values of width ``value_dim``
+        (None: ``head_dim``)."""
         self.check_capacity(capacity, "init with a length that is a multiple of page_size")
-        pool = jnp.zeros((capacity // self.page_size, self.page_size, kv_heads, head_dim), dtype)
+        pages = (capacity // self.page_size, self.page_size, kv_heads)
+        pool = jnp.zeros((*pages, head_dim), dtype)
+        values = pool if value_dim in (None, head_dim) else jnp.zeros((*pages, value_dim), dtype)
         none = jnp.zeros((0,), jnp.int32)
-        return KVCache(pool, pool, none, none)
+        return KVCache(pool, values, none, none)
 
     def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
         """The tokens' sequences and positions from ``pages`` (invalid page tables,
