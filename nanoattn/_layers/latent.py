@@ -161,8 +161,8 @@ def empty_cache(cfg: LatentConfig, batch: int, capacity: int, dtype) -> kv_cache
     return policy_of(cfg).empty(batch, capacity, 1, cfg.cache_width, dtype, value_dim=0)
 
 
-def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCache, *,
-           mask=None, lengths=None, pages=None, mask_fn=None, score_fn=None, hint: str):  # fmt: skip
+def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCache, *, mask=None,
+           lengths=None, pages=None, mask_fn=None, score_fn=None, hint: str):  # fmt: skip
     """One decoding step in absorbed form: writes the chunk's latents and RoPE keys into
     the cache and attends, equal to :func:`forward` at every position.
 
@@ -178,7 +178,7 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
       (y (B, T, D), the advanced cache).
     """
     expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
-    B, T, _ = x.shape
+    B = x.shape[0]
     dtype = compute_dtype(cfg, x)
     if lengths is not None:
         lengths = jnp.asarray(lengths)

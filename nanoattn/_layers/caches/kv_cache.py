@@ -26,8 +26,9 @@ POISONED = -1  # the position of a poisoned row, in every kind of cache
 
 
 class KVCache(NamedTuple):
-    """key: (B, S, K, H); value: (B, S, K, Hv) (Hv = H but in a latent cache); position: (B,) int32, the tokens each row has taken;
-    last: (B,) int32, the tokens each row took in its last call."""
+    """key: (B, S, K, H); value: (B, S, K, Hv) (Hv = H but in a latent cache);
+    position: (B,) int32, the tokens each row has taken; last: (B,) int32, the tokens
+    each row took in its last call."""
 
     key: jax.Array
     value: jax.Array
