@@ -103,8 +103,10 @@ class LatentAttention(nn.Module):
         if not decode:
             if lengths is not None or pages is not None:
                 raise ValueError("lengths and pages only apply with decode=True")
-            return latent.forward(params, cfg, x, mask=mask, positions=positions,
-                                  segment_ids=segment_ids, mask_fn=mask_fn, score_fn=score_fn)  # fmt: skip
+            return latent.forward(
+                params, cfg, x, mask=mask, positions=positions, segment_ids=segment_ids,
+                mask_fn=mask_fn, score_fn=score_fn,
+            )  # fmt: skip
         if positions is not None or segment_ids is not None:
             raise ValueError(
                 "positions and segment_ids are not supported with decode=True: the cache "
