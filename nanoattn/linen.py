@@ -1,5 +1,6 @@
 """Flax linen modules for nanoattn."""
 
+from ._interop.deepseek import from_deepseek as from_deepseek
 from ._interop.transformers import from_transformers as from_transformers
 from ._interop.transformers import to_transformers as to_transformers
 from ._layers.config import AttentionConfig as AttentionConfig
