@@ -53,8 +53,9 @@ def deepseek_config(config: Mapping, dtype=np.float32) -> LatentConfig:
     rope = _rope("deepseek_v3", config, "full_attention", sizes["qk_rope_head_dim"])
     if "rotary_dim" in rope:
         raise ValueError("a partial rotary factor is not DeepSeek's: the rope part rotates whole")
+    layout = "interleaved" if config.get("rope_interleave", True) else "half"
     return LatentConfig(
-        **sizes, **rope, rope_layout="interleaved" if config.get("rope_interleave", True) else "half",
+        **sizes, **rope, rope_layout=layout,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         attention_bias=bool(config.get("attention_bias", False)), param_dtype=dtype,
     )  # fmt: skip
