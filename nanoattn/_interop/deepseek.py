@@ -56,7 +56,7 @@ def deepseek_config(config: Mapping, dtype=np.float32) -> LatentConfig:
     layout = "interleaved" if config.get("rope_interleave", True) else "half"
     return LatentConfig(
         **sizes, **rope, rope_layout=layout,
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        norm_eps=1e-6,  # transformers: the default of its RMSNorm, not rms_norm_eps
         attention_bias=bool(config.get("attention_bias", False)), param_dtype=dtype,
     )  # fmt: skip
 
