@@ -29,8 +29,8 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "models"
 B, T = 2, 11
 SIZES = dict(hidden_size=29, num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=13,
-             qk_nope_head_dim=7, qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1, vocab_size=40,
-             intermediate_size=16, moe_intermediate_size=8, n_routed_experts=4,
+             qk_nope_head_dim=7, qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1,
+             vocab_size=40, intermediate_size=16, moe_intermediate_size=8, n_routed_experts=4,
              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
              max_position_embeddings=32, rms_norm_eps=1e-6)  # fmt: skip
 CASES = {
