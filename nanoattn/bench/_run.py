@@ -8,7 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from . import _generation, _masks, _native, _targets, _torch, _window
+from . import _generation, _latent, _masks, _native, _targets, _torch, _window
 from ._cell import measure_cell
 from ._measure import matmul_peak_gflops
 from ._peers import PEERS
@@ -44,6 +44,9 @@ class BenchConfig:
       masks_length: T of the masks-as-functions benchmark (``mask_fn`` against
         segment ids and full causal, sinks and ``return_residual`` against the call
         without them, :mod:`nanoattn.bench._masks`); 0 to skip it.
+      latent_context: the context of multi-head latent attention's decoding step
+        (absorbed against rebuilding keys and values; with the latent cache's bytes,
+        :mod:`nanoattn.bench._latent`); 0 to skip the part.
     """
 
     lengths: tuple[int, ...] = FULL_LENGTHS
@@ -58,6 +61,7 @@ class BenchConfig:
     window_length: int = 16384
     native_lengths: tuple[int, ...] = ()
     masks_length: int = 0
+    latent_context: int = 0
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -214,6 +218,12 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         masks = _part(report, "masks", items, lambda *job: _masks.measure_pair(*job))
         if config.masks_length == _masks.LENGTH:  # judged at the issue's length only
             targets += _masks.masks_targets(masks)
+    latent = None
+    if config.latent_context:
+        C = config.latent_context
+        items = [(f"cache bytes and decode step, context {C}", (C,))]
+        (latent,) = _part(report, "latent", items, _latent.measure_latent)
+        targets += _latent.latent_targets(latent["cache"], latent["decode"])
     return {
         "machine": machine() | {"matmul_peak_gflops": peak},
         "config": dataclasses.asdict(config),
@@ -223,4 +233,5 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         "window": window,
         "native": native,
         "masks": masks,
+        "latent": latent,
     }

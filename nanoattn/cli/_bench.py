@@ -6,6 +6,7 @@ import sys
 
 from ..bench import BenchConfig, run_bench, write
 from ..bench._generation import CONTEXTS
+from ..bench._latent import CONTEXT as LATENT_CONTEXT
 from ..bench._masks import LENGTH as MASKS_LENGTH
 from ..bench._masks import QUICK_LENGTH as MASKS_QUICK_LENGTH
 from ..bench._native import LENGTHS as NATIVE_LENGTHS
@@ -57,7 +58,10 @@ def add_parser(commands) -> None:
         "torch is installed; masks: a document mask through mask_fn against segment ids, "
         "a block-sparse mask_fn against full causal and sinks with return_residual against "
         "the call without them, on flash and native, judged at T="
-        + f"{MASKS_LENGTH}; --quick --only masks: at T={MASKS_QUICK_LENGTH}, not judged). "
+        + f"{MASKS_LENGTH}; --quick --only masks: at T={MASKS_QUICK_LENGTH}, not judged; "
+        "latent: multi-head latent attention's cache bytes at DeepSeek-V3's shape and its "
+        f"absorbed decoding step against rebuilding keys and values at context "
+        f"{LATENT_CONTEXT}, judged). "
         "Example: --only generation,window",
     )
     bench.add_argument(
@@ -124,7 +128,7 @@ def add_parser(commands) -> None:
     bench.set_defaults(run=run)
 
 
-PARTS = ("grid", "targets", "generation", "window", "native", "masks")
+PARTS = ("grid", "targets", "generation", "window", "native", "masks", "latent")
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -182,6 +186,7 @@ def config_from_args(args) -> BenchConfig:
         window_length=args.window_length if "window" in parts else 0,
         native_lengths=(tuple(args.lengths or NATIVE_LENGTHS) if "native" in parts else ()),
         masks_length=masks_length if "masks" in parts else 0,
+        latent_context=LATENT_CONTEXT if "latent" in parts else 0,
     )
 
 
