@@ -94,10 +94,12 @@ class LatentAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, mask=None, positions=None, segment_ids=None, decode: bool = False,
-                 lengths=None, pages=None, mask_fn=None, score_fn=None):  # fmt: skip
+                 lengths=None, pages=None, mask_fn=None, score_fn=None,
+                 deterministic: bool | None = None):  # fmt: skip
         """x (B, T, D) -> (B, T, D); the options as ``CausalSelfAttention``'s (``mask``
         broadcastable to (B, N, T, S); ``positions`` and ``segment_ids`` only without
-        ``decode``; ``lengths`` and ``pages`` only with it)."""
+        ``decode``; ``lengths`` and ``pages`` only with it). ``deterministic`` is
+        accepted as the other layers take it (this layer has no dropout)."""
         cfg = self.config
         params = _Parameters(cfg)
         if not decode:

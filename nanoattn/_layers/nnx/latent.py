@@ -75,8 +75,10 @@ class LatentAttention(nnx.Module):
         self.cache = KVCache(latent.empty_cache(cfg, batch, max_len, float_dtype("dtype", dtype)))
 
     def __call__(self, x, *, mask=None, positions=None, segment_ids=None, decode: bool = False,
-                 lengths=None, pages=None, mask_fn=None, score_fn=None):  # fmt: skip
-        """x (B, T, D) -> (B, T, D); the options as the linen module's."""
+                 lengths=None, pages=None, mask_fn=None, score_fn=None,
+                 deterministic: bool | None = None):  # fmt: skip
+        """x (B, T, D) -> (B, T, D); the options as the linen module's (``deterministic``
+        accepted, unused: no dropout)."""
         params = _Parameters(self)
         if not decode:
             if lengths is not None or pages is not None:
