@@ -138,7 +138,7 @@ def attend(
     p = probs.reshape(rules.B, rules.K, rules.G, rules.T, rules.S)  # (B, K, G, T, S)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", p, value, preferred_element_type=acc)
     out = out.reshape(rules.B, rules.T, rules.N, rules.Hv)  # (B, T, N, Hv)
-    record(out, "per-head output", "B T N Hv", op="einsum")
+    record(out, "per-head output", "B T N H", op="einsum")  # H: the values' width here
     out = out.astype(query.dtype if out_dtype is None else out_dtype)
     extras = [weights] if return_weights else []
     if return_residual:
