@@ -31,7 +31,7 @@ N, K, H = 6, 2, 8
 def _jitted(implementation, rules_key):
     """The paged call and its VJP, jitted once per backend and rules."""
     rules = dict(rules_key)
-    differentiable = implementation in ("xla", "flash")
+    differentiable = implementation in ("xla", "flash", "native")
 
     def call(q, kp, vp, table, lengths, starts, sinks):
         extra = dict(rules)
