@@ -192,12 +192,15 @@ def test_mask_fn_sees_the_sequence_and_positions(name):
     _check(Layout(**MIXED, page_size=5, seed=5), name, mask=mask_fn, np_mask=mask_fn)
 
 
-@pytest.mark.parametrize("name", ["xla", "flash"])
+@pytest.mark.parametrize("name", registry.names())
 def test_the_result_does_not_depend_on_where_pages_sit(name):
     layout = Layout(**MIXED, page_size=5, seed=7)
     arrays = [jnp.asarray(x) for x in layout.arrays()]
     call = functools.partial(nanoattn.paged_attention, implementation=name)
-    first = call(*arrays)
+    try:
+        first = call(*arrays)
+    except ValueError as error:  # a backend that does not serve paged calls
+        pytest.skip(str(error))
     P = layout.kp.shape[0]
     moved = np.random.default_rng(1).permutation(P)  # page p moves to slot moved[p]
     kp, vp = np.empty_like(layout.kp), np.empty_like(layout.vp)
@@ -250,10 +253,15 @@ def test_invalid_inputs_raise_when_concrete_and_poison_their_rows_under_jit(case
     arrays |= {k: jnp.asarray(v) for k, v in changes.items()}
     with pytest.raises(ValueError, match=message):
         nanoattn.paged_attention(**arrays)
-    for name in ("xla", "flash"):
-        bad = np.asarray(
-            jax.jit(functools.partial(nanoattn.paged_attention, implementation=name))(**arrays)
-        )
+    served = 0
+    for name in registry.names():
+        try:
+            bad = np.asarray(
+                jax.jit(functools.partial(nanoattn.paged_attention, implementation=name))(**arrays)
+            )
+        except ValueError:  # a backend that does not serve paged calls
+            continue
+        served += 1
         starts = np.asarray(arrays["query_starts"])
         hit = np.zeros(bad.shape[0], bool)
         for b in sequences:
@@ -262,6 +270,7 @@ def test_invalid_inputs_raise_when_concrete_and_poison_their_rows_under_jit(case
             hit[starts[3] : layout.starts[3]] = True
         assert np.isnan(bad[hit]).all(), name
         np.testing.assert_allclose(bad[~hit], np.asarray(good)[~hit], atol=2e-5, err_msg=name)
+    assert served >= 2  # the reference and the kernels
 
 
 def test_flash_memory_grows_with_the_block_not_the_page_table():
