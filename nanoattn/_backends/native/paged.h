@@ -191,20 +191,36 @@ void paged_task(const Paged& p, const In* q, const In* kp, const In* vp, const P
     for (int64_t g = 0; g < G; ++g)
       for (int64_t h = 0; h < H; ++h) qs[(r * G + g) * Hp + h] = widen(src[g * H + h]) * p.scale;
   }
-  const In* krow[kPagedKeys];
-  const In* vrow[kPagedKeys];
+  // The rows of the tile being read, and of the next one, whose lines are prefetched
+  // while this one is computed (its pages sit anywhere in the pool).
+  const In* rows_of[2][2][kPagedKeys];  // [tile parity][keys, values][key]
   const int32_t* pages = p.table + b * p.M;
+  const int64_t row_bytes = H * static_cast<int64_t>(sizeof(In));
+  auto locate = [&](int64_t j0, const In** keys, const In** values, bool prefetch) {
+    const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
+    int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
+      const int64_t at = ((page * p.page_size + slot) * p.K + kh) * H;
+      keys[c] = kp + at;
+      values[c] = vp + at;
+      if (prefetch)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(keys[c]) + byte);
+          __builtin_prefetch(reinterpret_cast<const char*>(values[c]) + byte);
+        }
+      if (++slot == p.page_size) slot = 0, ++entry;
+    }
+  };
   vi column;
   for (int c = 0; c < VW; ++c) column[c] = c;
-  for (int64_t j0 = lo; j0 < hi; j0 += kPagedKeys) {
+  if (lo < hi) locate(lo, rows_of[0][0], rows_of[0][1], false);
+  for (int64_t j0 = lo, tile = 0; j0 < hi; j0 += kPagedKeys, ++tile) {
     const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
-    for (int64_t c = 0; c < n; ++c) {
-      const int64_t j = j0 + c;
-      const int64_t page = std::clamp<int64_t>(pages[j / p.page_size], 0, p.P - 1);
-      const int64_t at = ((page * p.page_size + j % p.page_size) * p.K + kh) * H;
-      krow[c] = kp + at;
-      vrow[c] = vp + at;
-    }
+    const In* const* krow = rows_of[tile & 1][0];
+    const In* const* vrow = rows_of[tile & 1][1];
+    if (j0 + kPagedKeys < hi)
+      locate(j0 + kPagedKeys, rows_of[~tile & 1][0], rows_of[~tile & 1][1], true);
     for (int64_t i = 0; i < padded; i += kPagedBlock)
       paged_dots(qs + i * Hp, Hp, H, krow, n, s + i * kPagedKeys);
     for (int64_t i = 0; i < padded; ++i) {
