@@ -147,3 +147,19 @@ def test_a_decode_batch_equals_the_paged_reference(dtype):
     tolerance = 2e-5 if dtype == jnp.float32 else 1e-2  # the reference's bf16 output rounds
     np.testing.assert_allclose(out, want, atol=tolerance, rtol=tolerance)
     np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_a_paged_mask_fn_is_refused_in_one_line_and_served_automatically():
+    arrays = [jnp.asarray(x) for x in _pool([9, 4], [2, 1], 4, seed=23)]
+
+    def mask_fn(b, n, q, k):
+        return k % 2 == 0
+
+    with pytest.raises(ValueError) as info:
+        nanoattn.paged_attention(*arrays, mask_fn=mask_fn, implementation="native")
+    assert "\n" not in str(info.value) and "mask_fn is served by 'xla' and 'flash'" in str(
+        info.value
+    )
+    chosen = nanoattn.paged_attention(*arrays, mask_fn=mask_fn)  # by another backend
+    want = nanoattn.paged_attention(*arrays, mask_fn=mask_fn, implementation="xla")
+    np.testing.assert_allclose(chosen, want, atol=2e-5, rtol=2e-5)
