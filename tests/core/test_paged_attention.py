@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nanoattn
-from nanoattn._backends import registry
+from nanoattn._backends import dispatch, registry
+from nanoattn._core.base.rules import Rules
 
 from _reference import np_attention_vjp, np_lse, randn
 
@@ -210,16 +211,28 @@ def test_the_result_does_not_depend_on_where_pages_sit(name):
     np.testing.assert_array_equal(first, second)
 
 
+def _paged_kernels():
+    """The registered backends other than the reference that serve a plain paged call
+    here (each example below runs one of them)."""
+    rules = Rules.make_paged(*(jnp.asarray(x) for x in Layout([3], [1], 2).arrays()))
+    return [
+        name
+        for name in registry.names()
+        if name != "xla" and dispatch.refusal(registry.get(name), rules, jnp.float32, 0.0) is None
+    ]
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 23), st.integers(0, 6)), min_size=1, max_size=5),
     st.sampled_from([1, 3, 16]),
     st.integers(0, 2**16),
+    st.sampled_from(_paged_kernels()),
 )
-def test_random_layouts_equal_each_sequence_alone(sequences, page_size, seed):
+def test_random_layouts_equal_each_sequence_alone(sequences, page_size, seed, name):
     lengths = [max(n, q) for n, q in sequences]
     q_lens = [q for _, q in sequences]
-    _check(Layout(lengths, q_lens, page_size, seed=seed), "flash")
+    _check(Layout(lengths, q_lens, page_size, seed=seed), name)
 
 
 def _bad_calls():
