@@ -286,6 +286,36 @@ def test_invalid_inputs_raise_when_concrete_and_poison_their_rows_under_jit(case
     assert served >= 2  # the reference and the kernels
 
 
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        (((1, 2, 4), (0, 2, 1, 4), (1, 2)), r"key_pages must hold at least one page"),
+        (((2, 2, 4), (3, 2, 1, 4), (0, 2)), r"page_table must have at least one sequence"),
+        (((1, 2, 0), (3, 2, 1, 0), (1, 2)), r"head width H is 0"),
+    ],
+    ids=["empty pool", "no sequence", "heads of width 0"],
+)
+def test_empty_sizes_raise_one_line(shapes, message):
+    (q, pages, table) = shapes
+    B = table[0]
+    with pytest.raises(ValueError, match=message):
+        nanoattn.paged_attention(
+            jnp.ones(q), jnp.ones(pages), jnp.ones(pages), jnp.zeros(table, jnp.int32),
+            jnp.ones((B,), jnp.int32), jnp.arange(B + 1, dtype=jnp.int32),
+        )  # fmt: skip
+
+
+def test_a_call_with_no_query_token_is_empty_on_every_backend():
+    pages, table = jnp.ones((3, 2, 1, 4)), jnp.zeros((1, 2), jnp.int32)
+    lengths, starts = jnp.array([2]), jnp.array([0, 0])
+    for name in ["xla", *_paged_kernels()]:
+        out, lse = nanoattn.paged_attention(
+            jnp.ones((0, 2, 4)), pages, pages, table, lengths, starts, return_residual=True,
+            implementation=name,
+        )  # fmt: skip
+        assert out.shape == (0, 2, 4) and lse.shape == (0, 2), name
+
+
 def test_flash_memory_grows_with_the_block_not_the_page_table():
     """Compiled temporaries of the flash kernel at 64 and at 512 pages per sequence (the
     same tokens held): O(pages held and blocks), never O(B * capacity)."""

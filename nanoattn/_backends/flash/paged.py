@@ -131,6 +131,10 @@ def paged_inputs(query, key_pages, value_pages, rules: Rules) -> tuple[PagedPlan
 def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
     """A paged call by the blockwise kernel: (Tq, N, H) in the query's dtype, and with
     ``rules.return_residual`` the log-sum-exp (Tq, N)."""
+    if rules.T == 0:  # no query: nothing to walk
+        out = jnp.zeros(query.shape, query.dtype)
+        lse = jnp.zeros((0, rules.N), softmax_dtype(query.dtype))
+        return (out, lse) if rules.return_residual else out
     out, lse = _attend(*paged_inputs(query, key_pages, value_pages, rules))
     return (out, lse) if rules.return_residual else out
 
