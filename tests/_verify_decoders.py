@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nanoattn import apply_rope, dot_product_attention
+from nanoattn import apply_rope, dot_product_attention, paged_attention
 
 D, N, H = 12, 3, 4
 WINDOW = 5
@@ -328,3 +328,79 @@ def latent(bug: str | None = None):
         return _step(state, chunk, jnp.asarray(lengths, jnp.int32))
 
     return full, init, step
+
+
+# A paged decoder (nanoattn.verify.PagedDecoder) on nanoattn.paged_attention: the tiny
+# layer above (its window of 5 keys, RoPE) keeping its keys and values in pages of
+# PAGE_SIZE tokens of a pool, its steps token-major over many sequences at once (a
+# PagedBatch says whose each token is). ``paged(bug)`` plants one of:
+#
+# * ``"one_page_too_far"``: the attention is told each sequence holds page_size more
+#   keys than it does, so it reads one page past the sequence's (a stale, random page);
+# * ``"fork_writes_shared"``: the step's copy-on-write copies are ignored, so a fork
+#   writes into a page it gets without the shared prefix's keys;
+# * ``"page_order"``: RoPE rotates a token by its physical slot, page * page_size +
+#   slot, not by its position in its sequence (right only when the pages are in order);
+# * ``"decode_takes_prefill_positions"``: every sequence's first new token takes the
+#   position of the first sequence's (right only when all sequences are at one position).
+PAGE_SIZE = 3
+PAGED_BUGS = (
+    "one_page_too_far",
+    "fork_writes_shared",
+    "page_order",
+    "decode_takes_prefill_positions",
+)
+
+
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+def _paged_decode(pool, x, batch, embed, bug):
+    """One paged step: x (1, Tq, ...) token-major; ``bug`` (4,) bool in PAGED_BUGS's order."""
+    too_far, no_copy, physical, from_first = bug
+    table, lengths, starts, copies = (
+        batch.page_table, batch.kv_lengths, batch.query_starts, batch.copies
+    )  # fmt: skip
+    P, B, Tq = pool["key"].shape[0], lengths.shape[0], x.shape[1]
+    used = (copies[:, 0] >= 0) & ~no_copy
+    source, target = jnp.maximum(copies[:, 0], 0), jnp.where(used, copies[:, 1], P)
+    keys, values = (pool[n].at[target].set(pool[n][source], mode="drop") for n in ("key", "value"))
+    t = jnp.arange(Tq)
+    row = jnp.minimum(jnp.searchsorted(starts[1:], t, side="right"), B - 1)  # (Tq,)
+    real = t < starts[B]
+    base = lengths - (starts[1:] - starts[:-1])  # (B,): each sequence's first new position
+    offset = t - starts[row]
+    position = base[row] + offset
+    page, slot = table[row, position // PAGE_SIZE], position % PAGE_SIZE
+    rotate_at = jnp.where(from_first, base[0] + offset, position)
+    rotate_at = jnp.where(physical, page * PAGE_SIZE + slot, rotate_at)
+    q, k, v = _project(_embedded(x, embed), rotate_at)  # (1, Tq, N, H)
+    page = jnp.where(real, page, P)  # padding: dropped
+    keys = keys.at[page, slot].set(k[0], mode="drop")
+    values = values.at[page, slot].set(v[0], mode="drop")
+    held = lengths + too_far * PAGE_SIZE
+    y = paged_attention(q[0], keys, values, table, held, starts, window=(WINDOW, 0))
+    return {"key": keys, "value": values}, y.reshape(1, Tq, D) @ WO
+
+
+def paged(bug: str | None = None, vocab: int | None = None):
+    """The paged decoder, ``bug`` planted (None: correct), as a
+    :class:`nanoattn.verify.PagedDecoder`; with ``vocab`` on token ids."""
+    from nanoattn.verify import PagedDecoder
+
+    if bug not in (None, *PAGED_BUGS):
+        raise ValueError(f"bug must be one of {PAGED_BUGS}, got {bug!r}")
+    switches = jnp.asarray([name == bug for name in PAGED_BUGS])
+    embed = None if vocab is None else jax.random.normal(jax.random.key(vocab), (vocab, D))
+
+    def init(pages):
+        zeros = jnp.zeros((pages, PAGE_SIZE, N, H))
+        return {"key": zeros, "value": zeros}
+
+    def step(state, chunk, batch):
+        return _paged_decode(state, jnp.asarray(chunk), batch, embed, switches)
+
+    return PagedDecoder(lambda x: _full(x, embed), init, step, page_size=PAGE_SIZE)
+
+
+def paged_correct():
+    """A zero-argument factory for `nanoattn verify --decode`: the correct paged decoder."""
+    return paged()

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `examples` is a package at the repository root
 
 from examples.recall import __main__ as recall_main  # noqa: E402
-from examples.recall import data, generate, train, verify  # noqa: E402
+from examples.recall import data, engine, generate, train, verify  # noqa: E402
 from examples.recall.__main__ import main  # noqa: E402
 from examples.recall.model import ModelConfig  # noqa: E402
 
@@ -124,6 +124,27 @@ def test_cached_generation_equals_uncached_for_ragged_prompts(trained):
     assert len({tuple(row) for row in result.cached.tolist()}) > 1
 
 
+def test_served_requests_equal_their_greedy_decoding_alone(trained):
+    """Continuous batching over a small pool (page size 5, at most 3 requests in flight,
+    steps of 7 tokens: prompts cut in chunks, admissions as others finish, steps that
+    mix prompt chunks and decode tokens) and static batches of the same memory give
+    every request the tokens of its greedy decoding alone, and free every page."""
+    model, run, _ = trained
+    requests = engine.workload(7, run.task, 11, prompt_lengths=(2, 17), new_tokens=(1, 9))
+    assert len({len(r.prompt) for r in requests}) > 5 and len({r.new_tokens for r in requests}) > 4
+    config = engine.EngineConfig(pages=13, page_size=5, max_sequences=3, step_tokens=7)
+    server = engine.Engine(model, config, max(r.need for r in requests))
+    served = server.run(requests)
+    want = engine.alone(model, requests)
+    assert served.outputs == want
+    assert served.mixed_steps > 0 and served.tokens == sum(r.new_tokens for r in requests)
+    assert server.allocator.free_pages == config.pages and not server.allocator.sequences()
+    static = engine.static_for(model, config, requests)
+    assert static.batch * engine.static_capacity(requests) <= config.pages * config.page_size
+    assert static.run(requests).outputs == want
+    assert len({tuple(t) for t in want.values()}) > 5  # not one answer for every prompt
+
+
 def test_the_whole_model_passes_nanoattn_verify(trained):
     model, _, _ = trained
     reports = verify.verify(model, seq_lens=(14,), decode_len=9)
@@ -134,7 +155,7 @@ def test_the_whole_model_passes_nanoattn_verify(trained):
 
 
 def test_every_command_has_help(capsys):
-    for command in ("train", "generate", "verify"):
+    for command in ("train", "generate", "serve", "verify"):
         with pytest.raises(SystemExit) as exit:
             main([command, "--help"])
         assert exit.value.code == 0
@@ -170,6 +191,10 @@ BAD_OPTIONS = [
     (["train", "--no-such-option"], ["--no-such-option"]),
     (["generate", "--context", "40"], ["--context", "--new-tokens", "--batch"]),
     (["generate", "--new-tokens", "0"], ["--new-tokens"]),
+    (["serve", "--prompt-lengths", "9,3"], ["--prompt-lengths"]),
+    (["serve", "--new-tokens", "0,3"], ["--new-tokens"]),
+    (["serve", "--pages", "0"], ["--pages"]),
+    (["serve", "--max-sequences", "9", "--step-tokens", "8"], ["--step-tokens", "--max-sequences"]),
     (["verify", "--seq-lens", "1,x"], ["--seq-lens"]),
     (["verify", "--seq-lens", "0"], ["--seq-lens"]),
 ]
@@ -202,7 +227,7 @@ def test_a_bad_option_is_one_error_line_naming_its_flags(capsys, tmp_path, argv,
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
-@pytest.mark.parametrize("command", ["generate", "verify"])
+@pytest.mark.parametrize("command", ["generate", "serve", "verify"])
 def test_a_run_without_a_checkpoint_is_one_error_line(capsys, tmp_path, command):
     (tmp_path / "empty").mkdir()
     for run in (tmp_path / "missing", tmp_path / "empty"):

@@ -1,8 +1,8 @@
-"""``python -m examples.recall train|generate|verify``: parses, calls the example's
-functions and prints.
+"""``python -m examples.recall train|generate|serve|verify``: parses, calls the
+example's functions and prints.
 
-Every bad option, and a run directory with no checkpoint for ``generate`` and
-``verify``, is a usage error: argparse's usage, one ``error:`` line naming the flags,
+Every bad option, and a run directory with no checkpoint for ``generate``, ``serve``
+and ``verify``, is a usage error: argparse's usage, one ``error:`` line naming the flags,
 exit status 2."""
 
 import argparse
@@ -75,6 +75,19 @@ def _lengths(text: str) -> list[int]:
             f"expected comma-separated integers >= 1 (e.g. 1,2,8), got {text!r}"
         )
     return lengths
+
+
+def _range(text: str) -> tuple[int, int]:
+    """``LO,HI``: two integers with 1 <= LO <= HI."""
+    try:
+        low, high = (int(s) for s in text.split(","))
+    except ValueError:
+        low = high = 0
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(
+            f"expected LO,HI with integers 1 <= LO <= HI (e.g. 16,384), got {text!r}"
+        )
+    return low, high
 
 
 # The type of every option made from a config field: its range, checked as it is parsed.
@@ -211,6 +224,56 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument("--batch", type=positive_int, default=4, help="rows of the timing batch (4)")
 
     p = commands.add_parser(
+        "serve",
+        help="continuous batching over a paged KV cache, against static batches",
+        description="Serves a seeded queue of requests (prompts of held-out recall "
+        "sequences laid end to end, of different lengths, each with its own number of "
+        "tokens to generate greedily) with the model of the latest checkpoint in --run: "
+        "first by continuous batching over a paged KV cache (requests admitted as others "
+        "finish, each step one jitted call mixing prompt chunks and decode tokens), then "
+        "through static batches with full caches of the same memory (batch x capacity <= "
+        "pages x page size). Prints the tokens/s of both and their ratio, and checks that "
+        "both give every request the same tokens, and --check of them their greedy "
+        "decoding alone. Exit status 1 when tokens differ.",
+    )
+    _run_option(p)
+    p.add_argument("--requests", type=positive_int, default=96, help="requests (96)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed (0)")
+    p.add_argument(
+        "--prompt-lengths",
+        type=_range,
+        default=(16, 384),
+        metavar="LO,HI",
+        help="prompt lengths, drawn uniformly (16,384)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=_range,
+        default=(1, 128),
+        metavar="LO,HI",
+        help="tokens to generate per request, drawn uniformly (1,128)",
+    )
+    p.add_argument("--pages", type=positive_int, default=512, help="pages of the pool (512)")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens a page holds (16)")
+    p.add_argument(
+        "--max-sequences", type=positive_int, default=32, help="requests in flight at most (32)"
+    )
+    p.add_argument(
+        "--step-tokens",
+        type=positive_int,
+        default=128,
+        help="tokens of a step, decode tokens and prompt chunks (128)",
+    )
+    p.add_argument(
+        "--check",
+        type=non_negative_int,
+        default=4,
+        help="requests checked against their greedy decoding alone (4)",
+    )
+    p.add_argument("--no-static", action="store_true", help="only the engine")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = commands.add_parser(
         "verify",
         help="nanoattn.verify on the trained model: causality, padding, decoding",
         description="Runs nanoattn.verify's causality (token ids), padding and "
@@ -334,6 +397,86 @@ def _generate(parser, args) -> int:
     return status
 
 
+def _serve(parser, args) -> int:
+    from tqdm import tqdm
+
+    from . import engine, train
+
+    try:
+        config = engine.EngineConfig(args.pages, args.page_size, args.max_sequences,
+                                     args.step_tokens)  # fmt: skip
+    except ValueError as e:
+        parser.error(re.sub(r"\b(\w+)=", lambda m: _flag(m[1]) + "=", str(e)))
+    model, run, step = train.restore(_checkpoints(parser, args))
+    requests = engine.workload(
+        args.seed, run.task, args.requests, args.prompt_lengths, args.new_tokens
+    )
+    longest = max(r.need for r in requests)
+    capacity = engine.static_capacity(requests)
+    if max(longest, capacity) > config.cache_tokens:
+        parser.error(
+            f"--pages {args.pages} x --page-size {args.page_size} = {config.cache_tokens} "
+            f"tokens of cache cannot hold a request of --prompt-lengths and --new-tokens "
+            f"({max(longest, capacity)} tokens): pass more --pages"
+        )
+    tokens = sum(r.new_tokens for r in requests)
+    print(
+        f"model of step {step} in {args.run}; {len(requests)} requests: prompts of "
+        f"{min(len(r.prompt) for r in requests)}-{max(len(r.prompt) for r in requests)} "
+        f"tokens, {min(r.new_tokens for r in requests)}-{max(r.new_tokens for r in requests)} "
+        f"new tokens each, {tokens} in all"
+    )
+    bytes_per_token = 2 * sum(  # keys and values of every layer, float32
+        b.attn.config.kv_heads * b.attn.config.head_dim * 4 for b in model.blocks
+    )
+    memory = config.cache_tokens * bytes_per_token / 2**20
+    results = {}
+
+    def serve(name, server, line):
+        print(line)
+        server.warm_up(*(() if name == "engine" else (requests,)))
+        with tqdm(total=tokens, unit="tok", disable=args.no_progress, leave=False) as bar:
+            served = server.run(requests, progress=bar.update)
+        results[name] = served
+        print(
+            f"  {served.tokens} tokens in {served.seconds:.2f} s, {served.steps} steps: "
+            f"{served.tokens_per_second:,.0f} tokens/s"
+        )
+
+    server = engine.Engine(model, config, longest)
+    serve(
+        "engine",
+        server,
+        f"continuous batching: a pool of {config.pages} pages of {config.page_size} tokens "
+        f"({config.cache_tokens} tokens, {memory:.1f} MiB of keys and values), at most "
+        f"{config.max_sequences} requests in flight, {config.step_tokens} tokens a step",
+    )
+    status = 0
+    if not args.no_static:
+        static = engine.static_for(model, config, requests)
+        serve(
+            "static",
+            static,
+            f"static batches: {static.batch} rows of a full cache of {capacity} tokens "
+            f"({static.batch * capacity} tokens, <= the pool's {config.cache_tokens})",
+        )
+        ratio = results["engine"].tokens_per_second / results["static"].tokens_per_second
+        same = results["engine"].outputs == results["static"].outputs
+        print(f"continuous / static batching: {ratio:.2f}x the tokens/s (target >= 2x)")
+        print(f"every request's tokens equal in both: {'yes' if same else 'NO'}")
+        status = 0 if same else 1
+    if args.check:
+        checked = requests[: args.check]
+        outputs = engine.alone(model, checked)
+        alone = all(outputs[r.id] == results["engine"].outputs[r.id] for r in checked)
+        print(
+            f"the first {len(checked)} requests' tokens equal their greedy decoding alone: "
+            f"{'yes' if alone else 'NO'}"
+        )
+        status = status if alone else 1
+    return status
+
+
 def _verify(parser, args) -> int:
     from . import train, verify
 
@@ -362,7 +505,8 @@ def main(argv=None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse says so after the top-level usage; the subcommand's is of use
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    run = {"train": _train, "generate": _generate, "verify": _verify}[args.command]
+    commands_run = {"train": _train, "generate": _generate, "serve": _serve, "verify": _verify}
+    run = commands_run[args.command]
     return run(commands[args.command], args)
 
 

@@ -67,11 +67,13 @@ class ModelConfig:
         for layer in range(self.n_layers):
             self.attention(layer)
 
-    def attention(self, layer: int) -> AttentionConfig:
-        """The attention of block ``layer``: local in the even blocks but the last."""
+    def attention(self, layer: int, page_size: int | None = None) -> AttentionConfig:
+        """The attention of block ``layer``: local in the even blocks but the last;
+        with ``page_size``, decoding through a paged KV cache (the engine's)."""
         local = self.local_window is not None and layer % 2 == 0 and layer < self.n_layers - 1
         return AttentionConfig(
             window=(self.local_window, 0) if local else None,
+            page_size=page_size,
             implementation=self.implementation,
             d_model=self.d_model,
             n_heads=self.n_heads,
@@ -96,20 +98,22 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """``x + attn(norm(x))``, then ``x + mlp(norm(x))``, each branch with dropout."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int, *, page_size=None, rngs: nnx.Rngs):
         D = config.d_model
         self.attn_norm = nnx.RMSNorm(D, rngs=rngs)
-        self.attn = CausalSelfAttention(config.attention(layer), deterministic=True, rngs=rngs)
+        attention = config.attention(layer, page_size)
+        self.attn = CausalSelfAttention(attention, deterministic=True, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(D, rngs=rngs)
         self.mlp = MLP(D, config.mlp_ratio * D, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout)
 
-    def __call__(self, x, *, mask, decode, lengths, deterministic, rngs):
+    def __call__(self, x, *, mask, decode, lengths, pages, deterministic, rngs):
         h = self.attn(
             self.attn_norm(x),
             mask=mask,
             decode=decode,
             lengths=lengths,
+            pages=pages,
             deterministic=deterministic,
             rngs=rngs,
         )
@@ -129,14 +133,18 @@ class Decoder(nnx.Module):
       (2, 5, 11)
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, page_size: int | None = None, rngs: nnx.Rngs):
         self.config = config
         self.embed = nnx.Embed(config.vocab, config.d_model, rngs=rngs)
-        self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.n_layers)])
+        self.blocks = nnx.List(
+            [Block(config, i, page_size=page_size, rngs=rngs) for i in range(config.n_layers)]
+        )
         self.norm = nnx.RMSNorm(config.d_model, rngs=rngs)
 
     def init_cache(self, batch: int, max_len: int) -> None:
-        """An empty KV cache of ``max_len`` tokens for ``batch`` rows in every layer."""
+        """An empty KV cache of ``max_len`` tokens for ``batch`` rows in every layer
+        (with ``page_size``: a pool of ``max_len / page_size`` pages that any number
+        of sequences share, ``batch`` unused)."""
         for block in self.blocks:
             block.attn.init_cache(batch, max_len)
 
@@ -147,6 +155,7 @@ class Decoder(nnx.Module):
         valid=None,
         decode: bool = False,
         lengths=None,
+        pages=None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
@@ -160,6 +169,9 @@ class Decoder(nnx.Module):
             and attend over everything cached.
           lengths: only with ``decode=True``: optional int (B,), the real tokens of
             each row of a right-padded chunk.
+          pages: only with ``decode=True`` and a model built with ``page_size``: the
+            step's ``nanoattn.PagedBatch`` (``PageAllocator.batch``); tokens are then
+            (1, Tq), the new tokens of many sequences token-major.
           deterministic: False in training: dropout on, drawn from ``rngs``.
           rngs: ``nnx.Rngs(dropout=key)``, needed when dropout is on.
 
@@ -176,6 +188,7 @@ class Decoder(nnx.Module):
                 mask=mask,
                 decode=decode,
                 lengths=lengths,
+                pages=pages,
                 deterministic=deterministic,
                 rngs=rngs,
             )

@@ -5,6 +5,7 @@ import pathlib
 
 from ._masks import masks_markdown
 from ._native import native_markdown
+from ._serving import serving_markdown
 
 
 def _cell_map(results: dict) -> dict:
@@ -93,6 +94,7 @@ def markdown(results: dict) -> str:
     lines += window_markdown(results.get("window"))
     lines += native_markdown(results.get("native") or [], m.get("native_isa"))
     lines += masks_markdown(results.get("masks") or [])
+    lines += serving_markdown(results.get("serving"))
     if results["targets"]:
         lines += [
             "",

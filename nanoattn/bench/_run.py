@@ -8,7 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from . import _generation, _latent, _masks, _native, _targets, _torch, _window
+from . import _generation, _latent, _masks, _native, _serving, _targets, _torch, _window
 from ._cell import measure_cell
 from ._measure import matmul_peak_gflops
 from ._peers import PEERS
@@ -47,6 +47,10 @@ class BenchConfig:
       latent_context: the context of multi-head latent attention's decoding step
         (absorbed against rebuilding keys and values; with the latent cache's bytes,
         :mod:`nanoattn.bench._latent`); 0 to skip the part.
+      serving: the serving part (decode over a paged KV cache against the copy
+        bandwidth and a full cache, a mixed prefill-and-decode call,
+        :mod:`nanoattn.bench._serving`): "full" at the issue's sizes (judged),
+        "quick" at small ones (reported, not judged), "" to skip it.
     """
 
     lengths: tuple[int, ...] = FULL_LENGTHS
@@ -62,6 +66,7 @@ class BenchConfig:
     native_lengths: tuple[int, ...] = ()
     masks_length: int = 0
     latent_context: int = 0
+    serving: str = ""
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -148,15 +153,15 @@ def _part(report, part: str, items: list, measure) -> list:
 
 
 def run_bench(config: BenchConfig, progress=None) -> dict:
-    """Runs the grid, the targets and the generation, window, native and masks
+    """Runs the grid, the targets and the generation, window, native, masks and serving
     benchmarks that ``config`` asks for, and returns every measurement as plain data.
 
     ``progress(part, done, total, label)`` (e.g. :class:`nanoattn.bench._progress.ItemLines`)
     is called before each measured item of each part ("peak", "grid", "targets",
-    "generation", "window", "native", "masks"), ``done`` of the part's ``total`` items being
-    finished, and once with ``done == total`` when the part ends. Items skipped without
-    being measured (torch missing, scores over ``max_score_gib``) are neither reported
-    nor counted; a part with nothing left to measure is reported once, with
+    "generation", "window", "native", "masks", "serving"), ``done`` of the part's
+    ``total`` items being finished, and once with ``done == total`` when the part ends.
+    Items skipped without being measured (torch missing, scores over ``max_score_gib``)
+    are neither reported nor counted; a part with nothing left to measure is reported once, with
     ``total == 0`` and why in ``label``.
     """
     report = progress or (lambda part, done, total, label: None)
@@ -224,6 +229,13 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         items = [(f"cache bytes and decode step, context {C}", (C,))]
         (latent,) = _part(report, "latent", items, _latent.measure_latent)
         targets += _latent.latent_targets(latent["cache"], latent["decode"])
+    serving = None
+    if config.serving:
+        shape = {"full": _serving.FULL, "quick": _serving.QUICK}[config.serving]
+        relay = _Relay(report, "serving", "")
+        serving = _serving.measure_serving(shape, relay)
+        relay.end()
+        targets += _serving.serving_targets(serving)
     return {
         "machine": machine() | {"matmul_peak_gflops": peak},
         "config": dataclasses.asdict(config),
@@ -234,4 +246,5 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         "native": native,
         "masks": masks,
         "latent": latent,
+        "serving": serving,
     }

@@ -41,7 +41,8 @@ def add_parser(commands) -> None:
         action="store_true",
         help=f"a short run: T in {','.join(map(str, QUICK_LENGTHS))}, the seed's "
         "head shape, generation at context 1024 (reported, not judged), no targets; "
-        f"with --only masks, the masks part at T={MASKS_QUICK_LENGTH} (reported, not judged)",
+        f"with --only masks, the masks part at T={MASKS_QUICK_LENGTH} (reported, not judged); "
+        "with --only serving, the serving part at small sizes (reported, not judged)",
     )
     bench.add_argument(
         "--only",
@@ -62,6 +63,11 @@ def add_parser(commands) -> None:
         "latent: multi-head latent attention's cache bytes at DeepSeek-V3's shape and its "
         f"absorbed decoding step against rebuilding keys and values at context "
         f"{LATENT_CONTEXT}, judged). "
+        "serving: decode attention over a paged KV cache, B=16 sequences of 512-8192 keys, "
+        "32 query heads on 8 key/value heads of width 128, bfloat16 and float32, on every "
+        "implementation that serves a page table, against the copy bandwidth and a full "
+        "cache of 8192, and one 512-token prefill chunk with 15 decode tokens against the "
+        "chunk alone, judged; --quick --only serving: small sizes, not judged). "
         "Example: --only generation,window",
     )
     bench.add_argument(
@@ -128,7 +134,7 @@ def add_parser(commands) -> None:
     bench.set_defaults(run=run)
 
 
-PARTS = ("grid", "targets", "generation", "window", "native", "masks", "latent")
+PARTS = ("grid", "targets", "generation", "window", "native", "masks", "serving", "latent")
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -187,6 +193,7 @@ def config_from_args(args) -> BenchConfig:
         native_lengths=(tuple(args.lengths or NATIVE_LENGTHS) if "native" in parts else ()),
         masks_length=masks_length if "masks" in parts else 0,
         latent_context=LATENT_CONTEXT if "latent" in parts else 0,
+        serving=("quick" if args.quick else "full") if "serving" in parts else "",
     )
 
 

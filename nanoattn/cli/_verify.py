@@ -11,7 +11,7 @@ import os
 import sys
 
 from .._core.base.validate import describe
-from ..verify import Decoder, check_causality, check_decoding, check_mask
+from ..verify import Decoder, PagedDecoder, check_causality, check_decoding, check_mask
 from ..verify._bounds import raised_everywhere, within
 from ..verify._causality import DEFAULT_SEQ_LENS
 from ..verify._decoding import CAPACITY_SLACK, DEFAULT_SEQ_LEN, LAPS
@@ -35,7 +35,9 @@ def add_parser(commands) -> None:
         "what MASK_FN(b, n, q_pos, k_pos) -> bool claims. With --decode, OBJECT is a decoder "
         "(full, init, step) (or a zero-argument factory returning one; "
         "nanoattn.verify.decoders builds it for nanoattn's and flax's modules; a "
-        "nanoattn.verify.Decoder also brings its rewind, capacity and max_chunk) and "
+        "nanoattn.verify.Decoder also brings its rewind, capacity and max_chunk; a "
+        "nanoattn.verify.PagedDecoder, a paged layer's, runs through a shuffled page pool "
+        "with forks) and "
         "nanoattn.verify.check_decoding runs on it. On a terminal, a stage still running after "
         "about 2 s says on stderr what it is doing (nothing with --json). "
         "Exit status 0 when every check passes, 1 when one fails (also when the target raises "
@@ -126,7 +128,8 @@ def load_target(
 ):
     """Imports ``MODULE:OBJECT`` and returns the function (or with ``decode`` the
     decoder, as a :class:`~nanoattn.verify.Decoder`: one given whole keeps its
-    ``rewind``, ``capacity`` and ``max_chunk``) to check; a zero-argument factory is
+    ``rewind``, ``capacity`` and ``max_chunk``; a
+    :class:`~nanoattn.verify.PagedDecoder` is kept as it is) to check; a zero-argument factory is
     called.
     ``what``: the start of the error for a ``target`` of another form."""
     module_name, sep, attr = target.partition(":")
@@ -163,11 +166,13 @@ def load_target(
     return _as_decoder(obj) if decode else obj
 
 
-def _as_decoder(obj) -> Decoder:
-    return obj if isinstance(obj, Decoder) else Decoder(*obj)
+def _as_decoder(obj) -> Decoder | PagedDecoder:
+    return obj if isinstance(obj, Decoder | PagedDecoder) else Decoder(*obj)
 
 
 def _is_decoder(obj) -> bool:
+    if isinstance(obj, PagedDecoder):
+        return True
     return isinstance(obj, tuple | list) and len(obj) == 3 and all(map(callable, obj))
 
 
@@ -226,10 +231,11 @@ def run(args) -> int:
     width = f"d_model {args.d_model}" if args.vocab is None else f"vocab {args.vocab}"
     try:
         if args.decode:
+            capacity = getattr(target, "capacity", None)  # a PagedDecoder has none
             seq_len = args.seq_len or (
                 DEFAULT_SEQ_LEN
-                if target.capacity is None
-                else LAPS * target.capacity + CAPACITY_SLACK  # check_decoding's default
+                if capacity is None
+                else LAPS * capacity + CAPACITY_SLACK  # check_decoding's default
             )
             chunked = "" if args.one_token else " and in chunks"
             with stage(f"checking decoding of {seq_len} tokens one by one{chunked}"):
@@ -241,7 +247,9 @@ def run(args) -> int:
                     batch=args.batch,
                     atol=args.atol,
                 )
-            bound = "" if target.capacity is None else f", capacity {target.capacity}"
+            bound = "" if capacity is None else f", capacity {capacity}"
+            if isinstance(target, PagedDecoder):
+                bound = f", pages of {target.page_size}"
             what = f"--decode ({width}, batch {args.batch}, length {seq_len}{bound})"
         else:
             report, what = _check_field(args, target, inputs, width, stage)

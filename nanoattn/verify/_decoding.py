@@ -21,6 +21,10 @@ Optionally (a :class:`Decoder` carries them, or pass them to the check):
 
 Every run starts from a fresh ``init`` and threads the state linearly, so a
 decoder that mutates its state in place is checked as well as a pure one.
+
+A decoder with a paged cache is a :class:`~nanoattn.verify.PagedDecoder`
+(``init(pages)``, ``step(state, chunk, batch)``), run through this same protocol
+by :mod:`nanoattn.verify._paged_decoding`, plus its forks check.
 """
 
 import dataclasses
@@ -30,6 +34,7 @@ import numpy as np
 
 from ._inputs import Inputs, as_features
 from ._leaks import Leaks, per_feature, positive_control
+from ._paged_decoding import PagedDecoder, as_rows, check_forks
 from ._report import CheckResult, Report
 
 DEFAULT_SEQ_LEN = 13
@@ -191,7 +196,14 @@ def check_decoding(
     the real tokens per row of a right-padded chunk. :mod:`nanoattn.verify.decoders`
     builds the triple for nanoattn's and flax's modules. ``full`` may instead be a
     :class:`Decoder`, which brings ``init``, ``step`` and its optional ``rewind``,
-    ``capacity`` and ``max_chunk`` (an argument given here wins). With T =
+    ``capacity`` and ``max_chunk`` (an argument given here wins), or a
+    :class:`PagedDecoder` (a paged cache: ``init(pages)``, ``step(state, chunk,
+    batch)``), which the checks drive through a ``PageAllocator``: each row a sequence,
+    a call's rows one token-major step of B * L tokens (the padding past them poison),
+    pages handed out in a shuffled order after poison sequences (NaN and +-3e38
+    inputs, or random ids) filled the pool and were freed, the page table's unused
+    entries random pages, a rewind the allocator's (so rewinding is always checked),
+    and one more check, forks (below). With T =
     ``seq_len`` (default 13) and a capacity of T + 3 slots, or with ``capacity`` C
     (a bounded, rolling cache) C slots and T = 4 C + 3 by default, so that the ring
     wraps several times, from random x:
@@ -216,7 +228,12 @@ def check_decoding(
       ``n[b]`` in ``[0, lengths[b]]`` per row (none, part or all of the chunk),
       until every row keeps T tokens: every output at a kept token equals the full
       forward of what its row kept. The tokens after a rewind differ from the
-      dropped ones, so a stale slot that stays readable changes the outputs.
+      dropped ones, so a stale slot that stays readable changes the outputs;
+    * forks, for a :class:`PagedDecoder`: a parent row's prefix of about T / 2
+      tokens, not a whole number of pages, is forked into max(batch, 3) - 1 children
+      (sharing its pages, the partial last one copied on write), and every row goes
+      on with tokens of its own in right-padded chunks (the children's first): each
+      row equals the full forward of its own sequence.
 
     ``max_chunk`` M bounds every chunk: the one-call run becomes chunks of M, and
     the cycle, the ragged and the rewinding chunks are at most M wide; a chunk of
@@ -225,6 +242,9 @@ def check_decoding(
     (its ragged rows then get chunks of 1 with lengths 0 or 1).
 
     Args:
+      full: the decoder's ``full``, or a :class:`Decoder` or :class:`PagedDecoder`
+        (then no ``init`` and ``step``; a PagedDecoder takes no ``rewind``,
+        ``capacity`` or ``max_chunk``).
       rewind: None (not checked) or ``rewind(state, n) -> state``, ``n`` int32 (B,).
       capacity: None, or the slots ``init`` gets for a decoder whose cache is bounded.
       max_chunk: None, or the most tokens one call may take.
@@ -253,7 +273,20 @@ def check_decoding(
       >>> check_decoding(full, init, step, d_model=3).passed
       True
     """
-    if isinstance(full, Decoder):
+    inputs = Inputs.of(d_model, vocab)
+    paged = full if isinstance(full, PagedDecoder) else None
+    if paged is not None:
+        if init is not None or step is not None:
+            raise ValueError("pass a PagedDecoder alone, without init and step")
+        given = {"rewind": rewind, "capacity": capacity, "max_chunk": max_chunk}
+        for name, value in given.items():
+            if value is not None:
+                raise ValueError(
+                    f"a PagedDecoder takes no {name}: its pages come from a PageAllocator, "
+                    f"which rewinds and has no chunk limit; got {name}={value!r}"
+                )
+        full, (init, step, rewind) = paged.full, as_rows(paged, inputs)
+    elif isinstance(full, Decoder):
         if init is not None or step is not None:
             raise ValueError("pass a Decoder alone, or the functions full, init and step")
         full, init, step, rewind, capacity, max_chunk = (
@@ -266,7 +299,6 @@ def check_decoding(
         )
     elif init is None or step is None:
         raise ValueError("pass the decoder's full, init and step, or a Decoder")
-    inputs = Inputs.of(d_model, vocab)
     if rewind is not None and not callable(rewind):
         raise ValueError(f"rewind must be None or a function (state, n) -> state, got {rewind!r}")
     for name, value, least in (("capacity", capacity, 1), ("max_chunk", max_chunk, 1)):
@@ -308,7 +340,9 @@ def check_decoding(
         "cache equivalence",
         f"{len(runs)} chunking{'s' if len(runs) > 1 else ''} ({names}) reproduce"
         f"{'' if len(runs) > 1 else 's'} the full forward at all {T} positions "
-        f"of {batch} rows" + ("" if capacity is None else f" through a cache of {capacity} slots"),
+        f"of {batch} rows"
+        + ("" if capacity is None else f" through a cache of {capacity} slots")
+        + ("" if paged is None else f" {paged.describe()}"),
         first="first divergence",
     )
     if not result.passed:
@@ -357,6 +391,8 @@ def check_decoding(
     )
     if rewind is not None:
         checks.append(_rewinding(full, init, step, rewind, inputs, batch, T, width, tol, max_len))
+    if paged is not None:
+        checks.append(check_forks(paged, inputs, T, batch, tol, width))
     return Report("decoding", checks)
 
 

@@ -6,7 +6,10 @@
 :func:`linen` and :func:`nnx` return a :class:`~nanoattn.verify.Decoder`, which
 unpacks as that triple and also carries ``rewind`` (and, for a rolling cache,
 ``capacity`` and ``max_chunk``): ``check_decoding(decoders.linen(layer, params))``
-checks those too.
+checks those too. For a layer with a paged cache (``config.page_size``) they return a
+:class:`~nanoattn.verify.PagedDecoder` instead (``init(pages)``, ``step(state, chunk,
+batch)`` with a ``PagedBatch``), which ``check_decoding(decoder)`` runs through a
+``PageAllocator``.
 
 The protocol (B batch, T time, L chunk length, D model width):
 
@@ -34,6 +37,7 @@ from flax import nnx as _nnx
 from .._layers.caches.kinds import policy_of
 from ._decoding import Decoder as Decoder
 from ._inputs import jit
+from ._paged_decoding import PagedDecoder as PagedDecoder
 
 
 class _Fresh(NamedTuple):
@@ -104,7 +108,7 @@ def _no_lengths(name: str, lengths) -> None:
         )
 
 
-def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder:
+def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder | PagedDecoder:
     """nanoattn's linen ``CausalSelfAttention`` (or any linen module or model with its
     decode API) as a :class:`~nanoattn.verify.Decoder` ``(full, init, step)`` with
     ``rewind``.
@@ -117,7 +121,10 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder:
     (every layer of a model's collection alike). With a rolling-cache config
     (``module.config.rolling_cache``, ``window=(W, 0)``, ``sink_tokens`` S0) the
     decoder is bounded: ``capacity`` C slots (default W + S0 + 4) and
-    ``max_chunk = C - W - S0``, so the check decodes far past C.
+    ``max_chunk = C - W - S0``, so the check decodes far past C. With a paged-cache
+    config (``module.config.page_size``) it is a :class:`~nanoattn.verify.PagedDecoder`:
+    ``init(pages)`` an empty pool of that many pages, ``step`` the same apply with
+    ``pages=batch`` in place of ``lengths``.
 
     Args:
       module: the linen module.
@@ -140,6 +147,10 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder:
     @jit
     def full(x):
         return module.apply(variables, x, deterministic=True)
+
+    page_size = _page_size(module, capacity)
+    if page_size is not None:
+        return _linen_paged(module, variables, full, page_size)
 
     def init(batch: int, max_len: int):
         return _Fresh(batch, max_len)
@@ -167,13 +178,52 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder:
     return Decoder(full, init, step, rewind=rewind, **_bounds(module, capacity))
 
 
+def _page_size(module, capacity) -> int | None:
+    """``module.config.page_size`` (None for a module without a paged cache); a paged
+    cache takes no ``capacity``."""
+    page_size = getattr(getattr(module, "config", None), "page_size", None)
+    if page_size is not None and capacity is not None:
+        raise ValueError(
+            f"a paged cache takes no capacity (its pool grows with the sequences it holds), "
+            f"got capacity={capacity}"
+        )
+    return page_size
+
+
+def _linen_paged(module: nn.Module, variables, full, page_size: int) -> PagedDecoder:
+    """The :class:`PagedDecoder` of a linen module with a paged cache."""
+    empty = _linen_cache(module, deterministic=True, decode=True)
+
+    def init(pages: int):
+        return _Fresh(1, pages * page_size)  # the pool is made at the first chunk
+
+    @jit
+    def decode(cache, chunk, batch):
+        y, state = module.apply(
+            {**variables, "cache": cache},
+            chunk,
+            deterministic=True,
+            decode=True,
+            pages=batch,
+            mutable=["cache"],
+        )
+        return state["cache"], y
+
+    def step(state, chunk, batch):
+        if isinstance(state, _Fresh):
+            state = empty(state, chunk)
+        return decode(state, chunk, batch)
+
+    return PagedDecoder(full, init, step, page_size=page_size)
+
+
 def _linen_rewind(cache, n):
     from ..linen import rewind
 
     return rewind(cache, n)
 
 
-def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder:
+def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedDecoder:
     """nanoattn's NNX ``CausalSelfAttention`` (or any NNX module with its decode API:
     ``init_cache(batch, max_len)`` and ``module(chunk, decode=True, lengths=...)``)
     as a :class:`~nanoattn.verify.Decoder` ``(full, init, step)``, with ``rewind``
@@ -185,6 +235,9 @@ def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder:
     deterministic=True)`` and returns the new state; ``rewind(state, n)`` merges
     them and calls ``module.rewind(n)``. A rolling-cache config is bounded as in
     :func:`linen`: ``capacity`` C (default W + S0 + 4), ``max_chunk = C - W - S0``.
+    A paged-cache config (``page_size``) gives a :class:`~nanoattn.verify.PagedDecoder`:
+    ``init(pages)`` calls ``init_cache(1, pages * page_size)``, ``step`` calls
+    ``module(chunk, decode=True, pages=batch, deterministic=True)``.
 
     Example:
       >>> from flax import nnx
@@ -202,6 +255,10 @@ def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder:
 
     def full(x):
         return forward(state, x)
+
+    page_size = _page_size(module, capacity)
+    if page_size is not None:
+        return _nnx_paged(graphdef, state, full, page_size)
 
     def init(batch: int, max_len: int):
         copy = _nnx.merge(graphdef, state)
@@ -233,6 +290,28 @@ def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder:
     return Decoder(
         full, init, step, rewind=rewind if has_rewind else None, **_bounds(module, capacity)
     )
+
+
+def _nnx_paged(graphdef, state, full, page_size: int) -> PagedDecoder:
+    """The :class:`PagedDecoder` of an NNX module with a paged cache."""
+
+    def init(pages: int):
+        copy = _nnx.merge(graphdef, state)
+        copy.init_cache(1, pages * page_size)
+        return _nnx.split(copy)
+
+    @functools.partial(jit, static_argnums=0)
+    def decode(graph, cache_state, chunk, batch):
+        copy = _nnx.merge(graph, cache_state)
+        y = copy(chunk, decode=True, pages=batch, deterministic=True)
+        return _nnx.split(copy)[1], y
+
+    def step(decoder_state, chunk, batch):
+        graph, cache_state = decoder_state
+        cache_state, y = decode(graph, cache_state, chunk, batch)
+        return (graph, cache_state), y
+
+    return PagedDecoder(full, init, step, page_size=page_size)
 
 
 def flax_linen(module: nn.Module, variables):

@@ -262,7 +262,8 @@ def test_measure_generation_row_and_targets():
     assert f"| {C} | {row['capacity']} | {row['cached_median_ms']:.2f} (" in text
 
 
-def generation_row(cached, flax, recompute, status="ok"):
+def generation_row(cached, flax, recompute, status="ok", prefill=None):
+    prefill = recompute if prefill is None else prefill
     return {
         "context": 4096,
         "capacity": 4112,
@@ -270,20 +271,29 @@ def generation_row(cached, flax, recompute, status="ok"):
         "cached_median_ms": cached,
         "flax_median_ms": flax,
         "recompute_median_ms": recompute,
+        "recompute_min_ms": recompute,
+        "prefill_min_ms": prefill,
         "recompute_vs_cached": recompute / cached,
         "flax_vs_cached": flax / cached,
+        "prefill_vs_forward": prefill / recompute,
     }
 
 
 def test_generation_targets_compare_the_right_way_round():
-    recompute, flax = _generation.generation_targets([generation_row(2.0, 2.0, 20.0)])
+    recompute, flax, prefill = _generation.generation_targets(
+        [generation_row(2.0, 2.0, 20.0, prefill=22.0)]
+    )
     assert recompute["passed"] is True and flax["passed"] is True  # 10x, and level
+    assert prefill["passed"] is True  # 1.1x
     assert "recompute 20.0 ms/token, nanoattn cached 2.00 ms/token: 10.0x" in recompute["measured"]
-    recompute, flax = _generation.generation_targets([generation_row(2.0, 1.9, 19.0)])
-    assert recompute["passed"] is False and flax["passed"] is False
+    assert prefill["measured"] == "prefill 22.0 ms, forward of C + 1 tokens 20.0 ms: 1.10x"
+    recompute, flax, prefill = _generation.generation_targets(
+        [generation_row(2.0, 1.9, 19.0, prefill=21.0)]
+    )
+    assert recompute["passed"] is False and flax["passed"] is False and prefill["passed"] is False
     assert "flax takes 0.95x nanoattn's time" in flax["measured"]
     rows = _generation.generation_targets([generation_row(1, 1, 1, status="error: boom")])
-    assert [r["passed"] for r in rows] == [None, None]
+    assert [r["passed"] for r in rows] == [None, None, None]
 
 
 def test_measure_window_row_and_targets():
@@ -344,12 +354,13 @@ def test_cli_bench_only_generation(tmp_path, capsys, monkeypatch):
     assert "### Generation: ms per token, one layer D=128, 4 heads, B=1, float32" in out
     assert "| 3 | 19 | error: not measured either |" in out
     assert "| causal, window=" not in out and "error: not measured here" in out
-    generation = [t["target"] for t in results["targets"][:2]]
+    generation = [t["target"] for t in results["targets"][:3]]
     assert generation == [
         "generation C=4096: cached step >= 10x faster than recomputing",
         "generation C=4096: nanoattn step at least as fast as flax's",
+        "generation C=4096: prefill into the empty cache <= 1.1x a forward",
     ]
-    assert results["targets"][2:] == [
+    assert results["targets"][3:] == [
         {
             "target": "fwd+bwd T=16384: window=(512, 0) takes <= 1/4 of full causal time",
             "measured": "error: not measured here",
@@ -804,4 +815,4 @@ def test_long_generation_targets_compare_the_right_way_round():
     # measure_generation's row at the target context carries them after its own two
     row = generation_row(2.0, 2.0, 20.0)
     row["rolling"], row["speculative"] = long_rows(1092 * 1024, 1.0, 1.0, 1.5, 1.0)
-    assert len(_generation.generation_targets([row])) == 5
+    assert len(_generation.generation_targets([row])) == 6

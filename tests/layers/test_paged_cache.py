@@ -267,3 +267,25 @@ def test_the_allocator_keeps_its_invariants(operations):
     for s in alloc.sequences():
         alloc.free(s)
     assert sorted(alloc._free) == list(range(16))
+
+
+def test_a_fresh_pool_is_buffers_of_its_own_so_a_step_may_donate_it():
+    """The empty pool's keys and values (NNX's init_cache) are two arrays, not one
+    shared: a step that donates the cache would be given the same buffer twice."""
+    module = nanoattn_nnx.CausalSelfAttention(_config(), rngs=nnx.Rngs(0))
+    module.init_cache(1, PAGES * PS)
+    graphdef, state = nnx.split(module)
+    pools = [x for path, x in nnx.to_flat_state(state) if path[-1] in ("key", "value")]
+    assert len(pools) == 2 and pools[0].shape == (PAGES, PS, K, D // N)
+    pointers = {leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(pools)}
+    assert len(pointers) == 2
+    alloc = PageAllocator(PAGES, PS, max_sequences=SEQS, max_pages=MAX_PAGES)
+    alloc.allocate("a", 3)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache, x, pages):
+        module = nnx.merge(graphdef, cache)
+        return nnx.state(module), module(x, decode=True, pages=pages)
+
+    state, y = step(state, jnp.ones((1, TQ, D)), alloc.batch([("a", 3)], tokens=TQ))
+    assert np.isfinite(np.asarray(y)).all() and (np.asarray(y[0, 3:]) == 0).all()

@@ -353,9 +353,31 @@ def _item_keys(plan: Plan, masked: bool, kb, vb, blocks: RuleBlocks, qc, kj):
     return ks, vs, cells, allowed
 
 
-def _any_item_seen(plan: Plan, kinds, qi, qc, kj):
-    """Whether mask_fn's traced kinds leave any real (not idle) item of a step visible."""
-    return jnp.any((kinds[qc, kj] != EMPTY) & (qi < plan.n_q))
+def _step_live(plan: Plan, kinds, blocks: RuleBlocks, qi, qc, kj):
+    """Whether the traced rules leave any real (not idle) item of a step a visible
+    cell: bool (), or None when no traced rule can hide a whole item (the step then
+    runs unconditionally). The traced rules are mask_fn's traced kinds, the key
+    lengths (a block at or past a row's length is hidden: a decoding step over a cache
+    does the work of what each row holds, not of its capacity) and the band of a
+    traced offset (a block above a chunk's diagonal is hidden)."""
+    live = (qi < plan.n_q)[None]  # (1, L); (1 or B, L) once a row's rule joins
+    traced = False
+    if plan.traced_kinds:
+        live, traced = live & (kinds[qc, kj] != EMPTY)[None], True
+    j0 = (kj * plan.block_k)[None]  # (1, L): the item's first key, and its last
+    j1 = jnp.minimum(j0 + plan.block_k, plan.S) - 1
+    if blocks.kv_lengths is not None:
+        live, traced = live & (j0 < blocks.kv_lengths[:, None]), True  # (B, L)
+    if plan.band is not None and plan.static_offset is None and blocks.q_offset is not None:
+        left, right = plan.band
+        offset = jnp.reshape(jnp.asarray(blocks.q_offset), (-1, 1))  # (1 or B, 1)
+        first = offset + (qc * plan.block_q)[None]  # (1 or B, L): the item's first query
+        last = offset + jnp.minimum(qc * plan.block_q + plan.block_q, plan.T)[None] - 1
+        if right is not None:
+            live, traced = live & (j0 <= last + right), True
+        if left is not None:
+            live, traced = live & (j1 >= first - left), True
+    return jnp.any(live) if traced else None
 
 
 def _scores(plan: Plan, qs, ks, qi, kj, blocks: RuleBlocks, allowed=None, cells=None,
@@ -463,8 +485,8 @@ def forward_block(plan: Plan, inputs: BlockInputs):
                 o_new = o_prev * rescale[..., None] + pv * weight[..., None]
                 return m_new, l_new, jnp.einsum("BLKGqH->BLqKGH", o_new)
 
-            if plan.traced_kinds:  # skip a step whose every item mask_fn hides
-                live = _any_item_seen(plan, kinds, qi, qc, kj)
+            live = _step_live(plan, kinds, blocks, qi, qc, kj)
+            if live is not None:  # skip a step whose every item the traced rules hide
                 m_new, l_new, o_new = jax.lax.cond(live, update, lambda: (m_old, l_old, o_old))
             else:
                 m_new, l_new, o_new = update()
@@ -561,8 +583,8 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
                 dv_c = jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", p, dos)
                 return dq_c, dk_c, dv_c, ds, d_consts
 
-            if plan.traced_kinds:  # skip a step whose every item mask_fn hides
-                live = _any_item_seen(plan, kinds, qi, qc, kj)
+            live = _step_live(plan, kinds, blocks, qi, qc, kj)
+            if live is not None:  # skip a step whose every item the traced rules hide
                 zeros = jax.tree.map(
                     lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(contributions)
                 )

@@ -112,9 +112,11 @@ def plan_of(rules: Rules, key_pages, dtype) -> tuple[PagedPlan, tuple]:
     return plan, consts
 
 
-def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
-    """A paged call by the blockwise kernel: (Tq, N, H) in the query's dtype, and with
-    ``rules.return_residual`` the log-sum-exp (Tq, N)."""
+def paged_inputs(query, key_pages, value_pages, rules: Rules) -> tuple[PagedPlan, PagedInputs]:
+    """The plan and the inputs of a paged call: the page table made safe (every id in
+    the pool, page 0 where a sequence holds nothing) and padded to whole key blocks
+    (page 0 past M), the rows that are real, score_fn's arrays. The native kernel's
+    forward pass takes them too, and its backward pass is :func:`paged_gradients`."""
     acc = softmax_dtype(query.dtype, key_pages.dtype, value_pages.dtype)
     plan, consts = plan_of(rules, key_pages, acc)
     table = safe_page_table(rules.page_table, rules.kv_lengths, rules.page_size, rules.pool_pages)
@@ -124,7 +126,17 @@ def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
         query, key_pages, value_pages, table, rules.kv_lengths.astype(jnp.int32),
         rules.query_starts.astype(jnp.int32), rules.layout().real, consts,
     )  # fmt: skip
-    out, lse = _attend(plan, inputs)
+    return plan, inputs
+
+
+def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
+    """A paged call by the blockwise kernel: (Tq, N, H) in the query's dtype, and with
+    ``rules.return_residual`` the log-sum-exp (Tq, N)."""
+    if rules.T == 0:  # no query: nothing to walk
+        out = jnp.zeros(query.shape, query.dtype)
+        lse = jnp.zeros((0, rules.N), softmax_dtype(query.dtype))
+        return (out, lse) if rules.return_residual else out
+    out, lse = _attend(*paged_inputs(query, key_pages, value_pages, rules))
     return (out, lse) if rules.return_residual else out
 
 
@@ -405,17 +417,23 @@ def _attend_fwd(plan: PagedPlan, inputs: PagedInputs):
     return (out.astype(inputs.query.dtype), lse), (inputs, out, lse)
 
 
-def _attend_bwd(plan: PagedPlan, residuals, cotangents):
-    inputs, out, lse = residuals
-    d_out, d_lse = cotangents
+def paged_gradients(plan: PagedPlan, inputs: PagedInputs, out, lse, d_out, d_lse) -> PagedInputs:
+    """The backward pass of a paged call, given its forward pass's output ``out`` (Tq,
+    N, H) and log-sum-exp ``lse`` (Tq, N) in the softmax's dtype (-inf where a row sees
+    no key) and their cotangents: the gradients of ``inputs`` (None for the integer
+    arrays), each in its input's dtype. The flash kernel's and the native kernel's."""
     dq, dk, dv, d_consts = _backward(plan, inputs, out, lse, d_out, d_lse)
-    grads = PagedInputs(
+    return PagedInputs(
         query=dq.astype(inputs.query.dtype), key_pages=dk.astype(inputs.key_pages.dtype),
         value_pages=dv.astype(inputs.value_pages.dtype), table=None, kv_lengths=None,
         starts=None, real=None,
         consts=tuple(g.astype(c.dtype) for g, c in zip(d_consts, inputs.consts, strict=True)),
     )  # fmt: skip
-    return (grads,)
+
+
+def _attend_bwd(plan: PagedPlan, residuals, cotangents):
+    inputs, out, lse = residuals
+    return (paged_gradients(plan, inputs, out, lse, *cotangents),)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

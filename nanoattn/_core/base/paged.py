@@ -75,14 +75,22 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
             f"heads K={K} (query (Tq, N, H) = {query.shape}, key_pages (P, page_size, K, H) "
             f"= {key_pages.shape})"
         )
-    if page_size == 0:
-        raise ValueError(f"key_pages must hold pages of at least one key, got {key_pages.shape}")
+    if page_size == 0 or P == 0:
+        raise ValueError(
+            f"key_pages must hold at least one page of at least one key (P, page_size >= 1), "
+            f"got {key_pages.shape}"
+        )
     for name, x in (("query", query), ("key_pages", key_pages), ("value_pages", value_pages)):
         expect_floating(name, x.dtype)
     page_table = as_array("page_table", page_table, "an int array (B, max_pages)")
     expect_integer("page_table", page_table.dtype)
     expect_shape("page_table", page_table.shape, "B max_pages", (None, None))
     B, M = page_table.shape
+    if B == 0 or M == 0:
+        raise ValueError(
+            f"page_table must have at least one sequence and one page per sequence (B, "
+            f"max_pages >= 1), got {page_table.shape}"
+        )
     kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
     expect_integer("kv_lengths", kv_lengths.dtype)
     expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))

@@ -516,6 +516,11 @@ def _split_scale(scale, H: int):
     """(fixed, traced): a checked scale (``check_scale`` upstream) as a Python number
     or as an array; the default ``1 / sqrt(H)`` when None."""
     if scale is None:
+        if H == 0:
+            raise ValueError(
+                "the head width H is 0, so the default scale 1 / sqrt(H) does not exist: "
+                "pass scale= (or heads of width >= 1)"
+            )
         return 1.0 / math.sqrt(H), None
     if isinstance(scale, (int, float, np.floating, np.integer)):
         return scale, None

@@ -94,10 +94,10 @@ class PagedCache(CachePolicy):
         (None: ``head_dim``)."""
         self.check_capacity(capacity, "init with a length that is a multiple of page_size")
         pages = (capacity // self.page_size, self.page_size, kv_heads)
-        pool = jnp.zeros((*pages, head_dim), dtype)
-        values = pool if value_dim in (None, head_dim) else jnp.zeros((*pages, value_dim), dtype)
-        none = jnp.zeros((0,), jnp.int32)
-        return KVCache(pool, values, none, none)
+        # Buffers of their own, so that a step may donate the cache.
+        key = jnp.zeros((*pages, head_dim), dtype)
+        value = jnp.zeros((*pages, head_dim if value_dim is None else value_dim), dtype)
+        return KVCache(key, value, jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
 
     def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
         """The tokens' sequences and positions from ``pages`` (invalid page tables,

@@ -117,8 +117,10 @@ class RollingCache(SlotCache):
         """One mask_fn holds every rule: a query at p sees a slot iff the position it
         holds is causal and within the window, or a sink token
         (:func:`nanoattn._layers.positional.visible`), and the user's ``mask_fn``
-        allows that position; ``score_fn`` sees it too. No ``kv_lengths`` and no core
-        ``window``, which would read slot indices as positions."""
+        allows that position; ``score_fn`` sees it too. No core ``window``, which would
+        read slot indices as positions; ``kv_lengths`` is ``min(end, C)``, the slots
+        written so far (until the ring wraps, position j sits in slot j), so a step of
+        a row that has not filled its ring reads only the blocks it holds."""
         W, S0 = self.window, self.sink_tokens
         held = slot_positions(end, capacity, S0)  # (B, S), -1: never written
 
@@ -127,6 +129,7 @@ class RollingCache(SlotCache):
 
         at_positions = positional.at_positions
         return dict(
+            kv_lengths=jnp.minimum(end, capacity),
             mask_fn=positional.and_masks(in_view, at_positions(mask_fn, held, False)),
             score_fn=at_positions(score_fn, held, True),
         )

@@ -1,0 +1,356 @@
+"""Serving (issue #33): decode attention over a paged KV cache, against the memory
+bandwidth and a full cache, and a mixed call of a prefill chunk and decode tokens.
+
+B = 16 sequences of lengths spread evenly over 512-8192 keys, N = 32 query heads on
+K = 8 key/value heads of width 128 (:data:`FULL`), in each of :data:`DTYPES`, their
+keys and values in pages of :data:`PAGE_SIZE` tokens laid in a shuffled order in one
+pool, for every implementation that serves a page table (the others get a row with
+their refusal):
+
+* ``copy``: the machine's memory bandwidth, measured in the same run: a jitted
+  ``x + 1`` over a large float32 array reads and writes it once, 2 x its bytes.
+* ``decode``: one query token per sequence through ``paged_attention``; the bytes of
+  the pages the sequences hold (keys and values), read once, divided by the call's
+  time, as a fraction of the copy bandwidth (target >= 50%). Then the same batch
+  through a full cache of capacity 8192 (``dot_product_attention`` with
+  ``kv_lengths`` over (16, 8192, 8, 128) keys and values, the same implementation):
+  the paged call at least 2x faster. The two are timed in turn.
+* ``mixed``: one call with a 512-token prefill chunk (sequence 0, 512 keys) and one
+  decode token of each of the 15 others, against the prefill chunk alone: at most
+  1.2x its time. The two are timed in turn.
+
+Every pair is called once first (compiling it, and finding whether the implementation
+serves it), then timed round after round (:func:`time_interleaved`), each
+implementation alone. The targets are judged at :data:`FULL` only; ``--quick``
+(:data:`QUICK`) runs the same code at small sizes. The engine's target (continuous
+batching at least 2x the tokens/s of static batching in the same cache memory) is
+measured by ``python -m examples.recall serve``, which prints the ratio: the bench
+does not import the examples.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._backends import registry
+from .._core.api import dot_product_attention
+from .._core.base.validate import describe
+from .._core.paged import paged_attention
+from ._masks import _unserved
+from ._measure import time_interleaved, time_runs
+
+DTYPES = ("bfloat16", "float32")
+PAGE_SIZE = 16
+ROUNDS = 5
+BANDWIDTH_FRACTION = 0.5  # of the copy bandwidth, at least
+FULL_SPEEDUP = 2.0  # the paged decode against the full cache, at least
+MIXED_BOUND = 1.2  # the mixed call against the prefill chunk alone, at most
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The sizes of the serving part: B sequences of lengths spread evenly over
+    [shortest, longest] (the full cache's capacity), N query heads on K key/value heads
+    of width H, pages of ``page_size`` tokens, a prefill chunk of ``prefill`` tokens
+    (sequence 0 holds exactly that many), a copy of ``copy_mib`` MiB, ``rounds`` timed
+    rounds of each pair."""
+
+    batch: int
+    shortest: int
+    longest: int
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    prefill: int
+    copy_mib: int
+    rounds: int = ROUNDS
+
+    def lengths(self) -> np.ndarray:
+        """(B,) int32 keys per sequence, from ``shortest`` to ``longest``."""
+        return np.linspace(self.shortest, self.longest, self.batch).round().astype(np.int32)
+
+
+FULL = Shape(16, 512, 8192, 32, 8, 128, PAGE_SIZE, 512, 1024)
+QUICK = Shape(16, 64, 512, 8, 2, 32, PAGE_SIZE, 64, 32, rounds=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """One dtype's inputs: the pool (P, page_size, K, H) twice, the page table (B, M),
+    the lengths (B,), a decode query (B, N, H), a prefill chunk (prefill, N, H), the
+    full cache (B, longest, K, H) twice, and the bytes of the pages held."""
+
+    key_pages: jax.Array
+    value_pages: jax.Array
+    page_table: np.ndarray
+    lengths: np.ndarray
+    query: jax.Array
+    chunk: jax.Array
+    key_cache: jax.Array
+    value_cache: jax.Array
+    held_bytes: int
+
+
+@functools.lru_cache(maxsize=1)  # one dtype's arrays at a time: GiBs at the full shape
+def pool(shape: Shape, dtype: str) -> Pool:
+    """The inputs of ``shape`` in ``dtype``: each sequence's pages drawn from a shuffled
+    pool, its keys and values random (the full cache holds the same in its rows)."""
+    ps, K, H = shape.page_size, shape.kv_heads, shape.head_dim
+    lengths = shape.lengths()
+    held = -(-lengths // ps)  # (B,) pages each sequence holds
+    order = np.random.default_rng(0).permutation(int(held.sum())).astype(np.int32)
+    table = np.zeros((shape.batch, -(-shape.longest // ps)), np.int32)
+    starts = np.concatenate([[0], np.cumsum(held)])
+    for b in range(shape.batch):
+        table[b, : held[b]] = order[starts[b] : starts[b + 1]]
+    keys = jax.random.split(jax.random.key(0), 4)
+    dt = jnp.dtype(dtype)
+    P = int(held.sum())
+    key_pages = jax.random.normal(keys[0], (P, ps, K, H), dt)
+    value_pages = jax.random.normal(keys[1], (P, ps, K, H), dt)
+
+    def cache(pages):  # (B, longest, K, H): row b's keys at their positions
+        rows = pages[table].reshape(shape.batch, -1, K, H)  # (B, M * ps, K, H)
+        return rows[:, : shape.longest]
+
+    query = jax.random.normal(keys[2], (shape.batch, shape.n_heads, H), dt)
+    chunk = jax.random.normal(keys[3], (shape.prefill, shape.n_heads, H), dt)
+    held_bytes = 2 * P * ps * K * H * dt.itemsize  # keys and values of the pages held
+    return Pool(key_pages, value_pages, table, lengths, query, chunk, cache(key_pages),
+                cache(value_pages), held_bytes)  # fmt: skip
+
+
+def measure_copy(shape: Shape) -> dict:
+    """The copy bandwidth: a jitted ``x + 1`` over ``copy_mib`` MiB of float32."""
+    row = {"case": "copy", "bytes": 2 * shape.copy_mib * 2**20}
+    try:
+        x = jnp.zeros((shape.copy_mib * 2**18,), jnp.float32)  # 4 bytes each
+        add = jax.jit(lambda x: x + 1)
+        run = lambda: add(x).block_until_ready()  # noqa: E731
+        median, best = time_runs(run, min_runs=shape.rounds, max_runs=shape.rounds)
+    except Exception as e:  # reported, not fatal to the rest of the bench
+        return row | {"status": f"error: {describe(e)[:200]}"}
+    return row | {
+        "status": "ok",
+        "median_ms": median * 1e3,
+        "min_ms": best * 1e3,
+        "gb_per_s": row["bytes"] / median / 1e9,
+    }
+
+
+def _calls(case: str, shape: Shape, data: Pool, implementation: str) -> dict:
+    """The two calls of a case, as functions of nothing: subject first."""
+    B = shape.batch
+    paged = jax.jit(functools.partial(paged_attention, implementation=implementation))
+    kp, vp, table, lengths = data.key_pages, data.value_pages, data.page_table, data.lengths
+    if case == "decode":
+        starts = np.arange(B + 1, dtype=np.int32)  # one query each
+        full = jax.jit(
+            lambda q, k, v, n: dot_product_attention(
+                q, k, v, kv_lengths=n, implementation=implementation
+            )
+        )
+        q_full = data.query[:, None]  # (B, 1, N, H)
+        return {
+            "paged": lambda: paged(data.query, kp, vp, table, lengths, starts),
+            "full": lambda: full(q_full, data.key_cache, data.value_cache, lengths),
+        }
+    # mixed: sequence 0's prefill chunk of all its keys, one decode token of the others
+    if lengths[0] != shape.prefill:
+        raise ValueError(f"sequence 0 must hold the {shape.prefill} keys of the prefill chunk")
+    q_mixed = jnp.concatenate([data.chunk, data.query[1:]])  # (prefill + B - 1, N, H)
+    starts = np.concatenate([[0], shape.prefill + np.arange(B)]).astype(np.int32)
+    alone = np.array([0, shape.prefill], np.int32)
+    return {
+        "mixed": lambda: paged(q_mixed, kp, vp, table, lengths, starts),
+        "alone": lambda: paged(data.chunk, kp, vp, table[:1], lengths[:1], alone),
+    }
+
+
+def measure_case(case: str, implementation: str, dtype: str, shape: Shape = FULL) -> dict:
+    """One case ("decode" or "mixed") on one implementation in one dtype: median and
+    min ms of both calls and their measures; or a status saying why not."""
+    row = {
+        "case": case, "impl": implementation, "dtype": dtype, "B": shape.batch,
+        "N": shape.n_heads, "K": shape.kv_heads, "H": shape.head_dim,
+        "page_size": shape.page_size, "lengths": [shape.shortest, shape.longest],
+        "prefill": shape.prefill, "rounds": shape.rounds,
+    }  # fmt: skip
+    try:
+        data = pool(shape, dtype)
+        runs = {}
+        for name, call in _calls(case, shape, data, implementation).items():
+            run = lambda call=call: jax.block_until_ready(call())  # noqa: E731
+            try:
+                run()  # compiles; the dispatcher refuses here what the backend cannot serve
+            except ValueError as error:
+                reason = _unserved(error)
+                if reason is None:
+                    raise
+                what = "a full cache" if name == "full" else "a page table"
+                return row | {"status": f"{implementation} does not serve {what}",
+                              "reason": reason}  # fmt: skip
+            runs[name] = run
+        times = time_interleaved(runs, rounds=shape.rounds, warmup=0)  # the calls above warmed up
+    except Exception as e:  # reported in the table, not fatal to the rest of the bench
+        return row | {"status": f"error: {describe(e)[:200]}"}
+    for name, (median, best) in times.items():
+        row[f"{name}_median_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
+    row["status"] = "ok"
+    if case == "decode":
+        row["held_bytes"] = data.held_bytes
+        row["paged_gb_per_s"] = data.held_bytes / (row["paged_median_ms"] / 1e3) / 1e9
+        row["full_vs_paged"] = row["full_median_ms"] / row["paged_median_ms"]
+    else:
+        row["mixed_vs_alone"] = row["mixed_median_ms"] / row["alone_median_ms"]
+    return row
+
+
+def jobs(shape: Shape = FULL, dtypes=DTYPES, implementations=None) -> list[tuple[str, tuple]]:
+    """(progress label, the measuring function and its arguments) of the copy, then
+    every case, dtype and implementation (default: every registered one)."""
+    names = registry.names() if implementations is None else implementations
+    items = [("copy bandwidth", (measure_copy, shape))]
+    for case in ("decode", "mixed"):
+        for dtype in dtypes:
+            for name in names:
+                items.append((f"{case} {name} {dtype}", (measure_case, case, name, dtype, shape)))
+    return items
+
+
+def measure_serving(shape: Shape = FULL, report=None, **options) -> dict:
+    """The copy and every case; ``report(i, n, label)`` is called before each."""
+    items = jobs(shape, **options)
+    rows = []
+    for i, (label, (fn, *args)) in enumerate(items):
+        if report:
+            report(i, len(items), label)
+        rows.append(fn(*args))
+    copy, *cases = rows
+    bandwidth = copy.get("gb_per_s")
+    for row in cases:
+        if row["status"] == "ok" and row["case"] == "decode" and bandwidth:
+            row["fraction_of_copy"] = row["paged_gb_per_s"] / bandwidth
+    return {"shape": dataclasses.asdict(shape), "copy": copy, "rows": cases}
+
+
+ENGINE_TARGET = "engine: continuous batching >= 2x the tokens/s of static batching, same memory"
+
+
+def serving_targets(result: dict) -> list[dict]:
+    """The targets, judged at :data:`FULL` only (None where a row has no measure), and
+    the engine's, which ``python -m examples.recall serve`` measures."""
+    if result["shape"] != dataclasses.asdict(FULL):
+        return []
+    out = []
+    for row in result["rows"]:
+        ok = row["status"] == "ok"
+        what = f"serving {row['case']} {row['impl']} {row['dtype']}"
+        if row["case"] == "decode":
+            fraction = row.get("fraction_of_copy")
+            out.append({
+                "target": f"{what}: pages held / step time >= {BANDWIDTH_FRACTION:.0%} of the "
+                "copy bandwidth",
+                "measured": (
+                    f"{row['held_bytes'] / 2**20:.0f} MiB in {row['paged_median_ms']:.2f} ms: "
+                    f"{row['paged_gb_per_s']:.1f} GB/s, {fraction:.0%} of "
+                    f"{result['copy']['gb_per_s']:.1f} GB/s"
+                    if ok and fraction is not None
+                    else row["status"] if not ok else result["copy"]["status"]
+                ),
+                "passed": fraction >= BANDWIDTH_FRACTION if ok and fraction is not None else None,
+            })  # fmt: skip
+            out.append({
+                "target": f"{what}: paged step >= {FULL_SPEEDUP:.0f}x faster than a full cache "
+                f"of {FULL.longest}",
+                "measured": (
+                    f"full {row['full_median_ms']:.2f} ms, paged {row['paged_median_ms']:.2f} ms: "
+                    f"{row['full_vs_paged']:.2f}x"
+                    if ok
+                    else row["status"]
+                ),
+                "passed": row["full_vs_paged"] >= FULL_SPEEDUP if ok else None,
+            })  # fmt: skip
+        else:
+            out.append({
+                "target": f"{what}: a {FULL.prefill}-token prefill chunk + {FULL.batch - 1} "
+                f"decode tokens <= {MIXED_BOUND}x the chunk alone",
+                "measured": (
+                    f"mixed {row['mixed_median_ms']:.2f} ms, alone {row['alone_median_ms']:.2f} "
+                    f"ms: {row['mixed_vs_alone']:.2f}x"
+                    if ok
+                    else row["status"]
+                ),
+                "passed": row["mixed_vs_alone"] <= MIXED_BOUND if ok else None,
+            })  # fmt: skip
+    out.append({
+        "target": ENGINE_TARGET,
+        "measured": "not measured by the bench: `python -m examples.recall serve` prints it",
+        "passed": None,
+    })  # fmt: skip
+    return out
+
+
+def _status(row: dict) -> str:
+    """A row's status, with the refusal's reason when an implementation refused."""
+    return f"{row['status']} ({row['reason']})" if "reason" in row else row["status"]
+
+
+def serving_markdown(result: dict | None) -> list[str]:
+    """The serving tables: the copy bandwidth, the decode rows, the mixed rows."""
+    if not result:
+        return []
+    s, copy = result["shape"], result["copy"]
+    bandwidth = (
+        f"{copy['gb_per_s']:.1f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read and written in "
+        f"{copy['median_ms']:.2f} ms)"
+        if copy["status"] == "ok"
+        else copy["status"]
+    )
+    lines = [
+        "",
+        f"### Serving: B={s['batch']} sequences of {s['shortest']}-{s['longest']} keys, "
+        f"{s['n_heads']} query heads on {s['kv_heads']} key/value heads of width "
+        f"{s['head_dim']}, pages of {s['page_size']} tokens; median (min) ms, each pair "
+        "timed in turn",
+        "",
+        f"Copy bandwidth (a jitted x + 1 over float32): {bandwidth}.",
+        "",
+        "| decode | dtype | paged ms | full cache ms | full / paged | pages held GB/s | of copy |",
+        "|" + " --- |" * 7,
+    ]
+    for r in result["rows"]:
+        if r["case"] != "decode":
+            continue
+        head = f"| {r['impl']} | {r['dtype']} |"
+        if r["status"] != "ok":
+            lines.append(f"{head} {_status(r)} | | | | |")
+            continue
+        fraction = r.get("fraction_of_copy")
+        lines.append(
+            f"{head} {r['paged_median_ms']:.2f} ({r['paged_min_ms']:.2f}) | "
+            f"{r['full_median_ms']:.2f} ({r['full_min_ms']:.2f}) | {r['full_vs_paged']:.2f}x | "
+            f"{r['paged_gb_per_s']:.1f} | {'' if fraction is None else f'{fraction:.0%}'} |"
+        )
+    lines += [
+        "",
+        f"| mixed: {s['prefill']}-token chunk + {s['batch'] - 1} decodes | dtype | mixed ms "
+        "| chunk alone ms | mixed / alone |",
+        "|" + " --- |" * 5,
+    ]
+    for r in result["rows"]:
+        if r["case"] != "mixed":
+            continue
+        head = f"| {r['impl']} | {r['dtype']} |"
+        if r["status"] != "ok":
+            lines.append(f"{head} {_status(r)} | | |")
+            continue
+        lines.append(
+            f"{head} {r['mixed_median_ms']:.2f} ({r['mixed_min_ms']:.2f}) | "
+            f"{r['alone_median_ms']:.2f} ({r['alone_min_ms']:.2f}) | {r['mixed_vs_alone']:.2f}x |"
+        )
+    return lines

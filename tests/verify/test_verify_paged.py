@@ -1,0 +1,223 @@
+"""check_decoding on paged decoders (nanoattn.verify.PagedDecoder): the planted paged
+bugs of tests/_verify_decoders.py, each caught by the checks that must catch it; the
+forks check; no false alarm on nanoattn's linen and NNX paged layers; the adapters, the
+row protocol's pool (shuffled, poisoned, reused) and `nanoattn verify --decode`.
+
+The planted bugs share one compiled step per token count (a traced switch); every
+report is computed once.
+"""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nanoattn import PagedBatch
+from nanoattn import nnx as nanoattn_nnx
+from nanoattn.cli import main
+from nanoattn.linen import AttentionConfig, CausalSelfAttention
+from nanoattn.verify import Decoder, PagedDecoder, Report, check_decoding, decoders
+from nanoattn.verify._inputs import Inputs
+from nanoattn.verify._paged_decoding import as_rows, fork_point, fork_schedule
+
+import _verify_decoders
+from _layer_configs import random_params
+
+PS = _verify_decoders.PAGE_SIZE
+CHECKS = [
+    "cache equivalence",
+    "ragged rows",
+    "no future in the cache",
+    "positive control",
+    "rewinding",
+    "forks",
+]
+
+
+def by_name(report: Report):
+    return {c.name: c for c in report.checks}
+
+
+def failed(report: Report) -> set[str]:
+    return {c.name for c in report.checks if not c.passed}
+
+
+@functools.cache
+def paged_report(bug) -> Report:
+    return check_decoding(_verify_decoders.paged(bug), d_model=_verify_decoders.D)
+
+
+def test_the_correct_paged_decoder_passes_every_check():
+    report = paged_report(None)
+    assert report.passed, report
+    assert [c.name for c in report.checks] == CHECKS
+    assert not any(c.skipped for c in report.checks)
+    checks = by_name(report)
+    assert "through pages of 3 tokens handed out in a shuffled order" in (
+        checks["cache equivalence"].detail
+    )
+    assert checks["forks"].detail.startswith(
+        "a parent's prefix of 5 tokens (pages of 3, the last one partial) forked into 2 children"
+    )
+
+
+# bug -> (the checks that fail, the check whose first divergence is pinned, its row, position)
+PLANTED = {
+    # a stale page (NaN, inf) past each sequence's: every check, from the first token
+    "one_page_too_far": (set(CHECKS), "cache equivalence", 0, 0),
+    # only a fork writes a copied page: the first child's first own token, at the prefix
+    "fork_writes_shared": ({"forks"}, "forks", 1, 5),
+    # RoPE is relative within a page: the first divergence is the second page's first token
+    "page_order": (
+        {"cache equivalence", "ragged rows", "rewinding", "forks"},
+        "cache equivalence",
+        0,
+        PS,
+    ),
+    # rows at one position hide it: only where rows sit at different positions
+    "decode_takes_prefill_positions": (
+        {"ragged rows", "rewinding", "forks"},
+        "ragged rows",
+        1,
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_planted_paged_bug_is_caught_by_the_right_checks(bug):
+    report = paged_report(bug)
+    names, check, row, position = PLANTED[bug]
+    assert failed(report) == names, report
+    first = by_name(report)[check].data["first"]
+    assert (first["batch"], first["position"]) == (row, position), first
+    assert first["deviation"] > 0.1
+
+
+def test_a_fork_that_writes_the_shared_page_names_the_child_and_the_schedule():
+    forks = by_name(paged_report("fork_writes_shared"))["forks"]
+    assert forks.detail.startswith(
+        "first divergence: position 5 of row 1 (feature 0) differs from the full forward "
+        "of its own sequence by inf; row 0 took a prefix of 5 tokens (pages of 3), forked "
+        "into rows 1-2, then tokens per call row 0: 0,2,3,3; row 1: 2,3,3,0; row 2: 3,4,1,0"
+    )
+    assert forks.where["prefix"] == 5
+
+
+def test_the_fork_point_is_never_a_whole_number_of_pages():
+    assert [fork_point(T, 3) for T in (2, 3, 12, 13, 14)] == [1, 1, 5, 5, 7]
+    assert fork_point(13, 1) == 6  # pages of one token: every prefix is whole pages
+    calls, forked_at = fork_schedule(3, 13, 5, 4)
+    assert forked_at == 2 and [c.tolist() for c in calls[:2]] == [[4, 0, 0], [1, 0, 0]]
+    assert calls[2][0] == 0 and (calls[2][1:] > 0).all()  # the children write first
+    assert (sum(calls[2:]) == 13 - 5).all()
+
+
+def test_the_rows_get_poisoned_shuffled_pages_and_random_unused_entries():
+    """What a paged step sees of the row protocol: the pool was filled and freed first,
+    the rows' pages are not in order, the padding holds poison, the page table's
+    unused entries are valid random pages."""
+    seen = []
+
+    def step(state, chunk, batch):
+        seen.append((np.asarray(chunk), batch))
+        return state, np.zeros(chunk.shape)
+
+    decoder = PagedDecoder(lambda x: x, lambda pages: pages, step, page_size=PS)
+    init, row_step, rewind = as_rows(decoder, Inputs(d_model=2))
+    rows = init(2, 16)  # M = 6 pages a row, P = 2 * 6 + 3
+    assert rows.state == 15
+    rows, y = row_step(rows, np.ones((2, 4, 2), np.float32), np.array([4, 1], np.int32))
+    poison, (chunk, batch) = seen[:-1], seen[-1]
+    written = sum(int(b.query_starts[-1]) for _, b in poison)
+    assert written == 15 * PS and all(c.shape == (1, 8, 2) for c, _ in seen)
+    assert np.isnan(np.concatenate([c[0] for c, _ in poison])).any()
+    assert (np.abs(np.concatenate([c[0] for c, _ in poison])) > 1e38).any()
+    assert isinstance(batch, PagedBatch) and batch.query_starts.tolist() == [0, 4, 5]
+    assert (chunk[0, :5] == 1).all() and (chunk[0, 5:] != 1).all()  # poison padding
+    pages = rows.alloc.pages_of(("row", 0)) + rows.alloc.pages_of(("row", 1))
+    assert pages != list(range(3))  # shuffled, not lowest first
+    table = batch.page_table
+    assert table.shape == (2, 6) and ((table >= 0) & (table < 15)).all()
+    assert (table[0, 2:] != 0).any() and (table[1, 1:] != 0).any()  # not the allocator's zeros
+    assert y.shape == (2, 4, 2)
+    rows = rewind(rows, np.array([3, 1]))
+    assert [rows.alloc.length(s) for s in rows.ids] == [1, 0]
+
+
+def test_a_paged_decoder_refuses_the_options_of_a_slot_cache():
+    decoder = _verify_decoders.paged()
+    for name, value in (("rewind", _verify_decoders.rewind_tiny), ("capacity", 5)):
+        with pytest.raises(ValueError, match=f"a PagedDecoder takes no {name}"):
+            check_decoding(decoder, d_model=12, **{name: value})
+    with pytest.raises(ValueError, match="pass a PagedDecoder alone"):
+        check_decoding(decoder, decoder.init, decoder.step, d_model=12)
+    with pytest.raises(ValueError, match="page_size must be an int >= 1, got page_size=0"):
+        PagedDecoder(decoder.full, decoder.init, decoder.step, page_size=0)
+    with pytest.raises(ValueError, match="step must be a function"):
+        PagedDecoder(decoder.full, decoder.init, None, page_size=PS)
+
+
+def test_a_paged_step_of_the_wrong_shape_is_a_one_line_error():
+    decoder = _verify_decoders.paged()
+    no_tokens = PagedDecoder(
+        decoder.full, decoder.init, lambda s, x, b: (s, np.zeros((1, 1, 12))), page_size=PS
+    )
+    with pytest.raises(ValueError, match=r"step must map an input of shape \(B, T, D\) = "):
+        check_decoding(no_tokens, d_model=12)
+
+
+# nanoattn's paged layers: no false alarm (prime sizes, H = 4, GQA).
+D, N, K = 20, 5, 1
+PAGED_CONFIGS = {
+    "rope": dict(n_kv_heads=K, rope_base=100.0, page_size=3),
+    "window_cap_norm": dict(
+        n_kv_heads=K, rope_base=100.0, window=(4, 0), logit_soft_cap=2.0, qk_norm=True, page_size=5
+    ),
+}
+
+
+def _paged_layer(framework: str, name: str):
+    config = AttentionConfig(D, N, **PAGED_CONFIGS[name])
+    if framework == "nnx":
+        return decoders.nnx(nanoattn_nnx.CausalSelfAttention(config, rngs=nnx.Rngs(0)))
+    layer = CausalSelfAttention(config)
+    init = functools.partial(layer.init, deterministic=True)
+    shapes = jax.eval_shape(init, jax.random.key(0), jnp.zeros((1, 2, D)))
+    return decoders.linen(layer, random_params(shapes["params"], 5))
+
+
+@pytest.mark.parametrize(("framework", "name"), [("linen", "rope"), ("nnx", "window_cap_norm")])
+def test_no_false_alarm_on_nanoattn_paged_layers(framework, name):
+    decoder = _paged_layer(framework, name)
+    assert isinstance(decoder, PagedDecoder)
+    assert decoder.page_size == PAGED_CONFIGS[name]["page_size"]
+    report = check_decoding(decoder, d_model=D)
+    assert report.passed, report
+    assert [c.name for c in report.checks] == CHECKS
+
+
+def test_the_adapters_keep_slot_caches_and_refuse_a_capacity_for_pages():
+    layer = CausalSelfAttention(AttentionConfig(D, N))
+    params = layer.init(jax.random.key(0), jnp.zeros((1, 2, D)), True)
+    decoder = decoders.linen(layer, params)
+    assert isinstance(decoder, Decoder) and not isinstance(decoder, PagedDecoder)
+    paged = CausalSelfAttention(AttentionConfig(D, N, page_size=3))
+    with pytest.raises(ValueError, match="a paged cache takes no capacity"):
+        decoders.linen(paged, params, capacity=6)
+
+
+def test_cli_decode_runs_a_paged_decoder(capsys):
+    code = main(
+        ["verify", "_verify_decoders:paged_correct", "--decode", "--d-model", "12", "--json"]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and [c["name"] for c in out["checks"]] == CHECKS
+    code = main(["verify", "_verify_decoders:paged_correct", "--decode", "--d-model", "12"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert code == 0
+    assert first.endswith("--decode (d_model 12, batch 2, length 13, pages of 3)")
