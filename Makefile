@@ -55,7 +55,8 @@ sanitize: $(VENV)/.installed-test
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
 	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
 	$(BIN)/python -m pytest -p no:xdist -q tests/backends/test_native.py \
-	  tests/backends/test_native_blocks.py tests/backends/test_native_mask_fn.py
+	  tests/backends/test_native_blocks.py tests/backends/test_native_mask_fn.py \
+	  tests/backends/test_native_paged.py tests/core/test_paged_attention.py
 	NANOATTN_NATIVE_SANITIZE=address,undefined NANOATTN_CACHE_DIR=.cache/native-sanitize \
 	LD_PRELOAD="$(SANITIZER_RUNTIMES)" ASAN_OPTIONS=detect_leaks=0 \
 	NANOATTN_FUZZ_NATIVE_EXAMPLES=$(SANITIZE_FUZZ_EXAMPLES) \

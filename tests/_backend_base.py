@@ -8,9 +8,9 @@ tests by subclassing it too, with no other change. A call the backend does not s
 its ``serves`` must be refused in one line.
 
 The calls (:data:`CALLS`) are one per behaviour, at distinct prime sizes (B=2, T=19,
-S=23, N=6, K=2, H=8; K=1 for MQA) so a swapped axis fails: every rule of
-``dot_product_attention`` alone, then together, rows that see no key, and keys no
-query sees. Each backend runs every call it serves in ONE compiled program
+S=23, N=6, K=2, H=8; K=1 for MQA, Hv=5 for values of their own width) so a swapped
+axis fails: every rule of ``dot_product_attention`` alone, then together, rows that
+see no key, and keys no query sees. Each backend runs every call it serves in ONE compiled program
 (the output, the log-sum-exp and the gradients of both, since the log-sum-exp is
 differentiable), whose inputs are then swapped for NaN and inf where nothing may
 look; and a call mapped over the batch with vmap, forward and backward, and one in
@@ -43,6 +43,7 @@ from _reference import (
 )
 
 B, T, S, N, K, H = 2, 19, 23, 6, 2, 8
+HV = 5  # the values' own head width (Hv != H)
 OFFSET = S - T  # bottom-right: the last query sits at the last key
 
 
@@ -58,6 +59,7 @@ class Call:
       score_bias: what ``rules["score_fn"]`` adds to the scores, for the truth, or None.
       sinks: differentiated sinks (N,), or None.
       heads: K, the key/value heads.
+      value_width: Hv, the values' (and the output's) head width.
     """
 
     name: str
@@ -67,15 +69,17 @@ class Call:
     score_bias: Any = None
     sinks: Any = None
     heads: int = K
+    value_width: int = H
 
     def inputs(self):
         """(q, k, v, bias, sinks, d_out, d_lse), float32 numpy: the cotangents of the
         output and of the log-sum-exp, which is 0 in rows that see no key."""
         q = randn(1, B, T, N, H) * 2
-        k, v = randn(2, B, S, self.heads, H), randn(3, B, S, self.heads, H)
+        Hv = self.value_width
+        k, v = randn(2, B, S, self.heads, H), randn(3, B, S, self.heads, Hv)
         seen = np.broadcast_to(True if self.allowed is None else self.allowed, (B, N, T, S))
         d_lse = randn(8, B, T, N) * np.moveaxis(seen.any(-1), 1, 2)
-        return q, k, v, self.bias, self.sinks, randn(4, B, T, N, H), d_lse
+        return q, k, v, self.bias, self.sinks, randn(4, B, T, N, Hv), d_lse
 
     def truth(self, q, k, v, bias, sinks, d_out, d_lse):
         """Float64 (out, lse, (dq, dk, dv, dbias, dsinks)) for these inputs."""
@@ -178,6 +182,12 @@ def _calls() -> list[Call]:
         ),
         Call("sinks", dict(is_causal=True, q_offset=OFFSET), causal, sinks=sinks),
         Call("multi-query", dict(is_causal=True, q_offset=OFFSET), causal, heads=1),
+        Call(
+            "values of their own width",  # multi-head latent attention's Hv != H
+            dict(is_causal=True, q_offset=OFFSET, kv_lengths=lengths),
+            causal & np_lengths(lengths, S),
+            value_width=HV,
+        ),
         Call(
             "rows that see no key",
             dict(is_causal=True, q_offset=-3, kv_lengths=np.array([0, 9], np.int32)),
@@ -319,7 +329,8 @@ class BackendTestBase:
 
     def test_every_rule_it_does_not_serve_is_refused_in_one_line(self):
         backend = registry.get(self.implementation)
-        unserved_rules = set(RULE_NAMES) - set(backend.serves) - {"page_table"}
+        # a page table and quantized keys have calls of their own (tests below)
+        unserved_rules = set(RULE_NAMES) - set(backend.serves) - {"page_table", "kv_scales"}
         calls = {rule: _call_using(rule) for rule in unserved_rules}
         for rule, call in calls.items():
             q, k, v, bias, sinks, *_ = call.inputs()
@@ -351,6 +362,24 @@ class BackendTestBase:
         with pytest.raises(ValueError) as info:
             nanoattn.paged_attention(q, pages, pages, table, lengths, starts,
                                      implementation=self.implementation)  # fmt: skip
+        message = str(info.value)
+        assert "\n" not in message
+        assert message.startswith(f"implementation={self.implementation!r} cannot serve")
+
+    def test_quantized_keys_it_does_not_serve_are_refused_in_one_line(self):
+        """Quantized keys and values with their scales (no call of the base has them:
+        their gradients are not served): refused in one line by a backend without them."""
+        backend = registry.get(self.implementation)
+        if "kv_scales" in backend.serves:
+            pytest.skip(f"{self.implementation!r} serves quantized keys and values")
+        q = jnp.ones((1, 3, N, H))
+        k, scales = nanoattn.quantize_kv(jnp.ones((1, 5, K, H)))
+        rules = Rules.make(q, k, k, key_scales=scales, value_scales=scales)
+        reason = unserved(backend, rules)
+        assert reason is not None and RULE_NAMES["kv_scales"] in reason, reason
+        with pytest.raises(ValueError) as info:
+            nanoattn.dot_product_attention(q, k, k, key_scales=scales, value_scales=scales,
+                                           implementation=self.implementation)  # fmt: skip
         message = str(info.value)
         assert "\n" not in message
         assert message.startswith(f"implementation={self.implementation!r} cannot serve")

@@ -36,11 +36,13 @@ def mesh_of(P: int, name: str = "sp") -> Mesh:
     return Mesh(np.array(jax.devices()[:P]), (name,))
 
 
-def inputs(T: int, dtype=jnp.float32, seed: int = 0):
-    """q (B, T, N, H), k, v (B, T, K, H) and the probe (d out), from numpy (no compile)."""
+def inputs(T: int, dtype=jnp.float32, seed: int = 0, value_width: int = H):
+    """q (B, T, N, H), k (B, T, K, H), v (B, T, K, Hv) and the probe (d out, (B, T, N,
+    Hv)), from numpy (no compile); Hv = ``value_width``."""
     rng = np.random.default_rng(seed)
-    q, k, v = (rng.standard_normal((B, T, heads, H), np.float32) for heads in (N, K, K))
-    probe = rng.standard_normal((B, T, N, H), np.float32)
+    q, k = (rng.standard_normal((B, T, heads, H), np.float32) for heads in (N, K))
+    v = rng.standard_normal((B, T, K, value_width), np.float32)
+    probe = rng.standard_normal((B, T, N, value_width), np.float32)
     return (*(jnp.asarray(x, dtype) for x in (q, k, v)), probe)
 
 
@@ -128,9 +130,10 @@ def reference(q, k, v, probe, kv_lengths=None, ids=None, *, is_causal=False, win
     return out, (dq, per_kv_head(dk), per_kv_head(dv))
 
 
-def compare(name, P, layout, *, T=None, dtype=jnp.float32, lengths=False, ids=False, **options):
+def compare(name, P, layout, *, T=None, dtype=jnp.float32, lengths=False, ids=False,
+            value_width=H, **options):  # fmt: skip
     T = T or 4 * P
-    q, k, v, probe = inputs(T, dtype)
+    q, k, v, probe = inputs(T, dtype, value_width=value_width)
     kv_lengths = jnp.array([T - 3, T // 2 + 1], jnp.int32) if lengths else None
     ids = segments(T) if ids else None
     start = time.perf_counter()
@@ -603,6 +606,8 @@ CASES = [
                     ids=True),
     lambda: compare("p2-contiguous-causal-window", 2, "contiguous", T=16, is_causal=True,
                     window=(5, 0)),
+    lambda: compare("p2-zigzag-causal-value-width", 2, "zigzag", is_causal=True, lengths=True,
+                    value_width=5),  # values narrower than keys (docs/latent.md)
     # Windows whose edges fall inside chunk pairs, C = 3 (test_parallel.py checks that
     # each reaches wholly visible pairs, pairs on an edge, one with a single visible
     # cell, and skipped pairs).

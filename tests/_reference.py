@@ -102,7 +102,7 @@ def np_attention_vjp(
     scale = 1 / np.sqrt(H) if scale is None else scale
     sinks = None if sinks is None else np.asarray(sinks, np.float64)
     logits, w, k_rep = _np_weights(q, k, allowed, bias, scale, soft_cap, sinks)
-    v_rep = np.repeat(v, N // K, axis=2)  # (B, S, N, H)
+    v_rep = np.repeat(v, N // K, axis=2)  # (B, S, N, Hv)
     out = np.einsum("bnts,bsnh->btnh", w, v_rep)
     dw = np.einsum("btnh,bsnh->bnts", d_out, v_rep)
     row_term = (w * dw).sum(-1, keepdims=True)  # (B, N, T, 1)
@@ -112,7 +112,8 @@ def np_attention_vjp(
         ds = ds * (1 - np.tanh(logits / soft_cap) ** 2)
     dq = scale * np.einsum("bnts,bsnh->btnh", ds, k_rep)
     dk = scale * np.einsum("bnts,btnh->bsnh", ds, q).reshape(B, S, K, N // K, H).sum(3)
-    dv = np.einsum("bnts,btnh->bsnh", w, d_out).reshape(B, S, K, N // K, H).sum(3)
+    Hv = v.shape[3]  # the values' own width (H, or another: docs/latent.md)
+    dv = np.einsum("bnts,btnh->bsnh", w, d_out).reshape(B, S, K, N // K, Hv).sum(3)
     if sinks is None:
         return out, (dq, dk, dv, ds)
     seen = w.sum(-1, keepdims=True) > 0  # a row with no allowed key gives zeros: no gradient

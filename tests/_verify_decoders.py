@@ -250,6 +250,90 @@ def rewind_tiny(state, n):
     return {**state, "position": state["position"] - jnp.asarray(n, jnp.int32)}
 
 
+# --- multi-head latent attention: an absorbed decode written here, with bugs ---------
+
+LATENT_BUGS = (
+    "rope_key_at_chunk_start",  # the shared RoPE key rotated from position 0 in each chunk
+    "latent_without_norm",  # the cache holds the latent before its RMSNorm
+)
+
+
+def latent(bug: str | None = None):
+    """``(full, init, step)`` of a small ``nanoattn.linen.LatentAttention`` (D = 12, N = 3,
+    r = 7, Hn = 3, Hr = 4, Hv = 5): ``full`` the layer's forward; ``step`` an absorbed
+    decode over a cache of latents and RoPE keys (B, C, r + Hr) written here on the core,
+    with ``bug`` planted (None: correct)."""
+    from nanoattn._layers import latent as mla
+    from nanoattn.linen import LatentAttention, LatentConfig
+
+    if bug not in (None, *LATENT_BUGS):
+        raise ValueError(f"bug must be one of {LATENT_BUGS}, got {bug!r}")
+    cfg = LatentConfig(d_model=D, n_heads=N, kv_lora_rank=7, qk_nope_head_dim=3,
+                       qk_rope_head_dim=4, v_head_dim=5, q_lora_rank=None)  # fmt: skip
+    layer = LatentAttention(cfg)
+    variables = layer.init(jax.random.key(5), jnp.ones((1, 2, D)))
+    # norm scales away from 1, so that a forgotten norm shows
+    p = jax.tree.map(lambda a: a, variables["params"])
+    p["kv_a_norm"]["scale"] = 0.5 + jax.random.uniform(jax.random.key(6), (7,))
+    variables = {"params": p}
+    r = cfg.kv_lora_rank
+
+    class Params:
+        def dense(self, name, x, features, dtype):
+            return x @ p[name]["kernel"]
+
+        def norm(self, name, x, dtype):
+            scale = p[name]["scale"]
+            inv = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.norm_eps)
+            return x * inv * scale.reshape((1,) * (x.ndim - 1) + (-1,))
+
+        def kernel(self, name):
+            return p[name]["kernel"]
+
+    params = Params()
+
+    @jax.jit
+    def full(x):
+        return layer.apply(variables, x)
+
+    def init(batch, max_len):
+        return {"latent": jnp.zeros((batch, max_len, 1, cfg.cache_width)),
+                "position": jnp.zeros((batch,), jnp.int32)}  # fmt: skip
+
+    @jax.jit
+    def _step(state, chunk, lengths):
+        B, L, _ = chunk.shape
+        start = state["position"]
+        positions = start[:, None] + jnp.arange(L)[None]  # (B, L)
+        c, k_rope = mla.latent(params, cfg, chunk, chunk.dtype)
+        if bug == "latent_without_norm":
+            c = chunk @ p["kv_a"]["kernel"][:, :r]
+        key_positions = positions
+        if bug == "rope_key_at_chunk_start":
+            key_positions = positions - start[:, None]
+        entry = jnp.concatenate([c[:, :, None], mla.rotate(cfg, k_rope, key_positions)], -1)
+        C = state["latent"].shape[1]
+        slots = jnp.where(jnp.arange(L)[None] < lengths[:, None], positions, C)  # C: dropped
+        cache = state["latent"].at[jnp.arange(B)[:, None], slots].set(entry, mode="drop")
+        q_nope, q_rope = mla.query(params, cfg, chunk, chunk.dtype)
+        w_uk, w_uv = mla.up_projections(params, cfg, chunk.dtype)
+        q = jnp.concatenate(
+            [jnp.einsum("BLNh,rNh->BLNr", q_nope, w_uk), mla.rotate(cfg, q_rope, positions)], -1
+        )
+        o = dot_product_attention(q, cache, cache[..., :r], is_causal=True, q_offset=start,
+                                  kv_lengths=start + lengths, scale=cfg.scale)  # fmt: skip
+        y = jnp.einsum("BLNr,rNv->BLNv", o, w_uv).reshape(B, L, -1) @ p["out"]["kernel"]
+        y = jnp.where((jnp.arange(L)[None] < lengths[:, None])[..., None], y, 0)
+        return {"latent": cache, "position": start + lengths}, y
+
+    def step(state, chunk, lengths):
+        if lengths is None:
+            lengths = np.full(chunk.shape[0], chunk.shape[1], np.int32)
+        return _step(state, chunk, jnp.asarray(lengths, jnp.int32))
+
+    return full, init, step
+
+
 # A paged decoder (nanoattn.verify.PagedDecoder) on nanoattn.paged_attention: the tiny
 # layer above (its window of 5 keys, RoPE) keeping its keys and values in pages of
 # PAGE_SIZE tokens of a pool, its steps token-major over many sequences at once (a

@@ -8,7 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from . import _generation, _masks, _native, _serving, _targets, _torch, _window
+from . import _generation, _latent, _masks, _native, _serving, _targets, _torch, _window
 from ._cell import measure_cell
 from ._measure import matmul_peak_gflops
 from ._peers import PEERS
@@ -44,6 +44,9 @@ class BenchConfig:
       masks_length: T of the masks-as-functions benchmark (``mask_fn`` against
         segment ids and full causal, sinks and ``return_residual`` against the call
         without them, :mod:`nanoattn.bench._masks`); 0 to skip it.
+      latent_context: the context of multi-head latent attention's decoding step
+        (absorbed against rebuilding keys and values; with the latent cache's bytes,
+        :mod:`nanoattn.bench._latent`); 0 to skip the part.
       serving: the serving part (decode over a paged KV cache against the copy
         bandwidth and a full cache, a mixed prefill-and-decode call,
         :mod:`nanoattn.bench._serving`): "full" at the issue's sizes (judged),
@@ -62,6 +65,7 @@ class BenchConfig:
     window_length: int = 16384
     native_lengths: tuple[int, ...] = ()
     masks_length: int = 0
+    latent_context: int = 0
     serving: str = ""
 
 
@@ -219,6 +223,12 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         masks = _part(report, "masks", items, lambda *job: _masks.measure_pair(*job))
         if config.masks_length == _masks.LENGTH:  # judged at the length only
             targets += _masks.masks_targets(masks)
+    latent = None
+    if config.latent_context:
+        C = config.latent_context
+        items = [(f"cache bytes and decode step, context {C}", (C,))]
+        (latent,) = _part(report, "latent", items, _latent.measure_latent)
+        targets += _latent.latent_targets(latent["cache"], latent["decode"])
     serving = None
     if config.serving:
         shape = {"full": _serving.FULL, "quick": _serving.QUICK}[config.serving]
@@ -235,5 +245,6 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         "window": window,
         "native": native,
         "masks": masks,
+        "latent": latent,
         "serving": serving,
     }

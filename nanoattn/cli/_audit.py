@@ -4,11 +4,20 @@ verification of the built-in modules, for one configuration."""
 import json
 import unicodedata
 
-from ..linen import AttentionConfig
+from ..linen import AttentionConfig, LatentConfig
 from ..verify import _audit, check_shapes
+from ..verify._latent_audit import latent_shapes
 from . import _stages
 from ._common import UsageError, int_list
 
+# --latent's widths: flag, default, meaning (--d-model and --heads give D and N).
+_LATENT_FLAGS = (
+    ("--kv-lora-rank", 64, "the latent width r (default 64)"),
+    ("--qk-nope-dim", 32, "the per-head key width without RoPE Hn (default 32)"),
+    ("--qk-rope-dim", 16, "the shared RoPE key width Hr (default 16)"),
+    ("--v-dim", 32, "the value width Hv (default 32)"),
+    ("--q-lora-rank", None, "the query's low rank rq (default: none, one projection)"),
+)
 SYMBOLS = {
     "emoji": {_audit.ALLOWED: "✅", _audit.FUTURE: "❌", _audit.PADDING: "🚫"},
     "ascii": {_audit.ALLOWED: "+", _audit.FUTURE: "x", _audit.PADDING: "-"},
@@ -50,6 +59,14 @@ def add_parser(commands) -> None:
         help="valid tokens per batch row for the padding example "
         "(default 5,3 for the seed: the full length, then 2 fewer)",
     )
+    audit.add_argument(
+        "--latent",
+        action="store_true",
+        help="print the shapes of a multi-head latent attention layer (DeepSeek's MLA, "
+        "docs/latent.md) of --d-model and --heads with the widths below, and exit",
+    )
+    for flag, default, what in _LATENT_FLAGS:
+        audit.add_argument(flag, type=int, default=default, help=f"with --latent: {what}")
     audit.add_argument("--json", action="store_true", help="print machine-readable JSON")
     audit.add_argument("--ascii", action="store_true", help="draw masks without emoji")
     audit.add_argument(
@@ -84,6 +101,8 @@ def _inputs(args) -> tuple[AttentionConfig, list[int]]:
 
 
 def run(args) -> int:
+    if args.latent:
+        return _latent(args)
     config, lengths = _inputs(args)
     stage = _stages.on_stderr("nanoattn audit", quiet=args.json)
     with stage("tracing the shapes of one forward pass"):
@@ -107,6 +126,23 @@ def run(args) -> int:
         symbols = SYMBOLS["ascii" if args.ascii else "emoji"]
         print(_text(module, config, args, shapes, examples, blocked, verified, passed, symbols))
     return 0 if passed else 1
+
+
+def _latent(args) -> int:
+    try:
+        config = LatentConfig(
+            d_model=args.d_model, n_heads=args.heads, kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_dim, qk_rope_head_dim=args.qk_rope_dim,
+            v_head_dim=args.v_dim, q_lora_rank=args.q_lora_rank,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    rows = latent_shapes(config, args.batch, args.seq_len)
+    if args.json:
+        print(json.dumps([dict(name=n, shape=s, what=w) for n, s, w in rows], indent=2))
+    else:
+        print("\n".join(["LatentAttention shapes", *_table(rows)]))
+    return 0
 
 
 def _json(module, config, args, shapes, examples, blocked, verified, passed) -> dict:

@@ -6,6 +6,7 @@ import sys
 
 from ..bench import BenchConfig, run_bench, write
 from ..bench._generation import CONTEXTS
+from ..bench._latent import CONTEXT as LATENT_CONTEXT
 from ..bench._masks import LENGTH as MASKS_LENGTH
 from ..bench._masks import QUICK_LENGTH as MASKS_QUICK_LENGTH
 from ..bench._native import LENGTHS as NATIVE_LENGTHS
@@ -59,6 +60,9 @@ def add_parser(commands) -> None:
         "a block-sparse mask_fn against full causal and sinks with return_residual against "
         "the call without them, on flash and native, judged at T="
         + f"{MASKS_LENGTH}; --quick --only masks: at T={MASKS_QUICK_LENGTH}, not judged; "
+        "latent: multi-head latent attention's cache bytes at DeepSeek-V3's shape and its "
+        f"absorbed decoding step against rebuilding keys and values at context "
+        f"{LATENT_CONTEXT}, judged). "
         "serving: decode attention over a paged KV cache, B=16 sequences of 512-8192 keys, "
         "32 query heads on 8 key/value heads of width 128, bfloat16 and float32, on every "
         "implementation that serves a page table, against the copy bandwidth and a full "
@@ -130,7 +134,7 @@ def add_parser(commands) -> None:
     bench.set_defaults(run=run)
 
 
-PARTS = ("grid", "targets", "generation", "window", "native", "masks", "serving")
+PARTS = ("grid", "targets", "generation", "window", "native", "masks", "serving", "latent")
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -188,6 +192,7 @@ def config_from_args(args) -> BenchConfig:
         window_length=args.window_length if "window" in parts else 0,
         native_lengths=(tuple(args.lengths or NATIVE_LENGTHS) if "native" in parts else ()),
         masks_length=masks_length if "masks" in parts else 0,
+        latent_context=LATENT_CONTEXT if "latent" in parts else 0,
         serving=("quick" if args.quick else "full") if "serving" in parts else "",
     )
 

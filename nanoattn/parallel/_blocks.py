@@ -210,9 +210,11 @@ def _split(x, n: int):
     return [None] * n if x is None else jnp.split(x, n, axis=1)
 
 
-def _empty(q):
-    """The output (B, T, N, H) and log-sum-exp (B, T, N) of rows that see no key."""
-    return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, q.dtype)
+def _empty(q, v):
+    """The output (B, T, N, Hv) and log-sum-exp (B, T, N) of queries ``q`` (B, T, N, H)
+    that see no key; ``v`` (B, S, K, Hv) the values they would see."""
+    out = jnp.zeros((*q.shape[:3], v.shape[-1]), q.dtype)
+    return out, jnp.full(q.shape[:3], -jnp.inf, q.dtype)
 
 
 def merge(a, b):
@@ -360,7 +362,7 @@ def _pair_forward(plans: StepPlans, kind: str):
 
     def branch(offset, inputs: BlockInputs, kinds):
         if kind == "skip":
-            result = _empty(inputs.query)
+            result = _empty(inputs.query, inputs.value)
         else:
             plan = plans[kind].forward
             result = forward_block(plan, _for_plan(plan, inputs, offset, kinds, "kinds"))
@@ -421,7 +423,7 @@ def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, rules: Rules
             def branch(*operands):
                 _, source, q, k, v, rules = operands
                 mask = _key_mask(rules.kv_lengths, _positions(plans, source))
-                result = _empty(q)
+                result = _empty(q, v)
                 for name, rows, cols in calls:
                     inputs = _whole_inputs(q, k, v, rules, mask, rows, cols)
                     o, lse = forward_block(plans[name].forward, inputs)
@@ -433,7 +435,7 @@ def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, rules: Rules
         return _select(index, [run(calls) for calls in alternatives], operands)
 
     chunks = _chunks(plans, q, k, v, rules)
-    parts = [_empty(x) for x in chunks[0]]
+    parts = [_empty(x, v) for x in chunks[0]]
     for a, c, qc, kc, diagonal in _pair_calls(plans, first, r, source):
         pair = _pair_inputs(plans, chunks, rules, a, c, kc, consts)
         rel = (qc - kc) * plans.C

@@ -118,7 +118,7 @@ class RingResiduals(NamedTuple):
 
 
 def _ring_forward(ring: Ring, inputs: RingInputs):
-    """(out (B, T, N, H) float32, lse (B, T, N) float32) of this device's queries."""
+    """(out (B, T, N, Hv) float32, lse (B, T, N) float32) of this device's queries."""
     q, k, v, rules = inputs.query, inputs.key, inputs.value, inputs.rules
     r = jax.lax.axis_index(ring.axis_name)
     acc = softmax_dtype(q.dtype, k.dtype, v.dtype)
@@ -127,7 +127,8 @@ def _ring_forward(ring: Ring, inputs: RingInputs):
     consts = _per_device(inputs.consts, q)
 
     def compute(state, kv, step, first):
-        (k, v), kv_ids = kv
+        kv, kv_ids = kv
+        k, v = _unjoined(kv, q.shape[-1])
         source = (r - step) % ring.P  # the device whose keys arrived after `step` hops
         step_rules = rules.replace(kv_segment_ids=kv_ids)  # the arriving keys' ids
         block = _blocks.step_forward(
@@ -137,7 +138,18 @@ def _ring_forward(ring: Ring, inputs: RingInputs):
         return block if state is None else _blocks.merge(state, block)
 
     # keys and values travel as one array: one transfer per hop
-    return _walk(ring, None, (jnp.stack([k, v]), rules.kv_segment_ids), compute)
+    return _walk(ring, None, (_joined(k, v), rules.kv_segment_ids), compute)
+
+
+def _joined(k, v):
+    """Keys (B, T, K, H) and values (B, T, K, Hv) as one array (B, T, K, H + Hv), sent
+    around the ring in one transfer per hop (values may be narrower than keys)."""
+    return jnp.concatenate([k, v], axis=-1)
+
+
+def _unjoined(kv, H: int):
+    """The keys (B, T, K, H) and values (B, T, K, Hv) of :func:`_joined`."""
+    return kv[..., :H], kv[..., H:]
 
 
 def _ring_backward(ring: Ring, residuals: RingResiduals, cotangents):
@@ -152,7 +164,8 @@ def _ring_backward(ring: Ring, residuals: RingResiduals, cotangents):
 
     def compute(state, kv, step, first):
         dq, d_kv, d_consts = state
-        (k, v), kv_ids = kv
+        kv, kv_ids = kv
+        k, v = _unjoined(kv, q.shape[-1])
         source = (r - step) % ring.P
         step_rules = rules.replace(kv_segment_ids=kv_ids)
         dq_s, dk, dv, dc = _blocks.step_backward(
@@ -160,13 +173,13 @@ def _ring_backward(ring: Ring, residuals: RingResiduals, cotangents):
             lse, d_out, d_lse, table, consts,
         )  # fmt: skip
         d_consts = tuple(x + y for x, y in zip(d_consts, dc, strict=True))
-        return dq + dq_s, d_kv + jnp.stack([dk, dv]), d_consts
+        return dq + dq_s, d_kv + _joined(dk, dv), d_consts
 
     def after(state):  # the accumulators travel with their keys; after P hops they are home
         dq, d_kv, d_consts = state
         return dq, ring.shift(d_kv), d_consts  # score_fn's arrays are this device's own
 
-    kv = jnp.stack([k, v])
+    kv = _joined(k, v)
     zeros = (jnp.zeros_like(q32), jnp.zeros(kv.shape, acc), tuple(map(jnp.zeros_like, consts[1])))
     state = varying_like(zeros, q, k, v)
     dq, d_kv, d_consts = _walk(ring, state, (kv, rules.kv_segment_ids), compute, after)
@@ -176,8 +189,8 @@ def _ring_backward(ring: Ring, residuals: RingResiduals, cotangents):
     )
     grads = RingInputs(
         query=dq.astype(q.dtype),
-        key=d_kv[0].astype(k.dtype),
-        value=d_kv[1].astype(v.dtype),
+        key=_unjoined(d_kv, k.shape[-1])[0].astype(k.dtype),
+        value=_unjoined(d_kv, k.shape[-1])[1].astype(v.dtype),
         rules=None,
         kinds=None,
         consts=(tuple(map(jnp.zeros_like, forward)), d_consts),
@@ -253,7 +266,8 @@ def ring_attention(
 
     Args:
       query: (B, T, N, H) (per device: (B, T/P, N, H)).
-      key, value: (B, T, K, H), K dividing N (grouped-query heads, contiguous groups).
+      key: (B, T, K, H), K dividing N (grouped-query heads, contiguous groups); value
+        (B, T, K, Hv), Hv the values' head width (H, or its own: docs/latent.md).
       axis_name: the mesh axis the sequence is sharded over.
       is_causal: query at global position p sees keys at positions <= p.
       kv_lengths: int (B,): key positions >= kv_lengths[b] are hidden (global,
@@ -285,7 +299,7 @@ def ring_attention(
         included; ``-inf`` for a row with nothing), sharded like the query.
 
     Returns:
-      (B, T, N, H) in the query's dtype, sharded like the query; with
+      (B, T, N, Hv) in the query's dtype, sharded like the query; with
       ``return_residual``, ``(out, lse)``.
 
     Raises:

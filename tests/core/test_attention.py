@@ -382,7 +382,7 @@ def test_dropout_inverted_scaling_and_rng():
         (
             dict(value=np.ones((B, 6, K, H))),
             ValueError,
-            r"value must have shape \(B, S, K, H\) = \(2, 7, 2, 8\), got \(2, 6, 2, 8\)",
+            r"value must have shape \(B, S, K, Hv\) = \(2, 7, 2, \*\), got \(2, 6, 2, 8\)",
         ),
         (
             dict(key=np.ones((B, S, 4, H)), value=np.ones((B, S, 4, H))),

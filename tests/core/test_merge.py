@@ -147,6 +147,19 @@ def test_gradients_through_the_merge_equal_the_whole_calls(split):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
+def test_parts_with_values_of_their_own_width_merge_to_the_float64_reference():
+    """Values (B, S, K, Hv) narrower than the keys (multi-head latent attention): the
+    parts' outputs (B, T, N, Hv) merge like any others, on every backend serving them."""
+    q, k, _ = _qkv()
+    v = jnp.asarray(randn(3, B, S, K, 5))  # Hv = 5
+    for implementation in ("xla", "flash"):
+        out, lse = jax.jit(functools.partial(_merged, "chunks-3", implementation))(q, k, v)
+        assert out.shape == (B, T, N, 5)
+        want = np_attention(q, k, v, allowed=_allowed())
+        np.testing.assert_allclose(out, want, atol=2e-6, rtol=1e-5, err_msg=implementation)
+        np.testing.assert_allclose(lse, _float64()[1], atol=2e-6, rtol=1e-6)
+
+
 # The merge itself, on literal parts: 2 rows of 3 queries, N = 2 heads of width H = 3.
 def _parts(seed, P, shape=(2, 3, 2, 3)):
     outs = [jnp.asarray(randn(seed + p, *shape)) for p in range(P)]

@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nanoattn
-from nanoattn._backends import registry
+from nanoattn._backends import dispatch, registry
+from nanoattn._core.base.rules import Rules
 
 from _reference import np_attention_vjp, np_lse, randn
 
@@ -31,7 +32,7 @@ N, K, H = 6, 2, 8
 def _jitted(implementation, rules_key):
     """The paged call and its VJP, jitted once per backend and rules."""
     rules = dict(rules_key)
-    differentiable = implementation in ("xla", "flash")
+    differentiable = implementation in ("xla", "flash", "native")
 
     def call(q, kp, vp, table, lengths, starts, sinks):
         extra = dict(rules)
@@ -59,7 +60,7 @@ class Layout:
     ``page_size`` placed in shuffled physical order in a pool with spare pages, and
     the inputs (NaN and inf in every page and slot no sequence may read)."""
 
-    def __init__(self, lengths, q_lens, page_size, seed=0, pad_rows=3, spare=4):
+    def __init__(self, lengths, q_lens, page_size, seed=0, pad_rows=3, spare=4, value_width=H):
         rng = np.random.default_rng(seed)
         self.lengths = np.asarray(lengths, np.int32)
         self.q_lens = np.asarray(q_lens, np.int32)
@@ -79,7 +80,7 @@ class Layout:
         Tq = int(self.starts[-1]) + pad_rows
         self.q = randn(seed + 1, Tq, N, H)
         self.q[self.starts[-1] :] = np.nan  # padding rows hold anything
-        kp, vp = randn(seed + 2, P, ps, K, H), randn(seed + 3, P, ps, K, H)
+        kp, vp = randn(seed + 2, P, ps, K, H), randn(seed + 3, P, ps, K, value_width)
         readable = np.zeros((P, ps), bool)  # the slots some sequence holds
         for b in range(B):
             for j in range(held[b]):
@@ -89,7 +90,7 @@ class Layout:
             kp[~readable] = np.where(rng.random((~readable).sum())[:, None, None] < 0.5, bad, 0)
             vp[~readable] = bad if i == 0 else vp[~readable]
         self.kp, self.vp = kp, vp
-        self.d_out = randn(seed + 4, Tq, N, H)
+        self.d_out = randn(seed + 4, Tq, N, value_width)
         self.d_out[self.starts[-1] :] = 0
 
     def arrays(self):
@@ -100,7 +101,7 @@ class Layout:
         ps, length = self.page_size, int(self.lengths[b])
         pages = self.table[b, : -(-length // ps)]
         keys = self.kp[pages].reshape(-1, K, H)[:length][None]
-        values = self.vp[pages].reshape(-1, K, H)[:length][None]
+        values = self.vp[pages].reshape(-1, K, self.vp.shape[-1])[:length][None]
         rows = slice(self.starts[b], self.starts[b + 1])
         return self.q[rows][None], keys, values, rows, pages
 
@@ -152,9 +153,9 @@ def _check(layout, implementation, sinks=None, window=None, causal=True, cap=Non
         dq[rows] = g[0][0]
         flat = slice(0, k.shape[1])
         for pool, grad in ((dk, g[1]), (dv, g[2])):
-            full = np.zeros((len(pages) * layout.page_size, K, H))
+            full = np.zeros((len(pages) * layout.page_size, K, pool.shape[-1]))
             full[flat] = grad[0]
-            np.add.at(pool, pages, full.reshape(len(pages), layout.page_size, K, H))
+            np.add.at(pool, pages, full.reshape(len(pages), layout.page_size, K, -1))
         if sinks is not None:
             dsinks += g[4]
     if grads is not None:
@@ -178,6 +179,12 @@ def test_a_mixed_batch_equals_each_sequence_alone(name, page_size):
 
 
 @pytest.mark.parametrize("name", registry.names())
+def test_values_of_their_own_width(name):
+    """Value pages (P, page_size, K, Hv) with Hv != H give outputs (Tq, N, Hv)."""
+    _check(Layout(**MIXED, page_size=5, value_width=5), name)
+
+
+@pytest.mark.parametrize("name", registry.names())
 def test_windows_soft_cap_sinks_and_bidirectional_rows(name):
     layout = Layout(**MIXED, page_size=5, seed=3)
     _check(layout, name, window=(6, 0), cap=3.0, sinks=randn(9, N))
@@ -192,12 +199,15 @@ def test_mask_fn_sees_the_sequence_and_positions(name):
     _check(Layout(**MIXED, page_size=5, seed=5), name, mask=mask_fn, np_mask=mask_fn)
 
 
-@pytest.mark.parametrize("name", ["xla", "flash"])
+@pytest.mark.parametrize("name", registry.names())
 def test_the_result_does_not_depend_on_where_pages_sit(name):
     layout = Layout(**MIXED, page_size=5, seed=7)
     arrays = [jnp.asarray(x) for x in layout.arrays()]
     call = functools.partial(nanoattn.paged_attention, implementation=name)
-    first = call(*arrays)
+    try:
+        first = call(*arrays)
+    except ValueError as error:  # a backend that does not serve paged calls
+        pytest.skip(str(error))
     P = layout.kp.shape[0]
     moved = np.random.default_rng(1).permutation(P)  # page p moves to slot moved[p]
     kp, vp = np.empty_like(layout.kp), np.empty_like(layout.vp)
@@ -207,16 +217,28 @@ def test_the_result_does_not_depend_on_where_pages_sit(name):
     np.testing.assert_array_equal(first, second)
 
 
+def _paged_kernels():
+    """The registered backends other than the reference that serve a plain paged call
+    here (each example below runs one of them)."""
+    rules = Rules.make_paged(*(jnp.asarray(x) for x in Layout([3], [1], 2).arrays()))
+    return [
+        name
+        for name in registry.names()
+        if name != "xla" and dispatch.refusal(registry.get(name), rules, jnp.float32, 0.0) is None
+    ]
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 23), st.integers(0, 6)), min_size=1, max_size=5),
     st.sampled_from([1, 3, 16]),
     st.integers(0, 2**16),
+    st.sampled_from(_paged_kernels()),
 )
-def test_random_layouts_equal_each_sequence_alone(sequences, page_size, seed):
+def test_random_layouts_equal_each_sequence_alone(sequences, page_size, seed, name):
     lengths = [max(n, q) for n, q in sequences]
     q_lens = [q for _, q in sequences]
-    _check(Layout(lengths, q_lens, page_size, seed=seed), "flash")
+    _check(Layout(lengths, q_lens, page_size, seed=seed), name)
 
 
 def _bad_calls():
@@ -250,10 +272,15 @@ def test_invalid_inputs_raise_when_concrete_and_poison_their_rows_under_jit(case
     arrays |= {k: jnp.asarray(v) for k, v in changes.items()}
     with pytest.raises(ValueError, match=message):
         nanoattn.paged_attention(**arrays)
-    for name in ("xla", "flash"):
-        bad = np.asarray(
-            jax.jit(functools.partial(nanoattn.paged_attention, implementation=name))(**arrays)
-        )
+    served = 0
+    for name in registry.names():
+        try:
+            bad = np.asarray(
+                jax.jit(functools.partial(nanoattn.paged_attention, implementation=name))(**arrays)
+            )
+        except ValueError:  # a backend that does not serve paged calls
+            continue
+        served += 1
         starts = np.asarray(arrays["query_starts"])
         hit = np.zeros(bad.shape[0], bool)
         for b in sequences:
@@ -262,6 +289,37 @@ def test_invalid_inputs_raise_when_concrete_and_poison_their_rows_under_jit(case
             hit[starts[3] : layout.starts[3]] = True
         assert np.isnan(bad[hit]).all(), name
         np.testing.assert_allclose(bad[~hit], np.asarray(good)[~hit], atol=2e-5, err_msg=name)
+    assert served >= 2  # the reference and the kernels
+
+
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        (((1, 2, 4), (0, 2, 1, 4), (1, 2)), r"key_pages must hold at least one page"),
+        (((2, 2, 4), (3, 2, 1, 4), (0, 2)), r"page_table must have at least one sequence"),
+        (((1, 2, 0), (3, 2, 1, 0), (1, 2)), r"head width H is 0"),
+    ],
+    ids=["empty pool", "no sequence", "heads of width 0"],
+)
+def test_empty_sizes_raise_one_line(shapes, message):
+    (q, pages, table) = shapes
+    B = table[0]
+    with pytest.raises(ValueError, match=message):
+        nanoattn.paged_attention(
+            jnp.ones(q), jnp.ones(pages), jnp.ones(pages), jnp.zeros(table, jnp.int32),
+            jnp.ones((B,), jnp.int32), jnp.arange(B + 1, dtype=jnp.int32),
+        )  # fmt: skip
+
+
+def test_a_call_with_no_query_token_is_empty_on_every_backend():
+    pages, table = jnp.ones((3, 2, 1, 4)), jnp.zeros((1, 2), jnp.int32)
+    lengths, starts = jnp.array([2]), jnp.array([0, 0])
+    for name in ["xla", *_paged_kernels()]:
+        out, lse = nanoattn.paged_attention(
+            jnp.ones((0, 2, 4)), pages, pages, table, lengths, starts, return_residual=True,
+            implementation=name,
+        )  # fmt: skip
+        assert out.shape == (0, 2, 4) and lse.shape == (0, 2), name
 
 
 def test_flash_memory_grows_with_the_block_not_the_page_table():

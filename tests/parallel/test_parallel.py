@@ -53,6 +53,7 @@ RING_CASES = [
     "p8-zigzag-causal-lengths-segments",
     "p4-contiguous-full-lengths-segments",
     "p2-contiguous-causal-window",
+    "p2-zigzag-causal-value-width",
     "p8-contiguous-window-edges",
     "p2-zigzag-causal-window-edges",
 ]

@@ -21,7 +21,7 @@ class Flash:
     priority = 1
     serves = frozenset({
         "mask", "bias", "is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap",
-        "mask_fn", "score_fn", "sinks", "page_table", "kv_scales",
+        "mask_fn", "score_fn", "sinks", "page_table", "kv_scales", "value_width",
     })  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:

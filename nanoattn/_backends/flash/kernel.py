@@ -138,16 +138,18 @@ def _pad(x, axis: int, size: int, value=0):
 
 
 def _query_blocks(x, plan: Plan, dtype):
-    """(B, T, N, H) -> (B, nQ, bq, K, G, H): a reshape, no copy unless T is padded."""
+    """(B, T, N, H) -> (B, nQ, bq, K, G, H): a reshape, no copy unless T is padded (H:
+    the width of ``x``, Hv for the output's cotangent)."""
     x = _pad(x.astype(dtype), 1, plan.n_q * plan.block_q)
-    return x.reshape(plan.B, plan.n_q, plan.block_q, plan.K, plan.G, plan.H)
+    return x.reshape(plan.B, plan.n_q, plan.block_q, plan.K, plan.G, x.shape[-1])
 
 
 def _key_blocks(x, plan: Plan, dtype):
-    """(B, S, K, H) -> (B, nK, bk, K, H): a reshape, no copy unless S is padded.
-    Quantized keys and values keep their dtype: each step dequantizes its blocks."""
+    """(B, S, K, H) -> (B, nK, bk, K, H): a reshape, no copy unless S is padded (H: the
+    width of ``x``, Hv for values). Quantized keys and values keep their dtype: each
+    step dequantizes its blocks."""
     x = _pad(x if is_quantized(x) else x.astype(dtype), 1, plan.n_k * plan.block_k)
-    return x.reshape(plan.B, plan.n_k, plan.block_k, plan.K, plan.H)
+    return x.reshape(plan.B, plan.n_k, plan.block_k, plan.K, x.shape[-1])
 
 
 def _take_queries(blocks, qi):
@@ -161,8 +163,8 @@ def _take_keys(blocks, kj):
 
 
 def _unblock_queries(x, plan: Plan):
-    """(B, nQ, bq, K, G, H) -> (B, T, N, H)."""
-    x = x.reshape(plan.B, plan.n_q * plan.block_q, plan.K * plan.G, plan.H)  # (B, Tpad, N, H)
+    """(B, nQ, bq, K, G, H) -> (B, T, N, H) (H: the width of ``x``)."""
+    x = x.reshape(plan.B, plan.n_q * plan.block_q, plan.K * plan.G, x.shape[-1])  # (B, Tpad, N, H)
     return x[:, : plan.T]
 
 
@@ -463,7 +465,7 @@ def _segment_blocks(q_ids, kv_ids, plan: Plan):
 
 
 def forward_block(plan: Plan, inputs: BlockInputs):
-    """The forward pass: (out (B, T, N, H), lse (B, T, N)), both in the softmax's
+    """The forward pass: (out (B, T, N, Hv), lse (B, T, N)), both in the softmax's
     dtype (at least float32); ``lse`` is ``-inf`` for a row that sees no key (the
     convention of ``jax.nn``'s residuals and of the log-sum-exp of an empty set)."""
     q, k, v = inputs.query, inputs.key, inputs.value
@@ -475,7 +477,7 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     kinds = inputs.kinds
     consts = () if inputs.score_consts is None else inputs.score_consts[0]
     rows = (plan.B, plan.n_q + 1, plan.K, plan.G, plan.block_q)  # one spare row for idle slots
-    values = (plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, plan.H)
+    values = (plan.B, plan.n_q + 1, plan.block_q, plan.K, plan.G, v.shape[-1])  # Hv
     state = (jnp.full(rows, neg, acc), jnp.zeros(rows, acc), jnp.zeros(values, acc))
     state = varying_like(state, inputs)
 
@@ -546,7 +548,7 @@ def forward_block(plan: Plan, inputs: BlockInputs):
 
 
 def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> BlockGrads:
-    """The backward pass for the cotangents ``d_out`` (B, T, N, H) and, when the
+    """The backward pass for the cotangents ``d_out`` (B, T, N, Hv) and, when the
     log-sum-exp is an output too, ``d_lse`` (B, T, N): the weights are recomputed
     block by block from ``residuals.lse``. Since d lse / d logits is the softmax,
     ``d_lse`` enters as a shift of the row term: dS = P (dP - (D - d_lse))."""
@@ -646,7 +648,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
     dq, dk, dv, dbias, dconsts = run(run(grads, masked, True), full, False)
     dq = _unblock_queries(dq[:, :-1] * jnp.asarray(plan.scale, acc), plan).astype(q.dtype)
     dk = dk.reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
-    dv = dv.reshape(plan.B, -1, plan.K, plan.H)[:, : plan.S]
+    dv = dv.reshape(plan.B, -1, plan.K, v.shape[-1])[:, : plan.S]
     if dbias is not None:
         xB, xN, xT, xS = bias.shape
         dbias = dbias.reshape(xB, xN, -1, dbias.shape[4] * dbias.shape[5])[:, :, :xT, :xS]
@@ -663,7 +665,7 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(plan, backward_plan, inputs: BlockInputs):
-    """(out (B, T, N, H) in the query's dtype, lse (B, T, N)), differentiable in both."""
+    """(out (B, T, N, Hv) in the query's dtype, lse (B, T, N)), differentiable in both."""
     out, lse = forward_block(plan, inputs)
     return out.astype(inputs.query.dtype), lse
 
@@ -705,7 +707,7 @@ def flash_attention(query, key, value, rules: Rules, *, forward_tiles=None, back
     """Blockwise attention with the reference's output contract.
 
     Args:
-      query: (B, T, N, H); key, value: (B, S, K, H); ``rules`` from
+      query: (B, T, N, H); key (B, S, K, H), value (B, S, K, Hv); ``rules`` from
         :meth:`nanoattn._core.base.rules.Rules.make`.
       forward_tiles, backward_tiles: ``(block_q, block_k, lanes)`` for each
         pass: block sizes along T and S (capped at T and S; lengths need not
@@ -713,12 +715,12 @@ def flash_attention(query, key, value, rules: Rules, *, forward_tiles=None, back
         step. By default :func:`fit_tiles` sizes them for the call.
 
     Returns:
-      (B, T, N, H) in the query's dtype; zeros when T or S is 0 (no query, or no key
+      (B, T, N, Hv) in the query's dtype; zeros when T or S is 0 (no query, or no key
       to see), as every backend gives. With ``rules.return_residual``, also the
       log-sum-exp (B, T, N) in the softmax's dtype (``-inf`` where nothing is seen).
     """
     if rules.T == 0 or rules.S == 0:
-        out = jnp.zeros(query.shape, query.dtype)
+        out = jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype)
         lse = jnp.full(query.shape[:3], -jnp.inf, softmax_dtype(query.dtype, key.dtype))
         return (out, lse) if rules.return_residual else out
     mask = None

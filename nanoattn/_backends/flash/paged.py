@@ -48,6 +48,7 @@ class PagedPlan:
     K: int
     G: int
     H: int
+    Hv: int  # the values' (and the output's) head width
     block_q: int
     pages_per_block: int
     scale: float
@@ -102,7 +103,7 @@ def plan_of(rules: Rules, key_pages, dtype) -> tuple[PagedPlan, tuple]:
     M = rules.S // rules.page_size
     plan = PagedPlan(
         Tq=rules.T, B=rules.B, M=M, P=rules.pool_pages, page_size=rules.page_size, K=rules.K,
-        G=rules.G, H=rules.H, block_q=max(1, min(BLOCK_Q, rules.T)),
+        G=rules.G, H=rules.H, Hv=rules.Hv, block_q=max(1, min(BLOCK_Q, rules.T)),
         pages_per_block=min(per_block, M), scale=float(rules.scale), band=rules.band,
         soft_cap=rules.logit_soft_cap, mask_fn=rules.mask_fn, score_fn=None,
     )  # fmt: skip
@@ -116,9 +117,11 @@ def plan_of(rules: Rules, key_pages, dtype) -> tuple[PagedPlan, tuple]:
     return plan, consts
 
 
-def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
-    """A paged call by the blockwise kernel: (Tq, N, H) in the query's dtype, and with
-    ``rules.return_residual`` the log-sum-exp (Tq, N)."""
+def paged_inputs(query, key_pages, value_pages, rules: Rules) -> tuple[PagedPlan, PagedInputs]:
+    """The plan and the inputs of a paged call: the page table made safe (every id in
+    the pool, page 0 where a sequence holds nothing) and padded to whole key blocks
+    (page 0 past M), the rows that are real, score_fn's arrays. The native kernel's
+    forward pass takes them too, and its backward pass is :func:`paged_gradients`."""
     acc = softmax_dtype(query.dtype, key_pages.dtype, value_pages.dtype)
     plan, consts = plan_of(rules, key_pages, acc)
     table = safe_page_table(rules.page_table, rules.kv_lengths, rules.page_size, rules.pool_pages)
@@ -129,7 +132,17 @@ def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
         rules.query_starts.astype(jnp.int32), rules.layout().real, consts,
         rules.key_scales, rules.value_scales,
     )  # fmt: skip
-    out, lse = _attend(plan, inputs)
+    return plan, inputs
+
+
+def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
+    """A paged call by the blockwise kernel: (Tq, N, H) in the query's dtype, and with
+    ``rules.return_residual`` the log-sum-exp (Tq, N)."""
+    if rules.T == 0:  # no query: nothing to walk
+        out = jnp.zeros(query.shape, query.dtype)
+        lse = jnp.zeros((0, rules.N), softmax_dtype(query.dtype))
+        return (out, lse) if rules.return_residual else out
+    out, lse = _attend(*paged_inputs(query, key_pages, value_pages, rules))
     return (out, lse) if rules.return_residual else out
 
 
@@ -181,14 +194,17 @@ def _key_blocks(plan: PagedPlan, positions, real, length):
 
 
 def _block(plan: PagedPlan, inputs: PagedInputs, b, j, acc):
-    """Key block j of sequence b: keys and values (k, K, H) in ``acc``, their
+    """Key block j of sequence b: keys (k, K, H) and values (k, K, Hv) in ``acc``, their
     positions (k,), and the pages they came from (pages_per_block,)."""
     pages = jax.lax.dynamic_slice_in_dim(
         inputs.table[b], j * plan.pages_per_block, plan.pages_per_block
     )
-    shape = (plan.block_k, plan.K, plan.H)
-    keys = _read_pages(inputs.key_pages, inputs.key_scales, pages, shape, acc)
-    values = _read_pages(inputs.value_pages, inputs.value_scales, pages, shape, acc)
+    keys = _read_pages(
+        inputs.key_pages, inputs.key_scales, pages, (plan.block_k, plan.K, plan.H), acc
+    )
+    values = _read_pages(
+        inputs.value_pages, inputs.value_scales, pages, (plan.block_k, plan.K, plan.Hv), acc
+    )
     positions = j * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
     return keys, values, positions, pages
 
@@ -263,13 +279,13 @@ def _scores(plan: PagedPlan, qs, keys, b, q_pos, k_pos, allowed, consts, with_vj
 
 
 def _forward(plan: PagedPlan, inputs: PagedInputs):
-    """(out (Tq, N, H), lse (Tq, N)) in the softmax's dtype."""
+    """(out (Tq, N, Hv), lse (Tq, N)) in the softmax's dtype."""
     q, acc = inputs.query, softmax_dtype(inputs.query.dtype, inputs.key_pages.dtype)
     neg = large_negative(acc)
     rows = plan.Tq + plan.block_q  # padded, so that no block's slice is clamped
     qb = jnp.pad(q.astype(acc), ((0, plan.block_q), (0, 0), (0, 0))) * jnp.asarray(plan.scale, acc)
     qb = qb.reshape(rows, plan.K, plan.G, plan.H)
-    out = jnp.zeros((rows, plan.K, plan.G, plan.H), acc)
+    out = jnp.zeros((rows, plan.K, plan.G, plan.Hv), acc)
     lse = jnp.full((rows, plan.K, plan.G), 0, acc)  # set to -inf where unseen at the end
     seen_heads = jnp.zeros((rows, plan.K, plan.G), bool)
     count, pair = _pairs(plan, inputs.starts)
@@ -285,7 +301,7 @@ def _forward(plan: PagedPlan, inputs: PagedInputs):
         state = (
             jnp.full((plan.K, plan.G, plan.block_q), neg, acc),  # running maximum
             jnp.zeros((plan.K, plan.G, plan.block_q), acc),  # running sum
-            jnp.zeros((plan.K, plan.G, plan.block_q, plan.H), acc),  # running output
+            jnp.zeros((plan.K, plan.G, plan.block_q, plan.Hv), acc),  # running output
         )
 
         def one_block(j, state):
@@ -326,7 +342,7 @@ def _forward(plan: PagedPlan, inputs: PagedInputs):
         return out, lse, seen_heads
 
     out, lse, seen_heads = jax.lax.fori_loop(0, count, one_pair, (out, lse, seen_heads))
-    out = out[: plan.Tq].reshape(plan.Tq, plan.N, plan.H)
+    out = out[: plan.Tq].reshape(plan.Tq, plan.N, plan.Hv)
     lse = lse[: plan.Tq].reshape(plan.Tq, plan.N)
     seen_heads = seen_heads[: plan.Tq].reshape(plan.Tq, plan.N)
     # -inf marks a row that sees no key (padding rows too), set once the padding is cut
@@ -346,7 +362,7 @@ def _backward(plan: PagedPlan, inputs: PagedInputs, out, lse, d_out, d_lse):
         plan.scale, acc
     )
     qb = qb.reshape(rows, plan.K, plan.G, plan.H)
-    dob = padded(d_out.astype(acc)).reshape(rows, plan.K, plan.G, plan.H)
+    dob = padded(d_out.astype(acc)).reshape(rows, plan.K, plan.G, plan.Hv)
     delta = (d_out.astype(acc) * out.astype(acc)).sum(-1) - d_lse.astype(acc)  # (Tq, N)
     delta = padded(delta).reshape(rows, plan.K, plan.G)
     lse_b = padded(jnp.where(seen, lse, 0)).reshape(rows, plan.K, plan.G)
@@ -390,9 +406,9 @@ def _backward(plan: PagedPlan, inputs: PagedInputs, out, lse, d_out, d_lse):
             dq_i = dq_i + jnp.einsum("KGqk,kKH->qKGH", ds, keys)
             dk = jnp.einsum("KGqk,qKGH->kKH", ds, qs)
             dv = jnp.einsum("KGqk,qKGH->kKH", p, dos)
-            shape = (plan.pages_per_block, plan.page_size, plan.K, plan.H)
-            dk_pool = dk_pool.at[pages].add(dk.reshape(shape))
-            dv_pool = dv_pool.at[pages].add(dv.reshape(shape))
+            shape = (plan.pages_per_block, plan.page_size, plan.K)
+            dk_pool = dk_pool.at[pages].add(dk.reshape(*shape, plan.H))
+            dv_pool = dv_pool.at[pages].add(dv.reshape(*shape, plan.Hv))
             d_consts = tuple(x + y for x, y in zip(d_consts, dc, strict=True))
             return dq_i, dk_pool, dv_pool, d_consts
 
@@ -420,19 +436,25 @@ def _attend_fwd(plan: PagedPlan, inputs: PagedInputs):
     return (out.astype(inputs.query.dtype), lse), (inputs, out, lse)
 
 
-def _attend_bwd(plan: PagedPlan, residuals, cotangents):
-    inputs, out, lse = residuals
+def paged_gradients(plan: PagedPlan, inputs: PagedInputs, out, lse, d_out, d_lse) -> PagedInputs:
+    """The backward pass of a paged call, given its forward pass's output ``out`` (Tq,
+    N, H) and log-sum-exp ``lse`` (Tq, N) in the softmax's dtype (-inf where a row sees
+    no key) and their cotangents: the gradients of ``inputs`` (None for the integer
+    arrays), each in its input's dtype. The flash kernel's and the native kernel's."""
     if inputs.key_scales is not None:
         raise ValueError(NO_QUANTIZED_GRADIENTS)
-    d_out, d_lse = cotangents
     dq, dk, dv, d_consts = _backward(plan, inputs, out, lse, d_out, d_lse)
-    grads = PagedInputs(
+    return PagedInputs(
         query=dq.astype(inputs.query.dtype), key_pages=dk.astype(inputs.key_pages.dtype),
         value_pages=dv.astype(inputs.value_pages.dtype), table=None, kv_lengths=None,
         starts=None, real=None,
         consts=tuple(g.astype(c.dtype) for g, c in zip(d_consts, inputs.consts, strict=True)),
     )  # fmt: skip
-    return (grads,)
+
+
+def _attend_bwd(plan: PagedPlan, residuals, cotangents):
+    inputs, out, lse = residuals
+    return (paged_gradients(plan, inputs, out, lse, *cotangents),)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

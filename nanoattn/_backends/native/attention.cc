@@ -29,8 +29,9 @@
 //
 // The generic pieces are in headers beside this file: simd.h (vectors, bfloat16),
 // gemm.h (the block products' micro-kernels), threads.h (work sharing on XLA's
-// thread pool) and visibility.h (the problem, the blocks, who sees what). This file
-// keeps the packing, the two passes and the FFI binding.
+// thread pool) and visibility.h (the problem, the blocks, who sees what); paged.h
+// holds the forward pass of nanoattn.paged_attention (keys read through a page table).
+// This file keeps the packing, the two passes and the FFI bindings.
 
 #include <algorithm>
 #include <cmath>
@@ -45,6 +46,7 @@
 #include "xla/ffi/api/ffi.h"
 
 #include "gemm.h"
+#include "paged.h"
 #include "simd.h"
 #include "threads.h"
 #include "visibility.h"
@@ -896,3 +898,26 @@ extern "C" const char* NanoattnIsa() {
 
 NANOATTN_HANDLERS(NanoattnForward, NanoattnBackward, ffi::F32);
 NANOATTN_HANDLERS(NanoattnForwardBf16, NanoattnBackwardBf16, ffi::BF16);
+
+// The paged forward pass (paged.h), one handler per element type; its backward pass is
+// the flash kernel's (nanoattn/_backends/native/paged.py).
+#define NANOATTN_PAGED_HANDLER(FORWARD, DT)                                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(FORWARD, PagedForward<DT>,                               \
+                                ffi::Ffi::Bind()                                         \
+                                    .Ctx<ffi::ThreadPool>()                              \
+                                    .Arg<ffi::Buffer<DT>>()        /* q */               \
+                                    .Arg<ffi::Buffer<DT>>()        /* key_pages */       \
+                                    .Arg<ffi::Buffer<DT>>()        /* value_pages */     \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* page_table */      \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */      \
+                                    .Arg<ffi::Buffer<ffi::S32>>()  /* query_starts */    \
+                                    .Arg<ffi::Buffer<ffi::U8>>()   /* real rows */       \
+                                    .Attr<float>("scale")                                \
+                                    .Attr<float>("soft_cap")                             \
+                                    .Attr<int64_t>("left")                               \
+                                    .Attr<int64_t>("right")                              \
+                                    .Ret<ffi::Buffer<ffi::F32>>()   /* out */            \
+                                    .Ret<ffi::Buffer<ffi::F32>>()); /* lse */
+
+NANOATTN_PAGED_HANDLER(NanoattnPagedForward, ffi::F32);
+NANOATTN_PAGED_HANDLER(NanoattnPagedForwardBf16, ffi::BF16);

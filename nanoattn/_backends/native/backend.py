@@ -1,7 +1,9 @@
 """``"native"``: the C++ CPU kernel (:mod:`nanoattn._backends.native`) through XLA's FFI;
 float32 or bfloat16, no dense mask, bias, ``score_fn`` or dropout, a Python number for
 ``scale``; ``mask_fn`` served from its block classification and the bits of its partial
-blocks (a traced one while those bits stay small); built on the first call it may serve."""
+blocks (a traced one while those bits stay small); built on the first call it may serve.
+Paged calls (``nanoattn.paged_attention``) by its paged forward pass (:mod:`.paged`),
+every rule above but ``mask_fn``."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 from ..interface import NO_DROPOUT, unserved
 from .build import load
 from .kernel import mask_fn_unsupported, native_attention
+from .paged import native_paged_attention
 
 # Where it can serve the call, from this many score cells per batch row and head
 # (T * S): in float32 it beat the reference on forward and forward+backward from
@@ -24,8 +27,9 @@ class Native:
     name = "native"
     priority = 2
     serves = frozenset(
-        {"is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap", "mask_fn", "sinks"}
-    )
+        {"is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap", "mask_fn", "sinks",
+         "page_table"}
+    )  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
         if jax.default_backend() != "cpu":
@@ -36,6 +40,8 @@ class Native:
             return f"it supports float32 and bfloat16 inputs only, got {jnp.dtype(dtype)}"
         if reason := unserved(self, rules):
             return reason
+        if rules.paged and rules.mask_fn is not None:
+            return "a paged call's mask_fn is served by 'xla' and 'flash' only"
         if not rules.static_scale:
             return "it needs a Python number for scale, not a traced array"
         _, reason = load()  # this builds the kernel on first use
@@ -51,7 +57,8 @@ class Native:
         dtype = query.dtype
         if not dtype == key.dtype == value.dtype:  # mixed types: all widened to float32
             query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
-        out, lse = native_attention(query, key, value, rules)
+        attention = native_paged_attention if rules.paged else native_attention
+        out, lse = attention(query, key, value, rules)  # pages (P, page_size, K, H) if paged
         out = out.astype(dtype)
         return (out, lse) if rules.return_residual else out
 

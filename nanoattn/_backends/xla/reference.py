@@ -94,7 +94,7 @@ def attend(
     return_weights: bool = False,
     return_residual: bool = False,
 ):
-    r"""Attention output (B, T, N, H) in the query's dtype.
+    r"""Attention output (B, T, N, Hv) in the query's dtype.
 
     .. math::
 
@@ -107,7 +107,7 @@ def attend(
     without). The softmax runs in :func:`~nanoattn._core.base.numerics.softmax_dtype`.
 
     Args:
-      query: (B, T, N, H); key and value (B, S, K, H); ``rules`` their
+      query: (B, T, N, H); key (B, S, K, H); value (B, S, K, Hv); ``rules`` their
         :class:`Rules`.
       dropout_rate, dropout_rng: :func:`dropout` on the weights when the rate is
         above 0 and ``dropout_fn`` is None.
@@ -121,7 +121,7 @@ def attend(
         in the compute dtype; ``-inf`` for a row that sees no key.
 
     Returns:
-      the output (B, T, N, H), followed by the weights (``return_weights``) and
+      the output (B, T, N, Hv), followed by the weights (``return_weights``) and
       the log-sum-exp (``return_residual``) when asked for.
     """
     allowed = allowed_mask(rules)
@@ -137,8 +137,8 @@ def attend(
     acc = softmax_dtype(probs.dtype, value.dtype)
     p = probs.reshape(rules.B, rules.K, rules.G, rules.T, rules.S)  # (B, K, G, T, S)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", p, value, preferred_element_type=acc)
-    out = out.reshape(rules.B, rules.T, rules.N, rules.H)  # (B, T, N, H)
-    record(out, "per-head output", "B T N H", op="einsum")
+    out = out.reshape(rules.B, rules.T, rules.N, rules.Hv)  # (B, T, N, Hv)
+    record(out, "per-head output", "B T N H", op="einsum")  # H: the values' width here
     out = out.astype(query.dtype if out_dtype is None else out_dtype)
     extras = [weights] if return_weights else []
     if return_residual:
@@ -153,11 +153,12 @@ def paged_attend(query, key_pages, value_pages, rules: Rules, *, return_residual
     (``mask_fn`` and ``score_fn`` see the row's sequence as ``b``).
 
     Args:
-      query: (T, N, H), token-major; key_pages, value_pages: (P, page_size, K, H);
+      query: (T, N, H), token-major; key_pages (P, page_size, K, H), value_pages
+        (P, page_size, K, Hv);
         ``rules`` from :meth:`Rules.make_paged`.
 
     Returns:
-      (T, N, H) in the query's dtype (zeros for padding rows), and with
+      (T, N, Hv) in the query's dtype (zeros for padding rows), and with
       ``return_residual`` the log-sum-exp (T, N).
     """
     T, S = rules.T, rules.S
@@ -165,7 +166,7 @@ def paged_attend(query, key_pages, value_pages, rules: Rules, *, return_residual
     table = safe_page_table(rules.page_table, rules.kv_lengths, rules.page_size, rules.pool_pages)
     pages = table[layout.sequence]  # (T, M): each row's sequence's pages
     keys = key_pages[pages].reshape(T, S, rules.K, rules.H)  # (T, S, K, H)
-    values = value_pages[pages].reshape(T, S, rules.K, rules.H)
+    values = value_pages[pages].reshape(T, S, rules.K, rules.Hv)  # (T, S, K, Hv)
     lengths = jnp.where(layout.real, rules.kv_lengths[layout.sequence], 0)  # padding: no key
     sequence = layout.sequence
     mask_fn = score_fn = None

@@ -55,7 +55,8 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
 
     Returns:
       ``(query, key_pages, value_pages, page_table, kv_lengths, query_starts)`` as
-      jax arrays, and the sizes ``(Tq, N, H, P, page_size, K, B, M)``.
+      jax arrays, and the sizes ``(Tq, N, H, Hv, P, page_size, K, B, M)`` (Hv: the
+      values' head width).
 
     Raises:
       ValueError: a shape problem, or an invalid value naming the argument and the row.
@@ -63,20 +64,23 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
     """
     query = as_array("query", query, "an array (Tq, N, H)")
     key_pages = as_array("key_pages", key_pages, "an array (P, page_size, K, H)")
-    value_pages = as_array("value_pages", value_pages, "an array (P, page_size, K, H)")
+    value_pages = as_array("value_pages", value_pages, "an array (P, page_size, K, Hv)")
     expect_shape("query", query.shape, "Tq N H", (None,) * 3)
     Tq, N, H = query.shape
     expect_shape("key_pages", key_pages.shape, "P page_size K H", (None, None, None, H))
     P, page_size, K, _ = key_pages.shape
-    expect_shape("value_pages", value_pages.shape, "P page_size K H", (P, page_size, K, H))
+    expect_shape("value_pages", value_pages.shape, "P page_size K Hv", (P, page_size, K, None))
     if K == 0 or N % K != 0:
         raise ValueError(
             f"the number of query heads N={N} must be a multiple of the number of key/value "
             f"heads K={K} (query (Tq, N, H) = {query.shape}, key_pages (P, page_size, K, H) "
             f"= {key_pages.shape})"
         )
-    if page_size == 0:
-        raise ValueError(f"key_pages must hold pages of at least one key, got {key_pages.shape}")
+    if page_size == 0 or P == 0:
+        raise ValueError(
+            f"key_pages must hold at least one page of at least one key (P, page_size >= 1), "
+            f"got {key_pages.shape}"
+        )
     for name, x in (("query", query), ("key_pages", key_pages), ("value_pages", value_pages)):
         if not (name != "query" and is_quantized(x)):  # their scales: check_kv_scales
             expect_floating(name, x.dtype)
@@ -84,6 +88,11 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
     expect_integer("page_table", page_table.dtype)
     expect_shape("page_table", page_table.shape, "B max_pages", (None, None))
     B, M = page_table.shape
+    if B == 0 or M == 0:
+        raise ValueError(
+            f"page_table must have at least one sequence and one page per sequence (B, "
+            f"max_pages >= 1), got {page_table.shape}"
+        )
     kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
     expect_integer("kv_lengths", kv_lengths.dtype)
     expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
@@ -92,7 +101,7 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
     expect_shape("query_starts", query_starts.shape, "B+1", (B + 1,))
     check_paged_values(page_table, kv_lengths, query_starts, Tq, P, page_size)
     arrays = (query, key_pages, value_pages, page_table, kv_lengths, query_starts)
-    return arrays, (Tq, N, H, P, page_size, K, B, M)
+    return arrays, (Tq, N, H, value_pages.shape[3], P, page_size, K, B, M)
 
 
 def _concrete(*xs) -> bool:

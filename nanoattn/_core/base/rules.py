@@ -68,6 +68,7 @@ RULE_NAMES = {
     "sinks": "sinks",
     "page_table": "a page table (paged_attention)",
     "kv_scales": "a quantized cache (key_scales, value_scales)",
+    "value_width": "a value head width Hv other than H",
 }
 
 
@@ -82,7 +83,9 @@ class Rules:
 
     Attributes:
       B, T, S, N, K, H: batch, query time, key time, query heads, key/value heads and
-        head width.
+        head width (of queries and keys).
+      Hv: the head width of values and of the output (H unless the values have a
+        width of their own, as in multi-head latent attention; docs/latent.md).
       mask: boolean, rank 4, broadcastable to (B, N, T, S), or None.
       bias: floating, rank 4, broadcastable to (B, N, T, S), or None.
       is_causal: whether the positional causal mask applies.
@@ -119,6 +122,7 @@ class Rules:
     N: int = dataclasses.field(metadata=STATIC)
     K: int = dataclasses.field(metadata=STATIC)
     H: int = dataclasses.field(metadata=STATIC)
+    Hv: int = dataclasses.field(metadata=STATIC)
     mask: Any = None
     bias: Any = None
     is_causal: bool = dataclasses.field(default=False, metadata=STATIC)
@@ -156,7 +160,7 @@ class Rules:
         if unknown:
             raise TypeError(f"unknown rule arguments {unknown}; the rules are {ARGUMENTS}")
         a = dict.fromkeys(ARGUMENTS) | dict(is_causal=False, return_residual=False) | arguments
-        B, T, S, N, K, H = _sizes(query, key, value)
+        B, T, S, N, K, H, Hv = _sizes(query, key, value)
         scores = (B, N, T, S)
         mask, bias = _check_mask(a["mask"], scores), _check_bias(a["bias"], scores)
         is_causal = expect_flag("is_causal", a["is_causal"])
@@ -179,7 +183,7 @@ class Rules:
         )  # fmt: skip
         static = isinstance(q_offset, int)
         return cls(
-            B=B, T=T, S=S, N=N, K=K, H=H, mask=mask, bias=bias, is_causal=is_causal,
+            B=B, T=T, S=S, N=N, K=K, H=H, Hv=Hv, mask=mask, bias=bias, is_causal=is_causal,
             static_offset=q_offset if static else None, offset=None if static else q_offset,
             kv_lengths=kv_lengths, window=window, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
             logit_soft_cap=logit_soft_cap, fixed_scale=fixed_scale, traced_scale=traced_scale,
@@ -208,7 +212,7 @@ class Rules:
         arrays, sizes = check_paged(
             query, key_pages, value_pages, page_table, kv_lengths, query_starts
         )
-        Tq, N, H, P, page_size, K, B, M = sizes
+        Tq, N, H, Hv, P, page_size, K, B, M = sizes
         S = M * page_size
         a = dict(is_causal=True, return_residual=False) | arguments
         is_causal = expect_flag("is_causal", a["is_causal"])
@@ -228,7 +232,7 @@ class Rules:
             arrays[1], arrays[2], a.get("key_scales"), a.get("value_scales"), "P page_size K"
         )
         return cls(
-            B=B, T=Tq, S=S, N=N, K=K, H=H, is_causal=is_causal, kv_lengths=arrays[4],
+            B=B, T=Tq, S=S, N=N, K=K, H=H, Hv=Hv, is_causal=is_causal, kv_lengths=arrays[4],
             window=window, logit_soft_cap=check_soft_cap(a.get("logit_soft_cap")),
             fixed_scale=fixed_scale, traced_scale=traced_scale, mask_fn=mask_fn,
             score_fn=score_fn, sinks=check_sinks(a.get("sinks"), N),
@@ -278,6 +282,7 @@ class Rules:
             "sinks": self.sinks is not None,
             "page_table": self.page_table is not None,
             "kv_scales": self.key_scales is not None,
+            "value_width": self.Hv != self.H,
         }
         return tuple(name for name, used in uses.items() if used)
 
@@ -451,16 +456,19 @@ def check_sinks(sinks, N: int):
 
 
 def _sizes(query, key, value) -> tuple[int, ...]:
-    """(B, T, S, N, K, H) of query (B, T, N, H), key and value (B, S, K, H)."""
+    """(B, T, S, N, K, H, Hv) of query (B, T, N, H), key (B, S, K, H) and value
+    (B, S, K, Hv) (Hv = H without a value)."""
     query = as_array("query", query, "an array (B, T, N, H)")
     key = as_array("key", key, "an array (B, S, K, H)")
     expect_shape("query", query.shape, "B T N H", (None,) * 4)
     B, T, N, H = query.shape
     expect_shape("key", key.shape, "B S K H", (B, None, None, H))
     _, S, K, _ = key.shape
+    Hv = H
     if value is not None:
-        value = as_array("value", value, "an array (B, S, K, H)")
-        expect_shape("value", value.shape, "B S K H", (B, S, K, H))
+        value = as_array("value", value, "an array (B, S, K, Hv)")
+        expect_shape("value", value.shape, "B S K Hv", (B, S, K, None))
+        Hv = value.shape[3]
     if K == 0 or N % K != 0:
         raise ValueError(
             f"the number of query heads N={N} must be a multiple of the number of key/value "
@@ -470,7 +478,7 @@ def _sizes(query, key, value) -> tuple[int, ...]:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x is not None and not (name != "query" and is_quantized(x)):  # scales: make
             expect_floating(name, jnp.result_type(x))
-    return B, T, S, N, K, H
+    return B, T, S, N, K, H, Hv
 
 
 def _as_rank4(x):
@@ -529,6 +537,11 @@ def _split_scale(scale, H: int):
     """(fixed, traced): a checked scale (``check_scale`` upstream) as a Python number
     or as an array; the default ``1 / sqrt(H)`` when None."""
     if scale is None:
+        if H == 0:
+            raise ValueError(
+                "the head width H is 0, so the default scale 1 / sqrt(H) does not exist: "
+                "pass scale= (or heads of width >= 1)"
+            )
         return 1.0 / math.sqrt(H), None
     if isinstance(scale, (int, float, np.floating, np.integer)):
         return scale, None

@@ -31,10 +31,10 @@ POISONED = -1  # the position of a poisoned row, in every kind of cache
 
 
 class KVCache(NamedTuple):
-    """key, value: (B, S, K, H); position: (B,) int32, the tokens each row has taken;
-    last: (B,) int32, the tokens each row took in its last call; key_scales,
-    value_scales: (B, S, K) float32, the scales of a quantized cache's keys and values
-    (None for a float cache)."""
+    """key: (B, S, K, H); value: (B, S, K, Hv) (Hv = H but in a latent cache);
+    position: (B,) int32, the tokens each row has taken; last: (B,) int32, the tokens
+    each row took in its last call; key_scales, value_scales: (B, S, K) float32, the
+    scales of a quantized cache's keys and values (None for a float cache)."""
 
     key: jax.Array
     value: jax.Array
@@ -68,13 +68,18 @@ def quantized_zeros(shape, dtype):
     return jnp.zeros(shape, dtype), jnp.zeros(shape[:-1], jnp.float32)
 
 
-def empty(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
-    """A cache of capacity S = ``capacity`` with every row at position 0; quantized
-    when ``dtype`` is a storage dtype (int8, float8_e4m3fn): zero scales too."""
-    shape = (batch, capacity, kv_heads, head_dim)  # (B, S, K, H)
-    zeros, scales = quantized_zeros(shape, dtype)
-    rows = jnp.zeros((batch,), jnp.int32)
-    return KVCache(zeros, zeros, rows, rows, scales, scales)
+def empty(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype,
+          value_dim: int | None = None) -> KVCache:  # fmt: skip
+    """A cache of capacity S = ``capacity`` with every row at position 0: keys (B, S, K,
+    H) and values (B, S, K, Hv), Hv = ``value_dim`` (None: H; 0 for a latent cache,
+    whose values are a slice of its keys, docs/latent.md); quantized when ``dtype`` is
+    a storage dtype (int8, float8_e4m3fn): zero scales too. Every array a buffer of its
+    own, so that a step may donate the cache."""
+    Hv = head_dim if value_dim is None else value_dim
+    keys, key_scales = quantized_zeros((batch, capacity, kv_heads, head_dim), dtype)
+    values, value_scales = quantized_zeros((batch, capacity, kv_heads, Hv), dtype)
+    position, last = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+    return KVCache(keys, values, position, last, key_scales, value_scales)
 
 
 def is_concrete(x) -> bool:

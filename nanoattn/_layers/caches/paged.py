@@ -88,13 +88,17 @@ class PagedCache(CachePolicy):
         """None: a step may bring any number of tokens of a sequence that its pages hold."""
         return None
 
-    def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
+    def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype,
+              value_dim: int | None = None) -> KVCache:  # fmt: skip
         """A pool of ``capacity / page_size`` pages (``batch`` is not the pool's: any
-        number of sequences share it), with no row state."""
+        number of sequences share it), with no row state; values of width ``value_dim``
+        (None: ``head_dim``)."""
         self.check_capacity(capacity, "init with a length that is a multiple of page_size")
-        shape = (capacity // self.page_size, self.page_size, kv_heads, head_dim)
-        # Four buffers of their own, so that a step may donate the cache.
-        (key, key_scales), (value, value_scales) = (quantized_zeros(shape, dtype) for _ in "kv")
+        pages = (capacity // self.page_size, self.page_size, kv_heads)
+        Hv = head_dim if value_dim is None else value_dim
+        # Buffers of their own, so that a step may donate the cache.
+        key, key_scales = quantized_zeros((*pages, head_dim), dtype)
+        value, value_scales = quantized_zeros((*pages, Hv), dtype)
         rows = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
         return KVCache(key, value, *rows, key_scales, value_scales)
 

@@ -126,9 +126,11 @@ class CachePolicy(abc.ABC):
         """Each row b moved back by ``n[b]`` tokens (``kv_cache.rewind``)."""
         return kv_cache.rewind(cache, n)
 
-    def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
-        """A fresh cache of ``capacity`` slots, every row at position 0."""
-        return kv_cache.empty(batch, capacity, kv_heads, head_dim, dtype)
+    def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype,
+              value_dim: int | None = None) -> KVCache:  # fmt: skip
+        """A fresh cache of ``capacity`` slots, every row at position 0; values of width
+        ``value_dim`` (None: ``head_dim``)."""
+        return kv_cache.empty(batch, capacity, kv_heads, head_dim, dtype, value_dim)
 
 
 class SlotCache(CachePolicy):

@@ -1,0 +1,352 @@
+// The paged forward pass (nanoattn.paged_attention): the queries of B sequences,
+// token-major, against keys and values read straight from a pool of pages through
+// each sequence's page table; no gathered copy of any sequence's keys exists.
+//
+// Shapes (docs/conventions.md's letters): q (Tq, N, H); key and value pages (P,
+// page_size, K, H); table (B, M) int32, sequence b's j-th page; kv_lengths (B,), the keys
+// sequence b holds; starts (B + 1,), sequence b's queries are rows starts[b] ..
+// starts[b+1] - 1, at positions kv_lengths[b] - q_len + i; real (Tq,) uint8, the rows
+// that belong to exactly one valid sequence (the others are padding, or broken rows the
+// caller poisons). Outputs, float32 whatever the inputs' type: out (Tq, N, H) and the
+// log-sum-exp (Tq, N); a row that is not real, or sees no key, gives zeros and -inf.
+//
+// One task per (sequence b, key/value head kh, block of up to kPagedVectors / G of b's
+// query rows): the G query heads of kh and the block's rows are its query vectors, so
+// each key and value row of the pool is read once per task (once per (b, kh) in a decode
+// step), a tile of kPagedKeys keys at a time, and dotted with every query vector
+// (bfloat16 widened in registers), then the online softmax (FlashAttention-2) in float32.
+// A task reads only the keys its rows may see (keys 0 .. kv_lengths[b] - 1, narrowed by
+// the causal band or the window): never a page past those the sequence holds, nor a
+// slot past its length. Every page id is clamped into [0, P), lengths into [0, M *
+// page_size] and starts into [0, Tq], so that no input, however wrong, reads outside
+// the arrays (the caller also replaces bad ids and makes those rows NaN).
+//
+// Included by attention.cc only, in its one translation unit: the code sits in an
+// unnamed namespace there as here, so that every function keeps internal linkage.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#include "simd.h"
+#include "threads.h"
+
+namespace {
+
+constexpr int kPagedVectors = 64;  // query vectors (rows x heads of a group) per task
+constexpr int kPagedKeys = 32;     // keys per tile
+constexpr int kPagedBlock = 4;     // query vectors per register tile of the products
+static_assert(kPagedKeys % VW == 0 && kPagedKeys % 2 == 0, "tiles must hold whole vectors");
+
+// A paged call: sizes, rules and the run-time inputs.
+struct Paged {
+  int64_t Tq, N, K, G, H, Hp, P, page_size, B, M;
+  float scale, soft_cap;  // soft_cap 0: none
+  int64_t left, right;    // the band, -1: unbounded
+  const int32_t* table;   // (B, M)
+  const int32_t* kv_lengths;  // (B,)
+  const int32_t* starts;  // (B + 1,)
+  const uint8_t* real;    // (Tq,)
+  // sequence b's rows [first, end), clamped into [0, Tq] and never decreasing
+  int64_t first(int64_t b) const { return std::clamp<int64_t>(starts[b], 0, Tq); }
+  int64_t end(int64_t b) const { return std::clamp<int64_t>(starts[b + 1], first(b), Tq); }
+  // the keys sequence b holds, clamped into [0, M * page_size] (none without a pool)
+  int64_t length(int64_t b) const {
+    return P == 0 ? 0 : std::clamp<int64_t>(kv_lengths[b], 0, M * page_size);
+  }
+  int64_t rows_per_task() const { return std::max<int64_t>(1, kPagedVectors / G); }
+};
+
+// One task: sequence b, key/value head kh, rows [r0, r1) of the query.
+struct PagedTask {
+  int64_t b, kh, r0, r1;
+};
+
+// VW elements from p as float32: bfloat16 widened in registers (a shift into the high
+// half); `count` < VW reads only that many (the rest 0), never past a row's end.
+inline vf load_wide(const float* p) { return load(p); }
+inline vf load_wide(const uint16_t* p) {
+  typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2), may_alias));
+  typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+  const vu wide = __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16;
+  return __builtin_bit_cast(vf, wide);
+}
+template <class In>
+inline vf load_wide(const In* p, int64_t count) {
+  if (count >= VW) return load_wide(p);
+  alignas(64) float part[VW] = {};
+  for (int64_t i = 0; i < count; ++i) part[i] = widen(p[i]);
+  return load(part);
+}
+
+// s[i * kPagedKeys + c] = q_i . k_c for kPagedBlock query vectors (rows of q, Hp wide,
+// zero past H) and the keys c < n (rows of H elements at krow[c]).
+template <class In>
+void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, int64_t n,
+                float* s) {
+  int64_t c = 0;
+  for (; c + 2 <= n; c += 2) {
+    vf acc[kPagedBlock][2] = {};
+    for (int64_t h = 0; h < Hp; h += VW) {
+      const vf k0 = load_wide(krow[c] + h, H - h), k1 = load_wide(krow[c + 1] + h, H - h);
+      for (int i = 0; i < kPagedBlock; ++i) {
+        const vf x = load(q + i * Hp + h);
+        acc[i][0] += x * k0;
+        acc[i][1] += x * k1;
+      }
+    }
+    for (int i = 0; i < kPagedBlock; ++i) {
+      s[i * kPagedKeys + c] = hsum(acc[i][0]);
+      s[i * kPagedKeys + c + 1] = hsum(acc[i][1]);
+    }
+  }
+  for (; c < n; ++c) {
+    vf acc[kPagedBlock] = {};
+    for (int64_t h = 0; h < Hp; h += VW) {
+      const vf k0 = load_wide(krow[c] + h, H - h);
+      for (int i = 0; i < kPagedBlock; ++i) acc[i] += load(q + i * Hp + h) * k0;
+    }
+    for (int i = 0; i < kPagedBlock; ++i) s[i * kPagedKeys + c] = hsum(acc[i]);
+  }
+}
+
+// o[i] += sum_c p[i, c] v_c for kPagedBlock query vectors (o rows Hp wide) and the
+// values c < n (rows of H elements at vrow[c]), two vectors of the width at a time.
+template <class In>
+void paged_values(const float* p, const In* const* vrow, int64_t n, int64_t Hp, int64_t H,
+                  float* o) {
+  int64_t h = 0;
+  for (; h + 2 * VW <= Hp; h += 2 * VW) {
+    vf acc[kPagedBlock][2];
+    for (int i = 0; i < kPagedBlock; ++i)
+      for (int v = 0; v < 2; ++v) acc[i][v] = load(o + i * Hp + h + v * VW);
+    for (int64_t c = 0; c < n; ++c) {
+      const vf v0 = load_wide(vrow[c] + h, H - h), v1 = load_wide(vrow[c] + h + VW, H - h - VW);
+      for (int i = 0; i < kPagedBlock; ++i) {
+        const vf w = splat(p[i * kPagedKeys + c]);
+        acc[i][0] += w * v0;
+        acc[i][1] += w * v1;
+      }
+    }
+    for (int i = 0; i < kPagedBlock; ++i)
+      for (int v = 0; v < 2; ++v) store(o + i * Hp + h + v * VW, acc[i][v]);
+  }
+  for (; h < Hp; h += VW) {
+    vf acc[kPagedBlock];
+    for (int i = 0; i < kPagedBlock; ++i) acc[i] = load(o + i * Hp + h);
+    for (int64_t c = 0; c < n; ++c) {
+      const vf v0 = load_wide(vrow[c] + h, H - h);
+      for (int i = 0; i < kPagedBlock; ++i) acc[i] += splat(p[i * kPagedKeys + c]) * v0;
+    }
+    for (int i = 0; i < kPagedBlock; ++i) store(o + i * Hp + h, acc[i]);
+  }
+}
+
+// A task's scratch, kept per thread from call to call (grown to the largest need).
+struct PagedScratch {
+  std::vector<float> q, s, o, m, l;
+  void fit(int64_t vectors, int64_t Hp) {
+    const size_t n = static_cast<size_t>(vectors);
+    if (q.size() < n * Hp) q.resize(n * Hp), o.resize(n * Hp);
+    if (s.size() < n * kPagedKeys) s.resize(n * kPagedKeys);
+    if (m.size() < n) m.resize(n), l.resize(n);
+  }
+};
+
+template <class In>
+void paged_task(const Paged& p, const In* q, const In* kp, const In* vp, const PagedTask& task,
+                float* out, float* lse) {
+  const int64_t b = task.b, kh = task.kh, G = p.G, Hp = p.Hp, H = p.H;
+  const int64_t rows = task.r1 - task.r0, vectors = rows * G;
+  const int64_t padded = (vectors + kPagedBlock - 1) / kPagedBlock * kPagedBlock;
+  thread_local PagedScratch scratch;
+  scratch.fit(padded, Hp);
+  float *qs = scratch.q.data(), *s = scratch.s.data(), *o = scratch.o.data();
+  float *m = scratch.m.data(), *l = scratch.l.data();
+  // The rows' positions; the task's keys [lo, hi): every key some real row sees (the
+  // rows' bands are intervals of one width at consecutive positions: their union is
+  // one interval), so a key no row of the task sees is never read.
+  const int64_t length = p.length(b), q_len = p.end(b) - p.first(b);
+  const int64_t base = length - q_len + (task.r0 - p.first(b));  // position of row r0
+  int64_t top = -1, bottom = -1;
+  for (int64_t r = 0; r < rows; ++r)
+    if (p.real[task.r0 + r]) top = base + r, bottom = bottom < 0 ? base + r : bottom;
+  if (top < 0) return;  // no real row: nothing to write
+  int64_t lo = 0, hi = length;
+  if (p.right >= 0) hi = std::min(hi, top + p.right + 1);
+  if (p.left >= 0) lo = std::max<int64_t>(lo, bottom - p.left);
+  // Query vectors (row r, head g) at r * G + g, times the scale; padding vectors 0.
+  std::fill(qs, qs + padded * Hp, 0.0f);
+  std::fill(o, o + padded * Hp, 0.0f);
+  std::fill(m, m + padded, -kInf);
+  std::fill(l, l + padded, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!p.real[task.r0 + r]) continue;
+    const In* src = q + ((task.r0 + r) * p.N + kh * G) * H;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t h = 0; h < H; ++h) qs[(r * G + g) * Hp + h] = widen(src[g * H + h]) * p.scale;
+  }
+  // The rows of the tile being read, and of the next one, whose lines are prefetched
+  // while this one is computed (its pages sit anywhere in the pool).
+  const In* rows_of[2][2][kPagedKeys];  // [tile parity][keys, values][key]
+  const int32_t* pages = p.table + b * p.M;
+  const int64_t row_bytes = H * static_cast<int64_t>(sizeof(In));
+  auto locate = [&](int64_t j0, const In** keys, const In** values, bool prefetch) {
+    const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
+    int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
+      const int64_t at = ((page * p.page_size + slot) * p.K + kh) * H;
+      keys[c] = kp + at;
+      values[c] = vp + at;
+      if (prefetch)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(keys[c]) + byte);
+          __builtin_prefetch(reinterpret_cast<const char*>(values[c]) + byte);
+        }
+      if (++slot == p.page_size) slot = 0, ++entry;
+    }
+  };
+  vi column;
+  for (int c = 0; c < VW; ++c) column[c] = c;
+  if (lo < hi) locate(lo, rows_of[0][0], rows_of[0][1], false);
+  for (int64_t j0 = lo, tile = 0; j0 < hi; j0 += kPagedKeys, ++tile) {
+    const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
+    const In* const* krow = rows_of[tile & 1][0];
+    const In* const* vrow = rows_of[tile & 1][1];
+    if (j0 + kPagedKeys < hi)
+      locate(j0 + kPagedKeys, rows_of[~tile & 1][0], rows_of[~tile & 1][1], true);
+    for (int64_t i = 0; i < padded; i += kPagedBlock)
+      paged_dots(qs + i * Hp, Hp, H, krow, n, s + i * kPagedKeys);
+    for (int64_t i = 0; i < padded; ++i) {
+      float* row = s + i * kPagedKeys;
+      const int64_t r = i / G;
+      if (r >= rows || !p.real[task.r0 + r]) {  // a padding vector or a row not written
+        std::fill(row, row + kPagedKeys, 0.0f);
+        continue;
+      }
+      if (p.soft_cap > 0)
+        for (int64_t c = 0; c < n; ++c) row[c] = p.soft_cap * std::tanh(row[c] / p.soft_cap);
+      // The row's keys [first, last] among the tile's columns; the others -inf.
+      const int64_t pos = base + r;
+      const int64_t first = p.left >= 0 ? pos - p.left : 0;
+      const int64_t last = std::min(p.right >= 0 ? pos + p.right : hi - 1, j0 + n - 1);
+      const vi from = splat_int(static_cast<int32_t>(std::clamp<int64_t>(first - j0, 0, n)));
+      const vi to = splat_int(static_cast<int32_t>(std::clamp<int64_t>(last - j0, -1, n)));
+      vi col = column;
+      vf mx = splat(-kInf);
+      for (int c = 0; c < kPagedKeys; c += VW, col += VW) {
+        const vf x = (col < from) | (col > to) ? splat(-kInf) : load(row + c);
+        store(row + c, x);
+        mx = nan_max(x, mx);
+      }
+      // The online softmax, as the dense kernel's: maxima keep a NaN, and a row that
+      // sees nothing yet keeps m = -inf and weights 0.
+      const float m_new = nan_max(m[i], hmax(mx));
+      if (m_new == -kInf) {
+        std::fill(row, row + kPagedKeys, 0.0f);
+        continue;
+      }
+      const float alpha = std::exp(m[i] - m_new);  // 0 when m was -inf
+      vf sum = vf{};
+      const vf shift = splat(m_new);
+      for (int c = 0; c < kPagedKeys; c += VW) {
+        const vf e = vexp(load(row + c) - shift);
+        store(row + c, e);
+        sum += e;
+      }
+      l[i] = l[i] * alpha + hsum(sum);
+      m[i] = m_new;
+      if (alpha != 1.0f) {
+        float* orow = o + i * Hp;
+        const vf a = splat(alpha);
+        for (int64_t h = 0; h < Hp; h += VW) store(orow + h, load(orow + h) * a);
+      }
+    }
+    for (int64_t i = 0; i < padded; i += kPagedBlock)
+      paged_values(s + i * kPagedKeys, vrow, n, Hp, H, o + i * Hp);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = task.r0 + r;
+    if (!p.real[t]) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = r * G + g, head = kh * G + g;
+      float* dst = out + (t * p.N + head) * H;
+      if (l[i] != 0) {  // l >= 1 for a row that sees a key; NaN from NaN or inf content
+        const float inv = 1.0f / l[i];
+        for (int64_t h = 0; h < H; ++h) dst[h] = o[i * Hp + h] * inv;
+        lse[t * p.N + head] = m[i] + std::log(l[i]);
+      } else {
+        std::fill(dst, dst + H, 0.0f);
+        lse[t * p.N + head] = -kInf;  // the log-sum-exp of no logit
+      }
+    }
+  }
+}
+
+// The paged forward pass for inputs of type DT (F32 or BF16); out and lse float32.
+template <xla::ffi::DataType DT>
+xla::ffi::Error PagedForward(xla::ffi::ThreadPool pool, xla::ffi::Buffer<DT> q, xla::ffi::Buffer<DT> key_pages,
+                        xla::ffi::Buffer<DT> value_pages, xla::ffi::Buffer<xla::ffi::S32> table,
+                        xla::ffi::Buffer<xla::ffi::S32> kv_lengths, xla::ffi::Buffer<xla::ffi::S32> starts,
+                        xla::ffi::Buffer<xla::ffi::U8> real, float scale, float soft_cap, int64_t left,
+                        int64_t right, xla::ffi::ResultBuffer<xla::ffi::F32> out,
+                        xla::ffi::ResultBuffer<xla::ffi::F32> lse) {
+  using In = xla::ffi::NativeType<DT>;
+  const auto qd = q.dimensions(), kd = key_pages.dimensions(), vd = value_pages.dimensions();
+  const auto td = table.dimensions();
+  auto bad = [](const char* what) {
+    return xla::ffi::Error::InvalidArgument(std::string("nanoattn native paged: ") + what);
+  };
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2)
+    return bad("q needs (Tq, N, H), the pages (P, page_size, K, H), the table (B, M)");
+  for (size_t a = 0; a < 4; ++a)
+    if (kd[a] != vd[a]) return bad("key and value pages differ");
+  Paged p;
+  p.Tq = qd[0], p.N = qd[1], p.H = qd[2];
+  p.P = kd[0], p.page_size = kd[1], p.K = kd[2];
+  p.B = td[0], p.M = td[1];
+  if (kd[3] != p.H || p.K == 0 || p.N % p.K || p.page_size == 0)
+    return bad("bad head counts, widths or page size");
+  if (static_cast<int64_t>(kv_lengths.element_count()) != p.B ||
+      static_cast<int64_t>(starts.element_count()) != p.B + 1 ||
+      static_cast<int64_t>(real.element_count()) != p.Tq)
+    return bad("kv_lengths need (B,), starts (B + 1,) and real (Tq,)");
+  p.G = p.N / p.K;
+  p.Hp = (p.H + VW - 1) / VW * VW;
+  p.scale = scale, p.soft_cap = soft_cap, p.left = left, p.right = right;
+  p.table = table.typed_data(), p.kv_lengths = kv_lengths.typed_data();
+  p.starts = starts.typed_data(), p.real = real.typed_data();
+  float* o = out->typed_data();
+  float* l = lse->typed_data();
+  // Rows no task writes (padding, broken): zeros and -inf.
+  for (int64_t t = 0; t < p.Tq; ++t) {
+    if (p.real[t]) continue;
+    std::fill(o + t * p.N * p.H, o + (t + 1) * p.N * p.H, 0.0f);
+    std::fill(l + t * p.N, l + (t + 1) * p.N, -kInf);
+  }
+  std::vector<PagedTask> tasks;
+  const int64_t step = p.rows_per_task();
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t r0 = p.first(b); r0 < p.end(b); r0 += step)
+      for (int64_t kh = 0; kh < p.K; ++kh)
+        tasks.push_back({b, kh, r0, std::min(r0 + step, p.end(b))});
+  if (tasks.empty()) return xla::ffi::Error::Success();
+  // The longest first: a prefill chunk's tasks start before the decode tokens'.
+  const std::vector<int64_t> order = costliest_first(
+      static_cast<int64_t>(tasks.size()),
+      [&](int64_t t) { return (tasks[t].r1 - tasks[t].r0) * (p.length(tasks[t].b) + 1); });
+  const In* qp = q.typed_data();
+  const In* kp = key_pages.typed_data();
+  const In* vp = value_pages.typed_data();
+  parallel_for(pool, max_threads(pool), static_cast<int64_t>(tasks.size()),
+               [&](int64_t t, int) { paged_task(p, qp, kp, vp, tasks[order[t]], o, l); });
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace

@@ -1,0 +1,86 @@
+"""The native kernel over a paged KV cache (``nanoattn.paged_attention``): the forward
+pass in C++ (``paged.h``: keys and values read from the pool through the page table,
+no gathered copy), the backward pass the flash kernel's (:func:`~nanoattn._backends.
+flash.paged.paged_gradients`, which walks the same pages) under a ``custom_vjp``.
+
+The C++ side takes the query (Tq, N, H), the pools (P, page_size, K, H), all float32 or
+all bfloat16 (one FFI target per type), the safe page table (B, M') (every id in the
+pool: :func:`~nanoattn._backends.flash.paged.paged_inputs`), the key lengths (B,), the
+query starts (B + 1,), the real rows (Tq,) as uint8, and the rules as attributes:
+``scale``, ``soft_cap`` (0: none) and the band ``left``/``right`` (-1: unbounded). It
+returns the output (Tq, N, H) and the log-sum-exp (Tq, N), float32 (the backward pass
+needs the unrounded output), zeros and ``-inf`` for a row that is not real or sees
+no key. Axis letters: Tq query tokens, B sequences, P pages, N query heads, K
+key/value heads, H head width.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..._core.base.rules import Rules
+from ..flash.paged import PagedInputs, PagedPlan, paged_gradients, paged_inputs
+from .kernel import TARGET_SUFFIX
+
+_F32 = jnp.dtype(jnp.float32)
+
+
+def native_paged_attention(query, key_pages, value_pages, rules: Rules):
+    """A paged call by the native kernel.
+
+    Args:
+      query: (Tq, N, H); key_pages, value_pages: (P, page_size, K, H), all float32 or
+        all bfloat16; ``rules`` from :meth:`Rules.make_paged`, without mask_fn or
+        score_fn (:mod:`nanoattn._backends.native.backend` refuses them).
+
+    Returns:
+      (out (Tq, N, H), lse (Tq, N)), float32 (the caller rounds ``out``),
+      differentiable in the query and the pools.
+    """
+    plan, inputs = paged_inputs(query, key_pages, value_pages, rules)
+    left, right = rules.band if rules.band is not None else (None, None)
+    attributes = (
+        float(rules.scale),
+        float(rules.logit_soft_cap or 0.0),
+        -1 if left is None else int(left),
+        -1 if right is None else int(right),
+    )
+    return _attend(plan, attributes, inputs)
+
+
+def _forward(attributes, inputs: PagedInputs):
+    """(out (Tq, N, H), lse (Tq, N)), float32, by the C++ pass."""
+    q = inputs.query
+    Tq, N, _ = q.shape
+    call = jax.ffi.ffi_call(
+        "nanoattn_paged_forward" + TARGET_SUFFIX[q.dtype],
+        (jax.ShapeDtypeStruct(q.shape, _F32), jax.ShapeDtypeStruct((Tq, N), _F32)),
+        vmap_method="sequential",
+    )
+    scale, soft_cap, left, right = attributes
+    return call(
+        q, inputs.key_pages, inputs.value_pages, inputs.table.astype(jnp.int32),
+        inputs.kv_lengths.astype(jnp.int32), inputs.starts.astype(jnp.int32),
+        inputs.real.astype(jnp.uint8), scale=np.float32(scale), soft_cap=np.float32(soft_cap),
+        left=np.int64(left), right=np.int64(right),
+    )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(plan: PagedPlan, attributes, inputs: PagedInputs):
+    return _forward(attributes, inputs)
+
+
+def _attend_fwd(plan: PagedPlan, attributes, inputs: PagedInputs):
+    out, lse = _forward(attributes, inputs)
+    return (out, lse), (inputs, out, lse)
+
+
+def _attend_bwd(plan: PagedPlan, attributes, residuals, cotangents):
+    inputs, out, lse = residuals
+    return (paged_gradients(plan, inputs, out, lse, *cotangents),)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -1,0 +1,196 @@
+"""The native kernel's paged pass (``paged.h``) where it differs from the other
+backends: its vector tails (H not a multiple of the vector width), several tasks per
+prefill chunk and several key tiles per task (with a window), bfloat16 widened in
+registers, page tables full of stale ids past the pages held, and a decode batch at a
+mid size against the paged reference. The behaviours every backend shares (GQA,
+windows, soft-cap, sinks, ragged mixes, padding rows, NaN in pages not read, bad
+inputs, gradients) are in tests/core/test_paged_attention.py."""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nanoattn
+from nanoattn._backends import native as native_kernel
+
+from _reference import np_attention, np_lse, randn
+
+pytestmark = pytest.mark.skipif(
+    native_kernel.load()[0] is None, reason="the native kernel could not be built here"
+)
+
+N, K, H = 8, 2, 20  # G = 4; H = 20: whole vectors and a tail on AVX2 and AVX-512
+
+
+def _pool(lengths, q_lens, page_size, seed, M=None, garbage=True):
+    """A paged batch: pages in shuffled physical order, NaN in every slot no sequence
+    holds, and (``garbage``) stale ids in every entry of the table past the held pages
+    (negative, past the pool, and pages of other sequences)."""
+    rng = np.random.default_rng(seed)
+    held = [-(-n // page_size) for n in lengths]
+    M = max(held) + 1 if M is None else M
+    P = sum(held) + 3
+    order = rng.permutation(P)
+    table = np.zeros((len(lengths), M), np.int32)
+    stale = np.array([-7, P, P + 1000, 2**31 - 1, *order[:2]], np.int32)
+    used = 0
+    for b, count in enumerate(held):
+        table[b, :count] = order[used : used + count]
+        table[b, count:] = rng.choice(stale, M - count) if garbage else 0
+        used += count
+    kp, vp = randn(seed + 1, P, page_size, K, H), randn(seed + 2, P, page_size, K, H)
+    readable = np.zeros((P, page_size), bool)
+    for b, n in enumerate(lengths):
+        for j in range(held[b]):
+            readable[table[b, j], : min(page_size, n - j * page_size)] = True
+    kp[~readable], vp[~readable] = np.nan, np.inf
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = randn(seed + 3, int(starts[-1]) + 2, N, H)  # two padding rows
+    return q, kp, vp, table, np.asarray(lengths, np.int32), starts
+
+
+def _truth(arrays, window=None):
+    """The float64 output and log-sum-exp of each sequence alone."""
+    q, kp, vp, table, lengths, starts = arrays
+    page_size = kp.shape[1]
+    out, lse = np.zeros(q.shape), np.full(q.shape[:2], -np.inf)
+    for b, n in enumerate(lengths):
+        rows = slice(starts[b], starts[b + 1])
+        q_len = starts[b + 1] - starts[b]
+        pages = table[b, : -(-n // page_size)]
+        keys = kp[pages].reshape(-1, K, H)[:n][None]
+        values = vp[pages].reshape(-1, K, H)[:n][None]
+        positions = n - q_len + np.arange(q_len)[:, None]
+        j = np.arange(n)[None]
+        allowed = j <= positions
+        if window is not None:
+            allowed &= j >= positions - window
+        out[rows] = np_attention(q[rows][None], keys, values, allowed)[0]
+        lse[rows] = np_lse(q[rows][None], keys, allowed)[0]
+    return out, lse
+
+
+def _native(arrays, dtype=jnp.float32, **rules):
+    q, kp, vp, *ints = arrays
+    q, kp, vp = (jnp.asarray(x, dtype) for x in (q, kp, vp))
+    return nanoattn.paged_attention(
+        q, kp, vp, *ints, implementation="native", return_residual=True, **rules
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 16])
+def test_a_prefill_chunk_and_decode_tokens_equal_each_sequence_alone(page_size):
+    """A 41-token chunk (three tasks of 16 rows at G = 4) over 70 keys (three tiles),
+    decode tokens, a sequence with no query; keys of a window start mid-tile."""
+    arrays = _pool([70, 1, 33, 5], [41, 1, 1, 0], page_size, seed=page_size)
+    end = arrays[-1][-1]
+    for window in (None, 11):
+        out, lse = _native(arrays, window=None if window is None else (window, 0))
+        want, want_lse = _truth(arrays, window)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"{window}")
+        np.testing.assert_allclose(lse[:end], want_lse[:end], atol=2e-5, rtol=2e-5)
+        assert (np.asarray(out[end:]) == 0).all() and (np.asarray(lse[end:]) == -np.inf).all()
+
+
+def test_stale_ids_past_the_held_pages_of_a_large_table_are_never_read():
+    """A table of 300 entries per sequence, all but a few stale: the same result as a
+    table of zeros past the held pages, bit for bit."""
+    args = dict(lengths=[29, 3, 64], q_lens=[2, 1, 1], page_size=16, seed=5, M=300)
+    stale = _pool(**args)
+    clean = _pool(**args, garbage=False)
+    assert (stale[3] != clean[3]).any()
+    for got, want in zip(_native(stale), _native(clean)):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(_native(stale)[0], _truth(stale)[0], atol=2e-5, rtol=2e-5)
+
+
+def test_bfloat16_is_within_twice_the_references_error():
+    """bfloat16 pools widened in registers: the error to float64 (of the rounded inputs)
+    at most twice the reference's in bfloat16, and rounded to bfloat16."""
+    arrays = _pool([70, 1, 33], [41, 1, 1], 16, seed=11)
+    rounded = [np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32) for x in arrays[:3]]
+    want, _ = _truth((*rounded, *arrays[3:]))
+    end = arrays[-1][-1]
+    got, lse = _native(arrays, jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    q, kp, vp = (jnp.asarray(x, jnp.bfloat16) for x in arrays[:3])
+    ref = nanoattn.paged_attention(q, kp, vp, *arrays[3:], implementation="xla")
+    error = np.abs(np.asarray(got, np.float64) - want)[:end].max()
+    ref_error = np.abs(np.asarray(ref, np.float64) - want)[:end].max()
+    assert 0 < error <= 2 * ref_error, (error, ref_error)
+
+
+@functools.cache
+def _decode_step(implementation, dtype):
+    def step(q, kp, vp, table, lengths, starts):
+        q, kp, vp = (x.astype(dtype) for x in (q, kp, vp))
+        out, lse = nanoattn.paged_attention(
+            q, kp, vp, table, lengths, starts, implementation=implementation,
+            return_residual=True,
+        )  # fmt: skip
+        return out.astype(jnp.float32), lse
+
+    return jax.jit(step)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_decode_batch_equals_the_paged_reference(dtype):
+    """13 sequences of 1 to 523 keys, one token each, pages of 16 (more tasks than
+    threads, each reading its own (sequence, key/value head))."""
+    lengths = np.random.default_rng(0).integers(1, 524, 13).tolist()
+    arrays = [jnp.asarray(x) for x in _pool(lengths, [1] * 13, 16, seed=17)]
+    out, lse = _decode_step("native", dtype)(*arrays)
+    want, want_lse = _decode_step("xla", dtype)(*arrays)
+    tolerance = 2e-5 if dtype == jnp.float32 else 1e-2  # the reference's bf16 output rounds
+    np.testing.assert_allclose(out, want, atol=tolerance, rtol=tolerance)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_a_paged_mask_fn_is_refused_in_one_line_and_served_automatically():
+    arrays = [jnp.asarray(x) for x in _pool([9, 4], [2, 1], 4, seed=23)]
+
+    def mask_fn(b, n, q, k):
+        return k % 2 == 0
+
+    with pytest.raises(ValueError) as info:
+        nanoattn.paged_attention(*arrays, mask_fn=mask_fn, implementation="native")
+    assert "\n" not in str(info.value) and "mask_fn is served by 'xla' and 'flash'" in str(
+        info.value
+    )
+    chosen = nanoattn.paged_attention(*arrays, mask_fn=mask_fn)  # by another backend
+    want = nanoattn.paged_attention(*arrays, mask_fn=mask_fn, implementation="xla")
+    np.testing.assert_allclose(chosen, want, atol=2e-5, rtol=2e-5)
+
+
+def test_the_avx2_build_serves_paged_calls_too_on_an_avx512_machine(tmp_path):
+    """The tests above through the AVX2 build (8-float vectors: other tails, panels and
+    reductions), compiled with AVX-512 off where the machine has it (where it has not,
+    the default build is that one)."""
+    flags = subprocess.run(["grep", "-m1", "-o", "avx512f", "/proc/cpuinfo"],
+                           capture_output=True, text=True).stdout  # fmt: skip
+    if "avx512f" not in flags:
+        pytest.skip("this machine has no AVX-512: the default build is the AVX2 one")
+    if os.environ.get("NANOATTN_NATIVE_SANITIZE"):
+        pytest.skip("the sanitizer build is generic (no -march=native) and so has no ISA variant")
+    env = dict(os.environ, NANOATTN_NATIVE_CFLAGS="-mno-avx512f",
+               NANOATTN_CACHE_DIR=str(tmp_path))  # fmt: skip
+    tests = pathlib.Path(__file__)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         str(tests), "-k", "not avx2_build"],
+        env=env, capture_output=True, text=True, timeout=400, cwd=tests.parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+    isa = subprocess.run(
+        [sys.executable, "-c", "from nanoattn._backends import native; print(native.isa())"],
+        env=env, capture_output=True, text=True, timeout=120,
+    ).stdout.strip()  # fmt: skip
+    assert isa.startswith("AVX2 "), isa

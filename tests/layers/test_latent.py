@@ -1,0 +1,170 @@
+"""Multi-head latent attention (nanoattn.linen / nanoattn.nnx LatentAttention): the
+training forward against the float64 numpy transcription (tests/_np_latent.py), and the
+absorbed decoding step over the latent cache against the forward, at prime sizes
+(B=2, T=11, D=29, N=3, r=13, Hn=7, Hr=4 (even), Hv=5, rq=17)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _np_latent import np_latent
+from flax import nnx
+
+import nanoattn
+import nanoattn.nnx
+from nanoattn.linen import LatentAttention, LatentConfig
+
+B, T, D = 2, 11, 29
+SIZES = dict(d_model=D, n_heads=3, kv_lora_rank=13, qk_nope_head_dim=7, qk_rope_head_dim=4,
+             v_head_dim=5)  # fmt: skip
+CONFIG = LatentConfig(**SIZES, q_lora_rank=17)
+
+
+def _x(seed=0):
+    return jax.random.normal(jax.random.key(seed), (B, T, D))
+
+
+@functools.cache
+def _layer(cfg=CONFIG):
+    """The layer, its parameters (norm scales made random: a forgotten norm shows) and
+    its full forward."""
+    layer = LatentAttention(cfg)
+    params = layer.init(jax.random.key(1), _x())
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + 0.3 * jax.random.normal(jax.random.key(len(str(path))), a.shape)
+        if "norm" in str(path) else a,
+        params,
+    )  # fmt: skip
+    return layer, params
+
+
+@pytest.mark.parametrize("q_lora_rank", [17, None])
+def test_forward_equals_the_float64_transcription(q_lora_rank):
+    cfg = LatentConfig(**SIZES, q_lora_rank=q_lora_rank)
+    layer, params = _layer(cfg)
+    got = layer.apply(params, _x())
+    np.testing.assert_allclose(got, np_latent(params, _x(), cfg), atol=2e-5, rtol=2e-5)
+
+
+def test_window_soft_cap_and_padding_equal_the_float64_transcription():
+    cfg = LatentConfig(**SIZES, q_lora_rank=17, window=(3, 0), logit_soft_cap=2.0)
+    layer, params = _layer(cfg)
+    pad = np.arange(T)[None] < np.array([[T], [6]])  # row 1: its last 5 keys are padding
+    mask = pad[:, None, None, :]  # (B, 1, 1, S)
+    got = layer.apply(params, _x(), mask=jnp.asarray(mask))
+    i, j = np.arange(T)[:, None], np.arange(T)[None]
+    allowed = (j >= i - 3)[None, None] & mask
+    np.testing.assert_allclose(got, np_latent(params, _x(), cfg, allowed=allowed), atol=2e-5)
+
+
+def test_segment_ids_equal_each_segment_alone():
+    layer, params = _layer()
+    ids = jnp.asarray((np.arange(T) >= 4).astype(np.int32))[None].repeat(B, 0)
+    got = layer.apply(params, _x(), segment_ids=ids, positions=np.r_[np.arange(4), np.arange(7)])
+    first, second = layer.apply(params, _x()[:, :4]), layer.apply(params, _x()[:, 4:])
+    np.testing.assert_allclose(got, np.concatenate([first, second], 1), atol=2e-5)
+
+
+def _decode(layer, params, chunks, capacity=T + 2, lengths=None):
+    """Decodes ``chunks`` (slices of x) in turn; returns the outputs and the cache."""
+    cache = layer.init(jax.random.key(1), jnp.zeros((B, capacity, D)), decode=True)["cache"]
+    outs = []
+    for i, part in enumerate(chunks):
+        extra = {} if lengths is None else dict(lengths=jnp.asarray(lengths[i]))
+        y, state = layer.apply({**params, "cache": cache}, _x()[:, part], decode=True,
+                               mutable=["cache"], **extra)  # fmt: skip
+        outs.append(y)
+        cache = state["cache"]
+    return outs, cache
+
+
+def test_decoding_in_chunks_of_any_length_equals_the_forward_at_every_position():
+    layer, params = _layer()
+    outs, cache = _decode(layer, params, [slice(0, 5), slice(5, 6), slice(6, 8), slice(8, T)])
+    full = layer.apply(params, _x())
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=2e-5, rtol=2e-5)
+    r, Hr = CONFIG.kv_lora_rank, CONFIG.qk_rope_head_dim
+    assert cache["key"].shape == (B, T + 2, 1, r + Hr) and cache["value"].shape[-1] == 0
+    assert nanoattn.linen.cache_bytes(cache)[""] == B * (T + 2) * (r + Hr) * 4 + 2 * B * 4
+
+
+def test_ragged_rows_and_rewind():
+    layer, params = _layer()
+    # row 1 takes 3 of 5 prompt tokens, then its 4th and 5th token come one by one
+    outs, cache = _decode(layer, params, [slice(0, 5)], lengths=[[5, 3]])
+    assert list(cache["position"]) == [5, 3]
+    full = layer.apply(params, _x()[:, :5])
+    np.testing.assert_allclose(outs[0][0], full[0], atol=2e-5)
+    np.testing.assert_allclose(outs[0][1, :3], full[1, :3], atol=2e-5)
+    assert (np.asarray(outs[0][1, 3:]) == 0).all()
+    cache = nanoattn.linen.rewind(cache, jnp.array([2, 0]))  # row 0 takes back 2 tokens
+    y, _ = layer.apply({**params, "cache": cache}, _x()[:, 3:4], decode=True, mutable=["cache"])
+    np.testing.assert_allclose(y[0, 0], full[0, 3], atol=2e-5)  # row 0 at position 3 again
+    np.testing.assert_allclose(y[1, 0], full[1, 3], atol=2e-5)  # row 1 at position 3 anew
+
+
+def test_rolling_cache_decodes_past_its_slots_equal_to_the_windowed_forward():
+    cfg = LatentConfig(**SIZES, q_lora_rank=17, window=(3, 0), rolling_cache=True)
+    layer, params = _layer(cfg)
+    chunks = [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 10), slice(10, T)]
+    outs, _ = _decode(layer, params, chunks, capacity=6)  # 6 slots for 11 tokens
+    np.testing.assert_allclose(np.concatenate(outs, 1), layer.apply(params, _x()), atol=2e-5)
+
+
+def test_paged_cache_equals_the_forward():
+    cfg = LatentConfig(**SIZES, q_lora_rank=17, page_size=3)
+    layer, params = _layer(cfg)
+    pool = layer.init(jax.random.key(1), jnp.zeros((1, 12, D)), decode=True)["cache"]
+    allocator = nanoattn.PageAllocator(pages=4, page_size=3, max_sequences=B, max_pages=2)
+    outs = []
+    for part in (slice(0, 5), slice(5, 6)):
+        length = part.stop - part.start
+        for row in range(B):
+            if part.start == 0:
+                allocator.allocate(row, length)
+            else:
+                allocator.extend(row, length)
+        batch = allocator.batch([(row, length) for row in range(B)], tokens=B * length)
+        x = _x()[:, part].reshape(1, B * length, D)  # token-major: row 0's tokens, then row 1's
+        y, state = layer.apply({**params, "cache": pool}, x, decode=True, pages=batch,
+                               mutable=["cache"])  # fmt: skip
+        pool = state["cache"]
+        outs.append(np.asarray(y).reshape(B, length, D))
+    full = layer.apply(params, _x()[:, :6])
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=2e-5, rtol=2e-5)
+
+
+def test_nnx_equals_linen_forward_and_decoding():
+    layer, params = _layer()
+    module = nanoattn.nnx.LatentAttention(CONFIG, rngs=nnx.Rngs(0))
+    for name, leaves in params["params"].items():  # the same names and shapes
+        for leaf, value in leaves.items():
+            getattr(getattr(module, name), leaf)[...] = value
+    np.testing.assert_allclose(module(_x()), layer.apply(params, _x()), atol=1e-6)
+    module.init_cache(B, T)
+    ys = [module(_x()[:, :4], decode=True), module(_x()[:, 4:T], decode=True)]
+    np.testing.assert_allclose(np.concatenate(ys, 1), layer.apply(params, _x()), atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(qk_rope_head_dim=5), "qk_rope_head_dim must be even"),
+        (dict(kv_lora_rank=0), "kv_lora_rank must be a positive int"),
+        (dict(rolling_cache=True), "rolling_cache needs a causal window"),
+        (dict(rope_layout="sideways"), "rope_layout must be 'half' or 'interleaved'"),
+    ],
+)
+def test_config_errors_name_the_argument(change, message):
+    with pytest.raises(ValueError, match=message):
+        LatentConfig(**(SIZES | change))
+
+
+def test_scale_is_of_the_query_key_width_with_deepseeks_mscale():
+    assert CONFIG.scale == pytest.approx(11**-0.5)
+    yarn = dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=64,
+                mscale=1.0, mscale_all_dim=1.0)  # fmt: skip
+    m = 0.1 * np.log(40.0) + 1
+    assert LatentConfig(**SIZES, rope_scaling=yarn).scale == pytest.approx(11**-0.5 * m * m)

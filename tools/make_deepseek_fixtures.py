@@ -1,0 +1,89 @@
+"""Builds the fixtures of tests/interop/test_deepseek.py from transformers itself.
+
+Run from the repository root with a Python that has torch and transformers (never
+dependencies of nanoattn or of its tests, which read only the .npz files):
+
+    /path/to/venv-with-torch/bin/python tools/make_deepseek_fixtures.py
+
+For each case it builds transformers' ``DeepseekV3Attention`` (layer 0) with a small
+random configuration, gives every weight random values of a useful size (the RMSNorm
+scales too, so a forgotten norm shows), and runs it with the eager attention, causal,
+on B x T random inputs at positions 0 .. T - 1: in float32 (``y_f32``) and, on the
+same inputs, in float64 (``y_f64``, with the rotary table computed in float64: the
+truth). It writes tests/fixtures/models/deepseek_<case>.npz: ``config``
+(``config.to_dict()`` as JSON), the weights under the checkpoint's names
+(``model.layers.0.self_attn.*``, float32), ``x``, ``y_f32`` and ``y_f64``.
+
+Cases: ``v3`` (a low-rank query, YaRN with DeepSeek's mscale, interleaved rope) and
+``v2_lite`` (one query projection, plain RoPE, the half layout, biases).
+"""
+
+import json
+import pathlib
+
+import numpy as np
+import torch
+import transformers
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "models"
+B, T = 2, 11
+SIZES = dict(hidden_size=29, num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=13,
+             qk_nope_head_dim=7, qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1,
+             vocab_size=40, intermediate_size=16, moe_intermediate_size=8, n_routed_experts=4,
+             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+             max_position_embeddings=32, rms_norm_eps=1e-6)  # fmt: skip
+CASES = {
+    "v3": dict(q_lora_rank=17, rope_interleave=True, rope_parameters=dict(
+        rope_type="yarn", rope_theta=100.0, factor=8.0, original_max_position_embeddings=4,
+        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+    "v2_lite": dict(q_lora_rank=None, rope_interleave=False, attention_bias=True,
+                    rope_parameters=dict(rope_type="default", rope_theta=50.0)),
+}  # fmt: skip
+
+
+def run(config, state, x, dtype):
+    """The attention's output for x (B, T, D) in ``dtype`` (float32 or float64)."""
+    config = transformers.DeepseekV3Config(**json.loads(config.to_json_string()))
+    config._attn_implementation = "eager"
+    attention = deepseek.DeepseekV3Attention(config, layer_idx=0).to(dtype)
+    attention.load_state_dict({k: torch.tensor(v, dtype=dtype) for k, v in state.items()})
+    rotary = deepseek.DeepseekV3RotaryEmbedding(config).to(torch.float64)
+    positions = torch.arange(T)[None].repeat(B, 1)
+    xs = torch.tensor(x, dtype=dtype)
+    with torch.autocast("cpu", enabled=False):
+        cos, sin = rotary(xs.to(torch.float64), positions)
+    causal = torch.full((T, T), float("-inf"), dtype=dtype).triu(1)[None, None]
+    with torch.no_grad():
+        y, _ = attention(xs, (cos.to(dtype), sin.to(dtype)), causal.repeat(B, 1, 1, 1))
+    return y.numpy().astype(np.float64 if dtype == torch.float64 else np.float32)
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, options in CASES.items():
+        torch.manual_seed(0)
+        config = transformers.DeepseekV3Config(**SIZES, **options)
+        config._attn_implementation = "eager"
+        attention = deepseek.DeepseekV3Attention(config, layer_idx=0)
+        rng = np.random.default_rng(1)
+        state = {}
+        for key, tensor in attention.state_dict().items():
+            if "layernorm" in key:
+                value = 1.0 + 0.3 * rng.standard_normal(tuple(tensor.shape))
+            else:
+                value = rng.standard_normal(tuple(tensor.shape)) / np.sqrt(tensor.shape[-1])
+            state[key] = value.astype(np.float32)
+        x = rng.standard_normal((B, T, SIZES["hidden_size"])).astype(np.float32)
+        arrays = {f"model.layers.0.self_attn.{k}": v for k, v in state.items()}
+        arrays |= dict(
+            config=np.array(config.to_json_string()), x=x,
+            y_f32=run(config, state, x, torch.float32), y_f64=run(config, state, x, torch.float64),
+        )  # fmt: skip
+        path = OUT / f"deepseek_{name}.npz"
+        np.savez_compressed(path, **arrays)
+        print(path, {k: v.shape for k, v in arrays.items() if k != "config"})
+
+
+if __name__ == "__main__":
+    main()
