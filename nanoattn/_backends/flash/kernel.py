@@ -282,6 +282,9 @@ class RuleBlocks(NamedTuple):
         (:attr:`BlockInputs.index_shift`), or None.
       key_scales, value_scales: the scales of quantized keys and values as blocks
         (B, nK, bk, K) in the softmax's dtype, or None.
+      segment_ranges: each block's smallest and largest segment id, ``(q_min, q_max)``
+        (B, nQ) and ``(kv_min, kv_max)`` (B, nK), or None: an item whose two ranges do
+        not meet is hidden wholly (:func:`_item_live`).
     """
 
     mask: jax.Array | None
@@ -292,6 +295,7 @@ class RuleBlocks(NamedTuple):
     index_shift: jax.Array | None
     key_scales: jax.Array | None = None
     value_scales: jax.Array | None = None
+    segment_ranges: tuple | None = None
 
     @classmethod
     def of(cls, plan: Plan, inputs: BlockInputs, acc) -> "RuleBlocks":
@@ -306,6 +310,7 @@ class RuleBlocks(NamedTuple):
             index_shift=inputs.index_shift,
             key_scales=_scale_blocks(rules.key_scales, plan, acc),
             value_scales=_scale_blocks(rules.value_scales, plan, acc),
+            segment_ranges=_segment_ranges(rules.q_segment_ids, rules.kv_segment_ids, plan),
         )
 
 
@@ -386,31 +391,95 @@ def _item_keys(plan: Plan, masked: bool, kb, vb, blocks: RuleBlocks, qc, kj):
     return ks, vs, cells, allowed
 
 
-def _step_live(plan: Plan, kinds, blocks: RuleBlocks, qi, qc, kj):
-    """Whether the traced rules leave any real (not idle) item of a step a visible
-    cell: bool (), or None when no traced rule can hide a whole item (the step then
-    runs unconditionally). The traced rules are mask_fn's traced kinds, the key
-    lengths (a block at or past a row's length is hidden: a decoding step over a cache
-    does the work of what each row holds, not of its capacity) and the band of a
-    traced offset (a block above a chunk's diagonal is hidden)."""
+def _traced_band(plan: Plan, blocks: RuleBlocks) -> bool:
+    return plan.band is not None and plan.static_offset is None and blocks.q_offset is not None
+
+
+def _hides_items(plan: Plan, blocks: RuleBlocks) -> bool:
+    """Whether a traced rule can hide a whole item (:func:`_item_live`)."""
+    return (
+        plan.traced_kinds or blocks.kv_lengths is not None
+        or blocks.segment_ranges is not None or _traced_band(plan, blocks)
+    )  # fmt: skip
+
+
+def _item_live(plan: Plan, kinds, blocks: RuleBlocks, qi, kj):
+    """Whether the traced rules leave each real (not idle) item of a step, query block
+    ``qi`` (L,) and key block ``kj`` (L,), a visible cell in some batch row: bool (L,).
+    The traced rules are mask_fn's traced kinds, the key lengths (a block at or past a
+    row's length is hidden: a decoding step over a cache does the work of what each row
+    holds, not of its capacity), the band of a traced offset (a block above a chunk's
+    diagonal is hidden) and the segment ids (a block pair whose id ranges do not meet is
+    hidden: packed documents cost the blocks of each document only)."""
+    qc = jnp.minimum(qi, plan.n_q - 1)
     live = (qi < plan.n_q)[None]  # (1, L); (1 or B, L) once a row's rule joins
-    traced = False
     if plan.traced_kinds:
-        live, traced = live & (kinds[qc, kj] != EMPTY)[None], True
+        live = live & (kinds[qc, kj] != EMPTY)[None]
     j0 = (kj * plan.block_k)[None]  # (1, L): the item's first key, and its last
     j1 = jnp.minimum(j0 + plan.block_k, plan.S) - 1
     if blocks.kv_lengths is not None:
-        live, traced = live & (j0 < blocks.kv_lengths[:, None]), True  # (B, L)
-    if plan.band is not None and plan.static_offset is None and blocks.q_offset is not None:
+        live = live & (j0 < blocks.kv_lengths[:, None])  # (B, L)
+    if _traced_band(plan, blocks):
         left, right = plan.band
         offset = jnp.reshape(jnp.asarray(blocks.q_offset), (-1, 1))  # (1 or B, 1)
         first = offset + (qc * plan.block_q)[None]  # (1 or B, L): the item's first query
         last = offset + jnp.minimum(qc * plan.block_q + plan.block_q, plan.T)[None] - 1
         if right is not None:
-            live, traced = live & (j0 <= last + right), True
+            live = live & (j0 <= last + right)
         if left is not None:
-            live, traced = live & (j1 >= first - left), True
-    return jnp.any(live) if traced else None
+            live = live & (j1 >= first - left)
+    if blocks.segment_ranges is not None:
+        (q_min, q_max), (kv_min, kv_max) = blocks.segment_ranges  # (B, nQ), (B, nK)
+        meet = (jnp.take(q_min, qc, axis=1) <= jnp.take(kv_max, kj, axis=1)) & (
+            jnp.take(kv_min, kj, axis=1) <= jnp.take(q_max, qc, axis=1)
+        )  # (B, L)
+        live = live & meet
+    return jnp.any(live, axis=0)
+
+
+class LiveSchedule(NamedTuple):
+    """A schedule as the traced rules leave it: in each lane, the items they leave live
+    first (in the schedule's order), then the hidden ones.
+
+    Attributes:
+      q_block, k_block: int32 (steps, lanes), the reordered items.
+      live: bool (steps, lanes), whether each reordered item is live.
+      steps: int32 (), the steps that hold a live item: the pass runs only those.
+    """
+
+    q_block: jax.Array
+    k_block: jax.Array
+    live: jax.Array
+    steps: jax.Array
+
+
+def live_schedule(plan: Plan, kinds, blocks: RuleBlocks, schedule: Schedule) -> LiveSchedule:
+    """``schedule`` with each lane's live items first (:class:`LiveSchedule`). Within a
+    lane the items are independent (one query block per lane per step still holds: a
+    lane's items change order, never lane), so the pass runs the live steps only."""
+    q_block, k_block = jnp.asarray(schedule.q_block), jnp.asarray(schedule.k_block)
+    live = jax.vmap(lambda qi, kj: _item_live(plan, kinds, blocks, qi, kj))(q_block, k_block)
+    order = jnp.argsort(~live, axis=0, stable=True)  # (steps, lanes): live first
+    pick = functools.partial(jnp.take_along_axis, indices=order, axis=0)
+    steps = live.sum(axis=0).max().astype(jnp.int32)
+    return LiveSchedule(pick(q_block), pick(k_block), pick(live), steps)
+
+
+def _run_steps(plan: Plan, kinds, blocks: RuleBlocks, schedule: Schedule, step, carry):
+    """``step(carry, (qi, kj)) -> carry`` over the schedule's steps: all of them, or,
+    where a traced rule can hide whole items, the steps of :func:`live_schedule` that
+    hold a live item (the others are never run)."""
+    if not _hides_items(plan, blocks):
+        carry, _ = jax.lax.scan(
+            lambda c, item: (step(c, item), None),
+            carry,
+            (jnp.asarray(schedule.q_block), jnp.asarray(schedule.k_block)),
+        )
+        return carry
+    live = live_schedule(plan, kinds, blocks, schedule)
+    return jax.lax.fori_loop(
+        0, live.steps, lambda t, c: step(c, (live.q_block[t], live.k_block[t])), carry
+    )
 
 
 def _scores(plan: Plan, qs, ks, qi, kj, blocks: RuleBlocks, allowed=None, cells=None,
@@ -453,6 +522,21 @@ def _scores(plan: Plan, qs, ks, qi, kj, blocks: RuleBlocks, allowed=None, cells=
     if with_vjp:
         return s, tanh, score_vjp
     return s, tanh
+
+
+def _segment_ranges(q_ids, kv_ids, plan: Plan):
+    """Each block's smallest and largest segment id (padding left out):
+    ((q_min, q_max) (B, nQ), (kv_min, kv_max) (B, nK)), or None."""
+    if q_ids is None:
+        return None
+
+    def ranges(ids, blocks: int, size: int):
+        info = jnp.iinfo(ids.dtype)
+        low = _pad(ids, 1, blocks * size, info.max).reshape(plan.B, blocks, size).min(-1)
+        high = _pad(ids, 1, blocks * size, info.min).reshape(plan.B, blocks, size).max(-1)
+        return low, high
+
+    return ranges(q_ids, plan.n_q, plan.block_q), ranges(kv_ids, plan.n_k, plan.block_k)
 
 
 def _segment_blocks(q_ids, kv_ids, plan: Plan):
@@ -518,17 +602,10 @@ def forward_block(plan: Plan, inputs: BlockInputs):
                 o_new = o_prev * rescale[..., None] + pv * weight[..., None]
                 return m_new, l_new, jnp.einsum("BLKGqH->BLqKGH", o_new)
 
-            live = _step_live(plan, kinds, blocks, qi, qc, kj)
-            if live is not None:  # skip a step whose every item the traced rules hide
-                m_new, l_new, o_new = jax.lax.cond(live, update, lambda: (m_old, l_old, o_old))
-            else:
-                m_new, l_new, o_new = update()
-            return (m.at[:, qi].set(m_new), l.at[:, qi].set(l_new), o.at[:, qi].set(o_new)), None
+            m_new, l_new, o_new = update()
+            return m.at[:, qi].set(m_new), l.at[:, qi].set(l_new), o.at[:, qi].set(o_new)
 
-        state, _ = jax.lax.scan(
-            step, state, (jnp.asarray(schedule.q_block), jnp.asarray(schedule.k_block))
-        )
-        return state
+        return _run_steps(plan, kinds, blocks, schedule, step, state)
 
     masked, full = plan.schedules()
     m, l, o = run(run(state, masked, True), full, False)
@@ -616,33 +693,16 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
                 dv_c = jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", p, dos)
                 return dq_c, dk_c, dv_c, ds, d_consts
 
-            live = _step_live(plan, kinds, blocks, qi, qc, kj)
-            if live is not None:  # skip a step whose every item the traced rules hide
-                zeros = jax.tree.map(
-                    lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(contributions)
-                )
-
-                # Inside shard_map both branches vary over the same mesh axes (the ring).
-                def alike(tree):
-                    return varying_like(tree, inputs, d_out, residuals)
-
-                dq_c, dk_c, dv_c, ds, d_consts = jax.lax.cond(
-                    live, lambda: alike(contributions()), lambda: alike(zeros)
-                )
-            else:
-                dq_c, dk_c, dv_c, ds, d_consts = contributions()
+            dq_c, dk_c, dv_c, ds, d_consts = contributions()
             dq = dq.at[:, qi].add(dq_c)
             dk = dk.at[:, kj].add(dk_c)
             dv = dv.at[:, kj].add(dv_c)
             if dbias is not None:
                 dbias = _scatter_pairs(dbias, qc, kj, ds)
             dconsts = jax.tree.map(jnp.add, dconsts, d_consts)
-            return (dq, dk, dv, dbias, dconsts), None
+            return dq, dk, dv, dbias, dconsts
 
-        grads, _ = jax.lax.scan(
-            step, grads, (jnp.asarray(schedule.q_block), jnp.asarray(schedule.k_block))
-        )
-        return grads
+        return _run_steps(plan, kinds, blocks, schedule, step, grads)
 
     masked, full = plan.schedules()
     dq, dk, dv, dbias, dconsts = run(run(grads, masked, True), full, False)

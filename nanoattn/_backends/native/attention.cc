@@ -3,7 +3,10 @@
 // Forward: online softmax over key blocks (FlashAttention-2), one task per
 // (batch row b, query head n, query block). Backward: one task per (b, key/value
 // head, key block) accumulates dK and dV for every query head of its group; dQ
-// goes to one buffer per worker, summed at the end. Nothing of size T x S exists.
+// goes to one buffer per lane, summed at the end in lane order. The tasks are dealt
+// into lanes (one per thread) by their cost before the pass, and a lane runs its tasks
+// in a fixed order, so the backward pass is bitwise the same from run to run for a given
+// thread count (docs/conventions.md, "Reproducibility"). Nothing of size T x S exists.
 //
 // Axis legend (docs/conventions.md): B batch, T queries, S keys, N query heads,
 // K key/value heads, G = N / K query heads per key/value head (contiguous
@@ -481,7 +484,7 @@ struct BackwardIn {
 template <class In>
 struct BackwardOut {
   In *dk, *dv;                                      // (B, S, K, H)
-  std::vector<std::unique_ptr<Aligned>>* dq_parts;  // per worker: (B, Tp, N, Hp)
+  std::vector<std::unique_ptr<Aligned>>* dq_parts;  // per lane: (B, Tp, N, Hp)
   int64_t Tp;
   const float* delta;  // (B, T, N): rowsum(dout * out) - dlse
 };
@@ -489,13 +492,13 @@ struct BackwardOut {
 template <class In>
 void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn<In>& in,
                    const Tiles& queries, const Tiles& d_out, const BackwardOut<In>& res,
-                   int64_t task, int worker) {
+                   int64_t task, int64_t lane) {
   const int64_t kb = task % p.n_k(), kh = (task / p.n_k()) % p.K, b = task / (p.n_k() * p.K);
   const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kc = round_up(j1 - j0, VW), Hp = p.Hp;
   const Geometry& g = geo[b];
   auto [first, last] = query_blocks(p, g, j0, j1);
   if (first <= last) {
-    std::unique_ptr<Aligned>& part = (*res.dq_parts)[worker];
+    std::unique_ptr<Aligned>& part = (*res.dq_parts)[lane];
     if (!part) {
       const size_t size = p.B * res.Tp * p.N * Hp;
       part = std::make_unique<Aligned>(size);
@@ -555,7 +558,7 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
       }
       // dK += dS^T (scale q); dQ += dS K (times scale at the end)
       gemm(kc, Hp, mr, ds.data, 1, BK, qs, Hp, dk.data, Hp, true);
-      float* dq = (*res.dq_parts)[worker]->data + ((b * res.Tp + i0) * p.N + n) * Hp;
+      float* dq = (*res.dq_parts)[lane]->data + ((b * res.Tp + i0) * p.N + n) * Hp;
       gemm(mr, Hp, kc, ds.data, BK, 1, ks.data, Hp, dq, p.N * Hp, true);
     }
   }
@@ -706,10 +709,15 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, f
   const int64_t total = p.B * p.N * p.n_q();
   const std::vector<int64_t> order = costliest_first(total, [&](int64_t t) {
     const int64_t qb = t % p.n_q(), n = (t / p.n_q()) % p.N, b = t / (p.n_q() * p.N);
-    auto [first, last] = key_blocks(p, geo[b], qb * BQ, std::min((qb + 1) * BQ, p.T));
-    if (!p.fn.kind) return last - first + 1;
+    const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
+    auto [first, last] = key_blocks(p, geo[b], i0, i1);
+    if (!p.fn.kind && !p.q_seg) return last - first + 1;
     int64_t cost = 0;
-    for (int64_t kb = first; kb <= last; ++kb) cost += fn_block(p, b, n, qb, kb).kind != kFnEmpty;
+    for (int64_t kb = first; kb <= last; ++kb) {
+      const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
+      cost += combine(classify(p, geo[b], i0, i1, j0, j1), fn_block(p, b, n, qb, kb)) !=
+              Block::kSkip;
+    }
     return cost;
   });
   // Keys as (BK, Hp) rows for the transposed scores, or transposed (Hp, BK) for a
@@ -791,16 +799,23 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
     }
   });
   const int64_t total = p.B * p.K * p.n_k();
-  const std::vector<int64_t> order = costliest_first(total, [&](int64_t t) {
+  // Each lane: the tasks of one thread, by their cost (the query blocks they may see),
+  // in a fixed order, and its own dQ buffer (the memory of one buffer per thread).
+  const std::vector<std::vector<int64_t>> lanes = fixed_lanes(total, threads, [&](int64_t t) {
     const int64_t kb = t % p.n_k(), kh = (t / p.n_k()) % p.K, b = t / (p.n_k() * p.K);
-    auto [first, last] = query_blocks(p, geo[b], kb * BK, std::min((kb + 1) * BK, p.S));
-    if (!p.fn.kind) return last - first + 1;
+    const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
+    auto [first, last] = query_blocks(p, geo[b], j0, j1);
+    if (!p.fn.kind && !p.q_seg) return last - first + 1;
     int64_t cost = 0;
     for (int64_t n = kh * p.G; n < (kh + 1) * p.G; ++n)
-      for (int64_t qb = first; qb <= last; ++qb) cost += fn_block(p, b, n, qb, kb).kind != kFnEmpty;
+      for (int64_t qb = first; qb <= last; ++qb) {
+        const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
+        cost += combine(classify(p, geo[b], i0, i1, j0, j1), fn_block(p, b, n, qb, kb)) !=
+                Block::kSkip;
+      }
     return cost;
   });
-  std::vector<std::unique_ptr<Aligned>> parts(threads);
+  std::vector<std::unique_ptr<Aligned>> parts(lanes.size());
   const int64_t Tp = p.n_q() * BQ;
   BackwardIn<In> in{k.typed_data(), v.typed_data(), lse.typed_data()};
   BackwardOut<In> res{dk->typed_data(), dv->typed_data(), &parts, Tp, delta.data()};
@@ -812,10 +827,10 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
     pack_rows(p, q.typed_data(), geo[b], b, n, qb * BQ, p.scale, queries.at(t));
     pack_rows(p, dO, geo[b], b, n, qb * BQ, 1.0f, d_out.at(t));
   });
-  parallel_for(pool, threads, total, [&](int64_t t, int worker) {
-    backward_task(p, geo, in, queries, d_out, res, order[t], worker);
+  parallel_for(pool, threads, lanes.size(), [&](int64_t lane, int) {
+    for (int64_t t : lanes[lane]) backward_task(p, geo, in, queries, d_out, res, t, lane);
   });
-  // dq = scale * the sum of the workers' parts
+  // dq = scale * the sum of the lanes' parts, in lane order
   parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
     const int64_t b = bt / p.T, i = bt % p.T;
     for (int64_t n = 0; n < p.N; ++n) {
@@ -882,6 +897,32 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
 // The blocks of queries and keys of every pass (a mask_fn is classified at these).
 extern "C" int NanoattnBlockQ() { return BQ; }
 extern "C" int NanoattnBlockK() { return BK; }
+
+// How the kernel classifies the (BQ, BK) blocks of one batch row by its positional
+// rules, key length and segment ids (null for none), for tests: kinds (n_q, n_k) gets
+// 0 (skipped), 1 (masked cell by cell) or 2 (full), as block_mask's kinds.
+extern "C" void NanoattnClassify(int64_t T, int64_t S, int32_t q_offset, int32_t kv_length,
+                                 int64_t left, int64_t right, const int32_t* q_seg,
+                                 const int32_t* kv_seg, int8_t* kinds) {
+  Problem p{};
+  p.B = p.N = p.K = p.G = 1;
+  p.T = T;
+  p.S = S;
+  p.left = left;
+  p.right = right;
+  p.q_offset = &q_offset;
+  p.kv_lengths = &kv_length;
+  p.q_seg = q_seg;
+  p.kv_seg = q_seg ? kv_seg : nullptr;
+  const Geometry g = geometry(p, 0);
+  for (int64_t qb = 0; qb < p.n_q(); ++qb)
+    for (int64_t kb = 0; kb < p.n_k(); ++kb) {
+      const Block kind = classify(p, g, qb * BQ, std::min((qb + 1) * BQ, T), kb * BK,
+                                  std::min((kb + 1) * BK, S));
+      kinds[qb * p.n_k() + kb] =
+          kind == Block::kSkip ? kFnEmpty : kind == Block::kFull ? kFnFull : kFnPartial;
+    }
+}
 
 // The instruction set this build's vectors and tiles were chosen for.
 extern "C" const char* NanoattnIsa() {

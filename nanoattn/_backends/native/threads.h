@@ -1,5 +1,6 @@
 // Work sharing on XLA's CPU thread pool: parallel_for, the number of threads
-// (NANOATTN_NUM_THREADS caps it), and an order of tasks costliest first. The caller
+// (NANOATTN_NUM_THREADS caps it), an order of tasks costliest first, and a fixed
+// split of tasks into lanes (for sums that must not depend on the schedule). The caller
 // works too; a helper that starts after every task is taken returns without
 // touching the caller's state, so the caller only waits for tasks, never for helpers.
 //
@@ -73,6 +74,26 @@ std::vector<int64_t> costliest_first(int64_t total, const Cost& cost) {
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t c) { return costs[a] > costs[c]; });
   return order;
+}
+
+// Tasks [0, total) dealt into at most `count` lanes, costliest first, each to the lane
+// whose cost so far is least (ties: the lower lane; LPT scheduling), each lane's tasks
+// in the order dealt. The split depends on the costs and the count only, never on which
+// thread finishes first: what a lane sums, it sums in the same order on every run.
+template <class Cost>
+std::vector<std::vector<int64_t>> fixed_lanes(int64_t total, int count, const Cost& cost) {
+  std::vector<int64_t> costs(total);
+  for (int64_t t = 0; t < total; ++t) costs[t] = cost(t);
+  const std::vector<int64_t> order = costliest_first(total, [&](int64_t t) { return costs[t]; });
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(count, total));
+  std::vector<std::vector<int64_t>> lanes(n);
+  std::vector<int64_t> load(n, 0);
+  for (int64_t t : order) {
+    const int64_t lane = std::min_element(load.begin(), load.end()) - load.begin();
+    lanes[lane].push_back(t);
+    load[lane] += std::max<int64_t>(costs[t], 1);  // a task that computes nothing still writes
+  }
+  return lanes;
 }
 
 }  // namespace

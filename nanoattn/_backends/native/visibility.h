@@ -1,7 +1,8 @@
 // The problem and who sees what: the blocks (BQ x BK, NANOATTN_BQ and NANOATTN_BK),
 // the Problem of a call, a mask_fn's classified blocks and their bits, each batch
 // row's Geometry (the keys each query sees, the queries and keys that see or are seen
-// at all), and how a block of queries meets a block of keys.
+// at all, each block's range of segment ids), and how a block of queries meets a block
+// of keys.
 //
 // Included by attention.cc only, in its one translation unit: the code sits in an
 // unnamed namespace there as here, so that every function keeps internal linkage.
@@ -88,10 +89,16 @@ inline vi lane_bits(const uint8_t* at) {
 // With a mask_fn, fn_q_sees (N, T) and fn_k_seen (K, S) say the same by every rule
 // together, per query head and per key/value head (some query of its group): q_sees and
 // k_seen are what the positional rules and segments let through, a superset.
+// With segment ids, q_ids (n_q) and k_ids (n_k) hold each query block's and key block's
+// smallest and largest id: blocks whose ranges do not meet are skipped whole.
+struct IdRange {
+  int32_t min, max;
+};
 struct Geometry {
   std::vector<int64_t> lo, hi;
   std::vector<uint8_t> q_sees, k_seen;
   std::vector<uint8_t> fn_q_sees, fn_k_seen;
+  std::vector<IdRange> q_ids, k_ids;
 };
 
 // Which queries of head n see a key, and which keys of head kh a query sees, by every rule.
@@ -108,6 +115,17 @@ bool has_id_in(const std::vector<std::pair<int32_t, int64_t>>& sorted, int32_t i
   if (first > last) return false;
   auto it = std::lower_bound(sorted.begin(), sorted.end(), std::make_pair(id, first));
   return it != sorted.end() && it->first == id && it->second <= last;
+}
+
+// The smallest and largest of ids[0, count) in each block of `block`.
+std::vector<IdRange> id_ranges(const int32_t* ids, int64_t count, int64_t block) {
+  std::vector<IdRange> ranges((count + block - 1) / block);
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    const int64_t first = k * block, end = std::min<int64_t>(first + block, count);
+    const auto [lo, hi] = std::minmax_element(ids + first, ids + end);
+    ranges[k] = {*lo, *hi};
+  }
+  return ranges;
 }
 
 Geometry geometry(const Problem& p, int64_t b) {
@@ -136,6 +154,8 @@ Geometry geometry(const Problem& p, int64_t b) {
   }
   const int32_t* qs = p.q_seg + b * T;
   const int32_t* ks = p.kv_seg + b * S;
+  g.q_ids = id_ranges(qs, T, BQ);
+  g.k_ids = id_ranges(ks, S, BK);
   std::vector<std::pair<int32_t, int64_t>> queries(T), keys(S);
   for (int64_t i = 0; i < T; ++i) queries[i] = {qs[i], i};
   for (int64_t j = 0; j < S; ++j) keys[j] = {ks[j], j};
@@ -153,12 +173,20 @@ Geometry geometry(const Problem& p, int64_t b) {
 
 enum class Block { kSkip, kFull, kPartial };
 
-// How rows [i0, i1) meet keys [j0, j1): none may see any (skip), all see all, or
-// cell by cell.
+// How the rows of a query block [i0, i1) meet the keys of a key block [j0, j1) (i0 and
+// j0 multiples of BQ and BK): none may see any (skip: outside the band, or, with
+// segment ids, no id shared by the two blocks' id ranges), all see all (inside the band,
+// and one and the same id in both blocks), or cell by cell.
 Block classify(const Problem& p, const Geometry& g, int64_t i0, int64_t i1, int64_t j0,
                int64_t j1) {
   if (g.hi[i1 - 1] < j0 || g.lo[i0] > j1 - 1) return Block::kSkip;
-  if (!p.q_seg && g.lo[i1 - 1] <= j0 && g.hi[i0] >= j1 - 1) return Block::kFull;
+  bool one_id = true;
+  if (p.q_seg) {
+    const IdRange q = g.q_ids[i0 / BQ], k = g.k_ids[j0 / BK];
+    if (q.max < k.min || k.max < q.min) return Block::kSkip;
+    one_id = q.min == q.max && k.min == k.max;  // and then the same id
+  }
+  if (one_id && g.lo[i1 - 1] <= j0 && g.hi[i0] >= j1 - 1) return Block::kFull;
   return Block::kPartial;
 }
 

@@ -1,0 +1,56 @@
+"""A backward pass is bitwise the same from run to run (docs/conventions.md,
+"Reproducibility"): on every backend that serves the call, the gradients of one call
+run again, and run by several Python threads at once on the same thread pool (which
+changes which worker takes which task), are the same bits."""
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nanoattn import dot_product_attention
+
+from _backends import each_backend, require
+from _reference import randn
+
+# Prime sizes, long enough for several of the native kernel's 64-key blocks per query
+# block, so that its dQ gathers the work of many tasks.
+B, T, N, K, H = 2, 331, 6, 2, 16
+IDS = np.repeat(np.arange(4), [101, 53, 150, 27]).astype(np.int32)  # four documents
+RULES = dict(is_causal=True, q_segment_ids=np.stack([IDS] * B), kv_segment_ids=np.stack([IDS] * B))
+RUNS = 4
+
+
+def _gradients(implementation):
+    """A jitted ``f(q, k, v, d_out) -> (dq, dk, dv)`` of one backend."""
+
+    @jax.jit
+    def grads(q, k, v, d_out):
+        def attend(q, k, v):
+            return dot_product_attention(q, k, v, implementation=implementation, **RULES)
+
+        _, vjp = jax.vjp(attend, q, k, v)
+        return vjp(d_out)
+
+    return grads
+
+
+def _bits(arrays):
+    return [np.asarray(a).view(np.uint32) for a in arrays]
+
+
+@each_backend()
+def test_backward_is_bitwise_reproducible(implementation):
+    q, k, v = randn(0, B, T, N, H), randn(1, B, T, K, H), randn(2, B, T, K, H)
+    require(implementation, q, k, v, **RULES)
+    d_out = randn(3, B, T, N, H)
+    grads = _gradients(implementation)
+    args = tuple(map(jnp.asarray, (q, k, v, d_out)))
+    first = _bits(grads(*args))
+    again = [_bits(grads(*args)) for _ in range(RUNS)]
+    with concurrent.futures.ThreadPoolExecutor(RUNS) as pool:  # runs that share the workers
+        again += [_bits(g) for g in pool.map(lambda _: grads(*args), range(RUNS))]
+    for run, got in enumerate(again):
+        for name, a, b in zip(("dq", "dk", "dv"), first, got):
+            assert np.array_equal(a, b), f"{implementation}: run {run + 1}'s {name} differs"
