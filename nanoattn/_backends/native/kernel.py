@@ -227,18 +227,24 @@ def _traced_operands(rules: Rules, xB: int, xN: int, bq: int, bk: int):
     return kinds, slots, bits.reshape(xB * xN * nq * nk, -1)
 
 
-def _operands(query, key, value, rules: Rules):
-    """The kernel's operands: q, k, v in the query's type, per-row offsets and lengths (B,),
-    segment ids (B, T) and (B, S) (empty without them), mask_fn's kinds, slots and bits
-    (empty without it), and the static rules."""
-    B, S = rules.B, rules.S
+def static_rules(rules: Rules) -> tuple:
+    """The static rules as the kernels take them: (scale, soft_cap (0: none), left,
+    right (-1: unbounded)); the dense and the paged forward's."""
     left, right = rules.band if rules.band is not None else (None, None)
-    attributes = (
+    return (
         float(rules.scale),
         float(rules.logit_soft_cap or 0.0),
         -1 if left is None else int(left),
         -1 if right is None else int(right),
     )
+
+
+def _operands(query, key, value, rules: Rules):
+    """The kernel's operands: q, k, v in the query's type, per-row offsets and lengths (B,),
+    segment ids (B, T) and (B, S) (empty without them), mask_fn's kinds, slots and bits
+    (empty without it), and the static rules."""
+    B, S = rules.B, rules.S
+    attributes = static_rules(rules)
     offset = rules.q_offset if rules.band is not None else 0
     offsets = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (B,))
     lengths = jnp.full((B,), S) if rules.kv_lengths is None else rules.kv_lengths

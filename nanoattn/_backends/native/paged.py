@@ -22,7 +22,7 @@ import numpy as np
 
 from ..._core.base.rules import Rules
 from ..flash.paged import PagedInputs, PagedPlan, paged_gradients, paged_inputs
-from .kernel import TARGET_SUFFIX
+from .kernel import TARGET_SUFFIX, static_rules
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -40,14 +40,7 @@ def native_paged_attention(query, key_pages, value_pages, rules: Rules):
       differentiable in the query and the pools.
     """
     plan, inputs = paged_inputs(query, key_pages, value_pages, rules)
-    left, right = rules.band if rules.band is not None else (None, None)
-    attributes = (
-        float(rules.scale),
-        float(rules.logit_soft_cap or 0.0),
-        -1 if left is None else int(left),
-        -1 if right is None else int(right),
-    )
-    return _attend(plan, attributes, inputs)
+    return _attend(plan, static_rules(rules), inputs)
 
 
 def _forward(attributes, inputs: PagedInputs):
