@@ -228,7 +228,7 @@ def _paged_kernels():
     ]
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 23), st.integers(0, 6)), min_size=1, max_size=5),
     st.sampled_from([1, 3, 16]),

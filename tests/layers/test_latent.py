@@ -105,6 +105,8 @@ def test_ragged_rows_and_rewind():
     np.testing.assert_allclose(y[1, 0], full[1, 3], atol=2e-5)  # row 1 at position 3 anew
 
 
+@pytest.mark.slow  # fast path: test_decoding_in_chunks_... (the same absorbed step) and
+# tests/layers/test_rolling_cache.py (the rolling policy it goes through)
 def test_rolling_cache_decodes_past_its_slots_equal_to_the_windowed_forward():
     cfg = LatentConfig(**SIZES, q_lora_rank=17, window=(3, 0), rolling_cache=True)
     layer, params = _layer(cfg)
@@ -113,6 +115,8 @@ def test_rolling_cache_decodes_past_its_slots_equal_to_the_windowed_forward():
     np.testing.assert_allclose(np.concatenate(outs, 1), layer.apply(params, _x()), atol=2e-5)
 
 
+@pytest.mark.slow  # fast path: test_decoding_in_chunks_... (the same absorbed step) and
+# tests/layers/test_paged_cache.py (the paged policy it goes through)
 def test_paged_cache_equals_the_forward():
     cfg = LatentConfig(**SIZES, q_lora_rank=17, page_size=3)
     layer, params = _layer(cfg)
