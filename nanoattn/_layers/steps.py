@@ -72,6 +72,14 @@ def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids
     expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
     _expect_input_dtype(cfg, "x", x)
     check_shape(x, "input", "B T D", x.shape, op="input")
+    check_mode(decode, positions=positions, segment_ids=segment_ids, lengths=lengths,
+               pages=pages)  # fmt: skip
+
+
+def check_mode(decode: bool, *, positions, segment_ids, lengths, pages=None) -> None:
+    """The arguments of a call that belong to one mode only: ``positions`` and
+    ``segment_ids`` to the full-sequence mode, ``lengths`` and ``pages`` to decoding
+    (the self-attention and the latent layers alike)."""
     if decode:
         for name, value in (("positions", positions), ("segment_ids", segment_ids)):
             if value is not None:

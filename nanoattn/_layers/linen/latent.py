@@ -4,7 +4,7 @@
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .. import latent
+from .. import latent, steps
 from ..caches import kv_cache
 from ..latent_config import LatentConfig
 from .attention import CACHE
@@ -102,18 +102,13 @@ class LatentAttention(nn.Module):
         accepted as the other layers take it (this layer has no dropout)."""
         cfg = self.config
         params = _Parameters(cfg)
+        steps.check_mode(decode, positions=positions, segment_ids=segment_ids, lengths=lengths,
+                         pages=pages)  # fmt: skip
         if not decode:
-            if lengths is not None or pages is not None:
-                raise ValueError("lengths and pages only apply with decode=True")
             return latent.forward(
                 params, cfg, x, mask=mask, positions=positions, segment_ids=segment_ids,
                 mask_fn=mask_fn, score_fn=score_fn,
             )  # fmt: skip
-        if positions is not None or segment_ids is not None:
-            raise ValueError(
-                "positions and segment_ids are not supported with decode=True: the cache "
-                "keeps each row's position (use lengths for ragged rows)"
-            )
         fresh = not self.has_variable(CACHE, "key")
         if fresh and not self.is_initializing():
             raise ValueError(

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..._core.base.validate import float_dtype
-from .. import latent
+from .. import latent, steps
 from ..caches.kinds import policy_of
 from ..latent_config import LatentConfig
 from .attention import KVCache
@@ -80,18 +80,13 @@ class LatentAttention(nnx.Module):
         """x (B, T, D) -> (B, T, D); the options as the linen module's (``deterministic``
         accepted, unused: no dropout)."""
         params = _Parameters(self)
+        steps.check_mode(decode, positions=positions, segment_ids=segment_ids, lengths=lengths,
+                         pages=pages)  # fmt: skip
         if not decode:
-            if lengths is not None or pages is not None:
-                raise ValueError("lengths and pages only apply with decode=True")
             return latent.forward(
                 params, self.config, x, mask=mask, positions=positions, segment_ids=segment_ids,
                 mask_fn=mask_fn, score_fn=score_fn,
             )  # fmt: skip
-        if positions is not None or segment_ids is not None:
-            raise ValueError(
-                "positions and segment_ids are not supported with decode=True: the cache "
-                "keeps each row's position (use lengths for ragged rows)"
-            )
         if self.cache is None:
             raise ValueError("decode=True needs a cache: call init_cache(batch, max_len) first")
         y, cache = latent.decode(
