@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..._core.base.paged import check_paged_values, safe_page_table, token_layout
 from ..._core.base.validate import as_array, expect_integer, expect_shape
@@ -208,8 +209,6 @@ def _check_copies(copies, P: int) -> None:
     """Raises ValueError for a used copy naming a page outside the pool, when concrete."""
     if isinstance(copies, jax.core.Tracer):
         return
-    import numpy as np
-
     values = np.asarray(copies)
     used = values[:, 0] >= 0
     bad = np.flatnonzero(used & ((values >= P).any(axis=1) | (values[:, 1] < 0)))
