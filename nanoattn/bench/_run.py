@@ -47,8 +47,9 @@ class BenchConfig:
       latent_context: the context of multi-head latent attention's decoding step
         (absorbed against rebuilding keys and values; with the latent cache's bytes,
         :mod:`nanoattn.bench._latent`); 0 to skip the part.
-      serving: the serving part (decode over a paged KV cache against the copy
-        bandwidth and a full cache, a mixed prefill-and-decode call,
+      serving: the serving part (decode over a paged KV cache against the read
+        bandwidth and a full cache, over int8 pages against bfloat16 ones, the cache's
+        bytes per token per dtype, a mixed prefill-and-decode call,
         :mod:`nanoattn.bench._serving`): "full" at the issue's sizes (judged),
         "quick" at small ones (reported, not judged), "" to skip it.
     """

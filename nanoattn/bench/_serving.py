@@ -1,5 +1,6 @@
-"""Serving (issue #33): decode attention over a paged KV cache, against the memory
-bandwidth and a full cache, and a mixed call of a prefill chunk and decode tokens.
+"""Serving (issues #33 and #35): decode attention over a paged KV cache, against the
+memory read bandwidth and a full cache, over int8 pages against bfloat16 ones, and a
+mixed call of a prefill chunk and decode tokens.
 
 B = 16 sequences of lengths spread evenly over 512-8192 keys, N = 32 query heads on
 K = 8 key/value heads of width 128 (:data:`FULL`), in each of :data:`DTYPES`, their
@@ -7,11 +8,14 @@ keys and values in pages of :data:`PAGE_SIZE` tokens laid in a shuffled order in
 pool, for every implementation that serves a page table (the others get a row with
 their refusal):
 
-* ``copy``: the machine's memory bandwidth, measured in the same run: a jitted
-  ``x + 1`` over a large float32 array reads and writes it once, 2 x its bytes.
+* ``read``: the machine's memory read bandwidth, measured in the same run: the best
+  of a jitted sum and numpy sums in a thread per core over ``read_mib`` MiB of float32
+  (:mod:`nanoattn.bench._bandwidth`).
+* ``quantized``: the cache's bytes per token per layer per dtype, and the decode batch
+  below over int8 pages against bfloat16 pages (:mod:`nanoattn.bench._quantized`).
 * ``decode``: one query token per sequence through ``paged_attention``; the bytes of
   the pages the sequences hold (keys and values), read once, divided by the call's
-  time, as a fraction of the copy bandwidth (target >= 50%). Then the same batch
+  time, as a fraction of the read bandwidth (target >= 50%). Then the same batch
   through a full cache of capacity 8192 (``dot_product_attention`` with
   ``kv_lengths`` over (16, 8192, 8, 128) keys and values, the same implementation):
   the paged call at least 2x faster. The two are timed in turn.
@@ -39,13 +43,15 @@ from .._backends import registry
 from .._core.api import dot_product_attention
 from .._core.base.validate import describe
 from .._core.paged import paged_attention
+from . import _quantized
+from ._bandwidth import measure_read
 from ._masks import _unserved
-from ._measure import time_interleaved, time_runs
+from ._measure import time_interleaved
 
 DTYPES = ("bfloat16", "float32")
 PAGE_SIZE = 16
 ROUNDS = 5
-BANDWIDTH_FRACTION = 0.5  # of the copy bandwidth, at least
+BANDWIDTH_FRACTION = 0.5  # of the read bandwidth, at least
 FULL_SPEEDUP = 2.0  # the paged decode against the full cache, at least
 MIXED_BOUND = 1.2  # the mixed call against the prefill chunk alone, at most
 
@@ -55,8 +61,8 @@ class Shape:
     """The sizes of the serving part: B sequences of lengths spread evenly over
     [shortest, longest] (the full cache's capacity), N query heads on K key/value heads
     of width H, pages of ``page_size`` tokens, a prefill chunk of ``prefill`` tokens
-    (sequence 0 holds exactly that many), a copy of ``copy_mib`` MiB, ``rounds`` timed
-    rounds of each pair."""
+    (sequence 0 holds exactly that many), a read bandwidth measured over ``read_mib``
+    MiB, ``rounds`` timed rounds of each pair."""
 
     batch: int
     shortest: int
@@ -66,7 +72,7 @@ class Shape:
     head_dim: int
     page_size: int
     prefill: int
-    copy_mib: int
+    read_mib: int
     rounds: int = ROUNDS
 
     def lengths(self) -> np.ndarray:
@@ -75,7 +81,7 @@ class Shape:
 
 
 FULL = Shape(16, 512, 8192, 32, 8, 128, PAGE_SIZE, 512, 1024)
-QUICK = Shape(16, 64, 512, 8, 2, 32, PAGE_SIZE, 64, 32, rounds=3)
+QUICK = Shape(16, 64, 512, 8, 2, 32, PAGE_SIZE, 64, 256, rounds=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,24 +128,6 @@ def pool(shape: Shape, dtype: str) -> Pool:
     held_bytes = 2 * P * ps * K * H * dt.itemsize  # keys and values of the pages held
     return Pool(key_pages, value_pages, table, lengths, query, chunk, cache(key_pages),
                 cache(value_pages), held_bytes)  # fmt: skip
-
-
-def measure_copy(shape: Shape) -> dict:
-    """The copy bandwidth: a jitted ``x + 1`` over ``copy_mib`` MiB of float32."""
-    row = {"case": "copy", "bytes": 2 * shape.copy_mib * 2**20}
-    try:
-        x = jnp.zeros((shape.copy_mib * 2**18,), jnp.float32)  # 4 bytes each
-        add = jax.jit(lambda x: x + 1)
-        run = lambda: add(x).block_until_ready()  # noqa: E731
-        median, best = time_runs(run, min_runs=shape.rounds, max_runs=shape.rounds)
-    except Exception as e:  # reported, not fatal to the rest of the bench
-        return row | {"status": f"error: {describe(e)[:200]}"}
-    return row | {
-        "status": "ok",
-        "median_ms": median * 1e3,
-        "min_ms": best * 1e3,
-        "gb_per_s": row["bytes"] / median / 1e9,
-    }
 
 
 def _calls(case: str, shape: Shape, data: Pool, implementation: str) -> dict:
@@ -211,10 +199,18 @@ def measure_case(case: str, implementation: str, dtype: str, shape: Shape = FULL
 
 
 def jobs(shape: Shape = FULL, dtypes=DTYPES, implementations=None) -> list[tuple[str, tuple]]:
-    """(progress label, the measuring function and its arguments) of the copy, then
-    every case, dtype and implementation (default: every registered one)."""
+    """(progress label, the measuring function and its arguments) of the read bandwidth,
+    the cache's bytes per dtype, the int8 decode of every implementation (default: every
+    registered one; first, while the bfloat16 inputs it shares with the decode case are
+    kept), then every case, dtype and implementation."""
     names = registry.names() if implementations is None else implementations
-    items = [("copy bandwidth", (measure_copy, shape))]
+    items = [
+        ("read bandwidth", (measure_read, shape.read_mib, shape.rounds)),
+        ("cache bytes per dtype", (_quantized.cache_row, shape.n_heads, shape.kv_heads,
+                                   shape.head_dim)),
+    ]  # fmt: skip
+    for name in names:
+        items.append((f"int8 decode {name}", (_quantized.measure_quantized, name, shape, pool)))
     for case in ("decode", "mixed"):
         for dtype in dtypes:
             for name in names:
@@ -223,19 +219,25 @@ def jobs(shape: Shape = FULL, dtypes=DTYPES, implementations=None) -> list[tuple
 
 
 def measure_serving(shape: Shape = FULL, report=None, **options) -> dict:
-    """The copy and every case; ``report(i, n, label)`` is called before each."""
+    """The read bandwidth, the cache bytes and every case; ``report(i, n, label)`` is
+    called before each."""
     items = jobs(shape, **options)
     rows = []
     for i, (label, (fn, *args)) in enumerate(items):
         if report:
             report(i, len(items), label)
         rows.append(fn(*args))
-    copy, *cases = rows
-    bandwidth = copy.get("gb_per_s")
+    read, cache, *cases = rows
+    bandwidth = read.get("gb_per_s")
     for row in cases:
         if row["status"] == "ok" and row["case"] == "decode" and bandwidth:
-            row["fraction_of_copy"] = row["paged_gb_per_s"] / bandwidth
-    return {"shape": dataclasses.asdict(shape), "copy": copy, "rows": cases}
+            row["fraction_of_bandwidth"] = row["paged_gb_per_s"] / bandwidth
+    quantized = _quantized.with_bandwidth([r for r in cases if r["case"] == "quantized"],
+                                          bandwidth)  # fmt: skip
+    return {
+        "shape": dataclasses.asdict(shape), "bandwidth": read, "cache_bytes": cache,
+        "quantized": quantized, "rows": [r for r in cases if r["case"] != "quantized"],
+    }  # fmt: skip
 
 
 ENGINE_TARGET = "engine: continuous batching >= 2x the tokens/s of static batching, same memory"
@@ -243,24 +245,26 @@ ENGINE_TARGET = "engine: continuous batching >= 2x the tokens/s of static batchi
 
 def serving_targets(result: dict) -> list[dict]:
     """The targets, judged at :data:`FULL` only (None where a row has no measure), and
-    the engine's, which ``python -m examples.recall serve`` measures."""
+    the engine's and the quantized cache's accuracy, which ``python -m examples.recall
+    serve`` and ``quantized`` measure."""
     if result["shape"] != dataclasses.asdict(FULL):
         return []
-    out = []
+    read = result["bandwidth"]
+    out = _quantized.quantized_targets(result["cache_bytes"], result["quantized"], read)
     for row in result["rows"]:
         ok = row["status"] == "ok"
         what = f"serving {row['case']} {row['impl']} {row['dtype']}"
         if row["case"] == "decode":
-            fraction = row.get("fraction_of_copy")
+            fraction = row.get("fraction_of_bandwidth")
             out.append({
                 "target": f"{what}: pages held / step time >= {BANDWIDTH_FRACTION:.0%} of the "
-                "copy bandwidth",
+                "read bandwidth",
                 "measured": (
                     f"{row['held_bytes'] / 2**20:.0f} MiB in {row['paged_median_ms']:.2f} ms: "
                     f"{row['paged_gb_per_s']:.1f} GB/s, {fraction:.0%} of "
-                    f"{result['copy']['gb_per_s']:.1f} GB/s"
+                    f"{read['gb_per_s']:.1f} GB/s"
                     if ok and fraction is not None
-                    else row["status"] if not ok else result["copy"]["status"]
+                    else row["status"] if not ok else read["status"]
                 ),
                 "passed": fraction >= BANDWIDTH_FRACTION if ok and fraction is not None else None,
             })  # fmt: skip
@@ -301,15 +305,18 @@ def _status(row: dict) -> str:
 
 
 def serving_markdown(result: dict | None) -> list[str]:
-    """The serving tables: the copy bandwidth, the decode rows, the mixed rows."""
+    """The serving tables: the read bandwidth, the cache bytes per dtype, the int8
+    decode rows, the decode rows, the mixed rows."""
     if not result:
         return []
-    s, copy = result["shape"], result["copy"]
+    s, read = result["shape"], result["bandwidth"]
     bandwidth = (
-        f"{copy['gb_per_s']:.1f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read and written in "
-        f"{copy['median_ms']:.2f} ms)"
-        if copy["status"] == "ok"
-        else copy["status"]
+        f"{read['gb_per_s']:.1f} GB/s, the best of "
+        + ", ".join(f"{name} {gb:.1f}" for name, gb in read["measures"].items())
+        + f" ({read['bytes'] / 2**20:.0f} MiB read in {read['best_ms']:.2f} ms by the "
+        f"{read['how']}, {read['cores']} cores)"
+        if read["status"] == "ok"
+        else read["status"]
     )
     lines = [
         "",
@@ -318,9 +325,14 @@ def serving_markdown(result: dict | None) -> list[str]:
         f"{s['head_dim']}, pages of {s['page_size']} tokens; median (min) ms, each pair "
         "timed in turn",
         "",
-        f"Copy bandwidth (a jitted x + 1 over float32): {bandwidth}.",
+        f"Read bandwidth (a jitted sum and numpy sums in a thread per core over float32): "
+        f"{bandwidth}.",
+        *_quantized.quantized_markdown(
+            result.get("cache_bytes"), result.get("quantized", []), _status
+        ),
         "",
-        "| decode | dtype | paged ms | full cache ms | full / paged | pages held GB/s | of copy |",
+        "| decode | dtype | paged ms | full cache ms | full / paged | pages held GB/s "
+        "| of read bandwidth |",
         "|" + " --- |" * 7,
     ]
     for r in result["rows"]:
@@ -330,7 +342,7 @@ def serving_markdown(result: dict | None) -> list[str]:
         if r["status"] != "ok":
             lines.append(f"{head} {_status(r)} | | | | |")
             continue
-        fraction = r.get("fraction_of_copy")
+        fraction = r.get("fraction_of_bandwidth")
         lines.append(
             f"{head} {r['paged_median_ms']:.2f} ({r['paged_min_ms']:.2f}) | "
             f"{r['full_median_ms']:.2f} ({r['full_min_ms']:.2f}) | {r['full_vs_paged']:.2f}x | "

@@ -65,9 +65,11 @@ def add_parser(commands) -> None:
         f"{LATENT_CONTEXT}, judged). "
         "serving: decode attention over a paged KV cache, B=16 sequences of 512-8192 keys, "
         "32 query heads on 8 key/value heads of width 128, bfloat16 and float32, on every "
-        "implementation that serves a page table, against the copy bandwidth and a full "
-        "cache of 8192, and one 512-token prefill chunk with 15 decode tokens against the "
-        "chunk alone, judged; --quick --only serving: small sizes, not judged). "
+        "implementation that serves a page table, against the memory read bandwidth and a "
+        "full cache of 8192; the same step over int8 pages against bfloat16 ones and the "
+        "cache's bytes per token per dtype; and one 512-token prefill chunk with 15 decode "
+        "tokens against the chunk alone, judged; --quick --only serving: small sizes, not "
+        "judged). "
         "Example: --only generation,window",
     )
     bench.add_argument(

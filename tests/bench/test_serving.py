@@ -1,7 +1,9 @@
-"""`nanoattn bench --only serving` (nanoattn/bench/_serving.py): the part runs at tiny
-sizes and reports a row per case, dtype and implementation (refusals with their
-reason), its two calls of each case compute the same attention, the targets compare
-the right way round, and the command line registers the part. No time is asserted."""
+"""`nanoattn bench --only serving` (nanoattn/bench/_serving.py, _quantized.py,
+_bandwidth.py): the part runs at tiny sizes and reports the read bandwidth, the cache's
+bytes per token per dtype and a row per case, dtype and implementation (refusals with
+their reason), its two calls of each case compute the same attention, the targets
+compare the right way round, and the command line registers the part. No time is
+asserted."""
 
 import dataclasses
 import json
@@ -10,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nanoattn import dequantize_kv, paged_attention
 from nanoattn._backends import registry
-from nanoattn.bench import _run, _serving
+from nanoattn.bench import _bandwidth, _quantized, _run, _serving
 from nanoattn.cli import main
 
 TINY = _serving.Shape(3, 8, 23, 4, 2, 8, 4, 8, 1, rounds=1)  # B, lengths 8-23, N, K, H
@@ -20,9 +23,29 @@ TINY = _serving.Shape(3, 8, 23, 4, 2, 8, 4, 8, 1, rounds=1)  # B, lengths 8-23, 
 def test_the_part_reports_every_case_dtype_and_implementation():
     result = _serving.measure_serving(TINY, dtypes=("float32",))
     assert result["shape"] == dataclasses.asdict(TINY)
-    assert result["copy"]["status"] == "ok" and result["copy"]["bytes"] == 2 * 2**20
-    rows = {(r["case"], r["impl"]): r for r in result["rows"]}
+    read = result["bandwidth"]
+    assert read["status"] == "ok" and read["bytes"] == 2**20  # 1 MiB of float32
+    assert read["gb_per_s"] == max(read["measures"].values()) > 0
+    assert sorted(read["measures"]) == ["jit sum", "numpy threads"]
+    # One token of one layer: K = 2 heads of H = 8, keys and values (+ float32 scales).
+    assert result["cache_bytes"]["bytes"] == {
+        "float32": 2 * 2 * 8 * 4, "bfloat16": 2 * 2 * 8 * 2, "int8": 2 * 2 * 8 + 2 * 2 * 4,
+        "float8_e4m3fn": 2 * 2 * 8 + 2 * 2 * 4,
+    }  # fmt: skip
+    assert result["cache_bytes"]["ratios"] == {"float32": 48 / 128, "bfloat16": 48 / 64}
     names = registry.names()
+    quantized = {r["impl"]: r for r in result["quantized"]}
+    assert list(quantized) == list(names)
+    for name, row in quantized.items():
+        if row["status"] != "ok":  # refused: the dispatcher's reason, nothing measured
+            assert row["status"] == f"{name} does not serve quantized keys", row
+            assert row["reason"] and "int8_median_ms" not in row
+            continue
+        # 12 pages of 4 tokens: int8 keys and values, float32 scales; 3 bfloat16 queries
+        assert row["read_bytes"] == 2 * 12 * 4 * 2 * 8 + 2 * 12 * 4 * 2 * 4 + 3 * 4 * 8 * 2
+        assert row["fraction"] == row["gb_per_s"] / read["gb_per_s"] and row["speedup"] > 0
+    assert quantized["xla"]["status"] == quantized["flash"]["status"] == "ok"
+    rows = {(r["case"], r["impl"]): r for r in result["rows"]}
     assert list(rows) == [(case, name) for case in ("decode", "mixed") for name in names]
     for (case, name), row in rows.items():
         if row["status"] != "ok":  # refused: the dispatcher's reason, nothing measured
@@ -31,13 +54,15 @@ def test_the_part_reports_every_case_dtype_and_implementation():
             continue
         if case == "decode":
             assert row["held_bytes"] == 2 * (2 + 4 + 6) * 4 * 2 * 8 * 4  # pages x ps K H f32
-            assert row["fraction_of_copy"] > 0 and row["full_vs_paged"] > 0
+            assert row["fraction_of_bandwidth"] > 0 and row["full_vs_paged"] > 0
         else:
             assert row["mixed_vs_alone"] > 0
     assert rows["decode", "xla"]["status"] == rows["mixed", "flash"]["status"] == "ok"
     text = "\n".join(_serving.serving_markdown(result))
     assert "### Serving: B=3 sequences of 8-23 keys, 4 query heads on 2 key/value heads" in text
     assert "| mixed: 8-token chunk + 2 decodes | dtype |" in text
+    assert "| int8 | 48 | 1.000x |" in text and "| float32 | 128 | 0.375x |" in text
+    assert "| decode: int8 pages against bfloat16 | int8 ms |" in text
     assert _serving.serving_targets(result) == []  # judged at the full shape only
 
 
@@ -59,7 +84,46 @@ def test_the_paired_calls_compute_the_same_attention():
     assert not jnp.allclose(mixed[: TINY.prefill], 0)
 
 
-def _full_result(fraction=0.5, full_vs_paged=2.0, mixed_vs_alone=1.2):  # the bounds
+def test_the_int8_step_reads_the_quantized_bfloat16_pool():
+    """The int8 call computes attention over the bfloat16 pages quantized by
+    quantize_kv (equal to the same call over their dequantized pages), near the
+    bfloat16 call and not equal to it."""
+    calls = _quantized.calls("xla", TINY, _serving.pool)
+    data, pages = _serving.pool(TINY, "bfloat16"), _quantized.quantized_pool(TINY, _serving.pool)
+    assert pages.key_pages.dtype == jnp.int8 and pages.key_scales.shape == (12, 4, 2)
+    dequantized = [
+        dequantize_kv(v, s)
+        for v, s in ((pages.key_pages, pages.key_scales), (pages.value_pages, pages.value_scales))
+    ]
+    starts = np.arange(TINY.batch + 1, dtype=np.int32)
+    want = paged_attention(data.query.astype(jnp.float32), *dequantized, data.page_table,
+                           data.lengths, starts)  # fmt: skip
+    int8, bf16 = (np.asarray(calls[n](), np.float32) for n in ("int8", "bfloat16"))
+    np.testing.assert_allclose(int8, want, rtol=1e-2, atol=1e-2)  # the output is bfloat16
+    np.testing.assert_allclose(int8, bf16, rtol=0.1, atol=0.1)
+    assert not np.array_equal(int8, bf16)
+
+
+def test_the_read_bandwidth_is_the_best_of_its_measures():
+    read = _bandwidth.measure_read(3, rounds=1)
+    assert read["status"] == "ok" and read["bytes"] == 3 * 2**20
+    assert read["cores"] == _bandwidth.cores() >= 1
+    assert read["gb_per_s"] == read["measures"][read["how"]] == max(read["measures"].values())
+
+
+def test_the_int8_cache_bytes_at_the_serving_shape_meet_both_targets():
+    """From the layer's own cache (cache_bytes of eval_shape): 2 K H + 2 K 4 bytes a
+    token against 2 K H 4 and 2 K H 2 (K = 8, H = 128)."""
+    cache = _quantized.cache_row(32, 8, 128)
+    assert cache["bytes"] == {"float32": 8192, "bfloat16": 4096, "int8": 2112,
+                              "float8_e4m3fn": 2112}  # fmt: skip
+    bytes_targets = _quantized.quantized_targets(cache, [], {})[:2]
+    assert [t["passed"] for t in bytes_targets] == [True, True]
+    assert "0.258x" in bytes_targets[0]["measured"] and "0.516x" in bytes_targets[1]["measured"]
+
+
+def _full_result(fraction=0.5, full_vs_paged=2.0, mixed_vs_alone=1.2, int8_bytes=2112,
+                 speedup=1.5, int8_fraction=0.5):  # fmt: skip  # the bounds
     decode = {
         "case": "decode",
         "impl": "flash",
@@ -71,7 +135,7 @@ def _full_result(fraction=0.5, full_vs_paged=2.0, mixed_vs_alone=1.2):  # the bo
         "paged_min_ms": 1.5,
         "full_min_ms": 1.5,
         "paged_gb_per_s": 1.0,
-        "fraction_of_copy": fraction,
+        "fraction_of_bandwidth": fraction,
         "full_vs_paged": full_vs_paged,
     }
     mixed = {
@@ -87,30 +151,56 @@ def _full_result(fraction=0.5, full_vs_paged=2.0, mixed_vs_alone=1.2):  # the bo
     }
     refused = {"case": "mixed", "impl": "native", "dtype": "float32",
                "status": "native does not serve a page table", "reason": "why"}  # fmt: skip
-    copy = {"case": "copy", "status": "ok", "gb_per_s": 2.0, "bytes": 2**20, "median_ms": 1.0}
-    return {"shape": dataclasses.asdict(_serving.FULL), "copy": copy,
-            "rows": [decode, mixed, refused]}  # fmt: skip
+    read = {"case": "read", "status": "ok", "gb_per_s": 2.0, "bytes": 2**20, "best_ms": 0.5,
+            "how": "jit sum", "cores": 2,
+            "measures": {"jit sum": 2.0, "numpy threads": 1.0}}  # fmt: skip
+    sizes = {"float32": 8192, "bfloat16": 4096, "int8": int8_bytes, "float8_e4m3fn": 2112}
+    cache = {"N": 32, "K": 8, "H": 128, "bytes": sizes,
+             "ratios": {d: int8_bytes / sizes[d] for d in ("float32", "bfloat16")}}  # fmt: skip
+    int8 = {"case": "quantized", "impl": "native", "status": "ok", "int8_median_ms": 2.0,
+            "int8_min_ms": 2.0, "bfloat16_median_ms": 2.0 * speedup, "bfloat16_min_ms": 3.0,
+            "speedup": speedup, "read_bytes": 2**30, "gb_per_s": 2.0 * int8_fraction,
+            "fraction": int8_fraction}  # fmt: skip
+    int8_refused = {"case": "quantized", "impl": "cudnn", "reason": "no GPU",
+                    "status": "cudnn does not serve quantized keys"}  # fmt: skip
+    return {"shape": dataclasses.asdict(_serving.FULL), "bandwidth": read, "cache_bytes": cache,
+            "quantized": [int8, int8_refused], "rows": [decode, mixed, refused]}  # fmt: skip
+
+
+QUANTIZED_PASSED = [True, True, True, True, None, None]  # bytes x2, native x2, cudnn, example
 
 
 @pytest.mark.parametrize(
     "measures, passed",
     [
-        ({}, [True, True, True]),
-        ({"fraction": 0.49}, [False, True, True]),
-        ({"full_vs_paged": 1.9}, [True, False, True]),
-        ({"mixed_vs_alone": 1.25}, [True, True, False]),
+        ({}, [*QUANTIZED_PASSED, True, True, True]),
+        ({"fraction": 0.49}, [*QUANTIZED_PASSED, False, True, True]),
+        ({"full_vs_paged": 1.9}, [*QUANTIZED_PASSED, True, False, True]),
+        ({"mixed_vs_alone": 1.25}, [*QUANTIZED_PASSED, True, True, False]),
+        ({"int8_bytes": 2170}, [*QUANTIZED_PASSED, True, True, True]),  # 0.5298x bfloat16
+        ({"int8_bytes": 2171}, [True, False, *QUANTIZED_PASSED[2:], True, True, True]),
+        ({"int8_bytes": 2212}, [False, False, *QUANTIZED_PASSED[2:], True, True, True]),
+        ({"speedup": 1.49}, [True, True, False, True, None, None, True, True, True]),
+        ({"int8_fraction": 0.49}, [True, True, True, False, None, None, True, True, True]),
     ],
 )
 def test_targets_compare_the_right_way_round(measures, passed):
     targets = _serving.serving_targets(_full_result(**measures))
     assert [t["passed"] for t in targets] == [*passed, None, None]
-    assert "50% of the copy bandwidth" in targets[0]["target"]
-    assert "2x faster than a full cache of 8192" in targets[1]["target"]
-    assert "512-token prefill chunk + 15 decode tokens <= 1.2x" in targets[2]["target"]
-    assert targets[3]["measured"] == "native does not serve a page table"
+    assert targets[0]["target"].endswith("bytes per token per layer <= 0.27x float32")
+    assert targets[1]["target"].endswith("bytes per token per layer <= 0.53x bfloat16")
+    assert "native: >= 1.5x faster than bfloat16 pages" in targets[2]["target"]
+    assert "native: bytes read / step time >= 50% of the read bandwidth" in targets[3]["target"]
+    assert targets[4]["measured"] == "cudnn does not serve quantized keys"
+    assert targets[5]["target"] == _quantized.EXAMPLE_TARGET
+    assert "examples.recall quantized" in targets[5]["measured"]
+    assert "50% of the read bandwidth" in targets[6]["target"]
+    assert "2x faster than a full cache of 8192" in targets[7]["target"]
+    assert "512-token prefill chunk + 15 decode tokens <= 1.2x" in targets[8]["target"]
+    assert targets[9]["measured"] == "native does not serve a page table"
     assert (
-        targets[4]["target"] == _serving.ENGINE_TARGET
-        and "examples.recall serve" in (targets[4]["measured"])
+        targets[10]["target"] == _serving.ENGINE_TARGET
+        and "examples.recall serve" in (targets[10]["measured"])
     )
 
 
@@ -119,7 +209,7 @@ def test_cli_bench_only_serving(tmp_path, capsys, monkeypatch):
 
     def fake(shape, report=None):
         shapes.append(shape)
-        report(0, 1, "copy bandwidth")
+        report(0, 1, "read bandwidth")
         return _full_result(mixed_vs_alone=1.5) | {"shape": dataclasses.asdict(shape)}
 
     monkeypatch.setattr(_serving, "measure_serving", fake)
@@ -127,12 +217,18 @@ def test_cli_bench_only_serving(tmp_path, capsys, monkeypatch):
     argv = ["bench", "--only", "serving", "--out", str(tmp_path)]
     assert main([*argv, "--quick"]) == 0  # small sizes: reported, not judged
     out, err = capsys.readouterr()
-    assert shapes == [_serving.QUICK] and "[serving 1/1] copy bandwidth" in err
+    assert shapes == [_serving.QUICK] and "[serving 1/1] read bandwidth" in err
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["cells"] == [] and results["targets"] == []
     assert results["serving"]["rows"][0]["impl"] == "flash"
     assert "| mixed: 64-token chunk + 15 decodes |" in out
     assert "| native | float32 | native does not serve a page table (why) | | |" in out
+    assert "| cudnn | cudnn does not serve quantized keys (no GPU) | | | | | |" in out
+    assert "| native | 2.00 (2.00) | 3.00 (3.00) | 1.50x | 1024.0 | 1.0 | 50% |" in out
+    assert (
+        "Read bandwidth (a jitted sum and numpy sums in a thread per core over float32): "
+        "2.0 GB/s, the best of jit sum 2.0, numpy threads 1.0" in out
+    )
     assert main(argv) == 1  # the full sizes are judged: the mixed call misses its bound
     assert shapes[-1] == _serving.FULL
     assert "| serving mixed flash float32: a 512-token" in capsys.readouterr().out

@@ -1,0 +1,85 @@
+"""The machine's memory read bandwidth: the yardstick of a decoding step, which reads
+its keys and values once and computes little.
+
+A step that reads B bytes in t seconds runs at B / t; against what? A jitted ``x + 1``
+(the first measure of the serving part) reads and writes its array, and its output is
+a fresh allocation that every call touches for the first time: it measured 3.4 GB/s on
+a machine whose native decode read its pages at 3.8 GB/s. A reduction reads its input
+and writes one number, as a decode step nearly does. So the read bandwidth is the best
+of two reductions over the same array of ``mib`` MiB of float32 (large against any
+cache: 1 GiB at the judged shape), each taken ``rounds`` times after a warm-up:
+
+* ``jit sum``: a jitted sum of the array as (rows, -1) with one row per core and then
+  some, which XLA's CPU runtime splits over its threads;
+* ``numpy threads``: ``np.sum`` of one contiguous part per core, in a thread each
+  (numpy's reductions release the GIL).
+
+Each is the bytes of the array over its best time; the better of the two is the
+machine's read bandwidth, as a stated peak is: what the machine reached at least once.
+"""
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core.base.validate import describe
+
+ROWS_PER_CORE = 8  # the jitted sum's rows: several per core, so that XLA can split them
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _best(run, rounds: int) -> float:
+    """The best seconds of ``run()`` over ``rounds`` calls after one warm-up call."""
+    run()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_read(mib: int, rounds: int) -> dict:
+    """The read bandwidth over ``mib`` MiB of float32: ``{"case": "read", "bytes",
+    "cores", "status", "gb_per_s", "best_ms", "how", "measures": {name: GB/s}}``, or a
+    status saying why not (an error is reported, not raised)."""
+    n = cores()
+    size = mib * 2**18  # float32 elements
+    row = {"case": "read", "bytes": 4 * size, "cores": n}
+    try:
+        x = np.ones(size, np.float32)  # written: every page is in memory before a timed read
+        rows = n * ROWS_PER_CORE
+        whole = size - size % rows
+        on_device = jnp.asarray(x[:whole])
+        summed = jax.jit(lambda a: a.reshape(rows, -1).sum(axis=1))
+        parts = np.array_split(x, n)
+        with ThreadPoolExecutor(n) as pool:
+            times = {
+                "jit sum": (
+                    4 * whole,
+                    _best(lambda: summed(on_device).block_until_ready(), rounds),
+                ),
+                "numpy threads": (4 * size, _best(lambda: list(pool.map(np.sum, parts)), rounds)),
+            }
+    except Exception as e:  # reported, not fatal to the rest of the bench
+        return row | {"status": f"error: {describe(e)[:200]}"}
+    measures = {name: nbytes / seconds / 1e9 for name, (nbytes, seconds) in times.items()}
+    how = max(measures, key=measures.get)
+    return row | {
+        "status": "ok",
+        "gb_per_s": measures[how],
+        "best_ms": times[how][1] * 1e3,
+        "how": how,
+        "measures": measures,
+    }
