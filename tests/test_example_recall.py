@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `examples` is a package at the repository root
 
 from examples.recall import __main__ as recall_main  # noqa: E402
-from examples.recall import data, engine, generate, train, verify  # noqa: E402
+from examples.recall import data, engine, generate, quantized, train, verify  # noqa: E402
 from examples.recall.__main__ import main  # noqa: E402
 from examples.recall.model import ModelConfig  # noqa: E402
 
@@ -154,8 +155,62 @@ def test_the_whole_model_passes_nanoattn_verify(trained):
         assert not any(c.skipped for c in report.checks), report
 
 
+def test_quantized_caches_on_the_trained_model(trained):
+    """The float cache's greedy token at every step is the full forward's argmax, and
+    the int8 cache's counted against it; an int8 cache holds int8 keys; each layer
+    decoded through the float cache is within float32 rounding of its float64 forward,
+    through int8 well above that and below 5%."""
+    model, run, _ = trained
+    tokens, answers = data.held_out(run.train.seed, TASK, 7, 1)["recall"]
+    prefix = 2 + 2 * TASK.pairs
+    found = quantized.agreement(model, tokens, answers, prefix, dtypes=("int8",))
+    full = np.asarray(model(jnp.asarray(tokens)))[:, prefix - 1 : -1].argmax(-1)  # (7, 6)
+    graded = answers[:, prefix:]
+    right = int((full == tokens[:, prefix:])[graded].sum())
+    assert found[None] == quantized.Agreement(42, 42, int(graded.sum()), int(graded.sum()), right)
+    assert found["int8"].steps == 42 and 0 < found["int8"].fraction <= 1
+    int8 = quantized.with_cache(model, "int8")
+    int8.init_cache(1, 3)
+    assert np.dtype("int8") in {a.dtype for a in jax.tree.leaves(nnx.state(int8))}
+    errors = quantized.layer_errors(model, tokens, prefix, dtypes=(None, "int8"))
+    assert len(errors) == 2, errors
+    for error in errors:
+        assert error[None] < 1e-5 and 10 * error[None] < error["int8"] < 0.05, errors
+
+
+def _measured(int8_fraction: float) -> quantized.Measured:
+    fractions = {None: 1.0, "int8": int8_fraction, "float8_e4m3fn": 0.9}
+    agree = {d: quantized.Agreement(100, round(100 * f), 50, 50, 49) for d, f in fractions.items()}
+    errors = [{None: 3e-7, "int8": 5e-3, "float8_e4m3fn": 2e-2}] * 2
+    return quantized.Measured(agree, errors, sequences=5, prefix=8, seq_len=14)
+
+
+@pytest.mark.parametrize("int8_fraction, status", [(0.99, 0), (0.98, 1)])
+def test_the_quantized_command_prints_both_measures(trained, capsys, monkeypatch,
+                                                    int8_fraction, status):  # fmt: skip
+    """Its status is the int8 target's (>= 99% of the steps): the numbers come from
+    quantized.measure (stubbed here: measured in the test above)."""
+    _, _, directory = trained
+    calls = []
+
+    def measure(model, task, seed, sequences):
+        calls.append((task, sequences))
+        return _measured(int8_fraction)
+
+    monkeypatch.setattr(quantized, "measure", measure)
+    assert main(["quantized", "--run", str(directory), "--sequences", "5"]) == status
+    out = capsys.readouterr().out
+    assert calls == [(TASK, 5)]
+    assert "5 held-out recall sequences, 6 decoding steps each: a prompt of 8 tokens" in out
+    assert re.search(r"  int8 +\d+/100 9[89]\.00% +50/50 100\.00% +98\.00%", out), out
+    verdict = "met" if status == 0 else "MISSED"
+    assert f"int8 cache: {int8_fraction:.2%} of the steps (target >= 99%): {verdict}" in out
+    assert re.search(r"  0 window 1 +3\.00e-07 +5\.00e-03 +2\.00e-02", out), out
+    assert "  1 global " in out
+
+
 def test_every_command_has_help(capsys):
-    for command in ("train", "generate", "serve", "verify"):
+    for command in ("train", "generate", "serve", "quantized", "verify"):
         with pytest.raises(SystemExit) as exit:
             main([command, "--help"])
         assert exit.value.code == 0
@@ -195,6 +250,7 @@ BAD_OPTIONS = [
     (["serve", "--new-tokens", "0,3"], ["--new-tokens"]),
     (["serve", "--pages", "0"], ["--pages"]),
     (["serve", "--max-sequences", "9", "--step-tokens", "8"], ["--step-tokens", "--max-sequences"]),
+    (["quantized", "--sequences", "0"], ["--sequences"]),
     (["verify", "--seq-lens", "1,x"], ["--seq-lens"]),
     (["verify", "--seq-lens", "0"], ["--seq-lens"]),
 ]
@@ -227,7 +283,7 @@ def test_a_bad_option_is_one_error_line_naming_its_flags(capsys, tmp_path, argv,
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "verify"])
+@pytest.mark.parametrize("command", ["generate", "serve", "quantized", "verify"])
 def test_a_run_without_a_checkpoint_is_one_error_line(capsys, tmp_path, command):
     (tmp_path / "empty").mkdir()
     for run in (tmp_path / "missing", tmp_path / "empty"):

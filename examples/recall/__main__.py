@@ -1,9 +1,9 @@
-"""``python -m examples.recall train|generate|serve|verify``: parses, calls the
-example's functions and prints.
+"""``python -m examples.recall train|generate|serve|quantized|verify``: parses, calls
+the example's functions and prints.
 
-Every bad option, and a run directory with no checkpoint for ``generate``, ``serve``
-and ``verify``, is a usage error: argparse's usage, one ``error:`` line naming the flags,
-exit status 2."""
+Every bad option, and a run directory with no checkpoint for ``generate``, ``serve``,
+``quantized`` and ``verify``, is a usage error: argparse's usage, one ``error:`` line
+naming the flags, exit status 2."""
 
 import argparse
 import dataclasses
@@ -274,6 +274,22 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = commands.add_parser(
+        "quantized",
+        help="int8 and float8 KV caches: greedy tokens and each layer's error",
+        description="Decodes held-out recall sequences with the model of the latest "
+        "checkpoint in --run through a float32, an int8 and a float8_e4m3fn KV cache (one "
+        "prefill call of the prompt, then one token per call, the sequence's own tokens "
+        "fed) and prints how often each quantized cache's greedy token equals the float "
+        "cache's, at every step and at the answer steps (target: int8 at least 99%% of "
+        "the steps), then each attention layer's output decoded through each cache against "
+        "its float64 forward. Exit status 1 when int8 misses the target.",
+    )
+    _run_option(p)
+    p.add_argument(
+        "--sequences", type=positive_int, default=200, help="held-out recall sequences (200)"
+    )
+
+    p = commands.add_parser(
         "verify",
         help="nanoattn.verify on the trained model: causality, padding, decoding",
         description="Runs nanoattn.verify's causality (token ids), padding and "
@@ -477,6 +493,41 @@ def _serve(parser, args) -> int:
     return status
 
 
+def _quantized(parser, args) -> int:
+    from . import quantized, train
+
+    model, run, step = train.restore(_checkpoints(parser, args))
+    prompt = 2 + 2 * run.task.pairs
+    print(
+        f"model of step {step} in {args.run}; {args.sequences} held-out recall sequences, "
+        f"{run.task.seq_len - prompt} decoding steps each: a prompt of {prompt} tokens in "
+        "one call, then one token per call, the sequence's own tokens fed"
+    )
+    found = quantized.measure(model, run.task, run.train.seed, args.sequences)
+    print("greedy tokens equal to the float cache's:")
+    print(f"  {'cache':16}{'every step':>22}{'answer steps':>22}{'answers right':>16}")
+    for dtype, a in found.agreement.items():
+        name = "float32" if dtype is None else dtype
+        every = f"{a.equal}/{a.steps} {a.fraction:.2%}"
+        answers = f"{a.answer_equal}/{a.answer_steps} {a.answer_fraction:.2%}"
+        right = f"{a.answers_right / a.answer_steps:.2%}"
+        print(f"  {name:16}{every:>22}{answers:>22}{right:>16}")
+    int8 = found.agreement["int8"].fraction
+    print(
+        f"int8 cache: {int8:.2%} of the steps (target >= {quantized.TARGET:.0%}): "
+        f"{'met' if found.passed else 'MISSED'}"
+    )
+    print("each attention layer decoded through the cache, against its float64 forward "
+          "(max |difference| / max |output|):")  # fmt: skip
+    names = ["float32" if d is None else d for d in found.errors[0]]
+    print(f"  {'layer':10}" + "".join(f"{n:>16}" for n in names))
+    for layer, errors in enumerate(found.errors):
+        window = model.config.attention(layer).window
+        kind = "global" if window is None else f"window {window[0]}"
+        print(f"  {f'{layer} {kind}':10}" + "".join(f"{e:>16.2e}" for e in errors.values()))
+    return 0 if found.passed else 1
+
+
 def _verify(parser, args) -> int:
     from . import train, verify
 
@@ -505,7 +556,8 @@ def main(argv=None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse says so after the top-level usage; the subcommand's is of use
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    commands_run = {"train": _train, "generate": _generate, "serve": _serve, "verify": _verify}
+    commands_run = {"train": _train, "generate": _generate, "serve": _serve,
+                    "quantized": _quantized, "verify": _verify}  # fmt: skip
     run = commands_run[args.command]
     return run(commands[args.command], args)
 

@@ -67,13 +67,17 @@ class ModelConfig:
         for layer in range(self.n_layers):
             self.attention(layer)
 
-    def attention(self, layer: int, page_size: int | None = None) -> AttentionConfig:
+    def attention(
+        self, layer: int, page_size: int | None = None, kv_cache_dtype: str | None = None
+    ) -> AttentionConfig:
         """The attention of block ``layer``: local in the even blocks but the last;
-        with ``page_size``, decoding through a paged KV cache (the engine's)."""
+        with ``page_size``, decoding through a paged KV cache (the engine's); with
+        ``kv_cache_dtype`` (``"int8"``, ``"float8_e4m3fn"``), a quantized cache."""
         local = self.local_window is not None and layer % 2 == 0 and layer < self.n_layers - 1
         return AttentionConfig(
             window=(self.local_window, 0) if local else None,
             page_size=page_size,
+            kv_cache_dtype=kv_cache_dtype,
             implementation=self.implementation,
             d_model=self.d_model,
             n_heads=self.n_heads,
@@ -98,10 +102,13 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """``x + attn(norm(x))``, then ``x + mlp(norm(x))``, each branch with dropout."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, page_size=None, rngs: nnx.Rngs):
+    def __init__(
+        self, config: ModelConfig, layer: int, *, page_size=None, kv_cache_dtype=None,
+        rngs: nnx.Rngs,
+    ):  # fmt: skip
         D = config.d_model
         self.attn_norm = nnx.RMSNorm(D, rngs=rngs)
-        attention = config.attention(layer, page_size)
+        attention = config.attention(layer, page_size, kv_cache_dtype)
         self.attn = CausalSelfAttention(attention, deterministic=True, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(D, rngs=rngs)
         self.mlp = MLP(D, config.mlp_ratio * D, rngs=rngs)
@@ -125,6 +132,10 @@ class Block(nnx.Module):
 class Decoder(nnx.Module):
     """A decoder-only transformer: token ids (B, T) -> logits (B, T, V).
 
+    ``page_size`` gives every layer a paged KV cache (the engine's), ``kv_cache_dtype``
+    a quantized one (``"int8"``, ``"float8_e4m3fn"``; quantized.py); the parameters are
+    the same whatever the cache.
+
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
@@ -133,11 +144,21 @@ class Decoder(nnx.Module):
       (2, 5, 11)
     """
 
-    def __init__(self, config: ModelConfig, *, page_size: int | None = None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        page_size: int | None = None,
+        kv_cache_dtype: str | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.config = config
         self.embed = nnx.Embed(config.vocab, config.d_model, rngs=rngs)
         self.blocks = nnx.List(
-            [Block(config, i, page_size=page_size, rngs=rngs) for i in range(config.n_layers)]
+            [
+                Block(config, i, page_size=page_size, kv_cache_dtype=kv_cache_dtype, rngs=rngs)
+                for i in range(config.n_layers)
+            ]
         )
         self.norm = nnx.RMSNorm(config.d_model, rngs=rngs)
 
