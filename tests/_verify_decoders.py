@@ -453,7 +453,8 @@ _QUANTIZED_BUGS = {
 
 
 def quantized(bug: str | None = None):
-    """The int8-cache decoder (a ``Decoder`` with its rewind), with ``bug`` planted."""
+    """The int8-cache decoder (a ``Decoder`` with its rewind, float cache and float64
+    reference), with ``bug`` planted."""
     from nanoattn.verify import Decoder
 
     decoder = _quantized_layer()
@@ -466,4 +467,5 @@ def quantized(bug: str | None = None):
         fresh = isinstance(state, tuple)  # before the first chunk: no cache yet
         return step(state if fresh else spoil(state), chunk, lengths)
 
-    return Decoder(full, init, buggy, rewind=decoder.rewind)
+    return Decoder(full, init, buggy, rewind=decoder.rewind, float_cache=decoder.float_cache,
+                   reference=decoder.reference)  # fmt: skip

@@ -17,7 +17,12 @@ Optionally (a :class:`Decoder` carries them, or pass them to the check):
   ``0 <= n[b] <=`` the real tokens of its last call (speculative decoding);
 * ``capacity``: the decoder is bounded (a rolling cache): ``init`` is given this
   many slots and the check decodes far past them;
-* ``max_chunk``: the most tokens one call may take (a rolling cache's C - W - S0).
+* ``max_chunk``: the most tokens one call may take (a rolling cache's C - W - S0);
+* ``float_cache``, for a decoder whose cache is quantized: the same model with a float
+  cache (its ``init`` and ``step``), and ``reference``, its full forward in float64:
+  the quantization check (:mod:`nanoattn.verify._quantization`) reports the quantized
+  decode's error against the float decode next to the float cache's against the
+  reference.
 
 Every run starts from a fresh ``init`` and threads the state linearly, so a
 decoder that mutates its state in place is checked as well as a pure one.
@@ -28,6 +33,7 @@ by :mod:`nanoattn.verify._paged_decoding`, plus its forks check.
 """
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -35,6 +41,7 @@ import numpy as np
 from ._inputs import Inputs, as_features
 from ._leaks import Leaks, per_feature, positive_control
 from ._paged_decoding import PagedDecoder, as_rows, check_forks
+from ._quantization import check_quantization
 from ._report import CheckResult, Report
 
 DEFAULT_SEQ_LEN = 13
@@ -43,13 +50,14 @@ CHUNK_CYCLE = (4, 1)  # the uneven chunking: sizes 4, 1, 4, 1, ..., then 1s up t
 RAGGED_WIDTH = 4  # every ragged call is a right-padded chunk of 4 tokens
 TOLERANCE = {2: 3e-2, 4: 1e-5, 8: 1e-5}  # by the full forward's bytes per output element
 LAPS = 4  # with a capacity C, the default length decodes 4 C + 3 tokens: the ring wraps 4 times
+OPTIONAL = ("rewind", "capacity", "max_chunk", "float_cache", "reference")  # of a Decoder
 
 
 class Decoder(tuple):
     """A decoder for :func:`check_decoding`: the triple ``(full, init, step)`` (it
     unpacks as one, so ``check_decoding(*decoder)`` checks the core protocol) plus the
-    optional ``rewind``, ``capacity`` and ``max_chunk`` (``check_decoding(decoder)``
-    checks them too).
+    optional ``rewind``, ``capacity``, ``max_chunk``, ``float_cache`` and ``reference``
+    (``check_decoding(decoder)`` checks them too).
 
     Args:
       full: ``full(x) -> y`` on the whole sequence.
@@ -60,12 +68,23 @@ class Decoder(tuple):
       capacity: None (the cache holds the whole sequence), or the slots of a bounded
         (rolling) cache: ``init`` gets them and decoding goes on past them.
       max_chunk: None (any chunk length), or the most tokens one call may take.
+      float_cache: None, or for a decoder with a quantized cache the same model with a
+        float cache: a :class:`Decoder` or ``(full, init, step)``, whose ``init`` and
+        ``step`` the quantization check uses.
+      reference: None, or the full forward in higher precision (float64), ``reference(x)
+        -> y``, against which the quantization check measures the float cache (default:
+        ``full``).
     """
 
-    def __new__(cls, full, init, step, *, rewind=None, capacity=None, max_chunk=None):
+    def __new__(
+        cls, full, init, step, *, rewind=None, capacity=None, max_chunk=None, float_cache=None,
+        reference=None,
+    ):  # fmt: skip
         self = super().__new__(cls, (full, init, step))
-        for name, value in (("rewind", rewind), ("capacity", capacity), ("max_chunk", max_chunk)):
-            object.__setattr__(self, name, value)
+        given = dict(rewind=rewind, capacity=capacity, max_chunk=max_chunk,
+                     float_cache=float_cache, reference=reference)  # fmt: skip
+        for name in OPTIONAL:
+            object.__setattr__(self, name, given[name])
         return self
 
     def __setattr__(self, name, value):
@@ -77,9 +96,7 @@ class Decoder(tuple):
 
     def __repr__(self) -> str:
         extras = "".join(
-            f", {n}={getattr(self, n)!r}"
-            for n in ("rewind", "capacity", "max_chunk")
-            if getattr(self, n) is not None
+            f", {n}={getattr(self, n)!r}" for n in OPTIONAL if getattr(self, n) is not None
         )
         return f"Decoder({self[0]!r}, {self[1]!r}, {self[2]!r}{extras})"
 
@@ -184,6 +201,8 @@ def check_decoding(
     ragged: bool | None = None,
     batch: int = 2,
     atol: float | None = None,
+    float_cache=None,
+    reference=None,
 ) -> Report:
     """Proves that a decoder's KV-cache path computes its full forward, hides the
     future and uses its cache.
@@ -196,7 +215,8 @@ def check_decoding(
     the real tokens per row of a right-padded chunk. :mod:`nanoattn.verify.decoders`
     builds the triple for nanoattn's and flax's modules. ``full`` may instead be a
     :class:`Decoder`, which brings ``init``, ``step`` and its optional ``rewind``,
-    ``capacity`` and ``max_chunk`` (an argument given here wins), or a
+    ``capacity``, ``max_chunk``, ``float_cache`` and ``reference`` (an argument given
+    here wins), or a
     :class:`PagedDecoder` (a paged cache: ``init(pages)``, ``step(state, chunk,
     batch)``), which the checks drive through a ``PageAllocator``: each row a sequence,
     a call's rows one token-major step of B * L tokens (the padding past them poison),
@@ -233,7 +253,16 @@ def check_decoding(
       tokens, not a whole number of pages, is forked into max(batch, 3) - 1 children
       (sharing its pages, the partial last one copied on write), and every row goes
       on with tokens of its own in right-padded chunks (the children's first): each
-      row equals the full forward of its own sequence.
+      row equals the full forward of its own sequence;
+    * quantization error, with ``float_cache`` (a decoder whose cache is quantized:
+      int8, float8; :mod:`nanoattn.verify.decoders` gives nanoattn's layers with
+      ``kv_cache_dtype`` theirs): every chunking of the cache equivalence check decoded
+      through the same model's float cache too; the quantized decode's largest
+      deviation from the float decode (within the tolerance, ``atol``) is reported next
+      to the float decode's from ``reference(x)`` (the full forward in float64; without
+      it ``full(x)``), which must be within the default tolerance of a float decoder.
+      The quantized cache's error against ``full(x)`` is what cache equivalence
+      measures; this check says how much of it the quantization makes.
 
     ``max_chunk`` M bounds every chunk: the one-call run becomes chunks of M, and
     the cycle, the ragged and the rewinding chunks are at most M wide; a chunk of
@@ -250,7 +279,13 @@ def check_decoding(
       max_chunk: None, or the most tokens one call may take.
       seq_len: the decoded length T >= 2; None: 13, or 4 C + 3 with a capacity C.
       atol: the largest allowed difference of one output feature; None: 1e-5
-        (3e-2 for 16-bit outputs) times the largest ``|full(x)|``, at least 1.
+        (3e-2 for 16-bit outputs) times the largest ``|full(x)|``, at least 1. A
+        decoder with a quantized cache needs one above its quantization's error.
+      float_cache: None, or for a quantized cache the same model with a float cache (a
+        :class:`Decoder` or ``(full, init, step)``; a :class:`PagedDecoder` for a
+        PagedDecoder): the quantization error check.
+      reference: None, or ``reference(x) -> y``, the full forward in float64, the
+        float cache's yardstick in the quantization error check.
 
     Returns:
       A :class:`Report` titled ``"decoding"``.
@@ -275,6 +310,9 @@ def check_decoding(
     """
     inputs = Inputs.of(d_model, vocab)
     paged = full if isinstance(full, PagedDecoder) else None
+    if paged is not None or isinstance(full, Decoder):
+        float_cache = full.float_cache if float_cache is None else float_cache
+        reference = full.reference if reference is None else reference
     if paged is not None:
         if init is not None or step is not None:
             raise ValueError("pass a PagedDecoder alone, without init and step")
@@ -286,6 +324,12 @@ def check_decoding(
                     f"which rewinds and has no chunk limit; got {name}={value!r}"
                 )
         full, (init, step, rewind) = paged.full, as_rows(paged, inputs)
+        if float_cache is not None:
+            if not isinstance(float_cache, PagedDecoder):
+                raise ValueError(
+                    f"float_cache of a PagedDecoder must be a PagedDecoder, got {float_cache!r}"
+                )
+            float_cache = as_rows(float_cache, inputs)[:2]
     elif isinstance(full, Decoder):
         if init is not None or step is not None:
             raise ValueError("pass a Decoder alone, or the functions full, init and step")
@@ -301,6 +345,15 @@ def check_decoding(
         raise ValueError("pass the decoder's full, init and step, or a Decoder")
     if rewind is not None and not callable(rewind):
         raise ValueError(f"rewind must be None or a function (state, n) -> state, got {rewind!r}")
+    if paged is None and float_cache is not None:
+        if not (isinstance(float_cache, tuple) and len(float_cache) == 3 and
+                all(map(callable, float_cache))):  # fmt: skip
+            raise ValueError(
+                f"float_cache must be None, a Decoder or (full, init, step), got {float_cache!r}"
+            )
+        float_cache = float_cache[1:]  # its init and step
+    if reference is not None and not callable(reference):
+        raise ValueError(f"reference must be None or a function x -> y, got {reference!r}")
     for name, value, least in (("capacity", capacity, 1), ("max_chunk", max_chunk, 1)):
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < least
@@ -352,6 +405,13 @@ def check_decoding(
             detail += f"; matches: {', '.join(matches)}"
         result = dataclasses.replace(result, detail=detail)
     checks = [result]
+    if float_cache is not None:
+        float_tol = _tolerance(None, y, np.asarray(y_raw).dtype.itemsize)
+        decode = functools.partial(_decode, max_len=max_len)
+        quantization = check_quantization(
+            decode, *float_cache, reference, x, y, decoded, runs, tol, float_tol
+        )
+        checks.append(quantization)
 
     width = RAGGED_WIDTH if chunked else 1
     width = width if max_chunk is None else min(width, max_chunk)

@@ -55,6 +55,10 @@ class PagedDecoder:
         order.
       seed: the allocator's shuffle of the pages, and the random page ids of the
         page table's unused entries.
+      float_cache: None, or for a quantized cache the same model with a float cache (a
+        PagedDecoder): ``check_decoding``'s quantization error check.
+      reference: None, or the full forward in float64, ``reference(x) -> y``, that
+        check's yardstick for the float cache (default: ``full``).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -76,11 +80,19 @@ class PagedDecoder:
     page_size: int
     slack: int = 3
     seed: int = 0
+    float_cache: "PagedDecoder | None" = None
+    reference: object = None
 
     def __post_init__(self):
         for name in ("full", "init", "step"):
             if not callable(getattr(self, name)):
                 raise ValueError(f"{name} must be a function, got {getattr(self, name)!r}")
+        if self.float_cache is not None and not isinstance(self.float_cache, PagedDecoder):
+            raise ValueError(
+                f"float_cache must be None or a PagedDecoder, got {self.float_cache!r}"
+            )
+        if self.reference is not None and not callable(self.reference):
+            raise ValueError(f"reference must be None or a function x -> y, got {self.reference!r}")
         _int_at_least("page_size", self.page_size, 1)
         _int_at_least("slack", self.slack, 0)
         _int_at_least("seed", self.seed, 0)

@@ -9,7 +9,12 @@ unpacks as that triple and also carries ``rewind`` (and, for a rolling cache,
 checks those too. For a layer with a paged cache (``config.page_size``) they return a
 :class:`~nanoattn.verify.PagedDecoder` instead (``init(pages)``, ``step(state, chunk,
 batch)`` with a ``PagedBatch``), which ``check_decoding(decoder)`` runs through a
-``PageAllocator``.
+``PageAllocator``. For a layer with a quantized cache (``config.kv_cache_dtype``) the
+decoder also carries ``float_cache``, the same layer and parameters with a float cache
+(``kv_cache_dtype=None``), and ``reference``, the layer's full forward in float64 (its
+parameters and input cast, computed in float64 under ``jax.enable_x64``), so that
+``check_decoding(decoder, atol=...)`` reports the quantization's error next to the
+float cache's.
 
 The protocol (B batch, T time, L chunk length, D model width):
 
@@ -26,12 +31,14 @@ collection, or an NNX graph definition and state), never the caller's module:
 the module passed in is not changed.
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx as _nnx
 
 from .._layers.caches.kinds import policy_of
@@ -67,6 +74,50 @@ def _linen_cache(module: nn.Module, **kwargs):
         return _zeros_like(shapes(x))
 
     return empty
+
+
+def _kv_cache_dtype(module) -> str | None:
+    """The storage dtype of ``module``'s quantized cache, None for a float cache (or a
+    module without nanoattn's config)."""
+    return getattr(getattr(module, "config", None), "kv_cache_dtype", None)
+
+
+def _float_config(module, **changes):
+    """``module.config`` without its quantized cache, with ``changes``."""
+    return dataclasses.replace(module.config, kv_cache_dtype=None, **changes)
+
+
+def _wide(tree):
+    """``tree`` with every floating array in float64 (call under ``jax.enable_x64``)."""
+
+    def cast(a):
+        return a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    return jax.tree.map(cast, tree)
+
+
+def _float64(forward, state):
+    """``reference(x)``: ``forward(state, x)`` (jitted) with ``state`` and a float ``x``
+    in float64, under ``jax.enable_x64`` (token ids stay integers)."""
+    forward = jit(forward)
+
+    def reference(x):
+        with jax.enable_x64(True):
+            x = np.asarray(x)
+            if np.issubdtype(x.dtype, np.floating):
+                x = x.astype(np.float64)
+            return np.asarray(forward(_wide(state), x))
+
+    return reference
+
+
+def _with_float_cache(decoder, float_cache, reference):
+    """``decoder`` (a Decoder or PagedDecoder) carrying ``float_cache`` and
+    ``reference``."""
+    if isinstance(decoder, PagedDecoder):
+        return dataclasses.replace(decoder, float_cache=float_cache, reference=reference)
+    options = {name: getattr(decoder, name) for name in ("rewind", "capacity", "max_chunk")}
+    return Decoder(*decoder, **options, float_cache=float_cache, reference=reference)
 
 
 def _params(variables) -> dict:
@@ -143,6 +194,17 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder 
       True
     """
     variables = _params(params)
+    decoder = _linen(module, variables, capacity)
+    if _kv_cache_dtype(module) is None:
+        return decoder
+    float_cache = _linen(module.clone(config=_float_config(module)), variables, capacity)
+    wide = module.clone(config=_float_config(module, dtype=None))
+    reference = _float64(lambda v, x: wide.apply(v, x, deterministic=True), variables)
+    return _with_float_cache(decoder, float_cache, reference)
+
+
+def _linen(module: nn.Module, variables: dict, capacity: int | None):
+    """:func:`linen` without the float cache of a quantized layer."""
 
     @jit
     def full(x):
@@ -247,6 +309,25 @@ def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedD
       >>> check_decoding(*decoders.nnx(layer), d_model=16, seq_len=5).passed
       True
     """
+    decoder = _nnx_decoder(module, capacity)
+    if _kv_cache_dtype(module) is None:
+        return decoder
+    float_cache = _nnx_decoder(_nnx_with(module, _float_config(module)), capacity)
+    graphdef, state = _nnx.split(_nnx_with(module, _float_config(module, dtype=None)))
+    reference = _float64(lambda s, x: _nnx.merge(graphdef, s)(x, deterministic=True), state)
+    return _with_float_cache(decoder, float_cache, reference)
+
+
+def _nnx_with(module: _nnx.Module, config) -> _nnx.Module:
+    """A copy of nanoattn's NNX ``module`` with ``config`` (which the layer reads at
+    each call and ``init_cache``), the same parameters."""
+    copy = _nnx.clone(module)
+    copy.config = config
+    return copy
+
+
+def _nnx_decoder(module: _nnx.Module, capacity: int | None) -> Decoder | PagedDecoder:
+    """:func:`nnx` without the float cache of a quantized layer."""
     graphdef, state = _nnx.split(module)
 
     @jit
