@@ -33,6 +33,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "quantized.h"
 #include "simd.h"
 #include "threads.h"
 
@@ -52,6 +53,9 @@ struct Paged {
   const int32_t* kv_lengths;  // (B,)
   const int32_t* starts;  // (B + 1,)
   const uint8_t* real;    // (Tq,)
+  // quantized pools' scales (P, page_size, K), float32; null for float pools
+  const float* key_scales = nullptr;
+  const float* value_scales = nullptr;
   // sequence b's rows [first, end), clamped into [0, Tq] and never decreasing
   int64_t first(int64_t b) const { return std::clamp<int64_t>(starts[b], 0, Tq); }
   int64_t end(int64_t b) const { return std::clamp<int64_t>(starts[b + 1], first(b), Tq); }
@@ -85,10 +89,11 @@ inline vf load_wide(const In* p, int64_t count) {
 }
 
 // s[i * kPagedKeys + c] = q_i . k_c for kPagedBlock query vectors (rows of q, Hp wide,
-// zero past H) and the keys c < n (rows of H elements at krow[c]).
+// zero past H) and the keys c < n (rows of H elements at krow[c]), times the key's scale
+// kscale[c] where the keys are quantized (null: none).
 template <class In>
 void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, int64_t n,
-                float* s) {
+                const float* kscale, float* s) {
   int64_t c = 0;
   for (; c + 2 <= n; c += 2) {
     vf acc[kPagedBlock][2] = {};
@@ -100,9 +105,10 @@ void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, in
         acc[i][1] += x * k1;
       }
     }
+    const float s0 = kscale ? kscale[c] : 1.0f, s1 = kscale ? kscale[c + 1] : 1.0f;
     for (int i = 0; i < kPagedBlock; ++i) {
-      s[i * kPagedKeys + c] = hsum(acc[i][0]);
-      s[i * kPagedKeys + c + 1] = hsum(acc[i][1]);
+      s[i * kPagedKeys + c] = hsum(acc[i][0]) * s0;
+      s[i * kPagedKeys + c + 1] = hsum(acc[i][1]) * s1;
     }
   }
   for (; c < n; ++c) {
@@ -111,7 +117,8 @@ void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, in
       const vf k0 = load_wide(krow[c] + h, H - h);
       for (int i = 0; i < kPagedBlock; ++i) acc[i] += load(q + i * Hp + h) * k0;
     }
-    for (int i = 0; i < kPagedBlock; ++i) s[i * kPagedKeys + c] = hsum(acc[i]);
+    const float s0 = kscale ? kscale[c] : 1.0f;
+    for (int i = 0; i < kPagedBlock; ++i) s[i * kPagedKeys + c] = hsum(acc[i]) * s0;
   }
 }
 
@@ -158,8 +165,10 @@ struct PagedScratch {
   }
 };
 
-template <class In>
-void paged_task(const Paged& p, const In* q, const In* kp, const In* vp, const PagedTask& task,
+// One task, queries of type Q, pools of type In (float32 and bfloat16 alike, or int8 and
+// float8 with their scales).
+template <class Q, class In>
+void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const PagedTask& task,
                 float* out, float* lse) {
   const int64_t b = task.b, kh = task.kh, G = p.G, Hp = p.Hp, H = p.H;
   const int64_t rows = task.r1 - task.r0, vectors = rows * G;
@@ -187,23 +196,33 @@ void paged_task(const Paged& p, const In* q, const In* kp, const In* vp, const P
   std::fill(l, l + padded, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     if (!p.real[task.r0 + r]) continue;
-    const In* src = q + ((task.r0 + r) * p.N + kh * G) * H;
+    const Q* src = q + ((task.r0 + r) * p.N + kh * G) * H;
     for (int64_t g = 0; g < G; ++g)
       for (int64_t h = 0; h < H; ++h) qs[(r * G + g) * Hp + h] = widen(src[g * H + h]) * p.scale;
   }
   // The rows of the tile being read, and of the next one, whose lines are prefetched
-  // while this one is computed (its pages sit anywhere in the pool).
+  // while this one is computed (its pages sit anywhere in the pool); with a quantized
+  // pool, the tiles' key and value scales too (0 past the tile's keys).
   const In* rows_of[2][2][kPagedKeys];  // [tile parity][keys, values][key]
+  alignas(64) float scales_of[2][2][kPagedKeys] = {};
+  constexpr bool quantized = kQuantized<In>;
   const int32_t* pages = p.table + b * p.M;
   const int64_t row_bytes = H * static_cast<int64_t>(sizeof(In));
-  auto locate = [&](int64_t j0, const In** keys, const In** values, bool prefetch) {
+  auto locate = [&](int64_t j0, int parity, bool prefetch) {
+    const In** keys = rows_of[parity][0];
+    const In** values = rows_of[parity][1];
     const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
       const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
-      const int64_t at = ((page * p.page_size + slot) * p.K + kh) * H;
+      const int64_t token = (page * p.page_size + slot) * p.K + kh;
+      const int64_t at = token * H;
       keys[c] = kp + at;
       values[c] = vp + at;
+      if constexpr (quantized) {
+        scales_of[parity][0][c] = p.key_scales[token];
+        scales_of[parity][1][c] = p.value_scales[token];
+      }
       if (prefetch)
         for (int64_t byte = 0; byte < row_bytes; byte += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(keys[c]) + byte);
@@ -211,18 +230,21 @@ void paged_task(const Paged& p, const In* q, const In* kp, const In* vp, const P
         }
       if (++slot == p.page_size) slot = 0, ++entry;
     }
+    if constexpr (quantized)
+      for (int64_t c = n; c < kPagedKeys; ++c) scales_of[parity][0][c] = scales_of[parity][1][c] = 0;
   };
   vi column;
   for (int c = 0; c < VW; ++c) column[c] = c;
-  if (lo < hi) locate(lo, rows_of[0][0], rows_of[0][1], false);
+  if (lo < hi) locate(lo, 0, false);
   for (int64_t j0 = lo, tile = 0; j0 < hi; j0 += kPagedKeys, ++tile) {
     const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
     const In* const* krow = rows_of[tile & 1][0];
     const In* const* vrow = rows_of[tile & 1][1];
-    if (j0 + kPagedKeys < hi)
-      locate(j0 + kPagedKeys, rows_of[~tile & 1][0], rows_of[~tile & 1][1], true);
+    const float* kscale = quantized ? scales_of[tile & 1][0] : nullptr;
+    const float* vscale = scales_of[tile & 1][1];
+    if (j0 + kPagedKeys < hi) locate(j0 + kPagedKeys, ~tile & 1, true);
     for (int64_t i = 0; i < padded; i += kPagedBlock)
-      paged_dots(qs + i * Hp, Hp, H, krow, n, s + i * kPagedKeys);
+      paged_dots(qs + i * Hp, Hp, H, krow, n, kscale, s + i * kPagedKeys);
     for (int64_t i = 0; i < padded; ++i) {
       float* row = s + i * kPagedKeys;
       const int64_t r = i / G;
@@ -257,8 +279,10 @@ void paged_task(const Paged& p, const In* q, const In* kp, const In* vp, const P
       const vf shift = splat(m_new);
       for (int c = 0; c < kPagedKeys; c += VW) {
         const vf e = vexp(load(row + c) - shift);
-        store(row + c, e);
         sum += e;
+        // the weights of quantized values times their scales (the sum is the weights')
+        // (a weight of 0 stays 0: a key outside this row's band is never read)
+        store(row + c, quantized ? (e != 0 ? e * load(vscale + c) : vf{}) : e);
       }
       l[i] = l[i] * alpha + hsum(sum);
       m[i] = m_new;
@@ -289,15 +313,14 @@ void paged_task(const Paged& p, const In* q, const In* kp, const In* vp, const P
   }
 }
 
-// The paged forward pass for inputs of type DT (F32 or BF16); out and lse float32.
-template <xla::ffi::DataType DT>
-xla::ffi::Error PagedForward(xla::ffi::ThreadPool pool, xla::ffi::Buffer<DT> q, xla::ffi::Buffer<DT> key_pages,
-                        xla::ffi::Buffer<DT> value_pages, xla::ffi::Buffer<xla::ffi::S32> table,
-                        xla::ffi::Buffer<xla::ffi::S32> kv_lengths, xla::ffi::Buffer<xla::ffi::S32> starts,
-                        xla::ffi::Buffer<xla::ffi::U8> real, float scale, float soft_cap, int64_t left,
-                        int64_t right, xla::ffi::ResultBuffer<xla::ffi::F32> out,
-                        xla::ffi::ResultBuffer<xla::ffi::F32> lse) {
-  using In = xla::ffi::NativeType<DT>;
+// A paged call's sizes and run-time inputs, checked against each other, into p.
+template <class QBuf, class PoolBuf>
+xla::ffi::Error paged_problem(const QBuf& q, const PoolBuf& key_pages, const PoolBuf& value_pages,
+                              const xla::ffi::Buffer<xla::ffi::S32>& table,
+                              const xla::ffi::Buffer<xla::ffi::S32>& kv_lengths,
+                              const xla::ffi::Buffer<xla::ffi::S32>& starts,
+                              const xla::ffi::Buffer<xla::ffi::U8>& real, float scale,
+                              float soft_cap, int64_t left, int64_t right, Paged& p) {
   const auto qd = q.dimensions(), kd = key_pages.dimensions(), vd = value_pages.dimensions();
   const auto td = table.dimensions();
   auto bad = [](const char* what) {
@@ -307,7 +330,6 @@ xla::ffi::Error PagedForward(xla::ffi::ThreadPool pool, xla::ffi::Buffer<DT> q, 
     return bad("q needs (Tq, N, H), the pages (P, page_size, K, H), the table (B, M)");
   for (size_t a = 0; a < 4; ++a)
     if (kd[a] != vd[a]) return bad("key and value pages differ");
-  Paged p;
   p.Tq = qd[0], p.N = qd[1], p.H = qd[2];
   p.P = kd[0], p.page_size = kd[1], p.K = kd[2];
   p.B = td[0], p.M = td[1];
@@ -322,8 +344,13 @@ xla::ffi::Error PagedForward(xla::ffi::ThreadPool pool, xla::ffi::Buffer<DT> q, 
   p.scale = scale, p.soft_cap = soft_cap, p.left = left, p.right = right;
   p.table = table.typed_data(), p.kv_lengths = kv_lengths.typed_data();
   p.starts = starts.typed_data(), p.real = real.typed_data();
-  float* o = out->typed_data();
-  float* l = lse->typed_data();
+  return xla::ffi::Error::Success();
+}
+
+// The paged pass of a checked problem: queries of type Q, pools of type In.
+template <class Q, class In>
+xla::ffi::Error paged_run(xla::ffi::ThreadPool& pool, const Paged& p, const Q* qp, const In* kp,
+                          const In* vp, float* o, float* l) {
   // Rows no task writes (padding, broken): zeros and -inf.
   for (int64_t t = 0; t < p.Tq; ++t) {
     if (p.real[t]) continue;
@@ -341,12 +368,58 @@ xla::ffi::Error PagedForward(xla::ffi::ThreadPool pool, xla::ffi::Buffer<DT> q, 
   const std::vector<int64_t> order = costliest_first(
       static_cast<int64_t>(tasks.size()),
       [&](int64_t t) { return (tasks[t].r1 - tasks[t].r0) * (p.length(tasks[t].b) + 1); });
-  const In* qp = q.typed_data();
-  const In* kp = key_pages.typed_data();
-  const In* vp = value_pages.typed_data();
   parallel_for(pool, max_threads(pool), static_cast<int64_t>(tasks.size()),
                [&](int64_t t, int) { paged_task(p, qp, kp, vp, tasks[order[t]], o, l); });
   return xla::ffi::Error::Success();
+}
+
+// The paged forward pass for inputs of type DT (F32 or BF16); out and lse float32.
+template <xla::ffi::DataType DT>
+xla::ffi::Error PagedForward(xla::ffi::ThreadPool pool, xla::ffi::Buffer<DT> q,
+                             xla::ffi::Buffer<DT> key_pages, xla::ffi::Buffer<DT> value_pages,
+                             xla::ffi::Buffer<xla::ffi::S32> table,
+                             xla::ffi::Buffer<xla::ffi::S32> kv_lengths,
+                             xla::ffi::Buffer<xla::ffi::S32> starts,
+                             xla::ffi::Buffer<xla::ffi::U8> real, float scale, float soft_cap,
+                             int64_t left, int64_t right, xla::ffi::ResultBuffer<xla::ffi::F32> out,
+                             xla::ffi::ResultBuffer<xla::ffi::F32> lse) {
+  Paged p;
+  xla::ffi::Error err = paged_problem(q, key_pages, value_pages, table, kv_lengths, starts, real,
+                                      scale, soft_cap, left, right, p);
+  if (err.failure()) return err;
+  return paged_run(pool, p, q.typed_data(), key_pages.typed_data(), value_pages.typed_data(),
+                   out->typed_data(), lse->typed_data());
+}
+
+// The paged forward pass over quantized pools (int8 or float8_e4m3fn, both the same) with
+// their scales (P, page_size, K); the queries float32, out and lse float32.
+xla::ffi::Error PagedForwardQuantized(
+    xla::ffi::ThreadPool pool, xla::ffi::Buffer<xla::ffi::F32> q, xla::ffi::AnyBuffer key_pages,
+    xla::ffi::AnyBuffer value_pages, xla::ffi::Buffer<xla::ffi::F32> key_scales,
+    xla::ffi::Buffer<xla::ffi::F32> value_scales, xla::ffi::Buffer<xla::ffi::S32> table,
+    xla::ffi::Buffer<xla::ffi::S32> kv_lengths, xla::ffi::Buffer<xla::ffi::S32> starts,
+    xla::ffi::Buffer<xla::ffi::U8> real, float scale, float soft_cap, int64_t left, int64_t right,
+    xla::ffi::ResultBuffer<xla::ffi::F32> out, xla::ffi::ResultBuffer<xla::ffi::F32> lse) {
+  Paged p;
+  xla::ffi::Error err = paged_problem(q, key_pages, value_pages, table, kv_lengths, starts, real,
+                                      scale, soft_cap, left, right, p);
+  if (err.failure()) return err;
+  const size_t tokens = static_cast<size_t>(p.P * p.page_size * p.K);
+  if (key_pages.element_type() != value_pages.element_type() ||
+      key_scales.element_count() != tokens || value_scales.element_count() != tokens)
+    return xla::ffi::Error::InvalidArgument(
+        "nanoattn native paged: quantized pages need one type and scales (P, page_size, K)");
+  p.key_scales = key_scales.typed_data(), p.value_scales = value_scales.typed_data();
+  bool served = with_storage(key_pages.element_type(), [&](auto stored) {
+    using In = std::remove_const_t<std::remove_pointer_t<decltype(stored)>>;
+    err = paged_run(pool, p, q.typed_data(), static_cast<const In*>(key_pages.untyped_data()),
+                    static_cast<const In*>(value_pages.untyped_data()), out->typed_data(),
+                    lse->typed_data());
+  });
+  if (!served)
+    return xla::ffi::Error::InvalidArgument(
+        "nanoattn native paged: quantized pages must be int8 or float8_e4m3fn");
+  return err;
 }
 
 }  // namespace
