@@ -8,6 +8,8 @@
 #pragma once
 
 #include <array>
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -53,8 +55,18 @@ constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, F8E4M
 // VW stored elements from p as float32, unscaled: int8 converted in registers, float8
 // through its table.
 inline vf load_wide(const int8_t* p) {
-  typedef int8_t vb __attribute__((vector_size(VW), aligned(1), may_alias));
-  return __builtin_convertvector(*reinterpret_cast<const vb*>(p), vf);
+  // by intrinsics: GCC 12 builds __builtin_convertvector of int8 lanes one at a time
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return __builtin_bit_cast(vf, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return __builtin_bit_cast(vf, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+#else
+  vf x;
+  for (int i = 0; i < VW; ++i) x[i] = p[i];
+  return x;
+#endif
 }
 inline vf load_wide(const F8E4M3* p) {
   const float* table = f8_values().data();
