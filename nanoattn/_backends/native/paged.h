@@ -46,6 +46,7 @@ constexpr int kPagedVectors = 64;  // query vectors (rows x heads of a group) pe
 constexpr int kPagedKeys = 32;     // keys per tile
 constexpr int kPagedBlock = 4;     // query vectors per register tile of the products
 static_assert(kPagedKeys % VW == 0 && kPagedKeys % 2 == 0, "tiles must hold whole vectors");
+static_assert(kPagedBlock == 4, "paged_dots sums 4 query vectors x 2 keys at once (hsum8)");
 
 // A paged call: sizes, rules and the run-time inputs.
 struct Paged {
@@ -109,9 +110,13 @@ void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, in
       }
     }
     const float s0 = kscale ? kscale[c] : 1.0f, s1 = kscale ? kscale[c + 1] : 1.0f;
+    const vf all[8] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1],
+                       acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
+    alignas(32) float sums[8];
+    hsum8(all, sums);
     for (int i = 0; i < kPagedBlock; ++i) {
-      s[i * kPagedKeys + c] = hsum(acc[i][0]) * s0;
-      s[i * kPagedKeys + c + 1] = hsum(acc[i][1]) * s1;
+      s[i * kPagedKeys + c] = sums[2 * i] * s0;
+      s[i * kPagedKeys + c + 1] = sums[2 * i + 1] * s1;
     }
   }
   for (; c < n; ++c) {
