@@ -130,25 +130,32 @@ def test_bfloat16_is_within_twice_the_references_error():
 @functools.cache
 def _decode_step(implementation, dtype):
     def step(q, kp, vp, table, lengths, starts):
-        q, kp, vp = (x.astype(dtype) for x in (q, kp, vp))
+        if dtype == "int8":  # float32 queries over int8 pools and their scales
+            (kp, ks), (vp, vs) = nanoattn.quantize_kv(kp), nanoattn.quantize_kv(vp)
+            scales = dict(key_scales=ks, value_scales=vs)
+        else:
+            q, kp, vp, scales = *(x.astype(dtype) for x in (q, kp, vp)), {}
         out, lse = nanoattn.paged_attention(
             q, kp, vp, table, lengths, starts, implementation=implementation,
-            return_residual=True,
+            return_residual=True, **scales,
         )  # fmt: skip
         return out.astype(jnp.float32), lse
 
     return jax.jit(step)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, "int8"])
 def test_a_decode_batch_equals_the_paged_reference(dtype):
-    """13 sequences of 1 to 523 keys, one token each, pages of 16 (more tasks than
-    threads, each reading its own (sequence, key/value head))."""
-    lengths = np.random.default_rng(0).integers(1, 524, 13).tolist()
-    arrays = [jnp.asarray(x) for x in _pool(lengths, [1] * 13, 16, seed=17)]
+    """41 sequences of 1 to 523 keys, one token each, pages of 16: more tasks than
+    threads, each reading both key/value heads of its sequence side by side (up to 10
+    threads), float, bfloat16 and int8 pools."""
+    lengths = np.random.default_rng(0).integers(1, 524, 41).tolist()
+    arrays = [jnp.asarray(x) for x in _pool(lengths, [1] * 41, 16, seed=17)]
+    if dtype == "int8":  # quantize_kv makes a NaN row's scale NaN: pages not read are 0
+        arrays[1:3] = [jnp.nan_to_num(x, nan=0.0, posinf=0.0) for x in arrays[1:3]]
     out, lse = _decode_step("native", dtype)(*arrays)
     want, want_lse = _decode_step("xla", dtype)(*arrays)
-    tolerance = 2e-5 if dtype == jnp.float32 else 1e-2  # the reference's bf16 output rounds
+    tolerance = 1e-2 if dtype == jnp.bfloat16 else 2e-5  # the reference's bf16 output rounds
     np.testing.assert_allclose(out, want, atol=tolerance, rtol=tolerance)
     np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
 

@@ -1,9 +1,10 @@
 """Attention over quantized keys and values (key_scales, value_scales) on every backend
 that serves it, against the float64 reference applied to the dequantized values (the
 arithmetic every kernel must do): GQA, causality with an offset, a window, sinks, key
-lengths, the paged call; a NaN scale visible where its token is seen and never read
-where it is not; refusals, one-line errors, and gradients (the reference's, flash's
-clear error)."""
+lengths, blocks of queries, the paged call; a NaN scale visible where its token is seen
+and never read where it is not; the native kernel reading the stored int8 arrays;
+refusals, one-line errors, and gradients (the reference's; flash's and native's clear
+error)."""
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from nanoattn._backends.interface import unserved
 from nanoattn._core.base.quantized import QUANTIZED_DTYPES
 from nanoattn._core.base.rules import Rules
 
-from _backends import each_backend, require
+from _backends import each_backend, require, serving
 from _reference import np_attention, np_causal, np_lengths, np_window, randn
 
 B, T, S, N, K, H = 2, 5, 11, 6, 2, 7  # G = 3
@@ -60,6 +61,45 @@ def test_output_is_the_reference_s_on_the_dequantized_keys_and_values(implementa
     expected = np_attention(q, _np_dequantized(kq, ks), _np_dequantized(vq, vs),
                             allowed=allowed(), sinks=rules.get("sinks"))  # fmt: skip
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=2e-5)
+
+
+@each_backend()
+def test_blocks_of_queries_read_quantized_keys_like_a_decode_step(implementation):
+    """A prefill chunk (T = 19, whole blocks of query rows on the blockwise kernels) over
+    int8 keys, in bfloat16: the queries' blocks, not only a decode step's rows."""
+    t, s = 19, 23
+    q = jnp.asarray(randn(9, B, t, N, H), jnp.bfloat16)
+    (kq, ks), (vq, vs) = _quantized(10, "int8", (B, s, K, H)), _quantized(11, "int8", (B, s, K, H))
+    rules = dict(is_causal=True, q_offset=s - t, key_scales=ks, value_scales=vs)
+    require(implementation, q, kq, vq, **rules)
+    out = nanoattn.dot_product_attention(q, kq, vq, **rules, implementation=implementation)
+    assert out.dtype == jnp.bfloat16
+    expected = np_attention(np.asarray(q, np.float64), _np_dequantized(kq, ks),
+                            _np_dequantized(vq, vs), allowed=np_causal(t, s, s - t))  # fmt: skip
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_native_reads_the_stored_int8_keys_without_a_float_copy():
+    """The native kernel takes the int8 arrays themselves: its call's operands are int8
+    and nothing converts the cache to float before it (dense and paged)."""
+    q = jnp.asarray(randn(0, B, T, N, H))
+    (kq, ks), (vq, vs) = _quantized(1, "int8"), _quantized(2, "int8")
+    rules = dict(is_causal=True, q_offset=OFFSET, key_scales=ks, value_scales=vs)
+    require("native", q, kq, vq, **rules)
+    table, lengths, starts = np.array([[0, 1, 2, 3]], np.int32), np.array([11]), np.array([0, 5])
+    pages = [nanoattn.quantize_kv(randn(seed, 4, 3, K, H)) for seed in (3, 4)]
+    calls = {
+        "nanoattn_forward_quantized": lambda q: nanoattn.dot_product_attention(
+            q, kq, vq, **rules, implementation="native"),
+        "nanoattn_paged_forward_quantized": lambda q: nanoattn.paged_attention(
+            q[0], pages[0][0], pages[1][0], table, lengths, starts, key_scales=pages[0][1],
+            value_scales=pages[1][1], implementation="native"),
+    }  # fmt: skip
+    for target, call in calls.items():
+        text = jax.jit(call).lower(q).as_text()
+        line = next(x for x in text.splitlines() if target in x)
+        assert line.count("xi8>") >= 2, line  # keys and values as stored
+        assert "xi8>) -> tensor" not in text.replace(line, ""), "a convert of the cache"
 
 
 @each_backend()
@@ -144,8 +184,11 @@ def test_the_reference_differentiates_the_query_and_flash_raises_a_clear_error()
 
     got = jax.grad(loss)(q, "xla", True)
     np.testing.assert_allclose(got, jax.grad(loss)(q, "xla", False), atol=1e-6)
-    with pytest.raises(ValueError, match="gradients through quantized keys and values"):
-        jax.grad(loss)(q, "flash", True)
+    for implementation in ("flash", "native"):
+        if implementation not in serving(q, kq, vq, key_scales=ks, value_scales=vs):
+            continue
+        with pytest.raises(ValueError, match="gradients through quantized keys and values"):
+            jax.grad(loss)(q, implementation, True)
 
 
 def _bad(**changes):

@@ -40,19 +40,13 @@ import jax.numpy as jnp
 from ..._core.base.block_mask import EMPTY, BlockMask, block_mask
 from ..._core.base.mask_fn import closure_converted, evaluate_mask, evaluate_score
 from ..._core.base.numerics import large_negative, softmax_dtype
-from ..._core.base.quantized import dequantize, is_quantized
+from ..._core.base.quantized import NO_QUANTIZED_GRADIENTS, dequantize, is_quantized
 from ..._core.base.rules import Rules
 from ..._core.base.shard_map import sum_to_varying, varying_like
 from .plan import Plan, kernel_plans
 from .schedule import Schedule
 
-_ITEM = "BLKGqk"
-# The backward pass does not differentiate through a quantized cache.
-NO_QUANTIZED_GRADIENTS = (
-    "gradients through quantized keys and values (key_scales, value_scales) are not "
-    "implemented by the blockwise kernel; use implementation='xla', which differentiates "
-    "the query and the scales"
-)  # the axes of one step's scores: batch, lane, kv head, group, query, key
+_ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
 
 
 @jax.tree_util.register_dataclass

@@ -33,7 +33,9 @@
 // The generic pieces are in headers beside this file: simd.h (vectors, bfloat16),
 // gemm.h (the block products' micro-kernels), threads.h (work sharing on XLA's
 // thread pool) and visibility.h (the problem, the blocks, who sees what); paged.h
-// holds the forward pass of nanoattn.paged_attention (keys read through a page table).
+// holds the forward pass of nanoattn.paged_attention (keys read through a page table),
+// quantized.h the int8 and float8 keys and values that both forward passes read with
+// their scales (one more forward handler each: float32 queries, quantized keys).
 // This file keeps the packing, the two passes and the FFI bindings.
 
 #include <algorithm>
@@ -50,6 +52,7 @@
 
 #include "gemm.h"
 #include "paged.h"
+#include "quantized.h"
 #include "simd.h"
 #include "threads.h"
 #include "visibility.h"
@@ -132,19 +135,24 @@ void pack_rows(const Problem& p, const In* x, const Geometry& g, int64_t b, int6
 }
 
 // keys [j0, j0 + BK) of head kh as (BK, Hp) rows, or transposed as (Hp, BK); keys
-// past S or unseen are 0.
+// past S or unseen are 0. Quantized keys (int8, float8) are multiplied by their
+// `scales` (B, S, K) as they are packed (null for float keys).
 template <class In>
 void pack_keys(const Problem& p, const In* x, const Geometry& g, int64_t b, int64_t kh,
-               int64_t j0, float* rows, float* cols) {
+               int64_t j0, float* rows, float* cols, const float* scales = nullptr) {
   if (cols && p.Hp > p.H) std::fill(cols + p.H * BK, cols + p.Hp * BK, 0.0f);  // padded widths
   const uint8_t* k_seen = seen(p, g, kh);
+  alignas(64) float factor[BK];  // each key's scale (1 for float keys, 0 unseen)
   for (int64_t c = 0; c < BK; ++c) {
     const int64_t j = j0 + c;
     const bool real = j < p.S && k_seen[j];
+    factor[c] = !real ? 0.0f : scales ? scales[(b * p.S + j) * p.K + kh] : 1.0f;
     const In* src = real ? x + ((b * p.S + j) * p.K + kh) * p.H : nullptr;
     if (rows) {
       float* dst = rows + c * p.Hp;
-      if (real)
+      if (real && scales)
+        for (int64_t h = 0; h < p.H; ++h) dst[h] = widen(src[h]) * factor[c];
+      else if (real)
         for (int64_t h = 0; h < p.H; ++h) dst[h] = widen(src[h]);
       std::fill(dst + (real ? p.H : 0), dst + p.Hp, 0.0f);
     }
@@ -158,7 +166,7 @@ void pack_keys(const Problem& p, const In* x, const Geometry& g, int64_t b, int6
     float* dst = cols + h * BK;
     for (int64_t c = 0; c < BK; ++c) {
       const int64_t j = j0 + c;
-      dst[c] = j < p.S && k_seen[j] ? widen(base[c * stride + h]) : 0.0f;
+      dst[c] = j < p.S && k_seen[j] ? widen(base[c * stride + h]) * factor[c] : 0.0f;
     }
   }
 }
@@ -610,9 +618,9 @@ ffi::Error mask_fn_of(const ffi::Buffer<ffi::S8>& kind, const ffi::Buffer<ffi::S
 }
 
 // The sizes, rules and per-row inputs of a call, checked against each other.
-template <ffi::DataType DT>
-ffi::Error make_problem(const ffi::Buffer<DT>& q, const ffi::Buffer<DT>& k,
-                        const ffi::Buffer<DT>& v, const ffi::Buffer<ffi::S32>& q_offset,
+template <class QBuf, class KBuf>
+ffi::Error make_problem(const QBuf& q, const KBuf& k, const KBuf& v,
+                        const ffi::Buffer<ffi::S32>& q_offset,
                         const ffi::Buffer<ffi::S32>& kv_lengths,
                         const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& kv_seg,
                         const ffi::Buffer<ffi::S8>& fn_kind, const ffi::Buffer<ffi::S32>& fn_slot,
@@ -688,20 +696,12 @@ std::vector<Geometry> all_geometry(ffi::ThreadPool& pool, int threads, const Pro
   return geo;
 }
 
-// The forward pass, for inputs of type DT (F32 or BF16); out and lse are float32.
-template <ffi::DataType DT>
-ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
-                   ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_lengths,
-                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
-                   ffi::Buffer<ffi::S8> fn_kind, ffi::Buffer<ffi::S32> fn_slot,
-                   ffi::Buffer<ffi::U8> fn_bits, float scale, float soft_cap, int64_t left,
-                   int64_t right, ffi::ResultBuffer<ffi::F32> out,
-                   ffi::ResultBuffer<ffi::F32> lse) {
-  Problem p;
-  ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, fn_kind, fn_slot,
-                                fn_bits, scale, soft_cap, left, right, p);
-  if (err.failure()) return err;
-  if (p.B * p.T * p.N == 0) return ffi::Error::Success();
+// The forward pass of a checked problem: queries of type In, keys and values of type Kv
+// (In again, or int8 / float8 with their scales (B, S, K), null for float keys).
+template <class In, class Kv>
+void forward_run(ffi::ThreadPool& pool, const Problem& p, const In* q, const Kv* k, const Kv* v,
+                 const float* key_scales, const float* value_scales, ForwardOut res) {
+  if (p.B * p.T * p.N == 0) return;
   const int threads = max_threads(pool);
   const std::vector<Geometry> geo = all_geometry(pool, threads, p);
   // A task's cost is the number of key blocks it may see (those a mask_fn leaves):
@@ -733,23 +733,71 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, f
     if (kb < held[b].first || kb > held[b].second) return;
     // The transposed scores of bfloat16 read the keys as pairs where the CPU has
     // AVX512_BF16 (forward_task); a decode step reads them transposed.
-    constexpr bool pairs = kPairs && std::is_same_v<ffi::NativeType<DT>, uint16_t>;
-    if (pairs && !decode) {
-      pack_key_pairs(p, reinterpret_cast<const uint16_t*>(k.typed_data()), geo[b], b, kh,
-                     kb * BK, reinterpret_cast<uint32_t*>(keys.at(t)));
-    } else {
-      pack_keys(p, k.typed_data(), geo[b], b, kh, kb * BK, decode ? nullptr : keys.at(t),
-                decode ? keys.at(t) : nullptr);
+    constexpr bool pairs = kPairs && std::is_same_v<In, uint16_t> && std::is_same_v<Kv, uint16_t>;
+    if constexpr (pairs) {
+      if (!decode) {
+        pack_key_pairs(p, k, geo[b], b, kh, kb * BK, reinterpret_cast<uint32_t*>(keys.at(t)));
+        pack_keys(p, v, geo[b], b, kh, kb * BK, values.at(t), nullptr);
+        return;
+      }
     }
-    pack_keys(p, v.typed_data(), geo[b], b, kh, kb * BK, values.at(t), nullptr);
+    pack_keys(p, k, geo[b], b, kh, kb * BK, decode ? nullptr : keys.at(t),
+              decode ? keys.at(t) : nullptr, key_scales);
+    pack_keys(p, v, geo[b], b, kh, kb * BK, values.at(t), nullptr, value_scales);
   });
-  ForwardOut res{out->typed_data(), lse->typed_data()};
   parallel_for(pool, threads, total, [&](int64_t t, int) {
     if (decode)
-      forward_rows_task(p, geo, q.typed_data(), keys, values, res, order[t]);
+      forward_rows_task(p, geo, q, keys, values, res, order[t]);
     else
-      forward_task(p, geo, q.typed_data(), keys, values, res, order[t]);
+      forward_task(p, geo, q, keys, values, res, order[t]);
   });
+}
+
+// The forward pass, for inputs of type DT (F32 or BF16); out and lse are float32.
+template <ffi::DataType DT>
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
+                   ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_lengths,
+                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                   ffi::Buffer<ffi::S8> fn_kind, ffi::Buffer<ffi::S32> fn_slot,
+                   ffi::Buffer<ffi::U8> fn_bits, float scale, float soft_cap, int64_t left,
+                   int64_t right, ffi::ResultBuffer<ffi::F32> out,
+                   ffi::ResultBuffer<ffi::F32> lse) {
+  Problem p;
+  ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, fn_kind, fn_slot,
+                                fn_bits, scale, soft_cap, left, right, p);
+  if (err.failure()) return err;
+  forward_run(pool, p, q.typed_data(), k.typed_data(), v.typed_data(), nullptr, nullptr,
+              ForwardOut{out->typed_data(), lse->typed_data()});
+  return ffi::Error::Success();
+}
+
+// The forward pass of float32 queries over quantized keys and values (int8 or
+// float8_e4m3fn, both the same) with their scales (B, S, K); out and lse float32.
+ffi::Error ForwardQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> key_scales,
+                            ffi::Buffer<ffi::F32> value_scales, ffi::Buffer<ffi::S32> q_offset,
+                            ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> q_seg,
+                            ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S8> fn_kind,
+                            ffi::Buffer<ffi::S32> fn_slot, ffi::Buffer<ffi::U8> fn_bits,
+                            float scale, float soft_cap, int64_t left, int64_t right,
+                            ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  Problem p;
+  ffi::Error err = make_problem(q, k, v, q_offset, kv_lengths, q_seg, kv_seg, fn_kind, fn_slot,
+                                fn_bits, scale, soft_cap, left, right, p);
+  if (err.failure()) return err;
+  const size_t tokens = static_cast<size_t>(p.B * p.S * p.K);
+  if (k.element_type() != v.element_type() || key_scales.element_count() != tokens ||
+      value_scales.element_count() != tokens)
+    return ffi::Error::InvalidArgument(
+        "nanoattn native: quantized k and v need one type and scales (B, S, K)");
+  const bool served = with_storage(k.element_type(), [&](auto stored) {
+    using Kv = std::remove_const_t<std::remove_pointer_t<decltype(stored)>>;
+    forward_run(pool, p, q.typed_data(), static_cast<const Kv*>(k.untyped_data()),
+                static_cast<const Kv*>(v.untyped_data()), key_scales.typed_data(),
+                value_scales.typed_data(), ForwardOut{out->typed_data(), lse->typed_data()});
+  });
+  if (!served)
+    return ffi::Error::InvalidArgument("nanoattn native: quantized k and v must be int8 or float8_e4m3fn");
   return ffi::Error::Success();
 }
 
@@ -962,3 +1010,47 @@ NANOATTN_HANDLERS(NanoattnForwardBf16, NanoattnBackwardBf16, ffi::BF16);
 
 NANOATTN_PAGED_HANDLER(NanoattnPagedForward, ffi::F32);
 NANOATTN_PAGED_HANDLER(NanoattnPagedForwardBf16, ffi::BF16);
+
+// Float32 queries over quantized keys and values (quantized.h), dense and paged: one
+// handler each for int8 and float8_e4m3fn storage; no backward pass (gradients through
+// a quantized cache are refused in Python).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnForwardQuantized, ForwardQuantized,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  /* q */
+                                  .Arg<ffi::AnyBuffer>()         /* k */
+                                  .Arg<ffi::AnyBuffer>()         /* v */
+                                  .Arg<ffi::Buffer<ffi::F32>>()  /* key_scales */
+                                  .Arg<ffi::Buffer<ffi::F32>>()  /* value_scales */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* q_offset */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* q_segment_ids */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* kv_segment_ids */
+                                  .Arg<ffi::Buffer<ffi::S8>>()   /* mask_fn kinds */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* mask_fn slots */
+                                  .Arg<ffi::Buffer<ffi::U8>>()   /* mask_fn bits */
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("left")
+                                  .Attr<int64_t>("right")
+                                  .Ret<ffi::Buffer<ffi::F32>>()   /* out */
+                                  .Ret<ffi::Buffer<ffi::F32>>()); /* lse */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnPagedForwardQuantized, PagedForwardQuantized,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  /* q */
+                                  .Arg<ffi::AnyBuffer>()         /* key_pages */
+                                  .Arg<ffi::AnyBuffer>()         /* value_pages */
+                                  .Arg<ffi::Buffer<ffi::F32>>()  /* key_scales */
+                                  .Arg<ffi::Buffer<ffi::F32>>()  /* value_scales */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* page_table */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */
+                                  .Arg<ffi::Buffer<ffi::S32>>()  /* query_starts */
+                                  .Arg<ffi::Buffer<ffi::U8>>()   /* real rows */
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("left")
+                                  .Attr<int64_t>("right")
+                                  .Ret<ffi::Buffer<ffi::F32>>()   /* out */
+                                  .Ret<ffi::Buffer<ffi::F32>>()); /* lse */

@@ -3,7 +3,9 @@ float32 or bfloat16, no dense mask, bias, ``score_fn`` or dropout, a Python numb
 ``scale``; ``mask_fn`` served from its block classification and the bits of its partial
 blocks (a traced one while those bits stay small); built on the first call it may serve.
 Paged calls (``nanoattn.paged_attention``) by its paged forward pass (:mod:`.paged`),
-every rule above but ``mask_fn``."""
+every rule above but ``mask_fn``. Quantized keys and values (int8, float8_e4m3fn with
+their scales) dense and paged, read and scaled as the blocks are packed or loaded (the
+query widened to float32); no gradients through them."""
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,7 @@ class Native:
     priority = 2
     serves = frozenset(
         {"is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap", "mask_fn", "sinks",
-         "page_table"}
+         "page_table", "kv_scales"}
     )  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
@@ -55,7 +57,8 @@ class Native:
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
         dtype = query.dtype
-        if not dtype == key.dtype == value.dtype:  # mixed types: all widened to float32
+        quantized = rules.key_scales is not None  # read as stored (int8, float8)
+        if not quantized and not dtype == key.dtype == value.dtype:  # mixed: all float32
             query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
         attention = native_paged_attention if rules.paged else native_attention
         out, lse = attention(query, key, value, rules)  # pages (P, page_size, K, H) if paged

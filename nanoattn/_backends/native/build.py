@@ -1,7 +1,8 @@
 """Building and loading the native kernel: one compiler call, cached on disk.
 
 The kernel (``attention.cc`` beside this file, with the headers beside it that it
-includes: ``simd.h``, ``gemm.h``, ``threads.h``, ``visibility.h``, ``paged.h``) is compiled on first
+includes: ``simd.h``, ``gemm.h``, ``threads.h``, ``visibility.h``, ``paged.h``,
+``quantized.h``) is compiled on first
 use, with the machine's own instruction set (``-march=native``), against the FFI
 headers of the installed jaxlib, into ``$NANOATTN_CACHE_DIR`` (default
 ``~/.cache/nanoattn``). The file name carries a hash of every input of the
@@ -59,6 +60,8 @@ TARGETS = {
     "nanoattn_backward_bf16": "NanoattnBackwardBf16",
     "nanoattn_paged_forward": "NanoattnPagedForward",
     "nanoattn_paged_forward_bf16": "NanoattnPagedForwardBf16",
+    "nanoattn_forward_quantized": "NanoattnForwardQuantized",
+    "nanoattn_paged_forward_quantized": "NanoattnPagedForwardQuantized",
 }
 
 

@@ -2,7 +2,9 @@
 a ``custom_vjp``.
 
 The C++ side (``attention.cc``) takes q (B, T, N, H), k and v (B, S, K, H), all
-float32 or all bfloat16 (one pair of FFI targets per type), per-row ``q_offset``
+float32 or all bfloat16 (one pair of FFI targets per type), or float32 queries over
+int8 or float8_e4m3fn keys and values with their float32 scales (B, S, K) (a forward
+target of its own: gradients through a quantized cache are refused), per-row ``q_offset``
 and ``kv_lengths`` (B,), segment ids
 (B, T) and (B, S) (or empty), a ``mask_fn`` as its blocks (or empty; see
 :func:`_mask_operands`), and the rules as attributes: ``scale``,
@@ -24,6 +26,7 @@ import numpy as np
 
 from ..._core.base.block_mask import CHUNK_CELLS, EMPTY, FULL, PARTIAL, BlockMask, classify
 from ..._core.base.mask_fn import evaluate_mask, grid
+from ..._core.base.quantized import NO_QUANTIZED_GRADIENTS
 from ..._core.base.rules import Rules
 from .build import load
 
@@ -43,7 +46,9 @@ def native_attention(query, key, value, rules: Rules):
 
     Args:
       query: (B, T, N, H) float32 or bfloat16; key, value: (B, S, K, H), cast to
-        the query's type (products and softmax in float32); ``rules`` from
+        the query's type (products and softmax in float32), or int8 / float8_e4m3fn
+        with ``rules.key_scales`` and ``rules.value_scales`` (B, S, K) (dequantized as
+        the kernel packs its blocks; the query widened to float32); ``rules`` from
         :meth:`nanoattn._core.base.rules.Rules.make` that the ``native`` backend
         (:mod:`nanoattn._backends.native`) accepts.
 
@@ -52,8 +57,10 @@ def native_attention(query, key, value, rules: Rules):
       dtype), differentiable in both: ``lse``
       is the log-sum-exp of each row's visible logits, ``-inf`` for a row that
       sees no key (the convention of the flash kernel and of ``jax.nn``'s
-      residuals).
+      residuals). Quantized keys: differentiating raises NO_QUANTIZED_GRADIENTS.
     """
+    if rules.key_scales is not None:
+        return _attend_quantized(*_quantized_operands(query, key, value, rules))
     return _attend(*_operands(query, key, value, rules))
 
 
@@ -239,12 +246,10 @@ def static_rules(rules: Rules) -> tuple:
     )
 
 
-def _operands(query, key, value, rules: Rules):
-    """The kernel's operands: q, k, v in the query's type, per-row offsets and lengths (B,),
-    segment ids (B, T) and (B, S) (empty without them), mask_fn's kinds, slots and bits
-    (empty without it), and the static rules."""
+def _rows(rules: Rules) -> tuple:
+    """The kernel's per-row operands: offsets and lengths (B,), segment ids (B, T) and
+    (B, S) (empty without them), mask_fn's kinds, slots and bits (empty without it)."""
     B, S = rules.B, rules.S
-    attributes = static_rules(rules)
     offset = rules.q_offset if rules.band is not None else 0
     offsets = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (B,))
     lengths = jnp.full((B,), S) if rules.kv_lengths is None else rules.kv_lengths
@@ -253,8 +258,21 @@ def _operands(query, key, value, rules: Rules):
     else:
         q_seg, kv_seg = rules.q_segment_ids, rules.kv_segment_ids
     ints = (offsets, lengths.astype(jnp.int32), q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32))
+    return (*ints, *_mask_operands(rules))
+
+
+def _operands(query, key, value, rules: Rules):
+    """The kernel's operands: q, k, v in the query's type, the rows (:func:`_rows`) and
+    the static rules."""
     key, value = key.astype(query.dtype), value.astype(query.dtype)
-    return (query, key, value, *ints, *_mask_operands(rules), attributes)
+    return (query, key, value, *_rows(rules), static_rules(rules))
+
+
+def _quantized_operands(query, key, value, rules: Rules):
+    """The operands of a call over quantized keys: q in float32, k and v as stored,
+    their scales (B, S, K) in float32, the rows and the static rules."""
+    scales = (rules.key_scales.astype(_F32), rules.value_scales.astype(_F32))
+    return (query.astype(_F32), key, value, *scales, *_rows(rules), static_rules(rules))
 
 
 def _attributes(attributes):
@@ -312,3 +330,27 @@ def _attend_bwd(attributes, residuals, cotangents):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12,))
+def _attend_quantized(q, k, v, key_scales, value_scales, offsets, lengths, q_seg, kv_seg, kinds,
+                      slots, bits, attributes):  # fmt: skip
+    """(out, lse) over quantized keys and values with their scales."""
+    call = jax.ffi.ffi_call(
+        "nanoattn_forward_quantized",
+        (jax.ShapeDtypeStruct(q.shape, _F32), jax.ShapeDtypeStruct(q.shape[:-1], _F32)),
+        vmap_method="broadcast_all",
+    )
+    rows = (offsets, lengths, q_seg, kv_seg, kinds, slots, bits)
+    return call(q, k, v, key_scales, value_scales, *rows, **_attributes(attributes))
+
+
+def _attend_quantized_fwd(*operands):
+    return _attend_quantized(*operands), None
+
+
+def _attend_quantized_bwd(attributes, residuals, cotangents):
+    raise ValueError(NO_QUANTIZED_GRADIENTS)
+
+
+_attend_quantized.defvjp(_attend_quantized_fwd, _attend_quantized_bwd)

@@ -4,7 +4,9 @@ no gathered copy), the backward pass the flash kernel's (:func:`~nanoattn._backe
 flash.paged.paged_gradients`, which walks the same pages) under a ``custom_vjp``.
 
 The C++ side takes the query (Tq, N, H), the pools (P, page_size, K, H), all float32 or
-all bfloat16 (one FFI target per type), the safe page table (B, M') (every id in the
+all bfloat16 (one FFI target per type), or a float32 query over int8 or float8_e4m3fn
+pools with their float32 scales (P, page_size, K) (a target of its own, read and scaled
+in registers), the safe page table (B, M') (every id in the
 pool: :func:`~nanoattn._backends.flash.paged.paged_inputs`), the key lengths (B,), the
 query starts (B + 1,), the real rows (Tq,) as uint8, and the rules as attributes:
 ``scale``, ``soft_cap`` (0: none) and the band ``left``/``right`` (-1: unbounded). It
@@ -32,12 +34,15 @@ def native_paged_attention(query, key_pages, value_pages, rules: Rules):
 
     Args:
       query: (Tq, N, H); key_pages, value_pages: (P, page_size, K, H), all float32 or
-        all bfloat16; ``rules`` from :meth:`Rules.make_paged`, without mask_fn or
-        score_fn (:mod:`nanoattn._backends.native.backend` refuses them).
+        all bfloat16, or int8 / float8_e4m3fn pools with ``rules.key_scales`` and
+        ``rules.value_scales`` (P, page_size, K); ``rules`` from
+        :meth:`Rules.make_paged`, without mask_fn or score_fn
+        (:mod:`nanoattn._backends.native.backend` refuses them).
 
     Returns:
       (out (Tq, N, H), lse (Tq, N)), float32 (the caller rounds ``out``),
-      differentiable in the query and the pools.
+      differentiable in the query and float pools (quantized pools raise the
+      flash kernel's NO_QUANTIZED_GRADIENTS).
     """
     plan, inputs = paged_inputs(query, key_pages, value_pages, rules)
     return _attend(plan, static_rules(rules), inputs)
@@ -47,14 +52,20 @@ def _forward(attributes, inputs: PagedInputs):
     """(out (Tq, N, H), lse (Tq, N)), float32, by the C++ pass."""
     q = inputs.query
     Tq, N, _ = q.shape
+    pools = (inputs.key_pages, inputs.value_pages)
+    if inputs.key_scales is None:
+        target = "nanoattn_paged_forward" + TARGET_SUFFIX[q.dtype]
+    else:  # float32 queries; the pools as stored, then their scales
+        target, q = "nanoattn_paged_forward_quantized", q.astype(_F32)
+        pools += (inputs.key_scales.astype(_F32), inputs.value_scales.astype(_F32))
     call = jax.ffi.ffi_call(
-        "nanoattn_paged_forward" + TARGET_SUFFIX[q.dtype],
+        target,
         (jax.ShapeDtypeStruct(q.shape, _F32), jax.ShapeDtypeStruct((Tq, N), _F32)),
         vmap_method="sequential",
     )
     scale, soft_cap, left, right = attributes
     return call(
-        q, inputs.key_pages, inputs.value_pages, inputs.table.astype(jnp.int32),
+        q, *pools, inputs.table.astype(jnp.int32),
         inputs.kv_lengths.astype(jnp.int32), inputs.starts.astype(jnp.int32),
         inputs.real.astype(jnp.uint8), scale=np.float32(scale), soft_cap=np.float32(soft_cap),
         left=np.int64(left), right=np.int64(right),

@@ -55,6 +55,42 @@ inline float nan_max(float a, float b) {
 inline float hmax(vf x) { return reduce(x, [](auto a, auto b) { return nan_max(a, b); }); }
 inline float hsum(vf x) { return reduce(x, [](auto a, auto b) { return a + b; }); }
 
+// The lane sums of eight vectors at once, sums[k] of x[k]: halves of pairs of vectors
+// added in a tree (3 steps of shuffles shared by all eight, then one within a vector),
+// about a third of the work of eight hsum.
+inline void hsum8(const vf (&x)[8], float* sums) {
+#if defined(__AVX512F__)
+  vf h[4], q[2];
+  for (int k = 0; k < 4; ++k)  // [a 8 | b 8]
+    h[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * k], x[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // [a 4 | b 4 | c 4 | d 4]
+    q[k] = __builtin_shufflevector(h[2 * k], h[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                   18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(h[2 * k], h[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  const vf e = __builtin_shufflevector(q[0], q[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21,
+                                       24, 25, 28, 29) +
+               __builtin_shufflevector(q[0], q[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23,
+                                       26, 27, 30, 31);  // [a 2 | b 2 | ... | h 2]
+  const v8 sum = __builtin_shufflevector(e, e, 0, 2, 4, 6, 8, 10, 12, 14) +
+                 __builtin_shufflevector(e, e, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  vf h[4], q[2];
+  for (int k = 0; k < 4; ++k)  // [a 4 | b 4]
+    h[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(x[2 * k], x[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int k = 0; k < 2; ++k)  // [a 2 | b 2 | c 2 | d 2]
+    q[k] = __builtin_shufflevector(h[2 * k], h[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(h[2 * k], h[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  const v8 sum = __builtin_shufflevector(q[0], q[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                 __builtin_shufflevector(q[0], q[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+  for (int k = 0; k < 8; ++k) sums[k] = sum[k];
+}
+
 // ---------------------------------------------------------------------------
 // Element types: float32, or bfloat16 (uint16_t, the FFI's storage for it: the high
 // half of a float32). Inputs are widened to float32 when packed; outputs are rounded

@@ -22,6 +22,12 @@ LIMITS = {"int8": 127.0}
 if hasattr(jnp, "float8_e4m3fn"):
     LIMITS["float8_e4m3fn"] = 448.0
 QUANTIZED_DTYPES = tuple(LIMITS)
+# The blockwise kernels do not differentiate through a quantized cache.
+NO_QUANTIZED_GRADIENTS = (
+    "gradients through quantized keys and values (key_scales, value_scales) are not "
+    "implemented by the 'flash' and 'native' kernels; use implementation='xla', which "
+    "differentiates the query and the scales"
+)
 
 
 def storage_name(dtype) -> str | None:
