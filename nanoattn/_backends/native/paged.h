@@ -45,6 +45,7 @@ namespace {
 constexpr int kPagedVectors = 64;  // query vectors (rows x heads of a group) per task
 constexpr int kPagedKeys = 32;     // keys per tile
 constexpr int kPagedBlock = 4;     // query vectors per register tile of the products
+constexpr int kPagedAhead = 2;     // tiles whose lines are fetched ahead of the one computed
 static_assert(kPagedKeys % VW == 0 && kPagedKeys % 2 == 0, "tiles must hold whole vectors");
 static_assert(kPagedBlock == 4, "paged_dots sums 4 query vectors x 2 keys at once (hsum8)");
 
@@ -170,8 +171,8 @@ struct PagedScratch {
     if (q.size() < n * Hp) q.resize(n * Hp), o.resize(n * Hp);
     if (s.size() < n * kPagedKeys) s.resize(n * kPagedKeys);
     if (m.size() < n) m.resize(n), l.resize(n);
-    if (scales.size() < static_cast<size_t>(4 * heads * kPagedKeys))
-      scales.resize(4 * heads * kPagedKeys);
+    const size_t tiles = kPagedAhead + 1;  // [tile % tiles][keys, values][head][key]
+    if (scales.size() < tiles * 2 * heads * kPagedKeys) scales.resize(tiles * 2 * heads * kPagedKeys);
   }
 };
 
@@ -219,12 +220,12 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
   // and of the next one, whose lines are prefetched while this one is computed (its
   // pages sit anywhere in the pool); with a quantized pool, the tiles' key and value
   // scales too, [parity][keys, values][head][key] (0 past the tile's keys).
-  const In* rows_of[2][2][kPagedKeys];  // [tile parity][keys, values][key]
+  const In* rows_of[kPagedAhead + 1][2][kPagedKeys];  // [tile % 3][keys, values][key]
   constexpr bool quantized = kQuantized<In>;
   float* scales = scratch.scales.data();
   auto scales_at = [&](int parity, int kind, int64_t hh) {
     return scales + ((parity * 2 + kind) * heads + hh) * kPagedKeys;
-  };
+  };  // parity: the tile's index % (kPagedAhead + 1)
   const int32_t* pages = p.table + b * p.M;
   const int64_t run_bytes = heads * H * static_cast<int64_t>(sizeof(In));
   auto locate = [&](int64_t j0, int parity, bool prefetch) {
@@ -256,11 +257,13 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
   };
   vi column;
   for (int c = 0; c < VW; ++c) column[c] = c;
-  if (lo < hi) locate(lo, 0, false);
+  for (int a = 0; a < kPagedAhead; ++a)
+    if (lo + a * kPagedKeys < hi) locate(lo + a * kPagedKeys, a, a > 0);
   for (int64_t j0 = lo, tile = 0; j0 < hi; j0 += kPagedKeys, ++tile) {
     const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
-    const int parity = tile & 1;
-    if (j0 + kPagedKeys < hi) locate(j0 + kPagedKeys, parity ^ 1, true);
+    const int parity = tile % (kPagedAhead + 1);
+    if (j0 + kPagedAhead * kPagedKeys < hi)
+      locate(j0 + kPagedAhead * kPagedKeys, (tile + kPagedAhead) % (kPagedAhead + 1), true);
     for (int64_t hh = 0; hh < heads; ++hh) {
       const int64_t shift_h = hh * H;  // head kh0 + hh within the token rows
       const In* krow[kPagedKeys];
