@@ -243,12 +243,21 @@ def test_the_avx2_build_serves_too_on_an_avx512_machine(tmp_path):
     env = dict(os.environ, NANOATTN_NATIVE_CFLAGS="-mno-avx512f",
                NANOATTN_CACHE_DIR=str(tmp_path))  # fmt: skip
     tests = pathlib.Path(__file__)
-    # the base's cases native serves ("values of their own width": Hv != H, it refuses)
+    # the base's cases native serves ("values of their own width": Hv != H, it refuses),
+    # every test of the paged pass, and native's over quantized keys: one build for all
     served = "match_float64 and not dense and not bias and not score_fn and not own"
-    selection = f"lengths_across or ragged or bfloat16 or ({served})"
+    selection = (
+        f"lengths_across or ragged or bfloat16 or ({served}) or "
+        "(test_native_paged and not avx2) or (test_quantized_attention and native)"
+    )
+    files = [
+        tests,
+        tests.with_name("test_native_paged.py"),
+        tests.parent.parent / "core" / "test_quantized_attention.py",
+    ]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         str(tests), "-k", selection],
+         *map(str, files), "-k", selection],
         env=env, capture_output=True, text=True, timeout=400, cwd=tests.parent,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

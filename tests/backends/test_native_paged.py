@@ -7,10 +7,6 @@ windows, soft-cap, sinks, ragged mixes, padding rows, NaN in pages not read, bad
 inputs, gradients) are in tests/core/test_paged_attention.py."""
 
 import functools
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -174,30 +170,3 @@ def test_a_paged_mask_fn_is_refused_in_one_line_and_served_automatically():
     chosen = nanoattn.paged_attention(*arrays, mask_fn=mask_fn)  # by another backend
     want = nanoattn.paged_attention(*arrays, mask_fn=mask_fn, implementation="xla")
     np.testing.assert_allclose(chosen, want, atol=2e-5, rtol=2e-5)
-
-
-def test_the_avx2_build_serves_paged_calls_too_on_an_avx512_machine(tmp_path):
-    """The tests above through the AVX2 build (8-float vectors: other tails, panels and
-    reductions), compiled with AVX-512 off where the machine has it (where it has not,
-    the default build is that one)."""
-    flags = subprocess.run(["grep", "-m1", "-o", "avx512f", "/proc/cpuinfo"],
-                           capture_output=True, text=True).stdout  # fmt: skip
-    if "avx512f" not in flags:
-        pytest.skip("this machine has no AVX-512: the default build is the AVX2 one")
-    if os.environ.get("NANOATTN_NATIVE_SANITIZE"):
-        pytest.skip("the sanitizer build is generic (no -march=native) and so has no ISA variant")
-    env = dict(os.environ, NANOATTN_NATIVE_CFLAGS="-mno-avx512f",
-               NANOATTN_CACHE_DIR=str(tmp_path))  # fmt: skip
-    tests = pathlib.Path(__file__)
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         str(tests), "-k", "not avx2_build"],
-        env=env, capture_output=True, text=True, timeout=400, cwd=tests.parent,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
-    isa = subprocess.run(
-        [sys.executable, "-c", "from nanoattn._backends import native; print(native.isa())"],
-        env=env, capture_output=True, text=True, timeout=120,
-    ).stdout.strip()  # fmt: skip
-    assert isa.startswith("AVX2 "), isa

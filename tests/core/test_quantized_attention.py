@@ -102,6 +102,28 @@ def test_native_reads_the_stored_int8_keys_without_a_float_copy():
         assert "xi8>) -> tensor" not in text.replace(line, ""), "a convert of the cache"
 
 
+@pytest.mark.skipif("float8_e4m3fn" not in QUANTIZED_DTYPES, reason="no float8 in this jax")
+@each_backend()
+def test_every_float8_code_is_read_exactly(implementation):
+    """A single key whose value row holds all 256 float8_e4m3fn codes (subnormals, both
+    zeros, the largest, the two NaN): the output is that row, each code's exact value
+    (NaN where the code is NaN), dense and paged, so every code is widened right."""
+    codes = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn)
+    value = jnp.asarray(codes).reshape(1, 1, 1, 256)
+    key, ones = jnp.zeros_like(value), jnp.ones((1, 1, 1), jnp.float32)
+    q = jnp.ones((1, 1, 1, 256), jnp.float32)
+    scales = dict(key_scales=ones, value_scales=ones)
+    require(implementation, q, key, value, **scales)
+    want = np.asarray(codes, np.float32)
+    dense = nanoattn.dot_product_attention(q, key, value, **scales, implementation=implementation)
+    args = (np.zeros((1, 1), np.int32), np.array([1]), np.array([0, 1]))
+    paged = nanoattn.paged_attention(
+        q[0], key, value, *args, **scales, implementation=implementation
+    )  # one page of one slot
+    for got in (dense, paged):
+        np.testing.assert_array_equal(np.asarray(got).reshape(256), want)
+
+
 @each_backend()
 def test_a_nan_scale_is_visible_where_its_token_is_seen_and_never_read_past_the_lengths(
     implementation,

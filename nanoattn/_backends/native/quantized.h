@@ -52,8 +52,8 @@ inline float widen(F8E4M3 x) { return f8_values()[static_cast<uint8_t>(x)]; }
 template <class T>
 constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, F8E4M3>;
 
-// VW stored elements from p as float32, unscaled: int8 converted in registers, float8
-// through its table.
+// VW stored elements from p as float32, unscaled, converted in registers (the paged
+// pass's loads; the dense pass's packing widens one element at a time).
 inline vf load_wide(const int8_t* p) {
   // by intrinsics: GCC 12 builds __builtin_convertvector of int8 lanes one at a time
 #if defined(__AVX512F__)
@@ -69,10 +69,26 @@ inline vf load_wide(const int8_t* p) {
 #endif
 }
 inline vf load_wide(const F8E4M3* p) {
-  const float* table = f8_values().data();
-  vf x;
-  for (int i = 0; i < VW; ++i) x[i] = table[static_cast<uint8_t>(p[i])];
-  return x;
+  // the bytes as int32 lanes, then by bits: a normal number (exponent field e > 0)
+  // is the float32 of exponent e - 7 and the same 3 leading mantissa bits; a subnormal
+  // m * 2^-9 (converted, never a float32 subnormal that flushing would zero); S.1111.111
+  // NaN; then the sign
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const vi x = __builtin_bit_cast(vi, _mm512_cvtepu8_epi32(bytes));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const vi x = __builtin_bit_cast(vi, _mm256_cvtepu8_epi32(bytes));
+#else
+  vi x;
+  for (int i = 0; i < VW; ++i) x[i] = static_cast<uint8_t>(p[i]);
+#endif
+  const vi magnitude = x & 0x7F;
+  const vf normal = __builtin_bit_cast(vf, (magnitude << 20) + (120 << 23));
+  const vf subnormal = __builtin_convertvector(magnitude, vf) * 0x1p-9f;
+  vf value = magnitude < 8 ? subnormal : normal;
+  value = magnitude == 0x7F ? splat(std::numeric_limits<float>::quiet_NaN()) : value;
+  return __builtin_bit_cast(vf, __builtin_bit_cast(vi, value) | ((x & 0x80) << 24));
 }
 
 // f(stored) with `stored` a null pointer of the storage type of `type` (S8 or F8E4M3FN);
