@@ -80,10 +80,19 @@ struct PagedTask {
 // half); `count` < VW reads only that many (the rest 0), never past a row's end.
 inline vf load_wide(const float* p) { return load(p); }
 inline vf load_wide(const uint16_t* p) {
+  // by intrinsics where there are: GCC 12 splits the vector conversion into halves
+#if defined(__AVX512F__)
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return __builtin_bit_cast(vf, _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+#elif defined(__AVX2__)
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return __builtin_bit_cast(vf, _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+#else
   typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2), may_alias));
   typedef uint32_t vu __attribute__((vector_size(VW * 4)));
   const vu wide = __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16;
   return __builtin_bit_cast(vf, wide);
+#endif
 }
 template <class In>
 inline vf load_wide(const In* p, int64_t count) {
