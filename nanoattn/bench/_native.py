@@ -14,7 +14,8 @@ Targets (issue #22):
   forward and forward+backward: at least as fast as torch.
 - float32 forward at T = 4096, B = 1: at least 60% of the measured float32
   matmul peak.
-- float32, T = 128 and 256 at B x T = 8192: at least 0.8x torch's speed.
+- float32, T = 128 and 256 at B x T = 8192: at least 0.9x torch's speed (issue #34;
+  0.8x before).
 - bfloat16, T = 1024 to 4096, both head shapes, B = 1, forward and
   forward+backward: at least as fast as torch's bfloat16.
 """
@@ -29,7 +30,7 @@ SHORT = (128, 256)
 TOKENS = 8192
 ROUNDS = 3
 PEAK_FRACTION = 0.6
-SHORT_SPEED = 0.8  # of torch's, at the SHORT lengths
+SHORT_SPEED = 0.9  # of torch's, at the SHORT lengths
 BF16_LENGTHS = (1024, 2048, 4096)
 
 
@@ -110,7 +111,7 @@ def native_targets(cells: list[dict]) -> list[dict]:
         rows.append(
             {
                 "target": f"native {what}: "
-                + ("at least 0.8x torch's speed" if short else "at least as fast as torch"),
+                + (f"at least {SHORT_SPEED}x torch's speed" if short else "at least as fast as torch"),
                 "measured": _measured(c) if ok else c["status"],
                 "passed": (c["speedup"] >= bar) if ok else None,
             }

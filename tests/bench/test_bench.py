@@ -562,7 +562,7 @@ def clock_text(seconds):
     return clock_text(seconds)
 
 
-def test_native_targets_are_issue_22s():
+def test_native_targets_are_issue_22s_with_issue_34s_short_lengths():
     from nanoattn.bench._native import native_markdown, native_targets
 
     def cell(T, speedup, dtype="float32", pass_="fwd", B=1, pct=50.0):
@@ -570,14 +570,14 @@ def test_native_targets_are_issue_22s():
                 "native_ms": 1.0, "torch_ms": speedup, "speedup": speedup, "gflops": 1.0,
                 "pct_peak": pct}  # fmt: skip
 
-    cells = [cell(1024, 0.99), cell(128, 0.81, B=64), cell(256, 0.79, B=32),
+    cells = [cell(1024, 0.99), cell(128, 0.91, B=64), cell(256, 0.89, B=32),
              cell(2048, 1.0, "bfloat16", "fwd+bwd"), cell(4096, 1.2, pct=59.0),
              cell(4096, 1.2, "bfloat16")]  # fmt: skip
     rows = {r["target"]: r["passed"] for r in native_targets(cells)}
     assert rows == {
         "native float32 fwd 4x32 B=1 T=1024: at least as fast as torch": False,
-        "native float32 fwd 4x32 B=64 T=128: at least 0.8x torch's speed": True,
-        "native float32 fwd 4x32 B=32 T=256: at least 0.8x torch's speed": False,
+        "native float32 fwd 4x32 B=64 T=128: at least 0.9x torch's speed": True,
+        "native float32 fwd 4x32 B=32 T=256: at least 0.9x torch's speed": False,
         "native bfloat16 fwd+bwd 4x32 B=1 T=2048: at least as fast as torch": True,
         "native float32 fwd 4x32 B=1 T=4096: at least as fast as torch": True,
         "native float32 fwd 4x32 B=1 T=4096: >= 60% of the float32 matmul peak": False,
