@@ -111,7 +111,11 @@ def native_targets(cells: list[dict]) -> list[dict]:
         rows.append(
             {
                 "target": f"native {what}: "
-                + (f"at least {SHORT_SPEED}x torch's speed" if short else "at least as fast as torch"),
+                + (
+                    f"at least {SHORT_SPEED}x torch's speed"
+                    if short
+                    else "at least as fast as torch"
+                ),
                 "measured": _measured(c) if ok else c["status"],
                 "passed": (c["speedup"] >= bar) if ok else None,
             }
