@@ -52,6 +52,15 @@ def segments(T: int):
     return jnp.asarray((np.arange(T)[None] >= cut).astype(np.int32))
 
 
+def chunk_documents(T: int, C: int):
+    """Packed documents (B, T) whose edges fall on the edges of C-token chunks: row 0
+    in documents of 2, 3, 1, 2, 3, 1, ... chunks, row 1 of 1, 4, 3, 1, 4, 3, ...;
+    a chunk pair between two documents in both rows sees nothing."""
+    rows = [(2, 3, 1), (1, 4, 3)]
+    ids = [np.repeat(np.arange(T), np.resize(sizes, T) * C)[:T] for sizes in rows]
+    return jnp.asarray(np.stack(ids), jnp.int32)
+
+
 def _permute(x, P: int, order):
     x = np.asarray(x)
     chunks = x.reshape(x.shape[0], 2 * P, -1, *x.shape[2:])  # (B, 2P, C, ...)
@@ -135,7 +144,8 @@ def compare(name, P, layout, *, T=None, dtype=jnp.float32, lengths=False, ids=Fa
     T = T or 4 * P
     q, k, v, probe = inputs(T, dtype, value_width=value_width)
     kv_lengths = jnp.array([T - 3, T // 2 + 1], jnp.int32) if lengths else None
-    ids = segments(T) if ids else None
+    C = T // (2 * P if layout == "zigzag" else P)
+    ids = chunk_documents(T, C) if ids == "chunks" else segments(T) if ids else None
     start = time.perf_counter()
     placed = [to_layout(x, P, layout) for x in (q, k, v, probe, ids)]
     out, grads = ring_vjp(P, layout, mesh_of(P), **options)(*placed[:4], kv_lengths, placed[4])
@@ -604,6 +614,10 @@ CASES = [
                     lengths=True, ids=True),
     lambda: compare("p4-contiguous-full-lengths-segments", 4, "contiguous", lengths=True,
                     ids=True),
+    # documents on chunk edges: the ring skips the pairs between them, and the chunk
+    # the lengths leave empty (tests/parallel/test_ring_segments.py counts the skips)
+    lambda: compare("p4-contiguous-causal-window-chunk-documents", 4, "contiguous", T=12,
+                    is_causal=True, window=(4, 0), lengths=True, ids="chunks"),
     lambda: compare("p2-contiguous-causal-window", 2, "contiguous", T=16, is_causal=True,
                     window=(5, 0)),
     lambda: compare("p2-zigzag-causal-value-width", 2, "zigzag", is_causal=True, lengths=True,
@@ -690,6 +704,16 @@ SLOW_CASES = (
             traced=True,
             window=(13, 0),
             sinks=True,
+        ),
+        lambda: compare(
+            "p4-zigzag-causal-window-chunk-documents",
+            4,
+            "zigzag",
+            T=24,
+            is_causal=True,
+            window=(10, 0),
+            lengths=True,
+            ids="chunks",
         ),
         lambda: compare(
             "p4-zigzag-soft-cap-lengths",

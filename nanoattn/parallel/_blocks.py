@@ -27,6 +27,13 @@ Two strategies, chosen once per call from its positional rule:
   others (``*_masked``) run the kernel with the pair's kinds, which skips
   their empty blocks as it meets them.
 
+With segment ids, either strategy also skips, at run time, every call whose
+query ids and visible key ids have disjoint ranges in every batch row
+(:mod:`nanoattn.parallel._segments`): no query there can equal any key's id, so
+the call is empty, the same as its kernel would find it. A chunk against itself
+then has a ``skip`` kind too. The skip combines with the rules above: a call is
+skipped when either says so.
+
 Axis letters (docs/conventions.md): B batch, T this device's query time, S its
 key time (T = S), N query heads, K key/value heads, G = N / K, H head width,
 C the chunk length.
@@ -48,13 +55,16 @@ from .._backends.flash.kernel import (
 from .._backends.flash.plan import Plan, Plans, kernel_plans
 from .._core.base import zigzag
 from .._core.base.block_mask import EMPTY, FULL, PARTIAL, chunk_pair_kinds
+from .._core.base.masks import lengths_to_valid
 from .._core.base.rules import Rules
 from .._core.base.shard_map import varying_like
 from .._core.merge import merge_attention
+from ._segments import ids_meet
 
 PAIR_KINDS = ("skip", "full", "general")
 MASKED_PAIR_KINDS = (*PAIR_KINDS, "full_masked", "general_masked")
 DIAGONAL_KINDS = ("own",)
+SEGMENT_DIAGONAL_KINDS = ("skip", "own")  # segment ids may leave a chunk nothing to see
 MASKED_DIAGONAL_KINDS = ("skip", "own", "own_masked")
 
 
@@ -68,8 +78,9 @@ class StepPlans:
         else whole shards.
       band: ``(left, right)`` of the positional rule, or None.
       plans: name -> its :class:`~nanoattn._backends.flash.plan.Plans`, as a sorted tuple of pairs.
-      kinds: the kinds an off-diagonal chunk pair can take (pairs only).
-      diagonal_kinds: the kinds a chunk against itself can take (pairs only).
+      kinds: the kinds an off-diagonal chunk pair can take (pairs only); "skip" first.
+      diagonal_kinds: the kinds a chunk against itself can take (pairs only); "skip"
+        first where there is one (with ``mask_fn`` or segment ids).
       mask_fn: the call's ``mask_fn`` (pairs only), or None.
       scored: whether the plans carry a (closure-converted) ``score_fn``, whose arrays
         travel as ``score_consts``.
@@ -139,7 +150,8 @@ def step_plans(
     }
     if score_fn is not None:
         plans = {name: _per_pass(p, score_fn) for name, p in plans.items()}
-    kinds, diagonal = PAIR_KINDS, DIAGONAL_KINDS
+    kinds = PAIR_KINDS
+    diagonal = DIAGONAL_KINDS if rules.q_segment_ids is None else SEGMENT_DIAGONAL_KINDS
     if mask_fn is not None:
         masked = {name: _with(p, mask_fn=mask_fn, traced_kinds=True) for name, p in plans.items()}
         plans |= {f"{name}_masked": p for name, p in masked.items()}
@@ -228,11 +240,18 @@ def earlier(source, r):
     return source < r
 
 
-def _key_mask(kv_lengths, positions):
-    """Key lengths (B,) as a key mask (B, 1, 1, S) at global ``positions`` (S,)."""
+def _valid_keys(kv_lengths, positions):
+    """Key lengths (B,) as the keys they leave visible (B, S) at global ``positions``
+    (S,), or None."""
     if kv_lengths is None:
         return None
-    return (positions[None, :] < kv_lengths[:, None])[:, None, None, :]
+    return positions[None, :] < kv_lengths[:, None]
+
+
+def _key_mask(kv_lengths, positions):
+    """Key lengths (B,) as a key mask (B, 1, 1, S) at global ``positions`` (S,)."""
+    valid = _valid_keys(kv_lengths, positions)
+    return None if valid is None else valid[:, None, None, :]
 
 
 def _positions(plans: StepPlans, device):
@@ -257,6 +276,28 @@ def _whole_calls(plans: StepPlans, first: bool, r, source):
     before = [("first_keys", slice(0, T), slice(0, C))]  # every query, the early key chunk
     after = [("last_queries", slice(C, T), slice(0, T))]  # the late query chunk, every key
     return jnp.where(earlier(source, r), 0, 1), [before, after]
+
+
+def _whole_choice(plans: StepPlans, first: bool, r, source, rules: Rules):
+    """:func:`_whole_calls`, and with segment ids the choice of no call where the one
+    the positional rule picks meets no key: its query ids and the ids of the keys
+    the lengths leave visible have disjoint ranges in every row (:func:`ids_meet`).
+    ``rules`` the step's (this device's query ids, the arriving keys' ids)."""
+    index, alternatives = _whole_calls(plans, first, r, source)
+    q_ids, kv_ids = rules.q_segment_ids, rules.kv_segment_ids
+    if q_ids is None:
+        return index, alternatives
+    valid = _valid_keys(rules.kv_lengths, _positions(plans, source))
+
+    def meets(calls):
+        met = [ids_meet(q_ids[:, rows], kv_ids[:, cols], _slice(valid, cols))
+               for _, rows, cols in calls]  # fmt: skip
+        return jnp.any(jnp.stack(met)) if met else jnp.bool_(False)
+
+    if [] not in alternatives:
+        alternatives = [*alternatives, []]
+    met = jnp.stack([meets(calls) for calls in alternatives])
+    return jnp.where(met[index], index, alternatives.index([])), alternatives
 
 
 def _pair_calls(plans: StepPlans, first: bool, r, source):
@@ -288,19 +329,41 @@ def _summary(kinds):
     return jnp.where(full, FULL, jnp.where(empty, EMPTY, PARTIAL))
 
 
-def _kind_index(plans: StepPlans, rel, kinds, diagonal: bool):
+def _kind_index(plans: StepPlans, rel, kinds, diagonal: bool, meets=None):
     """The index of a pair's kind in ``plans.diagonal_kinds`` (a chunk against itself)
     or ``plans.kinds``: the positional rule's kind, then ``mask_fn``'s (``kinds``, the
     pair's block kinds, or None): a pair it hides wholly is skipped, one it shows
-    wholly needs no mask_fn, the others run ``*_masked``."""
+    wholly needs no mask_fn, the others run ``*_masked``; then the segment ids'
+    (``meets``, a traced bool from :func:`_pair_meets`, or None): a pair whose ids
+    cannot meet is skipped, whatever the others say."""
+    index = _rule_index(plans, rel, kinds, diagonal)
+    if meets is None:
+        return index
+    names = plans.diagonal_kinds if diagonal else plans.kinds
+    return jnp.where(meets, index, names.index("skip"))
+
+
+def _rule_index(plans: StepPlans, rel, kinds, diagonal: bool):
+    """:func:`_kind_index` by the positional rule and ``mask_fn`` alone."""
     if kinds is None:
-        return jnp.int32(0) if diagonal else _pair_kind(plans, rel)
+        return jnp.int32(plans.diagonal_kinds.index("own")) if diagonal else _pair_kind(plans, rel)
     summary = _summary(kinds)
     partial = (summary == PARTIAL).astype(jnp.int32)
     if diagonal:  # ("skip", "own", "own_masked")
         return jnp.where(summary == EMPTY, 0, 1 + partial)
     band = _pair_kind(plans, rel)  # ("skip", "full", "general", "full_masked", "general_masked")
     return jnp.where((band == 0) | (summary == EMPTY), 0, band + 2 * partial)
+
+
+def _pair_meets(inputs: BlockInputs):
+    """Whether a chunk pair's query ids can meet the ids of its keys before the pair's
+    own key lengths (:func:`ids_meet`): a traced bool, or None without segment ids."""
+    rules = inputs.rules
+    if rules.q_segment_ids is None:
+        return None
+    lengths = rules.kv_lengths
+    valid = None if lengths is None else lengths_to_valid(lengths, inputs.key.shape[1])
+    return ids_meet(rules.q_segment_ids, rules.kv_segment_ids, valid)
 
 
 def _slice(x, at):
@@ -399,10 +462,10 @@ def _pair_backward(plans: StepPlans, kind: str):
 
 def _pair_call(plans: StepPlans, make_branch, rel, inputs, kinds, diagonal: bool, *rest):
     """One chunk pair through the branch its kind picks (``lax.switch``; a chunk
-    against itself without ``mask_fn`` is always ``own``)."""
+    against itself without ``mask_fn`` or segment ids is always ``own``)."""
     names = plans.diagonal_kinds if diagonal else plans.kinds
     offset = jnp.int32(0) if diagonal else rel
-    index = _kind_index(plans, rel, kinds, diagonal)
+    index = _kind_index(plans, rel, kinds, diagonal, _pair_meets(inputs))
     branches = [make_branch(plans, name) for name in names]
     return _select(index, branches, (offset, inputs, kinds, *rest))
 
@@ -417,7 +480,7 @@ def step_forward(plans: StepPlans, first: bool, r, source, q, k, v, rules: Rules
     (those of its forward and of its backward program, a pair)."""
     operands = (r, source, q, k, v, rules)
     if not plans.pairs:
-        index, alternatives = _whole_calls(plans, first, r, source)
+        index, alternatives = _whole_choice(plans, first, r, source, rules)
 
         def run(calls):
             def branch(*operands):
@@ -458,7 +521,7 @@ def step_backward(
     operands = (r, source, q, k, v, rules, out, lse, d_out, d_lse)
 
     if not plans.pairs:
-        index, alternatives = _whole_calls(plans, first, r, source)
+        index, alternatives = _whole_choice(plans, first, r, source, rules)
 
         def run(calls):
             def branch(*operands):

@@ -272,7 +272,9 @@ def ring_attention(
       is_causal: query at global position p sees keys at positions <= p.
       kv_lengths: int (B,): key positions >= kv_lengths[b] are hidden (global,
         replicated on every device).
-      q_segment_ids, kv_segment_ids: int (B, T), both or neither.
+      q_segment_ids, kv_segment_ids: int (B, T), both or neither. A step skips, at
+        run time, the chunk pairs whose query ids and key ids have disjoint ranges
+        in every row (packed documents: the pairs between documents).
       window: int w or (left, right): position p sees keys p-left .. p+right.
       logit_soft_cap: c > 0: logits become c tanh(logits / c).
       scale: a Python float; default 1 / sqrt(H).

@@ -52,6 +52,7 @@ def cases():
 RING_CASES = [
     "p8-zigzag-causal-lengths-segments",
     "p4-contiguous-full-lengths-segments",
+    "p4-contiguous-causal-window-chunk-documents",
     "p2-contiguous-causal-window",
     "p2-zigzag-causal-value-width",
     "p8-contiguous-window-edges",
@@ -265,7 +266,12 @@ SLOW_RING_CASES = [
     for P in (2, 4, 8)
     for layout in ("zigzag", "contiguous")
     for causal in ("causal", "full")
-] + ["p2-zigzag-window-two-sided", "p4-zigzag-soft-cap-lengths", "p4-zigzag-causal-window-edges"]
+] + [
+    "p2-zigzag-window-two-sided",
+    "p4-zigzag-soft-cap-lengths",
+    "p4-zigzag-causal-window-edges",
+    "p4-zigzag-causal-window-chunk-documents",
+]
 
 
 @pytest.mark.slow
@@ -273,7 +279,8 @@ SLOW_RING_CASES = [
 def test_ring_grid_equals_the_reference(slow_cases, name):
     """P = 2, 4, 8 x zigzag/contiguous x causal/not, a two-sided window on the
     zigzag chunk pairs, soft-capping with lengths, a causal window with edges inside
-    the chunk pairs of 4 devices (with lengths and segments)."""
+    the chunk pairs of 4 devices (with lengths and segments), and with documents on
+    chunk edges whose pairs between documents the ring skips."""
     case = slow_cases[name]
     assert case["out_err"] <= 1e-5 and case["grad_err"] <= 1e-4, case
 
