@@ -28,6 +28,7 @@ import numpy as np
 
 from .._core.base.validate import describe
 
+BANDWIDTH_FRACTION = 0.5  # the decode targets: of the read bandwidth, at least
 ROWS_PER_CORE = 8  # the jitted sum's rows: several per core, so that XLA can split them
 
 
@@ -82,4 +83,26 @@ def measure_read(mib: int, rounds: int) -> dict:
         "best_ms": times[how][1] * 1e3,
         "how": how,
         "measures": measures,
+    }
+
+
+def bandwidth_target(what: str, amount: str, name: str, row: dict, read: dict) -> dict:
+    """The target "``what`` / step time >= BANDWIDTH_FRACTION of the read bandwidth" of a
+    measured ``row`` (its ``{name}_median_ms``, ``{name}_gb_per_s`` or ``gb_per_s``, and
+    ``fraction_of_bandwidth`` or ``fraction``), ``amount`` saying what was read, against
+    the bandwidth measured in the same run (``read``)."""
+    ok = row["status"] == "ok"
+    fraction = row.get("fraction_of_bandwidth", row.get("fraction"))
+    rate = row.get(f"{name}_gb_per_s", row.get("gb_per_s"))
+    return {
+        "target": f"{what} / step time >= {BANDWIDTH_FRACTION:.0%} of the read bandwidth",
+        "measured": (
+            f"{amount} in {row[f'{name}_median_ms']:.2f} ms: {rate:.1f} GB/s, "
+            f"{fraction:.0%} of {read['gb_per_s']:.1f} GB/s"
+            if ok and fraction is not None
+            else row["status"]
+            if not ok
+            else read["status"]
+        ),
+        "passed": fraction >= BANDWIDTH_FRACTION if ok and fraction is not None else None,
     }

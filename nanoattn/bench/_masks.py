@@ -142,6 +142,19 @@ def _unserved(error: ValueError) -> str | None:
     return message.split(UNSERVED, 1)[1].splitlines()[0] if UNSERVED in message else None
 
 
+def refusal_of_first_call(run) -> str | None:
+    """Calls ``run`` once (it compiles): None when it ran, the dispatcher's reason when
+    the backend it names refuses the call; any other error propagates."""
+    try:
+        run()
+    except ValueError as error:
+        reason = _unserved(error)
+        if reason is None:
+            raise
+        return reason
+    return None
+
+
 def measure_pair(
     case: str,
     backend: str,
@@ -173,12 +186,7 @@ def measure_pair(
             fn = attention_pass(rules, backend, backward)
             arrays = (q, k, v, rules["sinks"]) if "sinks" in rules else (q, k, v)
             run = lambda fn=fn, arrays=arrays: jax.block_until_ready(fn(*arrays))  # noqa: E731
-            try:
-                run()  # compiles; the dispatcher refuses here what the backend cannot serve
-            except ValueError as error:
-                reason = _unserved(error)
-                if reason is None:
-                    raise
+            if reason := refusal_of_first_call(run):  # compiles, or the backend refuses
                 return row | {"status": f"{backend} does not serve {what}", "reason": reason}
             runs[name] = run
         times = time_interleaved(runs, rounds=rounds, warmup=0)  # the calls above warmed up

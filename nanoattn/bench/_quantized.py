@@ -37,7 +37,8 @@ from .._core.quantize import quantize_kv
 from .._layers.caches.kv_cache import cache_bytes
 from .._layers.config import AttentionConfig
 from .._layers.linen.attention import CausalSelfAttention
-from ._masks import _unserved
+from ._bandwidth import bandwidth_target
+from ._masks import refusal_of_first_call
 from ._measure import time_interleaved
 
 STORAGE = "int8"
@@ -45,7 +46,6 @@ BASELINE = "bfloat16"
 CACHE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 BYTES_BOUND = {"float32": 0.27, "bfloat16": 0.53}  # int8's bytes per token, at most
 NATIVE_SPEEDUP = 1.5  # native's int8 step against its bfloat16 step, at least
-BANDWIDTH_FRACTION = 0.5  # of the read bandwidth, at least
 EXAMPLE_TARGET = (
     "recall example: greedy tokens with an int8 cache equal the float cache's on >= 99% "
     "of the steps"
@@ -137,12 +137,7 @@ def measure_quantized(implementation: str, shape, pool) -> dict:
         runs = {}
         for name, call in calls(implementation, shape, pool).items():
             run = lambda call=call: jax.block_until_ready(call())  # noqa: E731
-            try:
-                run()  # compiles; the dispatcher refuses here what the backend cannot serve
-            except ValueError as error:
-                reason = _unserved(error)
-                if reason is None:
-                    raise
+            if reason := refusal_of_first_call(run):  # compiles, or the backend refuses
                 what = "quantized keys" if name == STORAGE else "a page table"
                 return row | {"status": f"{implementation} does not serve {what}",
                               "reason": reason}  # fmt: skip
@@ -194,19 +189,9 @@ def quantized_targets(cache: dict, rows: list[dict], bandwidth: dict) -> list[di
                 ),
                 "passed": row["speedup"] >= NATIVE_SPEEDUP if ok else None,
             })  # fmt: skip
-        fraction = row.get("fraction")
-        out.append({
-            "target": f"{what}: bytes read / step time >= {BANDWIDTH_FRACTION:.0%} of the read "
-            "bandwidth",
-            "measured": (
-                f"{row['read_bytes'] / 2**20:.0f} MiB (int8 keys and values, float32 scales, "
-                f"queries) in {row[f'{STORAGE}_median_ms']:.2f} ms: {row['gb_per_s']:.1f} GB/s, "
-                f"{fraction:.0%} of {bandwidth['gb_per_s']:.1f} GB/s"
-                if ok and fraction is not None
-                else row["status"] if not ok else bandwidth["status"]
-            ),
-            "passed": fraction >= BANDWIDTH_FRACTION if ok and fraction is not None else None,
-        })  # fmt: skip
+        read = row.get("read_bytes", 0) / 2**20  # read where measured
+        amount = f"{read:.0f} MiB (int8 keys and values, float32 scales, queries)"
+        out.append(bandwidth_target(f"{what}: bytes read", amount, STORAGE, row, bandwidth))
     out.append({
         "target": EXAMPLE_TARGET,
         "measured": "not measured by the bench: `python -m examples.recall quantized` prints it",

@@ -44,14 +44,13 @@ from .._core.api import dot_product_attention
 from .._core.base.validate import describe
 from .._core.paged import paged_attention
 from . import _quantized
-from ._bandwidth import measure_read
-from ._masks import _unserved
+from ._bandwidth import bandwidth_target, measure_read
+from ._masks import refusal_of_first_call
 from ._measure import time_interleaved
 
 DTYPES = ("bfloat16", "float32")
 PAGE_SIZE = 16
 ROUNDS = 5
-BANDWIDTH_FRACTION = 0.5  # of the read bandwidth, at least
 FULL_SPEEDUP = 2.0  # the paged decode against the full cache, at least
 MIXED_BOUND = 1.2  # the mixed call against the prefill chunk alone, at most
 
@@ -173,12 +172,7 @@ def measure_case(case: str, implementation: str, dtype: str, shape: Shape = FULL
         runs = {}
         for name, call in _calls(case, shape, data, implementation).items():
             run = lambda call=call: jax.block_until_ready(call())  # noqa: E731
-            try:
-                run()  # compiles; the dispatcher refuses here what the backend cannot serve
-            except ValueError as error:
-                reason = _unserved(error)
-                if reason is None:
-                    raise
+            if reason := refusal_of_first_call(run):  # compiles, or the backend refuses
                 what = "a full cache" if name == "full" else "a page table"
                 return row | {"status": f"{implementation} does not serve {what}",
                               "reason": reason}  # fmt: skip
@@ -255,19 +249,8 @@ def serving_targets(result: dict) -> list[dict]:
         ok = row["status"] == "ok"
         what = f"serving {row['case']} {row['impl']} {row['dtype']}"
         if row["case"] == "decode":
-            fraction = row.get("fraction_of_bandwidth")
-            out.append({
-                "target": f"{what}: pages held / step time >= {BANDWIDTH_FRACTION:.0%} of the "
-                "read bandwidth",
-                "measured": (
-                    f"{row['held_bytes'] / 2**20:.0f} MiB in {row['paged_median_ms']:.2f} ms: "
-                    f"{row['paged_gb_per_s']:.1f} GB/s, {fraction:.0%} of "
-                    f"{read['gb_per_s']:.1f} GB/s"
-                    if ok and fraction is not None
-                    else row["status"] if not ok else read["status"]
-                ),
-                "passed": fraction >= BANDWIDTH_FRACTION if ok and fraction is not None else None,
-            })  # fmt: skip
+            held = f"{row.get('held_bytes', 0) / 2**20:.0f} MiB"  # held where measured
+            out.append(bandwidth_target(f"{what}: pages held", held, "paged", row, read))
             out.append({
                 "target": f"{what}: paged step >= {FULL_SPEEDUP:.0f}x faster than a full cache "
                 f"of {FULL.longest}",

@@ -896,50 +896,50 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
 
 }  // namespace
 
+// The parts the bindings share: the dense passes' per-row arguments (q_offset,
+// kv_lengths, segment ids, mask_fn's kinds, slots and bits), the paged pass's (page
+// table, kv_lengths, query starts, real rows), the static rules, a forward's outputs.
+#define NANOATTN_ROW_ARGS                                                             \
+  .Arg<ffi::Buffer<ffi::S32>>()     /* q_offset */                                    \
+      .Arg<ffi::Buffer<ffi::S32>>() /* kv_lengths */                                  \
+      .Arg<ffi::Buffer<ffi::S32>>() /* q_segment_ids */                               \
+      .Arg<ffi::Buffer<ffi::S32>>() /* kv_segment_ids */                              \
+      .Arg<ffi::Buffer<ffi::S8>>()  /* mask_fn kinds */                               \
+      .Arg<ffi::Buffer<ffi::S32>>() /* mask_fn slots */                               \
+      .Arg<ffi::Buffer<ffi::U8>>()  /* mask_fn bits */
+#define NANOATTN_PAGED_ARGS                                                           \
+  .Arg<ffi::Buffer<ffi::S32>>()     /* page_table */                                  \
+      .Arg<ffi::Buffer<ffi::S32>>() /* kv_lengths */                                  \
+      .Arg<ffi::Buffer<ffi::S32>>() /* query_starts */                                \
+      .Arg<ffi::Buffer<ffi::U8>>()  /* real rows */
+#define NANOATTN_RULES \
+  .Attr<float>("scale").Attr<float>("soft_cap").Attr<int64_t>("left").Attr<int64_t>("right")
+#define NANOATTN_FORWARD_OUTPUTS \
+  .Ret<ffi::Buffer<ffi::F32>>() /* out */.Ret<ffi::Buffer<ffi::F32>>() /* lse */
+
 // One pair of handlers per element type.
-#define NANOATTN_HANDLERS(FORWARD, BACKWARD, DT)                                        \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(FORWARD, Forward<DT>,                                  \
-                                ffi::Ffi::Bind()                                       \
-                                    .Ctx<ffi::ThreadPool>()                            \
-                                    .Arg<ffi::Buffer<DT>>()        /* q */             \
-                                    .Arg<ffi::Buffer<DT>>()        /* k */             \
-                                    .Arg<ffi::Buffer<DT>>()        /* v */             \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* q_offset */      \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */    \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* q_segment_ids */ \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_segment_ids */\
-                                    .Arg<ffi::Buffer<ffi::S8>>()   /* mask_fn kinds */ \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* mask_fn slots */ \
-                                    .Arg<ffi::Buffer<ffi::U8>>()   /* mask_fn bits */  \
-                                    .Attr<float>("scale")                              \
-                                    .Attr<float>("soft_cap")                           \
-                                    .Attr<int64_t>("left")                             \
-                                    .Attr<int64_t>("right")                            \
-                                    .Ret<ffi::Buffer<ffi::F32>>()   /* out */          \
-                                    .Ret<ffi::Buffer<ffi::F32>>()); /* lse */          \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(BACKWARD, Backward<DT>,                                \
-                                ffi::Ffi::Bind()                                       \
-                                    .Ctx<ffi::ThreadPool>()                            \
-                                    .Arg<ffi::Buffer<DT>>()        /* q */             \
-                                    .Arg<ffi::Buffer<DT>>()        /* k */             \
-                                    .Arg<ffi::Buffer<DT>>()        /* v */             \
-                                    .Arg<ffi::Buffer<ffi::F32>>()  /* out */           \
-                                    .Arg<ffi::Buffer<ffi::F32>>()  /* lse */           \
-                                    .Arg<ffi::Buffer<DT>>()        /* dout */          \
-                                    .Arg<ffi::Buffer<ffi::F32>>()  /* dlse */          \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* q_offset */      \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */    \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* q_segment_ids */ \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_segment_ids */\
-                                    .Arg<ffi::Buffer<ffi::S8>>()   /* mask_fn kinds */ \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* mask_fn slots */ \
-                                    .Arg<ffi::Buffer<ffi::U8>>()   /* mask_fn bits */  \
-                                    .Attr<float>("scale")                              \
-                                    .Attr<float>("soft_cap")                           \
-                                    .Attr<int64_t>("left")                             \
-                                    .Attr<int64_t>("right")                            \
-                                    .Ret<ffi::Buffer<DT>>()  /* dq */                  \
-                                    .Ret<ffi::Buffer<DT>>()  /* dk */                  \
+#define NANOATTN_HANDLERS(FORWARD, BACKWARD, DT)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(FORWARD, Forward<DT>,                            \
+                                ffi::Ffi::Bind()                                 \
+                                    .Ctx<ffi::ThreadPool>()                      \
+                                    .Arg<ffi::Buffer<DT>>() /* q */              \
+                                    .Arg<ffi::Buffer<DT>>() /* k */              \
+                                    .Arg<ffi::Buffer<DT>>() /* v */              \
+                                        NANOATTN_ROW_ARGS NANOATTN_RULES         \
+                                            NANOATTN_FORWARD_OUTPUTS);           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(BACKWARD, Backward<DT>,                          \
+                                ffi::Ffi::Bind()                                 \
+                                    .Ctx<ffi::ThreadPool>()                      \
+                                    .Arg<ffi::Buffer<DT>>()       /* q */        \
+                                    .Arg<ffi::Buffer<DT>>()       /* k */        \
+                                    .Arg<ffi::Buffer<DT>>()       /* v */        \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* out */      \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* lse */      \
+                                    .Arg<ffi::Buffer<DT>>()       /* dout */     \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* dlse */     \
+                                        NANOATTN_ROW_ARGS NANOATTN_RULES         \
+                                    .Ret<ffi::Buffer<DT>>()  /* dq */            \
+                                    .Ret<ffi::Buffer<DT>>()  /* dk */            \
                                     .Ret<ffi::Buffer<DT>>()) /* dv */
 
 // The blocks of queries and keys of every pass (a mask_fn is classified at these).
@@ -990,23 +990,15 @@ NANOATTN_HANDLERS(NanoattnForwardBf16, NanoattnBackwardBf16, ffi::BF16);
 
 // The paged forward pass (paged.h), one handler per element type; its backward pass is
 // the flash kernel's (nanoattn/_backends/native/paged.py).
-#define NANOATTN_PAGED_HANDLER(FORWARD, DT)                                              \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(FORWARD, PagedForward<DT>,                               \
-                                ffi::Ffi::Bind()                                         \
-                                    .Ctx<ffi::ThreadPool>()                              \
-                                    .Arg<ffi::Buffer<DT>>()        /* q */               \
-                                    .Arg<ffi::Buffer<DT>>()        /* key_pages */       \
-                                    .Arg<ffi::Buffer<DT>>()        /* value_pages */     \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* page_table */      \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */      \
-                                    .Arg<ffi::Buffer<ffi::S32>>()  /* query_starts */    \
-                                    .Arg<ffi::Buffer<ffi::U8>>()   /* real rows */       \
-                                    .Attr<float>("scale")                                \
-                                    .Attr<float>("soft_cap")                             \
-                                    .Attr<int64_t>("left")                               \
-                                    .Attr<int64_t>("right")                              \
-                                    .Ret<ffi::Buffer<ffi::F32>>()   /* out */            \
-                                    .Ret<ffi::Buffer<ffi::F32>>()); /* lse */
+#define NANOATTN_PAGED_HANDLER(FORWARD, DT)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(FORWARD, PagedForward<DT>,                   \
+                                ffi::Ffi::Bind()                             \
+                                    .Ctx<ffi::ThreadPool>()                  \
+                                    .Arg<ffi::Buffer<DT>>() /* q */          \
+                                    .Arg<ffi::Buffer<DT>>() /* key_pages */  \
+                                    .Arg<ffi::Buffer<DT>>() /* value_pages */\
+                                        NANOATTN_PAGED_ARGS NANOATTN_RULES   \
+                                            NANOATTN_FORWARD_OUTPUTS);
 
 NANOATTN_PAGED_HANDLER(NanoattnPagedForward, ffi::F32);
 NANOATTN_PAGED_HANDLER(NanoattnPagedForwardBf16, ffi::BF16);
@@ -1017,40 +1009,19 @@ NANOATTN_PAGED_HANDLER(NanoattnPagedForwardBf16, ffi::BF16);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnForwardQuantized, ForwardQuantized,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  /* q */
-                                  .Arg<ffi::AnyBuffer>()         /* k */
-                                  .Arg<ffi::AnyBuffer>()         /* v */
-                                  .Arg<ffi::Buffer<ffi::F32>>()  /* key_scales */
-                                  .Arg<ffi::Buffer<ffi::F32>>()  /* value_scales */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* q_offset */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* q_segment_ids */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* kv_segment_ids */
-                                  .Arg<ffi::Buffer<ffi::S8>>()   /* mask_fn kinds */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* mask_fn slots */
-                                  .Arg<ffi::Buffer<ffi::U8>>()   /* mask_fn bits */
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("left")
-                                  .Attr<int64_t>("right")
-                                  .Ret<ffi::Buffer<ffi::F32>>()   /* out */
-                                  .Ret<ffi::Buffer<ffi::F32>>()); /* lse */
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* q */
+                                  .Arg<ffi::AnyBuffer>()        /* k */
+                                  .Arg<ffi::AnyBuffer>()        /* v */
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* key_scales */
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* value_scales */
+                                      NANOATTN_ROW_ARGS NANOATTN_RULES NANOATTN_FORWARD_OUTPUTS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnPagedForwardQuantized, PagedForwardQuantized,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  /* q */
-                                  .Arg<ffi::AnyBuffer>()         /* key_pages */
-                                  .Arg<ffi::AnyBuffer>()         /* value_pages */
-                                  .Arg<ffi::Buffer<ffi::F32>>()  /* key_scales */
-                                  .Arg<ffi::Buffer<ffi::F32>>()  /* value_scales */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* page_table */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* kv_lengths */
-                                  .Arg<ffi::Buffer<ffi::S32>>()  /* query_starts */
-                                  .Arg<ffi::Buffer<ffi::U8>>()   /* real rows */
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("left")
-                                  .Attr<int64_t>("right")
-                                  .Ret<ffi::Buffer<ffi::F32>>()   /* out */
-                                  .Ret<ffi::Buffer<ffi::F32>>()); /* lse */
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* q */
+                                  .Arg<ffi::AnyBuffer>()        /* key_pages */
+                                  .Arg<ffi::AnyBuffer>()        /* value_pages */
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* key_scales */
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* value_scales */
+                                      NANOATTN_PAGED_ARGS NANOATTN_RULES NANOATTN_FORWARD_OUTPUTS);
