@@ -36,6 +36,7 @@ from .._core.base.autodiff import in_forward_mode
 from .._core.base.block_mask import BlockMask
 from .._core.base.mask_fn import check_mask_fn, check_score_fn, closure_converted
 from .._core.base.numerics import softmax_dtype
+from .._core.base.quantized import is_quantized
 from .._core.base.rules import ARGUMENTS, Rules, check_lengths, check_sinks, poison_rows
 from .._core.base.shard_map import sum_to_varying, varying_like
 from .._core.base.validate import check_scale, check_tiles, expect_shape
@@ -316,6 +317,13 @@ def ring_attention(
         out = from_zigzag(out, 8)  # == nanoattn.dot_product_attention(..., is_causal=True)
     """
     given = locals()
+    for name in ("key", "value"):  # before Rules, whose message would ask for scales
+        if is_quantized(given[name]):
+            raise ValueError(
+                f"{name} of dtype {jnp.dtype(given[name].dtype)} is quantized: ring_attention "
+                "takes float keys and values (nanoattn.dequantize_kv gives them); quantized "
+                "caches are read by dot_product_attention and paged_attention"
+            )
     arguments = {name: given[name] for name in RULE_ARGUMENTS if name in given}
     placement = dict(layout=layout, forward_tiles=forward_tiles, backward_tiles=backward_tiles)
     if mesh is not None:

@@ -357,6 +357,9 @@ def test_ring_errors_name_the_sizes():
         ring(sinks=jnp.zeros(3))
     with pytest.raises(TypeError, match=r"^return_residual must be True or False"):
         ring(return_residual="yes")
+    quantized = jnp.zeros((1, 6, 2, 4), jnp.int8)
+    with pytest.raises(ValueError, match=r"^key of dtype int8 is quantized: ring_attention takes"):
+        ring_attention(q, quantized, quantized, axis_name="sp", mesh=_mesh1())
 
 
 def test_config_mesh_axes_are_checked_and_default_to_none():
