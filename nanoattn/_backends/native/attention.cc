@@ -224,10 +224,12 @@ struct ForwardOut {
   float* lse;  // (B, T, N): log-sum-exp of the visible logits; -inf for a blind row
 };
 
-// Each query's output o / l and log-sum-exp m + log l (o[r * r_stride + h * h_stride]
-// for query i0 + r), or zeros and -inf for a query that saw nothing.
+// Each query's output o / l and log-sum-exp m * unit + log l (o[r * r_stride + h *
+// h_stride] for query i0 + r; `unit` ln 2 where m is in units of log2 e), or zeros and
+// -inf for a query that saw nothing.
 void finish(const Problem& p, ForwardOut res, int64_t b, int64_t n, int64_t i0, int64_t rows,
-            const float* m, const float* l, const float* o, int64_t r_stride, int64_t h_stride) {
+            const float* m, const float* l, const float* o, int64_t r_stride, int64_t h_stride,
+            float unit = 1.0f) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r;
     float* dst = res.out + ((b * p.T + i) * p.N + n) * p.H;
@@ -235,7 +237,7 @@ void finish(const Problem& p, ForwardOut res, int64_t b, int64_t n, int64_t i0, 
     if (l[r] != 0) {  // l >= 1 for a query that sees a key; NaN from NaN or inf content
       const float inv = 1.0f / l[r];
       for (int64_t h = 0; h < p.H; ++h) dst[h] = o[r * r_stride + h * h_stride] * inv;
-      *lse = m[r] + std::log(l[r]);
+      *lse = m[r] * unit + std::log(l[r]);
     } else {
       std::fill(dst, dst + p.H, 0.0f);
       *lse = -kInf;  // the log-sum-exp of no logit, as in the flash kernel and jax.nn
@@ -406,13 +408,17 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
   std::fill(m, m + BQ, -kInf);
   std::fill(l, l + BQ, 0.0f);
   std::fill(ot.data, ot.data + Hp * BQ, 0.0f);
+  // The logits in units of log2 e, for exp2: the factor rides on the queries' scale, or,
+  // under a soft cap (which applies to the logits themselves), on the cap.
+  const bool capped = p.soft_cap > 0;
+  const float to_log2 = capped ? 1.0f : kLog2e;
   // bfloat16 on a CPU with AVX512_BF16: the scores from pairs of bfloat16 (vdpbf16ps).
   constexpr bool pairs = kPairs && std::is_same_v<In, uint16_t>;
   if constexpr (pairs)
     pack_query_pairs(p, reinterpret_cast<const uint16_t*>(q), g, b, n, i0,
                      reinterpret_cast<uint32_t*>(qt.data));
   else
-    pack_queries_t(p, q, g, b, n, i0, p.scale, qt.data);
+    pack_queries_t(p, q, g, b, n, i0, p.scale * to_log2, qt.data);
   const Columns cols = columns(p, g, b, n, i0);
   auto [first, last] = key_blocks(p, g, i0, i1);
   for (int64_t kb = first; kb <= last; ++kb) {
@@ -425,59 +431,67 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
       gemm<PairStep>(kr, nc, Hp / 2,
                      reinterpret_cast<const uint32_t*>(keys.at(key_tile(p, b, kh, kb))), Hp / 2,
                      1, reinterpret_cast<const uint32_t*>(qt.data), BQ, st.data, BQ, false);
-      const vf scale = splat(p.scale);
+      const vf scale = splat(p.scale * to_log2);
       for (int64_t r = 0; r < kr; ++r)
         for (int64_t c = 0; c < nc; c += VW)
           store(st.data + r * BQ + c, load(st.data + r * BQ + c) * scale);
     } else
 #endif
       gemm(kr, nc, Hp, keys.at(key_tile(p, b, kh, kb)), Hp, 1, qt.data, BQ, st.data, BQ, false);
-    if (p.soft_cap > 0)
+    if (capped)
       for (int64_t r = 0; r < kr; ++r)
         for (int64_t c = 0; c < nc; ++c) {
           float& x = st.data[r * BQ + c];
-          x = p.soft_cap * std::tanh(x / p.soft_cap);
+          x = p.soft_cap * kLog2e * std::tanh(x / p.soft_cap);
         }
     const bool mask = kind != Block::kFull || j0 + kr > p.S;
     for (int64_t c = 0; c < nc; c += VW) {
-      // Mask, then the columns' new maxima; maxima keep a NaN: a query whose logits
-      // are all NaN (a NaN query, say) is not a query that sees nothing, and its NaN
-      // must reach the output (docs/conventions.md).
+      // Mask, then the columns' new maxima, four rows at a time (four independent chains
+      // of maxima). The maxima pass over NaN: a NaN logit still reaches its query's
+      // output, through its exponential in the sum and the products (a query whose
+      // logits are all NaN keeps the maximum -inf and gets exp2(NaN - 0): NaN, not
+      // the zeros of a query that sees nothing; docs/conventions.md).
       const vi lo = *reinterpret_cast<const vi*>(cols.lo + c);
       const vi hi = *reinterpret_cast<const vi*>(cols.hi + c);
       const vi seg = *reinterpret_cast<const vi*>(cols.seg + c);
-      vf mx = splat(-kInf);
-      for (int64_t r = 0; r < kr; ++r) {
-        float* at = st.data + r * BQ + c;
-        vf x = load(at);
-        if (mask) {
-          const vi j = splat_int(static_cast<int32_t>(j0 + r));
-          vi hidden = (j < lo) | (j > hi);
-          if (p.q_seg) hidden |= seg != splat_int(j0 + r < p.S ? p.kv_seg[b * p.S + j0 + r] : 0);
-          if (fn.cols) hidden |= lane_bits(fn.cols + r * (BQ / 8) + c / 8) == 0;
-          x = hidden ? splat(-kInf) : x;
-          store(at, x);
+      vf mx[MR];
+      for (int u = 0; u < MR; ++u) mx[u] = splat(-kInf);
+      for (int64_t r0 = 0; r0 < kr; r0 += MR)
+        for (int u = 0; u < MR; ++u) {
+          const int64_t r = r0 + u;
+          float* at = st.data + r * BQ + c;
+          vf x = load(at);
+          if (mask) {
+            const vi j = splat_int(static_cast<int32_t>(j0 + r));
+            vi hidden = (j < lo) | (j > hi);
+            if (p.q_seg) hidden |= seg != splat_int(j0 + r < p.S ? p.kv_seg[b * p.S + j0 + r] : 0);
+            if (fn.cols) hidden |= lane_bits(fn.cols + r * (BQ / 8) + c / 8) == 0;
+            x = hidden ? splat(-kInf) : x;
+            store(at, x);
+          }
+          mx[u] = x > mx[u] ? x : mx[u];
         }
-        mx = nan_max(x, mx);
-      }
-      const vf old_max = load(m + c), new_max = nan_max(old_max, mx);
+      for (int u = 1; u < MR; ++u) mx[0] = mx[u] > mx[0] ? mx[u] : mx[0];
+      const vf old_max = load(m + c), new_max = mx[0] > old_max ? mx[0] : old_max;
       const vi blind = new_max == -kInf;  // nothing visible in this column so far
-      const vf alpha = blind ? splat(1.0f) : vexp(old_max - new_max);  // 0 when m was -inf
+      const vf alpha = blind ? splat(1.0f) : vexp2(old_max - new_max);  // 0 when m was -inf
       const vf shift = blind ? vf{} : new_max;
       vf sum = vf{};
       for (int64_t r = 0; r < kr; ++r) {
         float* at = st.data + r * BQ + c;
-        const vf e = vexp(load(at) - shift);
+        const vf e = vexp2(load(at) - shift);
         store(at, e);
         sum += e;
       }
       store(l + c, load(l + c) * alpha + sum);
       store(m + c, new_max);
-      for (int64_t h = 0; h < Hp; ++h) store(ot.data + h * BQ + c, load(ot.data + h * BQ + c) * alpha);
+      if (any(alpha != splat(1.0f)))  // the maxima moved: rescale what the columns summed
+        for (int64_t h = 0; h < Hp; ++h)
+          store(ot.data + h * BQ + c, load(ot.data + h * BQ + c) * alpha);
     }
     gemm(Hp, nc, kr, values.at(key_tile(p, b, kh, kb)), 1, Hp, st.data, BQ, ot.data, BQ, true);
   }
-  finish(p, res, b, n, i0, rows, m, l, ot.data, 1, BQ);
+  finish(p, res, b, n, i0, rows, m, l, ot.data, 1, BQ, kLn2);
 }
 
 // ---------------------------------------------------------------------------

@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <limits>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -115,6 +119,7 @@ inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p
 inline void store(float* p, vf x) { *reinterpret_cast<vf_unaligned*>(p) = x; }
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
 
 // exp(x) to about 1 ulp (Cephes' polynomial on x - n ln 2); 0 below -87.3, which
 // covers -inf. Inputs here are logits minus a running maximum: never above 0 by
@@ -138,6 +143,51 @@ inline vf vexp(vf x) {
   vi bits = (ni + 127) << 23;
   vf y = p * __builtin_bit_cast(vf, bits);
   return x < lo ? vf{} : y;
+}
+
+// 2^x to about 2 ulp: x = n + r with n an integer and |r| <= 1/2, 2^r by a polynomial of
+// degree 6 (fitted to the relative error on [-1/2, 1/2]: at most 1e-7), times 2^n. 0 below
+// -126 (covers -inf; AVX-512's scalef gives the subnormals down to -150), NaN stays NaN.
+// Half the instructions of vexp: the forward pass keeps its logits in units of log2 e (the
+// factor folded into the queries' scale) so that no range reduction by ln 2 is needed.
+inline vf vexp2(vf x) {
+  const vf lo = splat(-150.0f);
+  const vf xc = x < lo ? lo : x;  // NaN compares false and stays
+#if defined(__AVX512F__)
+  const vf n = (vf)_mm512_roundscale_ps((__m512)xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf t = xc + magic;
+  const vf n = t - magic;
+#endif
+  const vf r = xc - n;
+  vf p = splat(1.5353362e-4f);
+  p = p * r + 1.3398875e-3f;
+  p = p * r + 9.6184369e-3f;
+  p = p * r + 5.5503324e-2f;
+  p = p * r + 2.4022648e-1f;
+  p = p * r + 6.9314718e-1f;
+  p = p * r + 1.0f;
+#if defined(__AVX512F__)
+  return (vf)_mm512_scalef_ps((__m512)p, (__m512)n);  // p * 2^n, 0 past the subnormals
+#else
+  const vi bits = (__builtin_bit_cast(vi, t) - (0x4B400000 - 127)) << 23;  // 2^n
+  const vf y = p * __builtin_bit_cast(vf, bits);
+  return x < splat(-126.0f) ? vf{} : y;  // 2^n is a normal float from n = -126 up
+#endif
+}
+
+// Whether any lane of a comparison's result is set.
+inline bool any(vi mask) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#elif defined(__AVX2__)
+  return _mm256_movemask_ps((__m256)mask) != 0;
+#else
+  for (int l = 0; l < VW; ++l)
+    if (mask[l]) return true;
+  return false;
+#endif
 }
 
 }  // namespace
