@@ -557,8 +557,9 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
         }
         const uint8_t* bits = fn.rows ? fn.rows + r * (BK / 8) : nullptr;
         cap_and_mask(p, g, b, i, j0, kc, kind, bits, row, capped ? th.data + r * BK : nullptr);
-        const vf shift = splat(in.lse[(b * p.T + i) * p.N + n]);
-        for (int c = 0; c < kc; c += VW) store(row + c, vexp(load(row + c) - shift));
+        // P = exp(s - lse) = exp2(s log2 e - lse log2 e): one FMA and the short exp2
+        const vf shift = splat(in.lse[(b * p.T + i) * p.N + n] * kLog2e), unit = splat(kLog2e);
+        for (int c = 0; c < kc; c += VW) store(row + c, vexp2(load(row + c) * unit - shift));
       }
       // dV += P^T dO
       gemm(kc, Hp, mr, ps.data, 1, BK, dos, Hp, dv.data, Hp, true);
