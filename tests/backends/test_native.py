@@ -292,3 +292,35 @@ def test_memory_is_linear_in_sequence_length():
     at_8k, at_16k = fwd_bwd_temp_bytes(8192), fwd_bwd_temp_bytes(16384)
     assert at_16k <= 32 * 2**20, at_16k
     assert at_16k / at_8k <= 2.1, (at_8k, at_16k)
+
+
+SHORT_CASES = {  # rules of the short calls below, each against float64
+    "causal, ragged rows": dict(
+        is_causal=True, q_offset=np.array([40, 0, -30], np.int32),
+        kv_lengths=np.array([150, 61, 150], np.int32),
+    ),
+    "window and segments": dict(
+        window=(23, 5), q_offset=80,
+        q_segment_ids=np.repeat([[0, 1, 2]], 3, 0).repeat([31, 29, 10], 1).astype(np.int32),
+        kv_segment_ids=np.repeat([[0, 1, 2]], 3, 0).repeat([60, 60, 30], 1).astype(np.int32),
+    ),
+    "soft cap": dict(is_causal=True, q_offset=80, logit_soft_cap=5.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SHORT_CASES)
+def test_short_calls_run_by_group_or_by_block_alike(case, monkeypatch):
+    # A short call with B x K >= 4 x threads runs one task per (b, key/value head):
+    # the group's tiles packed by the task, its dQ summed by it alone (attention.cc,
+    # forward_run and Backward). B x K = 6: grouped with one thread, by blocks with two.
+    # The forward is the same arithmetic both ways (the same bits); the gradients sum
+    # dQ in another order, each close to float64.
+    B, T, S, N, K, H = 3, 70, 150, 6, 2, 5
+    q, k, v = randn(11, B, T, N, H), randn(12, B, S, K, H), randn(13, B, S, K, H)
+    results = {}
+    for threads in ("1", "2"):
+        monkeypatch.setenv("NANOATTN_NUM_THREADS", threads)
+        got, truth = run_and_truth(q, k, v, **SHORT_CASES[case])
+        assert_close(got, truth)
+        results[threads] = got
+    np.testing.assert_array_equal(results["1"][0], results["2"][0])

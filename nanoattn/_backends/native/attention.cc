@@ -79,15 +79,21 @@ struct Aligned {
   ~Aligned() { std::free(data); }
   Aligned(const Aligned&) = delete;
   Aligned& operator=(const Aligned&) = delete;
+  struct View {  // a block carved from scratch, read as an Aligned is
+    float* data;
+  };
 };
 
 // Scratch kept from call to call, per calling thread and slot: a call as large as an
 // earlier one touches no new page (a fresh allocation of this size per call spent more
 // time in page faults than a decode step in arithmetic). It grows to the largest call's
-// need, O(T + S).
+// need, O(T + S). Slots: 0 and 1 the call's shared tiles (Tiles), 2 and 3 a group's
+// tiles (forward_run's short calls), 4 a forward task's own blocks.
+enum Slot { kShared0, kShared1, kGroupKeys, kGroupValues, kTask, kSlots };
+constexpr size_t kGroupBytes = 256 << 10;  // a short call's group of tiles, at most
 float* scratch(int slot, size_t floats) {
-  thread_local std::unique_ptr<Aligned> slots[2];
-  thread_local size_t sizes[2] = {0, 0};
+  thread_local std::unique_ptr<Aligned> slots[kSlots];
+  thread_local size_t sizes[kSlots] = {};
   floats = std::max<size_t>(floats, VW);  // a call with no key still gets a buffer
   if (sizes[slot] < floats) {
     slots[slot].reset();
@@ -397,13 +403,14 @@ Columns columns(const Problem& p, const Geometry& g, int64_t b, int64_t n, int64
 // output accumulates as O^T (Hp, queries) += V^T P^T.
 template <class In>
 void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* q,
-                  const Tiles& keys, const Tiles& values, ForwardOut res, int64_t task) {
+                  const float* keys, const float* values, ForwardOut res, int64_t task) {
   const int64_t qb = task % p.n_q(), n = (task / p.n_q()) % p.N, b = task / (p.n_q() * p.N);
-  const int64_t kh = n / p.G, i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
+  const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
   const int64_t nc = round_up(rows, VW);  // query columns computed
   const Geometry& g = geo[b];
   const int64_t Hp = p.Hp;
-  Aligned qt(Hp * BQ), st(BK * BQ), ot(Hp * BQ);
+  float* const work = scratch(kTask, 2 * Hp * BQ + BK * BQ);
+  const Aligned::View qt{work}, ot{work + Hp * BQ}, st{work + 2 * Hp * BQ};
   alignas(64) float m[BQ], l[BQ];
   std::fill(m, m + BQ, -kInf);
   std::fill(l, l + BQ, 0.0f);
@@ -429,7 +436,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
 #if defined(__AVX512BF16__)
     if constexpr (pairs) {
       gemm<PairStep>(kr, nc, Hp / 2,
-                     reinterpret_cast<const uint32_t*>(keys.at(key_tile(p, b, kh, kb))), Hp / 2,
+                     reinterpret_cast<const uint32_t*>(keys + kb * BK * Hp), Hp / 2,
                      1, reinterpret_cast<const uint32_t*>(qt.data), BQ, st.data, BQ, false);
       const vf scale = splat(p.scale * to_log2);
       for (int64_t r = 0; r < kr; ++r)
@@ -437,7 +444,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
           store(st.data + r * BQ + c, load(st.data + r * BQ + c) * scale);
     } else
 #endif
-      gemm(kr, nc, Hp, keys.at(key_tile(p, b, kh, kb)), Hp, 1, qt.data, BQ, st.data, BQ, false);
+      gemm(kr, nc, Hp, keys + kb * BK * Hp, Hp, 1, qt.data, BQ, st.data, BQ, false);
     if (capped)
       for (int64_t r = 0; r < kr; ++r)
         for (int64_t c = 0; c < nc; ++c) {
@@ -489,7 +496,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
         for (int64_t h = 0; h < Hp; ++h)
           store(ot.data + h * BQ + c, load(ot.data + h * BQ + c) * alpha);
     }
-    gemm(Hp, nc, kr, values.at(key_tile(p, b, kh, kb)), 1, Hp, st.data, BQ, ot.data, BQ, true);
+    gemm(Hp, nc, kr, values + kb * BK * Hp, 1, Hp, st.data, BQ, ot.data, BQ, true);
   }
   finish(p, res, b, n, i0, rows, m, l, ot.data, 1, BQ, kLn2);
 }
@@ -505,30 +512,38 @@ struct BackwardIn {
 
 template <class In>
 struct BackwardOut {
-  In *dk, *dv;                                      // (B, S, K, H)
-  std::vector<std::unique_ptr<Aligned>>* dq_parts;  // per lane: (B, Tp, N, Hp)
-  int64_t Tp;
+  In *dk, *dv;         // (B, S, K, H)
   const float* delta;  // (B, T, N): rowsum(dout * out) - dlse
+};
+
+// What a backward task of batch row b reads of the queries and where it adds dQ, for
+// query heads [n0, n0 + heads): the packed queries (times scale) and output cotangents,
+// (heads, n_q) tiles of (BQ, Hp) each, and dQ as (Tp, heads, Hp) float32 rows.
+struct QueryView {
+  float *q, *dout, *dq;
+  int64_t n0, heads;
+  float* q_tile(const Problem& p, int64_t n, int64_t qb) const {
+    return q + ((n - n0) * p.n_q() + qb) * BQ * p.Hp;
+  }
+  float* dout_tile(const Problem& p, int64_t n, int64_t qb) const {
+    return dout + ((n - n0) * p.n_q() + qb) * BQ * p.Hp;
+  }
+  float* dq_row(const Problem& p, int64_t n, int64_t i) const {
+    return dq + (i * heads + n - n0) * p.Hp;
+  }
 };
 
 template <class In>
 void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn<In>& in,
-                   const Tiles& queries, const Tiles& d_out, const BackwardOut<In>& res,
-                   int64_t task, int64_t lane) {
+                   const QueryView& view, const BackwardOut<In>& res, int64_t task) {
   const int64_t kb = task % p.n_k(), kh = (task / p.n_k()) % p.K, b = task / (p.n_k() * p.K);
   const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kc = round_up(j1 - j0, VW), Hp = p.Hp;
   const Geometry& g = geo[b];
   auto [first, last] = query_blocks(p, g, j0, j1);
-  if (first <= last) {
-    std::unique_ptr<Aligned>& part = (*res.dq_parts)[lane];
-    if (!part) {
-      const size_t size = p.B * res.Tp * p.N * Hp;
-      part = std::make_unique<Aligned>(size);
-      std::fill(part->data, part->data + size, 0.0f);
-    }
-  }
-  Aligned ks(BK * Hp), kt(Hp * BK), vt(Hp * BK), dk(BK * Hp), dv(BK * Hp);
-  Aligned ps(BQ * BK), ds(BQ * BK), th(BQ * BK);
+  float* const work = scratch(kTask, 5 * BK * Hp + 3 * BQ * BK);
+  const Aligned::View ks{work}, kt{work + BK * Hp}, vt{work + 2 * BK * Hp},
+      dk{work + 3 * BK * Hp}, dv{work + 4 * BK * Hp}, ps{work + 5 * BK * Hp},
+      ds{ps.data + BQ * BK}, th{ds.data + BQ * BK};
   std::fill(dk.data, dk.data + BK * Hp, 0.0f);
   std::fill(dv.data, dv.data + BK * Hp, 0.0f);
   if (first <= last) {
@@ -544,8 +559,8 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
       const FnBlock fn = fn_block(p, b, n, qb, kb);
       const Block kind = combine(classify(p, g, i0, i1, j0, j1), fn);
       if (kind == Block::kSkip) continue;
-      const float* qs = queries.at(query_tile(p, b, n, qb));
-      const float* dos = d_out.at(query_tile(p, b, n, qb));
+      const float* qs = view.q_tile(p, n, qb);
+      const float* dos = view.dout_tile(p, n, qb);
       gemm(mr, kc, Hp, qs, Hp, 1, kt.data, BK, ps.data, BK, false);
       for (int64_t r = 0; r < mr; ++r) {
         float* row = ps.data + r * BK;
@@ -581,8 +596,7 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
       }
       // dK += dS^T (scale q); dQ += dS K (times scale at the end)
       gemm(kc, Hp, mr, ds.data, 1, BK, qs, Hp, dk.data, Hp, true);
-      float* dq = (*res.dq_parts)[lane]->data + ((b * res.Tp + i0) * p.N + n) * Hp;
-      gemm(mr, Hp, kc, ds.data, BK, 1, ks.data, Hp, dq, p.N * Hp, true);
+      gemm(mr, Hp, kc, ds.data, BK, 1, ks.data, Hp, view.dq_row(p, n, i0), view.heads * Hp, true);
     }
   }
   for (int64_t c = 0; c < BK && j0 + c < p.S; ++c) {
@@ -719,6 +733,48 @@ void forward_run(ffi::ThreadPool& pool, const Problem& p, const In* q, const Kv*
   if (p.B * p.T * p.N == 0) return;
   const int threads = max_threads(pool);
   const std::vector<Geometry> geo = all_geometry(pool, threads, p);
+  // Keys as (BK, Hp) rows for the transposed scores, or transposed (Hp, BK) for a
+  // decode step's, and values as (BK, Hp) rows, packed once for every query block: only
+  // the key blocks some query of the row may see (a decoding step over a cache of S
+  // slots packs what the row holds, not the capacity), which are all any task reads.
+  const bool decode = p.T < VW;
+  std::vector<std::pair<int64_t, int64_t>> held(p.B);
+  for (int64_t b = 0; b < p.B; ++b) held[b] = key_blocks(p, geo[b], 0, p.T);
+  auto pack = [&](int64_t b, int64_t kh, int64_t kb, float* key_tile, float* value_tile) {
+    // The transposed scores of bfloat16 read the keys as pairs where the CPU has
+    // AVX512_BF16 (forward_task); a decode step reads them transposed.
+    constexpr bool pairs = kPairs && std::is_same_v<In, uint16_t> && std::is_same_v<Kv, uint16_t>;
+    if constexpr (pairs) {
+      if (!decode) {
+        pack_key_pairs(p, k, geo[b], b, kh, kb * BK, reinterpret_cast<uint32_t*>(key_tile));
+        pack_keys(p, v, geo[b], b, kh, kb * BK, value_tile, nullptr);
+        return;
+      }
+    }
+    pack_keys(p, k, geo[b], b, kh, kb * BK, decode ? nullptr : key_tile,
+              decode ? key_tile : nullptr, key_scales);
+    pack_keys(p, v, geo[b], b, kh, kb * BK, value_tile, nullptr, value_scales);
+  };
+  const int64_t tile = BK * p.Hp;
+  // A short call (a group's tiles in L2, and groups enough to share among the threads):
+  // one task per (b, key/value head) packs its group's tiles and runs every query block
+  // of the group's heads while they are in cache, where tiles packed for the whole call
+  // would have left the cache before their readers came.
+  const bool grouped = !decode && p.n_k() * tile * 2 * sizeof(float) <= kGroupBytes &&
+                       p.B * p.K >= 4 * threads;
+  if (grouped) {
+    parallel_for(pool, threads, p.B * p.K, [&](int64_t group, int) {
+      const int64_t b = group / p.K, kh = group % p.K;
+      float* keys = scratch(kGroupKeys, p.n_k() * tile);
+      float* values = scratch(kGroupValues, p.n_k() * tile);
+      for (int64_t kb = held[b].first; kb <= held[b].second; ++kb)
+        pack(b, kh, kb, keys + kb * tile, values + kb * tile);
+      for (int64_t n = kh * p.G; n < (kh + 1) * p.G; ++n)
+        for (int64_t qb = 0; qb < p.n_q(); ++qb)
+          forward_task(p, geo, q, keys, values, res, (b * p.N + n) * p.n_q() + qb);
+    });
+    return;
+  }
   // A task's cost is the number of key blocks it may see (those a mask_fn leaves):
   // causal work balances without a static split.
   const int64_t total = p.B * p.N * p.n_q();
@@ -735,36 +791,19 @@ void forward_run(ffi::ThreadPool& pool, const Problem& p, const In* q, const Kv*
     }
     return cost;
   });
-  // Keys as (BK, Hp) rows for the transposed scores, or transposed (Hp, BK) for a
-  // decode step's, and values as (BK, Hp) rows, packed once for every query block: only
-  // the key blocks some query of the row may see (a decoding step over a cache of S
-  // slots packs what the row holds, not the capacity), which are all any task reads.
-  const bool decode = p.T < VW;
-  Tiles keys(p.B * p.K * p.n_k(), BK * p.Hp, 0), values(p.B * p.K * p.n_k(), BK * p.Hp, 1);
-  std::vector<std::pair<int64_t, int64_t>> held(p.B);
-  for (int64_t b = 0; b < p.B; ++b) held[b] = key_blocks(p, geo[b], 0, p.T);
+  Tiles keys(p.B * p.K * p.n_k(), tile, kShared0), values(p.B * p.K * p.n_k(), tile, kShared1);
   parallel_for(pool, threads, p.B * p.K * p.n_k(), [&](int64_t t, int) {
     const int64_t kb = t % p.n_k(), kh = (t / p.n_k()) % p.K, b = t / (p.n_k() * p.K);
-    if (kb < held[b].first || kb > held[b].second) return;
-    // The transposed scores of bfloat16 read the keys as pairs where the CPU has
-    // AVX512_BF16 (forward_task); a decode step reads them transposed.
-    constexpr bool pairs = kPairs && std::is_same_v<In, uint16_t> && std::is_same_v<Kv, uint16_t>;
-    if constexpr (pairs) {
-      if (!decode) {
-        pack_key_pairs(p, k, geo[b], b, kh, kb * BK, reinterpret_cast<uint32_t*>(keys.at(t)));
-        pack_keys(p, v, geo[b], b, kh, kb * BK, values.at(t), nullptr);
-        return;
-      }
-    }
-    pack_keys(p, k, geo[b], b, kh, kb * BK, decode ? nullptr : keys.at(t),
-              decode ? keys.at(t) : nullptr, key_scales);
-    pack_keys(p, v, geo[b], b, kh, kb * BK, values.at(t), nullptr, value_scales);
+    if (kb >= held[b].first && kb <= held[b].second) pack(b, kh, kb, keys.at(t), values.at(t));
   });
   parallel_for(pool, threads, total, [&](int64_t t, int) {
-    if (decode)
+    if (decode) {
       forward_rows_task(p, geo, q, keys, values, res, order[t]);
-    else
-      forward_task(p, geo, q, keys, values, res, order[t]);
+      return;
+    }
+    const int64_t b = order[t] / (p.n_q() * p.N), n = (order[t] / p.n_q()) % p.N;
+    const int64_t first = key_tile(p, b, n / p.G, 0);
+    forward_task(p, geo, q, keys.at(first), values.at(first), res, order[t]);
   });
 }
 
@@ -856,11 +895,60 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
   parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
     for (int64_t n = 0; n < p.N; ++n) {
       const int64_t at = (bt * p.N + n) * p.H;
-      float acc = 0.0f;
-      for (int64_t h = 0; h < p.H; ++h) acc += o[at + h] * widen(dO[at + h]);
-      delta[bt * p.N + n] = acc - d_lse[bt * p.N + n];
+      alignas(64) float d[VW];  // VW widths at a time in the lanes, then the tail
+      int64_t h = 0;
+      vf acc = vf{};
+      for (; h + VW <= p.H; h += VW) {
+        for (int l = 0; l < VW; ++l) d[l] = widen(dO[at + h + l]);
+        acc += load(o + at + h) * load(d);
+      }
+      float sum = hsum(acc);
+      for (; h < p.H; ++h) sum += o[at + h] * widen(dO[at + h]);
+      delta[bt * p.N + n] = sum - d_lse[bt * p.N + n];
     }
   });
+  BackwardIn<In> in{k.typed_data(), v.typed_data(), lse.typed_data()};
+  BackwardOut<In> res{dk->typed_data(), dv->typed_data(), delta.data()};
+  const int64_t tile = BQ * p.Hp, Tp = p.n_q() * BQ;
+  // Query i's dq = scale * the sum of `parts` at `offset` (dQ rows (Tp, heads, Hp) of
+  // heads [n0, n0 + heads) in batch row b), in their order, VW widths at a time.
+  auto write_dq = [&](int64_t b, int64_t n0, int64_t heads, const std::vector<const float*>& parts,
+                      int64_t offset, int64_t i) {
+    for (int64_t n = n0; n < n0 + heads; ++n) {
+      In* dst = dq_out + ((b * p.T + i) * p.N + n) * p.H;
+      const int64_t at = offset + (i * heads + n - n0) * p.Hp;
+      for (int64_t h = 0; h < p.H; h += VW) {
+        vf acc = vf{};
+        for (const float* part : parts) acc += load(part + at + h);
+        alignas(64) float sum[VW];
+        store(sum, acc * p.scale);
+        for (int64_t l = 0; l < VW && h + l < p.H; ++l) dst[h + l] = narrow<In>(sum[l]);
+      }
+    }
+  };
+  // A short call (a group's query tiles and dQ in L2, groups enough to share among the
+  // threads): one task per (b, key/value head) packs its group's queries, runs every key
+  // block in order and writes the group's dQ, which no other task touches.
+  const int64_t group_floats = 2 * p.G * p.n_q() * tile + Tp * p.G * p.Hp;
+  if (group_floats * sizeof(float) <= kGroupBytes && p.B * p.K >= 4 * threads) {
+    parallel_for(pool, threads, p.B * p.K, [&](int64_t group, int) {
+      const int64_t b = group / p.K, kh = group % p.K, n0 = kh * p.G;
+      float* const held = scratch(kGroupKeys, group_floats);
+      const QueryView view{held, held + p.G * p.n_q() * tile, held + 2 * p.G * p.n_q() * tile,
+                           n0, p.G};
+      for (int64_t n = n0; n < n0 + p.G; ++n)
+        for (int64_t qb = 0; qb < p.n_q(); ++qb) {
+          pack_rows(p, q.typed_data(), geo[b], b, n, qb * BQ, p.scale, view.q_tile(p, n, qb));
+          pack_rows(p, dO, geo[b], b, n, qb * BQ, 1.0f, view.dout_tile(p, n, qb));
+        }
+      std::fill(view.dq, view.dq + Tp * p.G * p.Hp, 0.0f);
+      for (int64_t kb = 0; kb < p.n_k(); ++kb)
+        backward_task(p, geo, in, view, res, (b * p.K + kh) * p.n_k() + kb);
+      const std::vector<const float*> parts{view.dq};
+      for (int64_t i = 0; i < p.T; ++i) write_dq(b, n0, p.G, parts, 0, i);
+    });
+    return ffi::Error::Success();
+  }
   const int64_t total = p.B * p.K * p.n_k();
   // Each lane: the tasks of one thread, by their cost (the query blocks they may see),
   // in a fixed order, and its own dQ buffer (the memory of one buffer per thread).
@@ -878,33 +966,33 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
       }
     return cost;
   });
-  std::vector<std::unique_ptr<Aligned>> parts(lanes.size());
-  const int64_t Tp = p.n_q() * BQ;
-  BackwardIn<In> in{k.typed_data(), v.typed_data(), lse.typed_data()};
-  BackwardOut<In> res{dk->typed_data(), dv->typed_data(), &parts, Tp, delta.data()};
+  std::vector<std::unique_ptr<Aligned>> parts(lanes.size());  // per lane: (B, Tp, N, Hp)
   // Queries (times scale) and output cotangents as (BQ, Hp) blocks, packed once for
   // every key block.
-  Tiles queries(p.B * p.N * p.n_q(), BQ * p.Hp, 0), d_out(p.B * p.N * p.n_q(), BQ * p.Hp, 1);
+  Tiles queries(p.B * p.N * p.n_q(), tile, kShared0), d_out(p.B * p.N * p.n_q(), tile, kShared1);
   parallel_for(pool, threads, p.B * p.N * p.n_q(), [&](int64_t t, int) {
     const int64_t qb = t % p.n_q(), n = (t / p.n_q()) % p.N, b = t / (p.n_q() * p.N);
     pack_rows(p, q.typed_data(), geo[b], b, n, qb * BQ, p.scale, queries.at(t));
     pack_rows(p, dO, geo[b], b, n, qb * BQ, 1.0f, d_out.at(t));
   });
   parallel_for(pool, threads, lanes.size(), [&](int64_t lane, int) {
-    for (int64_t t : lanes[lane]) backward_task(p, geo, in, queries, d_out, res, t, lane);
-  });
-  // dq = scale * the sum of the lanes' parts, in lane order
-  parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
-    const int64_t b = bt / p.T, i = bt % p.T;
-    for (int64_t n = 0; n < p.N; ++n) {
-      In* dst = dq_out + (bt * p.N + n) * p.H;
-      for (int64_t h = 0; h < p.H; ++h) {
-        float acc = 0.0f;
-        for (const auto& part : parts)
-          if (part) acc += part->data[((b * Tp + i) * p.N + n) * p.Hp + h];
-        dst[h] = narrow<In>(acc * p.scale);
-      }
+    if (lanes[lane].empty()) return;
+    const size_t size = p.B * Tp * p.N * p.Hp;
+    parts[lane] = std::make_unique<Aligned>(size);
+    std::fill(parts[lane]->data, parts[lane]->data + size, 0.0f);
+    for (int64_t t : lanes[lane]) {
+      const int64_t b = t / (p.n_k() * p.K);
+      const QueryView view{queries.at(query_tile(p, b, 0, 0)), d_out.at(query_tile(p, b, 0, 0)),
+                           parts[lane]->data + b * Tp * p.N * p.Hp, 0, p.N};
+      backward_task(p, geo, in, view, res, t);
     }
+  });
+  // dq: the lanes' parts summed in lane order
+  std::vector<const float*> held;
+  for (const auto& part : parts)
+    if (part) held.push_back(part->data);
+  parallel_for(pool, threads, p.B * p.T, [&](int64_t bt, int) {
+    write_dq(bt / p.T, 0, p.N, held, bt / p.T * Tp * p.N * p.Hp, bt % p.T);
   });
   return ffi::Error::Success();
 }
