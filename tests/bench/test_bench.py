@@ -746,9 +746,12 @@ def test_cli_bench_only_masks(tmp_path, capsys, monkeypatch):
     measured.clear()
     assert main(argv) == 0  # at T = 8192: judged, every served target met
     results = json.loads((tmp_path / "results.json").read_text())
-    assert {m[3] for m in measured} == {8192} and len(results["targets"]) == 12
+    # a target per row, and a second per documents row (segment ids against mask_fn)
+    assert {m[3] for m in measured} == {8192} and len(results["targets"]) == 16
     assert [t["passed"] for t in results["targets"]] == [
-        True if r["status"] == "ok" else None for r in results["masks"]
+        True if r["status"] == "ok" else None
+        for r in results["masks"]
+        for _ in range(2 if r["case"] == "documents" else 1)
     ]
     ratios["sinks"] = 1.06
     assert main(argv) == 1
