@@ -6,7 +6,9 @@ a pair of one and the same id that the positional rules show wholly is full.
 Checked three ways: packed documents at prime sizes against the float64 reference
 (outputs and gradients, every backend that serves segment ids), the native kernel's
 classification against the literal mask block by block, and the flash kernel's live
-items against the literal mask (the steps it runs are fewer than its schedule's)."""
+items against the literal mask (the steps it runs are fewer than its schedule's). Concrete
+ids (closed over as jax arrays) are classified before the run on the flash kernel too:
+its items of one id are then full, its items whose ids never meet out of the schedule."""
 
 import ctypes
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 from nanoattn._backends.flash.kernel import BlockInputs, RuleBlocks, kernel_rules, live_schedule
-from nanoattn._backends.flash.plan import kernel_plans
+from nanoattn._backends.flash.plan import kernel_plans, segment_kinds, with_segment_kinds
 from nanoattn._core.base.rules import Rules
 
 from _cases import Case, assert_cases_match
@@ -140,3 +142,50 @@ def test_flash_runs_only_the_items_the_ids_leave_live(causal):
         want[real] = kinds[masked.q_block[real], masked.k_block[real]] > 0
         assert int(np.asarray(live.live).sum()) == int(want.sum())
         assert int(live.steps) < masked.steps
+
+
+def test_concrete_ids_classify_the_flash_items_before_the_run():
+    # Row 0 packed (sorted ids: ranges meet only where an id is shared, so the kinds are
+    # exact); row 1 unsorted, where ranges may meet with no id in common: never EMPTY
+    # then (safe), and FULL exactly where every row holds one id throughout.
+    unsorted = np.where(np.arange(T) % 50 < 25, 5, 7).astype(np.int32)
+    both = np.stack([packed(LENGTHS), packed([100, 63, 100])])  # both rows packed
+    for ids, exact in ((both, True), (np.stack([IDS[0], unsorted]), False)):
+        got = segment_kinds(ids, ids, 16, 32)
+        per_row = [_kinds_of(np_segments(ids, ids)[b, 0], 16, 32) for b in range(B)]
+        least, most = np.min(per_row, axis=0), np.max(per_row, axis=0)
+        np.testing.assert_array_equal(got == 2, least == 2)
+        assert not ((got == 0) & (most > 0)).any()  # an item some row sees is never skipped
+        if exact:
+            np.testing.assert_array_equal(got == 0, most == 0)
+            assert (got == 0).any() and (got == 1).any() and (got == 2).any()
+    q, k, v = qkv(T, T, 30)
+    rules = Rules.make(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), is_causal=True,
+        q_segment_ids=both, kv_segment_ids=both,
+    )  # fmt: skip
+    for plan in kernel_plans(rules, (16, 32, 3), (16, 32, 3)):
+        classified = with_segment_kinds(plan, both, both)
+        masked, full = classified.schedules()
+        kinds = segment_kinds(both, both, plan.block_q, plan.block_k)
+        assert full.items > 0  # items of one id (under the diagonal): no mask computed
+        for schedule in (masked, full):
+            real = schedule.q_block < plan.n_q
+            assert (kinds[schedule.q_block[real], schedule.k_block[real]] > 0).all()
+        traced = jax.jit(lambda ids, plan=plan: jnp.asarray(
+            with_segment_kinds(plan, ids, ids).schedules()[1].items))(both)  # fmt: skip
+        assert int(traced) == 0  # traced ids: classified as the kernel runs, every item masked
+
+
+def test_concrete_ids_on_flash_match_the_reference():
+    # The ids closed over as jax arrays (concrete under jit), small tiles so that the
+    # third document holds whole items: full items, masked ones and skipped ones.
+    ids = jnp.asarray(IDS)
+    case = Case(
+        "packed causal documents, concrete ids",
+        *qkv(T, T, 40),
+        allowed=np_segments(IDS, IDS) & np_causal(T, T),
+        kwargs=dict(q_segment_ids=ids, kv_segment_ids=ids, is_causal=True),
+    )
+    tiles = dict(forward_tiles=(16, 32, 3), backward_tiles=(16, 32, 3))
+    assert_cases_match([case], implementations=["flash"], tiles=tiles)

@@ -43,7 +43,7 @@ from ..._core.base.numerics import large_negative, softmax_dtype
 from ..._core.base.quantized import NO_QUANTIZED_GRADIENTS, dequantize, is_quantized
 from ..._core.base.rules import Rules
 from ..._core.base.shard_map import sum_to_varying, varying_like
-from .plan import Plan, kernel_plans
+from .plan import Plan, kernel_plans, with_segment_kinds
 from .schedule import Schedule
 
 _ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
@@ -783,6 +783,9 @@ def flash_attention(query, key, value, rules: Rules, *, forward_tiles=None, back
         if not isinstance(mask, BlockMask):
             mask = block_mask(mask, rules.B, rules.N, rules.T, rules.S, q_offset=rules.q_offset)
     plans = kernel_plans(rules, forward_tiles, backward_tiles, mask)
+    if rules.q_segment_ids is not None:  # concrete ids: their empty and full items known now
+        ids = (rules.q_segment_ids, rules.kv_segment_ids)
+        plans = type(plans)(*(with_segment_kinds(p, *ids) for p in plans))
     kinds = [
         None if mask is None or mask.static else mask.kinds_at(p.block_q, p.block_k) for p in plans
     ]

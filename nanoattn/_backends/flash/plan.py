@@ -12,7 +12,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ..._core.base.block_mask import BlockMask
+import jax
+import numpy as np
+
+from ..._core.base.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from ..._core.base.rules import Rules
 from .schedule import Schedule, block_schedules
 
@@ -54,6 +57,10 @@ class Plan:
     mask_fn: Callable | None = None
     kinds: tuple[tuple[int, ...], ...] | None = None
     traced_kinds: bool = False
+    # Whether ``kinds`` holds the segment ids' classification too (concrete ids: an item
+    # within one segment in every batch row is full, one whose ids never meet empty), so
+    # that the segment ids no longer make every item masked.
+    segments_classified: bool = False
     # score_fn as the kernel calls it (closure-converted: its hoisted arrays are inputs).
     score_fn: Callable | None = None
     index_offset: int | None = None  # a Python int offset for mask_fn and score_fn
@@ -69,9 +76,9 @@ class Plan:
     def schedules(self) -> tuple[Schedule, Schedule]:
         """The (masked, full) schedules."""
         traced_offset = self.band is not None and self.static_offset is None
+        segments = self.has_segments and not self.segments_classified
         all_masked = (
-            self.has_lengths or self.has_mask or self.has_segments or traced_offset
-            or self.traced_kinds
+            self.has_lengths or self.has_mask or segments or traced_offset or self.traced_kinds
         )  # fmt: skip
         offset = self.static_offset if self.band is not None else None
         return block_schedules(
@@ -149,3 +156,46 @@ def fit_tiles(tiles, budget: int, rules: Rules) -> tuple[int, int, int]:
             block_q = max(MIN_BLOCK, block_q // 2)
         per_lane = rules.B * rules.N * block_q * block_k
     return block_q, block_k, max(1, min(lanes, budget // per_lane))
+
+
+def with_segment_kinds(plan: Plan, q_ids, kv_ids) -> Plan:
+    """``plan`` with concrete segment ids (B, T) and (B, S) classified at its blocks and
+    merged into its kinds (:func:`segment_kinds`); unchanged when the ids are traced (the
+    kernel then hides the items whose id ranges do not meet as it runs) or when a
+    ``mask_fn``'s kinds are traced."""
+    if plan.traced_kinds or any(isinstance(x, jax.core.Tracer) for x in (q_ids, kv_ids)):
+        return plan
+    kinds = segment_kinds(np.asarray(q_ids), np.asarray(kv_ids), plan.block_q, plan.block_k)
+    if plan.kinds is not None:
+        theirs = np.asarray(plan.kinds, np.int8)
+        kinds = np.where(
+            (kinds == EMPTY) | (theirs == EMPTY), EMPTY,
+            np.where((kinds == FULL) & (theirs == FULL), FULL, PARTIAL),
+        ).astype(np.int8)  # fmt: skip
+    return dataclasses.replace(
+        plan, kinds=tuple(map(tuple, kinds.tolist())), segments_classified=True
+    )
+
+
+def segment_kinds(q_ids: np.ndarray, kv_ids: np.ndarray, block_q: int, block_k: int):
+    """The blocks of ``block_q`` queries by ``block_k`` keys as segment ids (B, T) and
+    (B, S) leave them, int8 (ceil(T / block_q), ceil(S / block_k)): EMPTY where in every
+    batch row the block's query ids and key ids span ranges that do not meet (no id in
+    common), FULL where in every batch row all of them are one and the same id, PARTIAL
+    otherwise (the kernel compares their ids cell by cell)."""
+
+    def ranges(ids, size):  # each block's smallest and largest id: (B, blocks) twice
+        B, L = ids.shape
+        n = -(-L // size)
+        low = np.full((B, n * size), np.iinfo(np.int64).max)
+        high = np.full((B, n * size), np.iinfo(np.int64).min)
+        low[:, :L] = high[:, :L] = ids
+        return low.reshape(B, n, size).min(-1), high.reshape(B, n, size).max(-1)
+
+    (q_lo, q_hi), (k_lo, k_hi) = ranges(q_ids, block_q), ranges(kv_ids, block_k)
+    q_lo, q_hi = q_lo[:, :, None], q_hi[:, :, None]  # (B, nQ, 1) against (B, 1, nK)
+    k_lo, k_hi = k_lo[:, None, :], k_hi[:, None, :]
+    meet = (q_lo <= k_hi) & (k_lo <= q_hi)
+    one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    kinds = np.where(meet.any(0), PARTIAL, EMPTY)
+    return np.where(one.all(0), FULL, kinds).astype(np.int8)
