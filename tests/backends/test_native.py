@@ -247,7 +247,7 @@ def test_the_avx2_build_serves_too_on_an_avx512_machine(tmp_path):
     # every test of the paged pass, and native's over quantized keys: one build for all
     served = "match_float64 and not dense and not bias and not score_fn and not own"
     selection = (
-        f"lengths_across or ragged or bfloat16 or ({served}) or "
+        f"lengths_across or ragged or short_calls or bfloat16 or ({served}) or "
         "(test_native_paged and not avx2) or (test_quantized_attention and native)"
     )
     files = [

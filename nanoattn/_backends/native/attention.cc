@@ -6,7 +6,12 @@
 // goes to one buffer per lane, summed at the end in lane order. The tasks are dealt
 // into lanes (one per thread) by their cost before the pass, and a lane runs its tasks
 // in a fixed order, so the backward pass is bitwise the same from run to run for a given
-// thread count (docs/conventions.md, "Reproducibility"). Nothing of size T x S exists.
+// thread count (docs/conventions.md, "Reproducibility"). A short call (a group's tiles
+// in kGroupBytes, four groups per thread at least) runs one task per (b, key/value
+// head) in both passes instead: it packs its group's tiles and runs all their blocks
+// while they are in cache; the backward's sums its group's dQ alone, in key-block
+// order. The forward's logits are in units of log2 e (exp2, the factor folded into the
+// queries' scale or the soft cap). Nothing of size T x S exists.
 //
 // Axis legend (docs/conventions.md): B batch, T queries, S keys, N query heads,
 // K key/value heads, G = N / K query heads per key/value head (contiguous
