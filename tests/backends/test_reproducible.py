@@ -8,6 +8,7 @@ import concurrent.futures
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from nanoattn import dot_product_attention
 
@@ -54,3 +55,32 @@ def test_backward_is_bitwise_reproducible(implementation):
     for run, got in enumerate(again):
         for name, a, b in zip(("dq", "dk", "dv"), first, got):
             assert np.array_equal(a, b), f"{implementation}: run {run + 1}'s {name} differs"
+
+
+def test_native_short_calls_by_group_are_bitwise_reproducible(monkeypatch):
+    # A short call with B x K >= 4 x threads runs one native task per (b, key/value
+    # head), which sums its group's dQ alone (docs/conventions.md): 8 groups on two
+    # threads here, run again and from several Python threads at once.
+    from nanoattn._backends.native import build
+
+    if build.load()[0] is None:
+        pytest.skip("the native kernel could not be built here")
+    monkeypatch.setenv("NANOATTN_NUM_THREADS", "2")
+    b, t, n, k = 4, 97, 6, 2
+    q, kk, v = randn(4, b, t, n, H), randn(5, b, t, k, H), randn(6, b, t, k, H)
+    d_out = randn(7, b, t, n, H)
+
+    @jax.jit
+    def grads(q, kk, v, d_out):
+        def attend(q, kk, v):
+            return dot_product_attention(q, kk, v, implementation="native", is_causal=True)
+
+        return jax.vjp(attend, q, kk, v)[1](d_out)
+
+    args = tuple(map(jnp.asarray, (q, kk, v, d_out)))
+    first = _bits(grads(*args))
+    with concurrent.futures.ThreadPoolExecutor(RUNS) as pool:
+        again = [_bits(g) for g in pool.map(lambda _: grads(*args), range(2 * RUNS))]
+    for run, got in enumerate(again):
+        for name, x, y in zip(("dq", "dk", "dv"), first, got):
+            assert np.array_equal(x, y), f"native by group: run {run + 1}'s {name} differs"
