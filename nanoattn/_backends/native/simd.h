@@ -121,6 +121,14 @@ inline void store(float* p, vf x) { *reinterpret_cast<vf_unaligned*>(p) = x; }
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
 
+// c[0] r^(D-1) + c[1] r^(D-2) + ... + c[D-1], by Horner's rule (unrolled: D is known).
+template <int D>
+inline vf horner(vf r, const float (&c)[D]) {
+  vf p = splat(c[0]);
+  for (int i = 1; i < D; ++i) p = p * r + c[i];
+  return p;
+}
+
 // exp(x) to about 1 ulp (Cephes' polynomial on x - n ln 2); 0 below -87.3, which
 // covers -inf. Inputs here are logits minus a running maximum: never above 0 by
 // more than rounding.
@@ -133,12 +141,8 @@ inline vf vexp(vf x) {
   vf n = t - magic;
   vi ni = __builtin_bit_cast(vi, t) - 0x4B400000;
   vf r = xc - n * 0.693359375f - n * -2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  vf p = horner(r, {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                    1.6666665459e-1f, 5.0000001201e-1f});
   p = p * r * r + r + 1.0f;
   vi bits = (ni + 127) << 23;
   vf y = p * __builtin_bit_cast(vf, bits);
@@ -161,13 +165,8 @@ inline vf vexp2(vf x) {
   const vf n = t - magic;
 #endif
   const vf r = xc - n;
-  vf p = splat(1.5353362e-4f);
-  p = p * r + 1.3398875e-3f;
-  p = p * r + 9.6184369e-3f;
-  p = p * r + 5.5503324e-2f;
-  p = p * r + 2.4022648e-1f;
-  p = p * r + 6.9314718e-1f;
-  p = p * r + 1.0f;
+  const vf p = horner(r, {1.5353362e-4f, 1.3398875e-3f, 9.6184369e-3f, 5.5503324e-2f,
+                          2.4022648e-1f, 6.9314718e-1f, 1.0f});
 #if defined(__AVX512F__)
   return (vf)_mm512_scalef_ps((__m512)p, (__m512)n);  // p * 2^n, 0 past the subnormals
 #else
