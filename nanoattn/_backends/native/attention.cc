@@ -84,16 +84,13 @@ struct Aligned {
   ~Aligned() { std::free(data); }
   Aligned(const Aligned&) = delete;
   Aligned& operator=(const Aligned&) = delete;
-  struct View {  // a block carved from scratch, read as an Aligned is
-    float* data;
-  };
 };
 
 // Scratch kept from call to call, per calling thread and slot: a call as large as an
 // earlier one touches no new page (a fresh allocation of this size per call spent more
 // time in page faults than a decode step in arithmetic). It grows to the largest call's
 // need, O(T + S). Slots: 0 and 1 the call's shared tiles (Tiles), 2 and 3 a group's
-// tiles (forward_run's short calls), 4 a forward task's own blocks.
+// tiles (the short calls' groups), 4 a task's own blocks.
 enum Slot { kShared0, kShared1, kGroupKeys, kGroupValues, kTask, kSlots };
 constexpr size_t kGroupBytes = 256 << 10;  // a short call's group of tiles, at most
 float* scratch(int slot, size_t floats) {
@@ -267,12 +264,14 @@ void forward_rows_task(const Problem& p, const std::vector<Geometry>& geo, const
   const int64_t mr = round_up(rows, MR);
   const Geometry& g = geo[b];
   const int64_t Hp = p.Hp;
-  Aligned qs(BQ * Hp), s(BQ * BK), o(BQ * Hp);
+  float* const qs = scratch(kTask, 2 * BQ * Hp + BQ * BK);
+  float* const o = qs + BQ * Hp;
+  float* const s = o + BQ * Hp;
   alignas(64) float m[BQ], l[BQ];
   std::fill(m, m + BQ, -kInf);
   std::fill(l, l + BQ, 0.0f);
-  std::fill(o.data, o.data + BQ * Hp, 0.0f);
-  pack_rows(p, q, g, b, n, i0, p.scale, qs.data);
+  std::fill(o, o + BQ * Hp, 0.0f);
+  pack_rows(p, q, g, b, n, i0, p.scale, qs);
   const uint8_t* q_sees = sees(p, g, n);
   auto [first, last] = key_blocks(p, g, i0, i1);
   for (int64_t kb = first; kb <= last; ++kb) {
@@ -280,7 +279,7 @@ void forward_rows_task(const Problem& p, const std::vector<Geometry>& geo, const
     const FnBlock fn = fn_block(p, b, n, qb, kb);
     const Block kind = combine(classify(p, g, i0, i1, j0, j1), fn);
     if (kind == Block::kSkip) continue;
-    gemm(mr, kc, Hp, qs.data, Hp, 1, keys_t.at(key_tile(p, b, kh, kb)), BK, s.data, BK, false);
+    gemm(mr, kc, Hp, qs, Hp, 1, keys_t.at(key_tile(p, b, kh, kb)), BK, s, BK, false);
     // Each row's new maximum; maxima keep a NaN: a row whose logits are all NaN (a NaN
     // query, say) is not a row that sees nothing, and its NaN must reach the output
     // (docs/conventions.md).
@@ -288,7 +287,7 @@ void forward_rows_task(const Problem& p, const std::vector<Geometry>& geo, const
     for (int64_t r = 0; r < BQ; ++r) {
       m_new[r] = m[r];
       if (r >= rows || !q_sees[i0 + r]) continue;
-      float* row = s.data + r * BK;
+      float* row = s + r * BK;
       const uint8_t* bits = fn.rows ? fn.rows + r * (BK / 8) : nullptr;
       cap_and_mask(p, g, b, i0 + r, j0, kc, kind, bits, row, nullptr);
       vf mx = splat(-kInf);
@@ -303,7 +302,7 @@ void forward_rows_task(const Problem& p, const std::vector<Geometry>& geo, const
       store(alpha + r, new_max == -kInf ? splat(1.0f) : vexp(old_max - new_max));
     }
     for (int64_t r = 0; r < mr; ++r) {
-      float* row = s.data + r * BK;
+      float* row = s + r * BK;
       if (m_new[r] == -kInf) {  // a padded or blind row, or nothing visible so far
         std::fill(row, row + kc, 0.0f);
         continue;
@@ -318,14 +317,14 @@ void forward_rows_task(const Problem& p, const std::vector<Geometry>& geo, const
       l[r] = l[r] * alpha[r] + hsum(sum);
       m[r] = m_new[r];
       if (alpha[r] != 1.0f) {
-        float* orow = o.data + r * Hp;
+        float* orow = o + r * Hp;
         const vf a = splat(alpha[r]);
         for (int64_t h = 0; h < Hp; h += VW) store(orow + h, load(orow + h) * a);
       }
     }
-    gemm(mr, Hp, kc, s.data, BK, 1, values.at(key_tile(p, b, kh, kb)), Hp, o.data, Hp, true);
+    gemm(mr, Hp, kc, s, BK, 1, values.at(key_tile(p, b, kh, kb)), Hp, o, Hp, true);
   }
-  finish(p, res, b, n, i0, rows, m, l, o.data, Hp, 1);
+  finish(p, res, b, n, i0, rows, m, l, o, Hp, 1);
 }
 
 // Queries [i0, i0 + BQ) of head n, times `factor`, transposed: (Hp, BQ), column c
@@ -415,11 +414,13 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
   const Geometry& g = geo[b];
   const int64_t Hp = p.Hp;
   float* const work = scratch(kTask, 2 * Hp * BQ + BK * BQ);
-  const Aligned::View qt{work}, ot{work + Hp * BQ}, st{work + 2 * Hp * BQ};
+  float* const qt = work;
+  float* const ot = work + Hp * BQ;
+  float* const st = work + 2 * Hp * BQ;
   alignas(64) float m[BQ], l[BQ];
   std::fill(m, m + BQ, -kInf);
   std::fill(l, l + BQ, 0.0f);
-  std::fill(ot.data, ot.data + Hp * BQ, 0.0f);
+  std::fill(ot, ot + Hp * BQ, 0.0f);
   // The logits in units of log2 e, for exp2: the factor rides on the queries' scale, or,
   // under a soft cap (which applies to the logits themselves), on the cap.
   const bool capped = p.soft_cap > 0;
@@ -428,9 +429,9 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
   constexpr bool pairs = kPairs && std::is_same_v<In, uint16_t>;
   if constexpr (pairs)
     pack_query_pairs(p, reinterpret_cast<const uint16_t*>(q), g, b, n, i0,
-                     reinterpret_cast<uint32_t*>(qt.data));
+                     reinterpret_cast<uint32_t*>(qt));
   else
-    pack_queries_t(p, q, g, b, n, i0, p.scale * to_log2, qt.data);
+    pack_queries_t(p, q, g, b, n, i0, p.scale * to_log2, qt);
   const Columns cols = columns(p, g, b, n, i0);
   auto [first, last] = key_blocks(p, g, i0, i1);
   for (int64_t kb = first; kb <= last; ++kb) {
@@ -442,18 +443,18 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
     if constexpr (pairs) {
       gemm<PairStep>(kr, nc, Hp / 2,
                      reinterpret_cast<const uint32_t*>(keys + kb * BK * Hp), Hp / 2,
-                     1, reinterpret_cast<const uint32_t*>(qt.data), BQ, st.data, BQ, false);
+                     1, reinterpret_cast<const uint32_t*>(qt), BQ, st, BQ, false);
       const vf scale = splat(p.scale * to_log2);
       for (int64_t r = 0; r < kr; ++r)
         for (int64_t c = 0; c < nc; c += VW)
-          store(st.data + r * BQ + c, load(st.data + r * BQ + c) * scale);
+          store(st + r * BQ + c, load(st + r * BQ + c) * scale);
     } else
 #endif
-      gemm(kr, nc, Hp, keys + kb * BK * Hp, Hp, 1, qt.data, BQ, st.data, BQ, false);
+      gemm(kr, nc, Hp, keys + kb * BK * Hp, Hp, 1, qt, BQ, st, BQ, false);
     if (capped)
       for (int64_t r = 0; r < kr; ++r)
         for (int64_t c = 0; c < nc; ++c) {
-          float& x = st.data[r * BQ + c];
+          float& x = st[r * BQ + c];
           x = p.soft_cap * kLog2e * std::tanh(x / p.soft_cap);
         }
     const bool mask = kind != Block::kFull || j0 + kr > p.S;
@@ -471,7 +472,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
       for (int64_t r0 = 0; r0 < kr; r0 += MR)
         for (int u = 0; u < MR; ++u) {
           const int64_t r = r0 + u;
-          float* at = st.data + r * BQ + c;
+          float* at = st + r * BQ + c;
           vf x = load(at);
           if (mask) {
             const vi j = splat_int(static_cast<int32_t>(j0 + r));
@@ -490,7 +491,7 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
       const vf shift = blind ? vf{} : new_max;
       vf sum = vf{};
       for (int64_t r = 0; r < kr; ++r) {
-        float* at = st.data + r * BQ + c;
+        float* at = st + r * BQ + c;
         const vf e = vexp2(load(at) - shift);
         store(at, e);
         sum += e;
@@ -499,11 +500,11 @@ void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* 
       store(m + c, new_max);
       if (any(alpha != splat(1.0f)))  // the maxima moved: rescale what the columns summed
         for (int64_t h = 0; h < Hp; ++h)
-          store(ot.data + h * BQ + c, load(ot.data + h * BQ + c) * alpha);
+          store(ot + h * BQ + c, load(ot + h * BQ + c) * alpha);
     }
-    gemm(Hp, nc, kr, values + kb * BK * Hp, 1, Hp, st.data, BQ, ot.data, BQ, true);
+    gemm(Hp, nc, kr, values + kb * BK * Hp, 1, Hp, st, BQ, ot, BQ, true);
   }
-  finish(p, res, b, n, i0, rows, m, l, ot.data, 1, BQ, kLn2);
+  finish(p, res, b, n, i0, rows, m, l, ot, 1, BQ, kLn2);
 }
 
 // ---------------------------------------------------------------------------
@@ -546,14 +547,19 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
   const Geometry& g = geo[b];
   auto [first, last] = query_blocks(p, g, j0, j1);
   float* const work = scratch(kTask, 5 * BK * Hp + 3 * BQ * BK);
-  const Aligned::View ks{work}, kt{work + BK * Hp}, vt{work + 2 * BK * Hp},
-      dk{work + 3 * BK * Hp}, dv{work + 4 * BK * Hp}, ps{work + 5 * BK * Hp},
-      ds{ps.data + BQ * BK}, th{ds.data + BQ * BK};
-  std::fill(dk.data, dk.data + BK * Hp, 0.0f);
-  std::fill(dv.data, dv.data + BK * Hp, 0.0f);
+  float* const ks = work;  // (BK, Hp) keys, then (Hp, BK) keys and values transposed
+  float* const kt = ks + BK * Hp;
+  float* const vt = kt + Hp * BK;
+  float* const dk = vt + Hp * BK;  // (BK, Hp) twice
+  float* const dv = dk + BK * Hp;
+  float* const ps = dv + BK * Hp;  // (BQ, BK) three times: P, dS, tanh under a cap
+  float* const ds = ps + BQ * BK;
+  float* const th = ds + BQ * BK;
+  std::fill(dk, dk + BK * Hp, 0.0f);
+  std::fill(dv, dv + BK * Hp, 0.0f);
   if (first <= last) {
-    pack_keys(p, in.k, g, b, kh, j0, ks.data, kt.data);
-    pack_keys(p, in.v, g, b, kh, j0, nullptr, vt.data);
+    pack_keys(p, in.k, g, b, kh, j0, ks, kt);
+    pack_keys(p, in.v, g, b, kh, j0, nullptr, vt);
   }
   const bool capped = p.soft_cap > 0;
   for (int64_t n = kh * p.G; n < (kh + 1) * p.G && first <= last; ++n) {
@@ -566,49 +572,49 @@ void backward_task(const Problem& p, const std::vector<Geometry>& geo, const Bac
       if (kind == Block::kSkip) continue;
       const float* qs = view.q_tile(p, n, qb);
       const float* dos = view.dout_tile(p, n, qb);
-      gemm(mr, kc, Hp, qs, Hp, 1, kt.data, BK, ps.data, BK, false);
+      gemm(mr, kc, Hp, qs, Hp, 1, kt, BK, ps, BK, false);
       for (int64_t r = 0; r < mr; ++r) {
-        float* row = ps.data + r * BK;
+        float* row = ps + r * BK;
         const int64_t i = i0 + r;
         if (r >= rows || !q_sees[i]) {
           std::fill(row, row + kc, 0.0f);
-          if (capped) std::fill(th.data + r * BK, th.data + r * BK + kc, 0.0f);
+          if (capped) std::fill(th + r * BK, th + r * BK + kc, 0.0f);
           continue;
         }
         const uint8_t* bits = fn.rows ? fn.rows + r * (BK / 8) : nullptr;
-        cap_and_mask(p, g, b, i, j0, kc, kind, bits, row, capped ? th.data + r * BK : nullptr);
+        cap_and_mask(p, g, b, i, j0, kc, kind, bits, row, capped ? th + r * BK : nullptr);
         // P = exp(s - lse) = exp2(s log2 e - lse log2 e): one FMA and the short exp2
         const vf shift = splat(in.lse[(b * p.T + i) * p.N + n] * kLog2e), unit = splat(kLog2e);
         for (int c = 0; c < kc; c += VW) store(row + c, vexp2(load(row + c) * unit - shift));
       }
       // dV += P^T dO
-      gemm(kc, Hp, mr, ps.data, 1, BK, dos, Hp, dv.data, Hp, true);
+      gemm(kc, Hp, mr, ps, 1, BK, dos, Hp, dv, Hp, true);
       // dP = dO V^T, then dS = P (dP - delta), through the cap's tanh
-      gemm(mr, kc, Hp, dos, Hp, 1, vt.data, BK, ds.data, BK, false);
+      gemm(mr, kc, Hp, dos, Hp, 1, vt, BK, ds, BK, false);
       for (int64_t r = 0; r < mr; ++r) {
-        float* drow = ds.data + r * BK;
-        const float* prow = ps.data + r * BK;
+        float* drow = ds + r * BK;
+        const float* prow = ps + r * BK;
         const float delta = r < rows ? res.delta[(b * p.T + i0 + r) * p.N + n] : 0.0f;
         const vf d = splat(delta);
         for (int c = 0; c < kc; c += VW) {
           vf x = load(prow + c) * (load(drow + c) - d);
           if (capped) {
-            vf t = load(th.data + r * BK + c);
+            vf t = load(th + r * BK + c);
             x = x * (1.0f - t * t);
           }
           store(drow + c, x);
         }
       }
       // dK += dS^T (scale q); dQ += dS K (times scale at the end)
-      gemm(kc, Hp, mr, ds.data, 1, BK, qs, Hp, dk.data, Hp, true);
-      gemm(mr, Hp, kc, ds.data, BK, 1, ks.data, Hp, view.dq_row(p, n, i0), view.heads * Hp, true);
+      gemm(kc, Hp, mr, ds, 1, BK, qs, Hp, dk, Hp, true);
+      gemm(mr, Hp, kc, ds, BK, 1, ks, Hp, view.dq_row(p, n, i0), view.heads * Hp, true);
     }
   }
   for (int64_t c = 0; c < BK && j0 + c < p.S; ++c) {
     const int64_t off = ((b * p.S + j0 + c) * p.K + kh) * p.H;
     for (int64_t h = 0; h < p.H; ++h) {
-      res.dk[off + h] = narrow<In>(dk.data[c * Hp + h]);
-      res.dv[off + h] = narrow<In>(dv.data[c * Hp + h]);
+      res.dk[off + h] = narrow<In>(dk[c * Hp + h]);
+      res.dv[off + h] = narrow<In>(dv[c * Hp + h]);
     }
   }
 }
