@@ -43,7 +43,7 @@ from ..._core.base.numerics import large_negative, softmax_dtype
 from ..._core.base.quantized import NO_QUANTIZED_GRADIENTS, dequantize, is_quantized
 from ..._core.base.rules import Rules
 from ..._core.base.shard_map import sum_to_varying, varying_like
-from .plan import Plan, kernel_plans, with_segment_kinds
+from .plan import Plan, block_id_ranges, kernel_plans, with_segment_kinds
 from .schedule import Schedule
 
 _ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
@@ -523,14 +523,7 @@ def _segment_ranges(q_ids, kv_ids, plan: Plan):
     ((q_min, q_max) (B, nQ), (kv_min, kv_max) (B, nK)), or None."""
     if q_ids is None:
         return None
-
-    def ranges(ids, blocks: int, size: int):
-        info = jnp.iinfo(ids.dtype)
-        low = _pad(ids, 1, blocks * size, info.max).reshape(plan.B, blocks, size).min(-1)
-        high = _pad(ids, 1, blocks * size, info.min).reshape(plan.B, blocks, size).max(-1)
-        return low, high
-
-    return ranges(q_ids, plan.n_q, plan.block_q), ranges(kv_ids, plan.n_k, plan.block_k)
+    return block_id_ranges(q_ids, plan.block_q), block_id_ranges(kv_ids, plan.block_k)
 
 
 def _segment_blocks(q_ids, kv_ids, plan: Plan):

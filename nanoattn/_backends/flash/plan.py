@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..._core.base.block_mask import EMPTY, FULL, PARTIAL, BlockMask
@@ -177,22 +178,26 @@ def with_segment_kinds(plan: Plan, q_ids, kv_ids) -> Plan:
     )
 
 
+def block_id_ranges(ids, size: int):
+    """Each block of ``size`` ids' smallest and largest id along axis 1, the padding of
+    the last block left out: ``(low, high)``, (B, ceil(L / size)) each, from ids (B, L);
+    numpy for numpy ids (a plan's classification), jax otherwise (the kernel's)."""
+    xp = np if isinstance(ids, np.ndarray) else jnp
+    B, L = ids.shape
+    n = -(-L // size)
+    info, pad = xp.iinfo(ids.dtype), ((0, 0), (0, n * size - L))
+    low = xp.pad(ids, pad, constant_values=info.max).reshape(B, n, size).min(-1)
+    high = xp.pad(ids, pad, constant_values=info.min).reshape(B, n, size).max(-1)
+    return low, high
+
+
 def segment_kinds(q_ids: np.ndarray, kv_ids: np.ndarray, block_q: int, block_k: int):
     """The blocks of ``block_q`` queries by ``block_k`` keys as segment ids (B, T) and
     (B, S) leave them, int8 (ceil(T / block_q), ceil(S / block_k)): EMPTY where in every
     batch row the block's query ids and key ids span ranges that do not meet (no id in
     common), FULL where in every batch row all of them are one and the same id, PARTIAL
     otherwise (the kernel compares their ids cell by cell)."""
-
-    def ranges(ids, size):  # each block's smallest and largest id: (B, blocks) twice
-        B, L = ids.shape
-        n = -(-L // size)
-        low = np.full((B, n * size), np.iinfo(np.int64).max)
-        high = np.full((B, n * size), np.iinfo(np.int64).min)
-        low[:, :L] = high[:, :L] = ids
-        return low.reshape(B, n, size).min(-1), high.reshape(B, n, size).max(-1)
-
-    (q_lo, q_hi), (k_lo, k_hi) = ranges(q_ids, block_q), ranges(kv_ids, block_k)
+    (q_lo, q_hi), (k_lo, k_hi) = block_id_ranges(q_ids, block_q), block_id_ranges(kv_ids, block_k)
     q_lo, q_hi = q_lo[:, :, None], q_hi[:, :, None]  # (B, nQ, 1) against (B, 1, nK)
     k_lo, k_hi = k_lo[:, None, :], k_hi[:, None, :]
     meet = (q_lo <= k_hi) & (k_lo <= q_hi)
