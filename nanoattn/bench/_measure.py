@@ -74,3 +74,16 @@ def causal_flops(B: int, T: int, N: int, H: int, backward: bool) -> float:
     of them skipped by causality; the backward pass does 2.5 times the forward's."""
     forward = 2 * 2 * B * N * T * T * H / 2
     return forward * (3.5 if backward else 1.0)
+
+
+def pair_target(target: str, row: dict, first: str, second: str, ratio: str, passed) -> dict:
+    """A target judged on a measured ``row``'s ratio of two timings: its
+    ``{first}_median_ms`` and ``{second}_median_ms``, ``row[ratio]`` and ``passed(ratio)``;
+    a row that was not measured gives its status and None."""
+    if row["status"] != "ok":
+        return {"target": target, "measured": row["status"], "passed": None}
+    measured = (
+        f"{first} {row[f'{first}_median_ms']:.2f} ms, {second} "
+        f"{row[f'{second}_median_ms']:.2f} ms: {row[ratio]:.2f}x"
+    )
+    return {"target": target, "measured": measured, "passed": passed(row[ratio])}

@@ -39,7 +39,7 @@ from .._layers.config import AttentionConfig
 from .._layers.linen.attention import CausalSelfAttention
 from ._bandwidth import bandwidth_target
 from ._masks import refusal_of_first_call
-from ._measure import time_interleaved
+from ._measure import pair_target, time_interleaved
 
 STORAGE = "int8"
 BASELINE = "bfloat16"
@@ -176,19 +176,11 @@ def quantized_targets(cache: dict, rows: list[dict], bandwidth: dict) -> list[di
             "passed": ratio <= bound,
         })  # fmt: skip
     for row in rows:
-        ok = row["status"] == "ok"
         what = f"serving int8 decode {row['impl']}"
         if row["impl"] == "native":
-            out.append({
-                "target": f"{what}: >= {NATIVE_SPEEDUP}x faster than {BASELINE} pages",
-                "measured": (
-                    f"int8 {row[f'{STORAGE}_median_ms']:.2f} ms, {BASELINE} "
-                    f"{row[f'{BASELINE}_median_ms']:.2f} ms: {row['speedup']:.2f}x"
-                    if ok
-                    else row["status"]
-                ),
-                "passed": row["speedup"] >= NATIVE_SPEEDUP if ok else None,
-            })  # fmt: skip
+            target = f"{what}: >= {NATIVE_SPEEDUP}x faster than {BASELINE} pages"
+            out.append(pair_target(target, row, STORAGE, BASELINE, "speedup",
+                                   lambda speedup: speedup >= NATIVE_SPEEDUP))  # fmt: skip
         read = row.get("read_bytes", 0) / 2**20  # read where measured
         amount = f"{read:.0f} MiB (int8 keys and values, float32 scales, queries)"
         out.append(bandwidth_target(f"{what}: bytes read", amount, STORAGE, row, bandwidth))

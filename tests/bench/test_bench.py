@@ -827,3 +827,15 @@ def test_long_generation_targets_compare_the_right_way_round():
     row = generation_row(2.0, 2.0, 20.0)
     row["rolling"], row["speculative"] = long_rows(1092 * 1024, 1.0, 1.0, 1.5, 1.0)
     assert len(_generation.generation_targets([row])) == 6
+
+
+def test_pair_target_reads_the_two_timings_and_the_ratio():
+    row = {"status": "ok", "full_median_ms": 8.0, "paged_median_ms": 2.5, "full_vs_paged": 3.2}
+    got = _measure.pair_target("t", row, "full", "paged", "full_vs_paged", lambda r: r >= 2)
+    assert got == {"target": "t", "measured": "full 8.00 ms, paged 2.50 ms: 3.20x", "passed": True}
+    assert (
+        _measure.pair_target("t", row, "full", "paged", "full_vs_paged", lambda r: r >= 4)["passed"]
+        is False
+    )
+    refused = _measure.pair_target("t", {"status": "refused"}, "a", "b", "r", lambda r: True)
+    assert refused == {"target": "t", "measured": "refused", "passed": None}
