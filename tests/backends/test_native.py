@@ -247,7 +247,7 @@ def test_the_avx2_build_serves_too_on_an_avx512_machine(tmp_path):
     # every test of the paged pass, and native's over quantized keys: one build for all
     served = "match_float64 and not dense and not bias and not score_fn and not own"
     selection = (
-        f"lengths_across or ragged or short_calls or bfloat16 or ({served}) or "
+        f"lengths_across or ragged or short_calls or groups_or_alone or bfloat16 or ({served}) or "
         "(test_native_paged and not avx2) or (test_quantized_attention and native)"
     )
     files = [
@@ -321,6 +321,36 @@ def test_short_calls_run_by_group_or_by_block_alike(case, monkeypatch):
     for threads in ("1", "2"):
         monkeypatch.setenv("NANOATTN_NUM_THREADS", threads)
         got, truth = run_and_truth(q, k, v, **SHORT_CASES[case])
+        assert_close(got, truth)
+        results[threads] = got
+    np.testing.assert_array_equal(results["1"][0], results["2"][0])
+
+
+GROUP_CASES = {  # rules under which the query blocks of one task see different key blocks
+    "window, ragged": dict(
+        window=(150, 0), q_offset=np.array([37], np.int32), kv_lengths=np.array([690], np.int32)
+    ),
+    "segments": dict(
+        is_causal=True, q_offset=60,
+        q_segment_ids=np.repeat([[0, 1, 2]], 1, 0).repeat([190, 300, 210], 1).astype(np.int32),
+        kv_segment_ids=np.repeat([[0, 1, 2]], 1, 0).repeat([250, 300, 210], 1).astype(np.int32),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", GROUP_CASES)
+def test_query_blocks_run_in_groups_or_alone_alike(case, monkeypatch):
+    # A forward task runs up to four query blocks of one (b, n) and reads each key block
+    # once for all of them (attention.cc, forward_task); the group shrinks until there
+    # are eight tasks per thread. 11 query blocks x 3 heads: groups of 4 with one thread
+    # (9 tasks), of 2 with two (18). A query block's arithmetic is the same in any group
+    # (the same bits), each close to float64. B x K = 1: never the short calls' path.
+    B, T, S, N, K, H = 1, 700, 760, 3, 1, 7
+    q, k, v = randn(21, B, T, N, H), randn(22, B, S, K, H), randn(23, B, S, K, H)
+    results = {}
+    for threads in ("1", "2"):
+        monkeypatch.setenv("NANOATTN_NUM_THREADS", threads)
+        got, truth = run_and_truth(q, k, v, **GROUP_CASES[case])
         assert_close(got, truth)
         results[threads] = got
     np.testing.assert_array_equal(results["1"][0], results["2"][0])

@@ -1,7 +1,8 @@
 // nanoattn's native CPU attention kernel, called from JAX through XLA's FFI.
 //
 // Forward: online softmax over key blocks (FlashAttention-2), one task per
-// (batch row b, query head n, query block). Backward: one task per (b, key/value
+// (batch row b, query head n, up to four query blocks), each key block read once for
+// all the task's query blocks (from L3 once, not once per block). Backward: one task per (b, key/value
 // head, key block) accumulates dK and dV for every query head of its group; dQ
 // goes to one buffer per lane, summed at the end in lane order. The tasks are dealt
 // into lanes (one per thread) by their cost before the pass, and a lane runs its tasks
@@ -401,110 +402,145 @@ Columns columns(const Problem& p, const Geometry& g, int64_t b, int64_t n, int64
   return c;
 }
 
-// The forward pass of one (b, n, query block), transposed: scores S^T (keys, queries)
-// = K Q^T, so that every per-query statistic (maximum, sum, rescale) is a vector over
-// 16 (AVX-512) or 8 query columns and no row is ever reduced across its lanes; the
-// output accumulates as O^T (Hp, queries) += V^T P^T.
+// One query block of a forward task: its queries transposed (Hp, BQ) times the scale,
+// its output accumulated as O^T (Hp, BQ), the columns' running maxima and sums, which
+// keys each column sees, and the key blocks [first, last] it may see.
+struct ForwardBlock {
+  int64_t qb, i0, rows, nc, first, last;
+  float* qt;
+  float* ot;
+  alignas(64) float m[BQ], l[BQ];
+  Columns cols;
+};
+
+// Query block `fb` against key block kb, transposed: scores S^T (keys, queries) = K Q^T,
+// so that every per-query statistic (maximum, sum, rescale) is a vector over 16
+// (AVX-512) or 8 query columns and no row is ever reduced across its lanes; then O^T
+// (Hp, queries) += V^T P^T. `st` is the (BK, BQ) scores' scratch. The logits are in
+// units of log2 e, for exp2: the factor rides on the queries' scale, or, under a soft
+// cap (which applies to the logits themselves), on the cap.
+template <class In>
+void forward_step(const Problem& p, const Geometry& g, int64_t b, int64_t n, ForwardBlock& fb,
+                  int64_t kb, const float* keys, const float* values, float* st) {
+  const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kr = round_up(j1 - j0, MR);
+  const int64_t i0 = fb.i0, nc = fb.nc, Hp = p.Hp;
+  const FnBlock fn = fn_block(p, b, n, fb.qb, kb);
+  const Block kind = combine(classify(p, g, i0, i0 + fb.rows, j0, j1), fn);
+  if (kind == Block::kSkip) return;
+  const bool capped = p.soft_cap > 0;
+  float* const ot = fb.ot;
+#if defined(__AVX512BF16__)
+  // bfloat16 on a CPU with AVX512_BF16: the scores from pairs of bfloat16 (vdpbf16ps).
+  if constexpr (kPairs && std::is_same_v<In, uint16_t>) {
+    gemm<PairStep>(kr, nc, Hp / 2, reinterpret_cast<const uint32_t*>(keys + kb * BK * Hp),
+                   Hp / 2, 1, reinterpret_cast<const uint32_t*>(fb.qt), BQ, st, BQ, false);
+    const vf scale = splat(p.scale * (capped ? 1.0f : kLog2e));
+    for (int64_t r = 0; r < kr; ++r)
+      for (int64_t c = 0; c < nc; c += VW) store(st + r * BQ + c, load(st + r * BQ + c) * scale);
+  } else
+#endif
+    gemm(kr, nc, Hp, keys + kb * BK * Hp, Hp, 1, fb.qt, BQ, st, BQ, false);
+  if (capped)
+    for (int64_t r = 0; r < kr; ++r)
+      for (int64_t c = 0; c < nc; ++c) {
+        float& x = st[r * BQ + c];
+        x = p.soft_cap * kLog2e * std::tanh(x / p.soft_cap);
+      }
+  const bool mask = kind != Block::kFull || j0 + kr > p.S;
+  for (int64_t c = 0; c < nc; c += VW) {
+    // Mask, then the columns' new maxima, four rows at a time (four independent chains
+    // of maxima). The maxima pass over NaN: a NaN logit still reaches its query's
+    // output, through its exponential in the sum and the products (a query whose
+    // logits are all NaN keeps the maximum -inf and gets exp2(NaN - 0): NaN, not
+    // the zeros of a query that sees nothing; docs/conventions.md).
+    const vi lo = *reinterpret_cast<const vi*>(fb.cols.lo + c);
+    const vi hi = *reinterpret_cast<const vi*>(fb.cols.hi + c);
+    const vi seg = *reinterpret_cast<const vi*>(fb.cols.seg + c);
+    vf mx[MR];
+    for (int u = 0; u < MR; ++u) mx[u] = splat(-kInf);
+    for (int64_t r0 = 0; r0 < kr; r0 += MR)
+      for (int u = 0; u < MR; ++u) {
+        const int64_t r = r0 + u;
+        float* at = st + r * BQ + c;
+        vf x = load(at);
+        if (mask) {
+          const vi j = splat_int(static_cast<int32_t>(j0 + r));
+          vi hidden = (j < lo) | (j > hi);
+          if (p.q_seg) hidden |= seg != splat_int(j0 + r < p.S ? p.kv_seg[b * p.S + j0 + r] : 0);
+          if (fn.cols) hidden |= lane_bits(fn.cols + r * (BQ / 8) + c / 8) == 0;
+          x = hidden ? splat(-kInf) : x;
+          store(at, x);
+        }
+        mx[u] = x > mx[u] ? x : mx[u];
+      }
+    for (int u = 1; u < MR; ++u) mx[0] = mx[u] > mx[0] ? mx[u] : mx[0];
+    const vf old_max = load(fb.m + c), new_max = mx[0] > old_max ? mx[0] : old_max;
+    const vi blind = new_max == -kInf;  // nothing visible in this column so far
+    const vf alpha = blind ? splat(1.0f) : vexp2(old_max - new_max);  // 0 when m was -inf
+    const vf shift = blind ? vf{} : new_max;
+    vf sum = vf{};
+    for (int64_t r = 0; r < kr; ++r) {
+      float* at = st + r * BQ + c;
+      const vf e = vexp2(load(at) - shift);
+      store(at, e);
+      sum += e;
+    }
+    store(fb.l + c, load(fb.l + c) * alpha + sum);
+    store(fb.m + c, new_max);
+    if (any(alpha != splat(1.0f)))  // the maxima moved: rescale what the columns summed
+      for (int64_t h = 0; h < Hp; ++h) store(ot + h * BQ + c, load(ot + h * BQ + c) * alpha);
+  }
+  gemm(Hp, nc, kr, values + kb * BK * Hp, 1, Hp, st, BQ, ot, BQ, true);
+}
+
+// Query blocks run together by one forward task, at most: each key block, read from
+// the shared tiles once, serves all of them while it is in L1 (a key block of 64 x 64
+// floats comes from L3 once per task, not once per query block).
+constexpr int64_t kQueryGroup = 4;
+
+// The forward pass of query blocks [qb0, qb0 + count) of (b, n) (count <= kQueryGroup):
+// online softmax over the key blocks any of them may see, each key block taken once
+// by every query block that sees it, in key-block order for each (so the arithmetic of
+// a query block is the same whatever the group).
 template <class In>
 void forward_task(const Problem& p, const std::vector<Geometry>& geo, const In* q,
-                  const float* keys, const float* values, ForwardOut res, int64_t task) {
-  const int64_t qb = task % p.n_q(), n = (task / p.n_q()) % p.N, b = task / (p.n_q() * p.N);
-  const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
-  const int64_t nc = round_up(rows, VW);  // query columns computed
+                  const float* keys, const float* values, ForwardOut res, int64_t b,
+                  int64_t n, int64_t qb0, int64_t count) {
   const Geometry& g = geo[b];
   const int64_t Hp = p.Hp;
-  float* const work = scratch(kTask, 2 * Hp * BQ + BK * BQ);
-  float* const qt = work;
-  float* const ot = work + Hp * BQ;
-  float* const st = work + 2 * Hp * BQ;
-  alignas(64) float m[BQ], l[BQ];
-  std::fill(m, m + BQ, -kInf);
-  std::fill(l, l + BQ, 0.0f);
-  std::fill(ot, ot + Hp * BQ, 0.0f);
-  // The logits in units of log2 e, for exp2: the factor rides on the queries' scale, or,
-  // under a soft cap (which applies to the logits themselves), on the cap.
-  const bool capped = p.soft_cap > 0;
-  const float to_log2 = capped ? 1.0f : kLog2e;
-  // bfloat16 on a CPU with AVX512_BF16: the scores from pairs of bfloat16 (vdpbf16ps).
-  constexpr bool pairs = kPairs && std::is_same_v<In, uint16_t>;
-  if constexpr (pairs)
-    pack_query_pairs(p, reinterpret_cast<const uint16_t*>(q), g, b, n, i0,
-                     reinterpret_cast<uint32_t*>(qt));
-  else
-    pack_queries_t(p, q, g, b, n, i0, p.scale * to_log2, qt);
-  const Columns cols = columns(p, g, b, n, i0);
-  auto [first, last] = key_blocks(p, g, i0, i1);
-  for (int64_t kb = first; kb <= last; ++kb) {
-    const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kr = round_up(j1 - j0, MR);
-    const FnBlock fn = fn_block(p, b, n, qb, kb);
-    const Block kind = combine(classify(p, g, i0, i1, j0, j1), fn);
-    if (kind == Block::kSkip) continue;
-#if defined(__AVX512BF16__)
-    if constexpr (pairs) {
-      gemm<PairStep>(kr, nc, Hp / 2,
-                     reinterpret_cast<const uint32_t*>(keys + kb * BK * Hp), Hp / 2,
-                     1, reinterpret_cast<const uint32_t*>(qt), BQ, st, BQ, false);
-      const vf scale = splat(p.scale * to_log2);
-      for (int64_t r = 0; r < kr; ++r)
-        for (int64_t c = 0; c < nc; c += VW)
-          store(st + r * BQ + c, load(st + r * BQ + c) * scale);
-    } else
-#endif
-      gemm(kr, nc, Hp, keys + kb * BK * Hp, Hp, 1, qt, BQ, st, BQ, false);
-    if (capped)
-      for (int64_t r = 0; r < kr; ++r)
-        for (int64_t c = 0; c < nc; ++c) {
-          float& x = st[r * BQ + c];
-          x = p.soft_cap * kLog2e * std::tanh(x / p.soft_cap);
-        }
-    const bool mask = kind != Block::kFull || j0 + kr > p.S;
-    for (int64_t c = 0; c < nc; c += VW) {
-      // Mask, then the columns' new maxima, four rows at a time (four independent chains
-      // of maxima). The maxima pass over NaN: a NaN logit still reaches its query's
-      // output, through its exponential in the sum and the products (a query whose
-      // logits are all NaN keeps the maximum -inf and gets exp2(NaN - 0): NaN, not
-      // the zeros of a query that sees nothing; docs/conventions.md).
-      const vi lo = *reinterpret_cast<const vi*>(cols.lo + c);
-      const vi hi = *reinterpret_cast<const vi*>(cols.hi + c);
-      const vi seg = *reinterpret_cast<const vi*>(cols.seg + c);
-      vf mx[MR];
-      for (int u = 0; u < MR; ++u) mx[u] = splat(-kInf);
-      for (int64_t r0 = 0; r0 < kr; r0 += MR)
-        for (int u = 0; u < MR; ++u) {
-          const int64_t r = r0 + u;
-          float* at = st + r * BQ + c;
-          vf x = load(at);
-          if (mask) {
-            const vi j = splat_int(static_cast<int32_t>(j0 + r));
-            vi hidden = (j < lo) | (j > hi);
-            if (p.q_seg) hidden |= seg != splat_int(j0 + r < p.S ? p.kv_seg[b * p.S + j0 + r] : 0);
-            if (fn.cols) hidden |= lane_bits(fn.cols + r * (BQ / 8) + c / 8) == 0;
-            x = hidden ? splat(-kInf) : x;
-            store(at, x);
-          }
-          mx[u] = x > mx[u] ? x : mx[u];
-        }
-      for (int u = 1; u < MR; ++u) mx[0] = mx[u] > mx[0] ? mx[u] : mx[0];
-      const vf old_max = load(m + c), new_max = mx[0] > old_max ? mx[0] : old_max;
-      const vi blind = new_max == -kInf;  // nothing visible in this column so far
-      const vf alpha = blind ? splat(1.0f) : vexp2(old_max - new_max);  // 0 when m was -inf
-      const vf shift = blind ? vf{} : new_max;
-      vf sum = vf{};
-      for (int64_t r = 0; r < kr; ++r) {
-        float* at = st + r * BQ + c;
-        const vf e = vexp2(load(at) - shift);
-        store(at, e);
-        sum += e;
-      }
-      store(l + c, load(l + c) * alpha + sum);
-      store(m + c, new_max);
-      if (any(alpha != splat(1.0f)))  // the maxima moved: rescale what the columns summed
-        for (int64_t h = 0; h < Hp; ++h)
-          store(ot + h * BQ + c, load(ot + h * BQ + c) * alpha);
-    }
-    gemm(Hp, nc, kr, values + kb * BK * Hp, 1, Hp, st, BQ, ot, BQ, true);
+  float* const work = scratch(kTask, count * 2 * Hp * BQ + BK * BQ);
+  float* const st = work + count * 2 * Hp * BQ;
+  const float to_log2 = p.soft_cap > 0 ? 1.0f : kLog2e;
+  ForwardBlock blocks[kQueryGroup];
+  int64_t first = p.n_k(), last = -1;
+  for (int64_t u = 0; u < count; ++u) {
+    ForwardBlock& fb = blocks[u];
+    fb.qb = qb0 + u;
+    fb.i0 = fb.qb * BQ;
+    fb.rows = std::min(fb.i0 + BQ, p.T) - fb.i0;
+    fb.nc = round_up(fb.rows, VW);  // query columns computed
+    fb.qt = work + u * 2 * Hp * BQ;
+    fb.ot = fb.qt + Hp * BQ;
+    std::fill(fb.m, fb.m + BQ, -kInf);
+    std::fill(fb.l, fb.l + BQ, 0.0f);
+    std::fill(fb.ot, fb.ot + Hp * BQ, 0.0f);
+    if constexpr (kPairs && std::is_same_v<In, uint16_t>)
+      pack_query_pairs(p, reinterpret_cast<const uint16_t*>(q), g, b, n, fb.i0,
+                       reinterpret_cast<uint32_t*>(fb.qt));
+    else
+      pack_queries_t(p, q, g, b, n, fb.i0, p.scale * to_log2, fb.qt);
+    fb.cols = columns(p, g, b, n, fb.i0);
+    std::tie(fb.first, fb.last) = key_blocks(p, g, fb.i0, fb.i0 + fb.rows);
+    if (fb.first <= fb.last) first = std::min(first, fb.first), last = std::max(last, fb.last);
   }
-  finish(p, res, b, n, i0, rows, m, l, ot, 1, BQ, kLn2);
+  for (int64_t kb = first; kb <= last; ++kb)
+    for (int64_t u = 0; u < count; ++u)
+      if (blocks[u].first <= kb && kb <= blocks[u].last)
+        forward_step<In>(p, g, b, n, blocks[u], kb, keys, values, st);
+  for (int64_t u = 0; u < count; ++u) {
+    const ForwardBlock& fb = blocks[u];
+    finish(p, res, b, n, fb.i0, fb.rows, fb.m, fb.l, fb.ot, 1, BQ, kLn2);
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -781,24 +817,33 @@ void forward_run(ffi::ThreadPool& pool, const Problem& p, const In* q, const Kv*
       for (int64_t kb = held[b].first; kb <= held[b].second; ++kb)
         pack(b, kh, kb, keys + kb * tile, values + kb * tile);
       for (int64_t n = kh * p.G; n < (kh + 1) * p.G; ++n)
-        for (int64_t qb = 0; qb < p.n_q(); ++qb)
-          forward_task(p, geo, q, keys, values, res, (b * p.N + n) * p.n_q() + qb);
+        for (int64_t qb = 0; qb < p.n_q(); ++qb)  // the tiles in cache: one block a task
+          forward_task(p, geo, q, keys, values, res, b, n, qb, 1);
     });
     return;
   }
-  // A task's cost is the number of key blocks it may see (those a mask_fn leaves):
-  // causal work balances without a static split.
-  const int64_t total = p.B * p.N * p.n_q();
-  const std::vector<int64_t> order = costliest_first(total, [&](int64_t t) {
-    const int64_t qb = t % p.n_q(), n = (t / p.n_q()) % p.N, b = t / (p.n_q() * p.N);
-    const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
-    auto [first, last] = key_blocks(p, geo[b], i0, i1);
-    if (!p.fn.kind && !p.q_seg) return last - first + 1;
+  // Tasks of `group` query blocks of one (b, n) share each key block (forward_task):
+  // as many blocks as leave eight tasks per thread at least (one for a decode step). A
+  // query block's cost is the number of key blocks it may see (those a mask_fn leaves),
+  // a task's the sum of its blocks': causal work balances without a static split.
+  int64_t group = decode ? 1 : kQueryGroup;
+  while (group > 1 && p.B * p.N * ((p.n_q() + group - 1) / group) < 8 * threads) group /= 2;
+  const int64_t n_groups = (p.n_q() + group - 1) / group;
+  const std::vector<int64_t> order = costliest_first(p.B * p.N * n_groups, [&](int64_t t) {
+    const int64_t qg = t % n_groups, n = (t / n_groups) % p.N, b = t / (n_groups * p.N);
     int64_t cost = 0;
-    for (int64_t kb = first; kb <= last; ++kb) {
-      const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
-      cost += combine(classify(p, geo[b], i0, i1, j0, j1), fn_block(p, b, n, qb, kb)) !=
-              Block::kSkip;
+    for (int64_t qb = qg * group; qb < std::min((qg + 1) * group, p.n_q()); ++qb) {
+      const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
+      auto [first, last] = key_blocks(p, geo[b], i0, i1);
+      if (!p.fn.kind && !p.q_seg) {
+        cost += last - first + 1;
+        continue;
+      }
+      for (int64_t kb = first; kb <= last; ++kb) {
+        const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
+        cost += combine(classify(p, geo[b], i0, i1, j0, j1), fn_block(p, b, n, qb, kb)) !=
+                Block::kSkip;
+      }
     }
     return cost;
   });
@@ -807,14 +852,16 @@ void forward_run(ffi::ThreadPool& pool, const Problem& p, const In* q, const Kv*
     const int64_t kb = t % p.n_k(), kh = (t / p.n_k()) % p.K, b = t / (p.n_k() * p.K);
     if (kb >= held[b].first && kb <= held[b].second) pack(b, kh, kb, keys.at(t), values.at(t));
   });
-  parallel_for(pool, threads, total, [&](int64_t t, int) {
-    if (decode) {
+  parallel_for(pool, threads, p.B * p.N * n_groups, [&](int64_t t, int) {
+    if (decode) {  // group 1: the task is (b, n, query block)
       forward_rows_task(p, geo, q, keys, values, res, order[t]);
       return;
     }
-    const int64_t b = order[t] / (p.n_q() * p.N), n = (order[t] / p.n_q()) % p.N;
+    const int64_t qg = order[t] % n_groups, n = (order[t] / n_groups) % p.N;
+    const int64_t b = order[t] / (n_groups * p.N), qb = qg * group;
     const int64_t first = key_tile(p, b, n / p.G, 0);
-    forward_task(p, geo, q, keys.at(first), values.at(first), res, order[t]);
+    forward_task(p, geo, q, keys.at(first), values.at(first), res, b, n, qb,
+                 std::min(group, p.n_q() - qb));
   });
 }
 
