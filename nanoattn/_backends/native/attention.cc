@@ -1140,9 +1140,9 @@ extern "C" const char* NanoattnIsa() {
 #elif defined(__AVX512F__)
   return "AVX-512 (16 floats a vector, 6x4 register tiles)";
 #elif defined(__AVX2__)
-  return "AVX2 (8 floats a vector, 3x4 register tiles)";
+  return "AVX2 (8 floats a vector, 6x2 register tiles)";
 #else
-  return "generic (8-float vectors in narrower registers, 3x4 register tiles)";
+  return "generic (8-float vectors in narrower registers, 6x2 register tiles)";
 #endif
 }
 

@@ -77,20 +77,23 @@ inline void panel(int M, int L, const typename Step::Elem* A, long a_row, long a
 // The register tiles, sized by the register file: R rows x NV vectors keep R * NV
 // accumulators, NV vectors of B and one broadcast of A in registers. AVX-512 has 32
 // vector registers: 6 x 4, 12 x 2 and 12 x 1 (24 or 12 accumulators). AVX2 has 16:
-// 3 x 4 (the fastest of 4x2, 4x3, 6x2, 8x1, 3x4 and 2x4 at 64 x 64 x 64 on an AVX2
-// core), 4 x 2 and 4 x 1.
+// 6 x 2 (12 accumulators, 2 of B, 1 broadcast: 8 loads per 12 FMAs; the 3 x 4 tile
+// before it left no register for B, so GCC read B from memory in every FMA, 15 loads
+// per 12 FMAs, and the AVX2 build's products ran 1.13x-1.24x slower on a Zen 5 core
+// with AVX-512 off) and 4 x 1; no 4-vector panel.
 #if defined(__AVX512F__)
 constexpr int kRows4 = 6, kRows2 = 12, kRows1 = 12;
 #else
-constexpr int kRows4 = 3, kRows2 = MR, kRows1 = MR;
+constexpr int kRows4 = 0, kRows2 = 6, kRows1 = MR;
 #endif
 
 template <class Step = F32Step>
 void gemm(int M, int N, int L, const typename Step::Elem* A, long a_row, long a_col,
           const typename Step::Elem* B, long ldb, float* C, long ldc, bool accumulate) {
   int j = 0;
-  for (; j + 4 * VW <= N; j += 4 * VW)
-    panel<Step, kRows4, 4>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
+  if constexpr (kRows4 > 0)
+    for (; j + 4 * VW <= N; j += 4 * VW)
+      panel<Step, kRows4, 4>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
   for (; j + 2 * VW <= N; j += 2 * VW)
     panel<Step, kRows2, 2>(M, L, A, a_row, a_col, B + j, ldb, C + j, ldc, accumulate);
   for (; j < N; j += VW)
