@@ -339,13 +339,15 @@ GROUP_CASES = {  # rules under which the query blocks of one task see different 
 
 
 @pytest.mark.parametrize("case", GROUP_CASES)
-def test_query_blocks_run_in_groups_or_alone_alike(case, monkeypatch):
+def test_blocks_run_in_groups_or_alone_alike(case, monkeypatch):
     # A forward task runs up to four query blocks of one (b, n) and reads each key block
-    # once for all of them (attention.cc, forward_task); the group shrinks until there
-    # are eight tasks per thread. 11 query blocks x 3 heads: groups of 4 with one thread
-    # (9 tasks), of 2 with two (18). A query block's arithmetic is the same in any group
-    # (the same bits), each close to float64. B x K = 1: never the short calls' path.
-    B, T, S, N, K, H = 1, 700, 760, 3, 1, 7
+    # once for all of them (attention.cc, forward_task); a backward task up to four key
+    # blocks of one (b, key/value head), each query block once for all of them. The
+    # groups shrink until there are eight tasks per thread. 11 query blocks and 12 key
+    # blocks x 3 heads: groups of 4 with one thread (9 tasks), of 2 with two (18). A query
+    # block's forward is the same arithmetic in any group (the same bits); the gradients
+    # (dQ summed in another order) close to float64. B x K = 3: never the short calls'.
+    B, T, S, N, K, H = 1, 700, 760, 3, 3, 7
     q, k, v = randn(21, B, T, N, H), randn(22, B, S, K, H), randn(23, B, S, K, H)
     results = {}
     for threads in ("1", "2"):

@@ -57,16 +57,26 @@ def test_backward_is_bitwise_reproducible(implementation):
             assert np.array_equal(a, b), f"{implementation}: run {run + 1}'s {name} differs"
 
 
-def test_native_short_calls_by_group_are_bitwise_reproducible(monkeypatch):
-    # A short call with B x K >= 4 x threads runs one native task per (b, key/value
-    # head), which sums its group's dQ alone (docs/conventions.md): 8 groups on two
-    # threads here, run again and from several Python threads at once.
+NATIVE_PATHS = {  # (B, T, N, K) on two threads
+    # a short call with B x K >= 4 x threads runs one task per (b, key/value head),
+    # which sums its group's dQ alone: 8 groups here
+    "short calls by group": (4, 97, 6, 2),
+    # a long one, tasks of up to four key blocks (16 blocks x 4 (b, key/value head):
+    # 16 tasks of four), their dQ parts added in each lane's order
+    "key blocks in groups": (2, 1021, 6, 2),
+}
+
+
+@pytest.mark.parametrize("path", NATIVE_PATHS)
+def test_native_paths_are_bitwise_reproducible(path, monkeypatch):
+    # Each of the native backward's ways of sharing work (docs/conventions.md), run again
+    # and from several Python threads at once.
     from nanoattn._backends.native import build
 
     if build.load()[0] is None:
         pytest.skip("the native kernel could not be built here")
     monkeypatch.setenv("NANOATTN_NUM_THREADS", "2")
-    b, t, n, k = 4, 97, 6, 2
+    b, t, n, k = NATIVE_PATHS[path]
     q, kk, v = randn(4, b, t, n, H), randn(5, b, t, k, H), randn(6, b, t, k, H)
     d_out = randn(7, b, t, n, H)
 
@@ -83,4 +93,4 @@ def test_native_short_calls_by_group_are_bitwise_reproducible(monkeypatch):
         again = [_bits(g) for g in pool.map(lambda _: grads(*args), range(2 * RUNS))]
     for run, got in enumerate(again):
         for name, x, y in zip(("dq", "dk", "dv"), first, got):
-            assert np.array_equal(x, y), f"native by group: run {run + 1}'s {name} differs"
+            assert np.array_equal(x, y), f"native, {path}: run {run + 1}'s {name} differs"

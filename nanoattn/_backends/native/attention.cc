@@ -2,9 +2,10 @@
 //
 // Forward: online softmax over key blocks (FlashAttention-2), one task per
 // (batch row b, query head n, up to four query blocks), each key block read once for
-// all the task's query blocks (from L3 once, not once per block). Backward: one task per (b, key/value
-// head, key block) accumulates dK and dV for every query head of its group; dQ
-// goes to one buffer per lane, summed at the end in lane order. The tasks are dealt
+// all the task's query blocks (from L3 once, not once per block). Backward: one task
+// per (b, key/value head, up to four key blocks) accumulates dK and dV for every query
+// head of its group, each query block read once for all its key blocks; dQ goes to
+// one buffer per lane, summed at the end in lane order. The tasks are dealt
 // into lanes (one per thread) by their cost before the pass, and a lane runs its tasks
 // in a fixed order, so the backward pass is bitwise the same from run to run for a given
 // thread count (docs/conventions.md, "Reproducibility"). A short call (a group's tiles
@@ -575,82 +576,120 @@ struct QueryView {
   }
 };
 
+// One key block of a backward task: its keys (BK, Hp) and keys and values transposed
+// (Hp, BK), its dK and dV accumulated as (BK, Hp), and the query blocks [first, last]
+// that may see it.
+struct BackwardBlock {
+  int64_t kb, j0, j1, kc, first, last;
+  float *ks, *kt, *vt, *dk, *dv;
+};
+
+// Query block qb of head n against key block `kb_`: P and dS recomputed from the
+// saved log-sum-exp, dV += P^T dO, dK += dS^T Q, and dQ += dS K into the view's
+// rows. `ps`, `ds` and `th` are (BQ, BK) scratch: P, dS and tanh under a cap.
 template <class In>
-void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn<In>& in,
-                   const QueryView& view, const BackwardOut<In>& res, int64_t task) {
-  const int64_t kb = task % p.n_k(), kh = (task / p.n_k()) % p.K, b = task / (p.n_k() * p.K);
-  const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S), kc = round_up(j1 - j0, VW), Hp = p.Hp;
-  const Geometry& g = geo[b];
-  auto [first, last] = query_blocks(p, g, j0, j1);
-  float* const work = scratch(kTask, 5 * BK * Hp + 3 * BQ * BK);
-  float* const ks = work;  // (BK, Hp) keys, then (Hp, BK) keys and values transposed
-  float* const kt = ks + BK * Hp;
-  float* const vt = kt + Hp * BK;
-  float* const dk = vt + Hp * BK;  // (BK, Hp) twice
-  float* const dv = dk + BK * Hp;
-  float* const ps = dv + BK * Hp;  // (BQ, BK) three times: P, dS, tanh under a cap
-  float* const ds = ps + BQ * BK;
-  float* const th = ds + BQ * BK;
-  std::fill(dk, dk + BK * Hp, 0.0f);
-  std::fill(dv, dv + BK * Hp, 0.0f);
-  if (first <= last) {
-    pack_keys(p, in.k, g, b, kh, j0, ks, kt);
-    pack_keys(p, in.v, g, b, kh, j0, nullptr, vt);
-  }
+void backward_step(const Problem& p, const Geometry& g, const BackwardIn<In>& in,
+                   const QueryView& view, const BackwardOut<In>& res, int64_t b, int64_t n,
+                   int64_t qb, const BackwardBlock& kb_, float* ps, float* ds, float* th) {
+  const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
+  const int64_t mr = round_up(rows, MR), kc = kb_.kc, j0 = kb_.j0, Hp = p.Hp;
+  const FnBlock fn = fn_block(p, b, n, qb, kb_.kb);
+  const Block kind = combine(classify(p, g, i0, i1, j0, kb_.j1), fn);
+  if (kind == Block::kSkip) return;
   const bool capped = p.soft_cap > 0;
-  for (int64_t n = kh * p.G; n < (kh + 1) * p.G && first <= last; ++n) {
-    const uint8_t* q_sees = sees(p, g, n);
-    for (int64_t qb = first; qb <= last; ++qb) {
-      const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T), rows = i1 - i0;
-      const int64_t mr = round_up(rows, MR);
-      const FnBlock fn = fn_block(p, b, n, qb, kb);
-      const Block kind = combine(classify(p, g, i0, i1, j0, j1), fn);
-      if (kind == Block::kSkip) continue;
-      const float* qs = view.q_tile(p, n, qb);
-      const float* dos = view.dout_tile(p, n, qb);
-      gemm(mr, kc, Hp, qs, Hp, 1, kt, BK, ps, BK, false);
-      for (int64_t r = 0; r < mr; ++r) {
-        float* row = ps + r * BK;
-        const int64_t i = i0 + r;
-        if (r >= rows || !q_sees[i]) {
-          std::fill(row, row + kc, 0.0f);
-          if (capped) std::fill(th + r * BK, th + r * BK + kc, 0.0f);
-          continue;
-        }
-        const uint8_t* bits = fn.rows ? fn.rows + r * (BK / 8) : nullptr;
-        cap_and_mask(p, g, b, i, j0, kc, kind, bits, row, capped ? th + r * BK : nullptr);
-        // P = exp(s - lse) = exp2(s log2 e - lse log2 e): one FMA and the short exp2
-        const vf shift = splat(in.lse[(b * p.T + i) * p.N + n] * kLog2e), unit = splat(kLog2e);
-        for (int c = 0; c < kc; c += VW) store(row + c, vexp2(load(row + c) * unit - shift));
+  const uint8_t* q_sees = sees(p, g, n);
+  const float* qs = view.q_tile(p, n, qb);
+  const float* dos = view.dout_tile(p, n, qb);
+  gemm(mr, kc, Hp, qs, Hp, 1, kb_.kt, BK, ps, BK, false);
+  for (int64_t r = 0; r < mr; ++r) {
+    float* row = ps + r * BK;
+    const int64_t i = i0 + r;
+    if (r >= rows || !q_sees[i]) {
+      std::fill(row, row + kc, 0.0f);
+      if (capped) std::fill(th + r * BK, th + r * BK + kc, 0.0f);
+      continue;
+    }
+    const uint8_t* bits = fn.rows ? fn.rows + r * (BK / 8) : nullptr;
+    cap_and_mask(p, g, b, i, j0, kc, kind, bits, row, capped ? th + r * BK : nullptr);
+    // P = exp(s - lse) = exp2(s log2 e - lse log2 e): one FMA and the short exp2
+    const vf shift = splat(in.lse[(b * p.T + i) * p.N + n] * kLog2e), unit = splat(kLog2e);
+    for (int c = 0; c < kc; c += VW) store(row + c, vexp2(load(row + c) * unit - shift));
+  }
+  // dV += P^T dO
+  gemm(kc, Hp, mr, ps, 1, BK, dos, Hp, kb_.dv, Hp, true);
+  // dP = dO V^T, then dS = P (dP - delta), through the cap's tanh
+  gemm(mr, kc, Hp, dos, Hp, 1, kb_.vt, BK, ds, BK, false);
+  for (int64_t r = 0; r < mr; ++r) {
+    float* drow = ds + r * BK;
+    const float* prow = ps + r * BK;
+    const float delta = r < rows ? res.delta[(b * p.T + i0 + r) * p.N + n] : 0.0f;
+    const vf d = splat(delta);
+    for (int c = 0; c < kc; c += VW) {
+      vf x = load(prow + c) * (load(drow + c) - d);
+      if (capped) {
+        vf t = load(th + r * BK + c);
+        x = x * (1.0f - t * t);
       }
-      // dV += P^T dO
-      gemm(kc, Hp, mr, ps, 1, BK, dos, Hp, dv, Hp, true);
-      // dP = dO V^T, then dS = P (dP - delta), through the cap's tanh
-      gemm(mr, kc, Hp, dos, Hp, 1, vt, BK, ds, BK, false);
-      for (int64_t r = 0; r < mr; ++r) {
-        float* drow = ds + r * BK;
-        const float* prow = ps + r * BK;
-        const float delta = r < rows ? res.delta[(b * p.T + i0 + r) * p.N + n] : 0.0f;
-        const vf d = splat(delta);
-        for (int c = 0; c < kc; c += VW) {
-          vf x = load(prow + c) * (load(drow + c) - d);
-          if (capped) {
-            vf t = load(th + r * BK + c);
-            x = x * (1.0f - t * t);
-          }
-          store(drow + c, x);
-        }
-      }
-      // dK += dS^T (scale q); dQ += dS K (times scale at the end)
-      gemm(kc, Hp, mr, ds, 1, BK, qs, Hp, dk, Hp, true);
-      gemm(mr, Hp, kc, ds, BK, 1, ks, Hp, view.dq_row(p, n, i0), view.heads * Hp, true);
+      store(drow + c, x);
     }
   }
-  for (int64_t c = 0; c < BK && j0 + c < p.S; ++c) {
-    const int64_t off = ((b * p.S + j0 + c) * p.K + kh) * p.H;
-    for (int64_t h = 0; h < p.H; ++h) {
-      res.dk[off + h] = narrow<In>(dk[c * Hp + h]);
-      res.dv[off + h] = narrow<In>(dv[c * Hp + h]);
+  // dK += dS^T (scale q); dQ += dS K (times scale at the end)
+  gemm(kc, Hp, mr, ds, 1, BK, qs, Hp, kb_.dk, Hp, true);
+  gemm(mr, Hp, kc, ds, BK, 1, kb_.ks, Hp, view.dq_row(p, n, i0), view.heads * Hp, true);
+}
+
+// Key blocks run together by one backward task, at most: each query block (its
+// queries and output cotangents), read once, serves all of them, and its dQ rows take
+// their parts while in cache.
+constexpr int64_t kKeyGroup = 4;
+
+// The backward pass of key blocks [kb0, kb0 + count) of (b, key/value head kh) (count
+// <= kKeyGroup), for every query head of the group: for each head, each query block
+// any of them may see, then each key block that it may see, in this fixed order (dQ's
+// parts add up in it).
+template <class In>
+void backward_task(const Problem& p, const std::vector<Geometry>& geo, const BackwardIn<In>& in,
+                   const QueryView& view, const BackwardOut<In>& res, int64_t b, int64_t kh,
+                   int64_t kb0, int64_t count) {
+  const Geometry& g = geo[b];
+  const int64_t Hp = p.Hp;
+  float* const work = scratch(kTask, count * 5 * BK * Hp + 3 * BQ * BK);
+  float* const ps = work + count * 5 * BK * Hp;  // (BQ, BK) three times: P, dS, tanh
+  float* const ds = ps + BQ * BK;
+  float* const th = ds + BQ * BK;
+  BackwardBlock blocks[kKeyGroup];
+  int64_t first = p.n_q(), last = -1;
+  for (int64_t u = 0; u < count; ++u) {
+    BackwardBlock& kb_ = blocks[u];
+    kb_.kb = kb0 + u;
+    kb_.j0 = kb_.kb * BK;
+    kb_.j1 = std::min(kb_.j0 + BK, p.S);
+    kb_.kc = round_up(kb_.j1 - kb_.j0, VW);
+    kb_.ks = work + u * 5 * BK * Hp;  // (BK, Hp) keys, then (Hp, BK) keys and values
+    kb_.kt = kb_.ks + BK * Hp;
+    kb_.vt = kb_.kt + Hp * BK;
+    kb_.dk = kb_.vt + Hp * BK;  // (BK, Hp) twice
+    kb_.dv = kb_.dk + BK * Hp;
+    std::fill(kb_.dk, kb_.dk + 2 * BK * Hp, 0.0f);
+    std::tie(kb_.first, kb_.last) = query_blocks(p, g, kb_.j0, kb_.j1);
+    if (kb_.first > kb_.last) continue;
+    pack_keys(p, in.k, g, b, kh, kb_.j0, kb_.ks, kb_.kt);
+    pack_keys(p, in.v, g, b, kh, kb_.j0, nullptr, kb_.vt);
+    first = std::min(first, kb_.first), last = std::max(last, kb_.last);
+  }
+  for (int64_t n = kh * p.G; n < (kh + 1) * p.G; ++n)
+    for (int64_t qb = first; qb <= last; ++qb)
+      for (int64_t u = 0; u < count; ++u)
+        if (blocks[u].first <= qb && qb <= blocks[u].last)
+          backward_step(p, g, in, view, res, b, n, qb, blocks[u], ps, ds, th);
+  for (int64_t u = 0; u < count; ++u) {
+    const BackwardBlock& kb_ = blocks[u];
+    for (int64_t c = 0; c < BK && kb_.j0 + c < p.S; ++c) {
+      const int64_t off = ((b * p.S + kb_.j0 + c) * p.K + kh) * p.H;
+      for (int64_t h = 0; h < p.H; ++h) {
+        res.dk[off + h] = narrow<In>(kb_.dk[c * Hp + h]);
+        res.dv[off + h] = narrow<In>(kb_.dv[c * Hp + h]);
+      }
     }
   }
 }
@@ -1000,28 +1039,37 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
           pack_rows(p, dO, geo[b], b, n, qb * BQ, 1.0f, view.dout_tile(p, n, qb));
         }
       std::fill(view.dq, view.dq + Tp * p.G * p.Hp, 0.0f);
-      for (int64_t kb = 0; kb < p.n_k(); ++kb)
-        backward_task(p, geo, in, view, res, (b * p.K + kh) * p.n_k() + kb);
+      for (int64_t kb = 0; kb < p.n_k(); ++kb)  // the tiles in cache: one block a task
+        backward_task(p, geo, in, view, res, b, kh, kb, 1);
       const std::vector<const float*> parts{view.dq};
       for (int64_t i = 0; i < p.T; ++i) write_dq(b, n0, p.G, parts, 0, i);
     });
     return ffi::Error::Success();
   }
-  const int64_t total = p.B * p.K * p.n_k();
-  // Each lane: the tasks of one thread, by their cost (the query blocks they may see),
-  // in a fixed order, and its own dQ buffer (the memory of one buffer per thread).
+  // Tasks of `group` key blocks of one (b, key/value head) share each query block
+  // (backward_task): as many blocks as leave eight tasks per thread at least.
+  int64_t group = kKeyGroup;
+  while (group > 1 && p.B * p.K * ((p.n_k() + group - 1) / group) < 8 * threads) group /= 2;
+  const int64_t n_groups = (p.n_k() + group - 1) / group, total = p.B * p.K * n_groups;
+  // Each lane: the tasks of one thread, by their cost (the blocks they may see), in a
+  // fixed order, and its own dQ buffer (the memory of one buffer per thread).
   const std::vector<std::vector<int64_t>> lanes = fixed_lanes(total, threads, [&](int64_t t) {
-    const int64_t kb = t % p.n_k(), kh = (t / p.n_k()) % p.K, b = t / (p.n_k() * p.K);
-    const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
-    auto [first, last] = query_blocks(p, geo[b], j0, j1);
-    if (!p.fn.kind && !p.q_seg) return last - first + 1;
+    const int64_t kg = t % n_groups, kh = (t / n_groups) % p.K, b = t / (n_groups * p.K);
     int64_t cost = 0;
-    for (int64_t n = kh * p.G; n < (kh + 1) * p.G; ++n)
-      for (int64_t qb = first; qb <= last; ++qb) {
-        const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
-        cost += combine(classify(p, geo[b], i0, i1, j0, j1), fn_block(p, b, n, qb, kb)) !=
-                Block::kSkip;
+    for (int64_t kb = kg * group; kb < std::min((kg + 1) * group, p.n_k()); ++kb) {
+      const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
+      auto [first, last] = query_blocks(p, geo[b], j0, j1);
+      if (!p.fn.kind && !p.q_seg) {
+        cost += last - first + 1;
+        continue;
       }
+      for (int64_t n = kh * p.G; n < (kh + 1) * p.G; ++n)
+        for (int64_t qb = first; qb <= last; ++qb) {
+          const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
+          cost += combine(classify(p, geo[b], i0, i1, j0, j1), fn_block(p, b, n, qb, kb)) !=
+                  Block::kSkip;
+        }
+    }
     return cost;
   });
   std::vector<std::unique_ptr<Aligned>> parts(lanes.size());  // per lane: (B, Tp, N, Hp)
@@ -1039,10 +1087,11 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
     parts[lane] = std::make_unique<Aligned>(size);
     std::fill(parts[lane]->data, parts[lane]->data + size, 0.0f);
     for (int64_t t : lanes[lane]) {
-      const int64_t b = t / (p.n_k() * p.K);
+      const int64_t kg = t % n_groups, kh = (t / n_groups) % p.K, b = t / (n_groups * p.K);
       const QueryView view{queries.at(query_tile(p, b, 0, 0)), d_out.at(query_tile(p, b, 0, 0)),
                            parts[lane]->data + b * Tp * p.N * p.Hp, 0, p.N};
-      backward_task(p, geo, in, view, res, t);
+      backward_task(p, geo, in, view, res, b, kh, kg * group,
+                    std::min(group, p.n_k() - kg * group));
     }
   });
   // dq: the lanes' parts summed in lane order
