@@ -59,13 +59,17 @@ inline void micro(int L, const typename Step::Elem* A, long a_row, long a_col,
     for (int v = 0; v < NV; ++v) store(C + r * ldc + v * VW, c[r][v]);
 }
 
-// Rows [0, M) against one panel of NV vectors: R rows at a time, then MR (M is a
-// multiple of MR), then one by one.
+// Rows [0, M) against one panel of NV vectors: R rows at a time, as many tiles as
+// leave a multiple of MR rows, then MR at a time (M is a multiple of MR: callers pad),
+// then one by one. (M = 32 with R = 6: 4 x 6 + 2 x 4 rows, not 5 x 6 and two single
+// rows, each of which loads all of B for one row of FMAs.)
 template <class Step, int R, int NV>
 inline void panel(int M, int L, const typename Step::Elem* A, long a_row, long a_col,
                   const typename Step::Elem* B, long ldb, float* C, long ldc, bool accumulate) {
+  int tiles = M / R;
+  while (tiles > 0 && (M - tiles * R) % MR != 0) --tiles;
   int i = 0;
-  for (; i + R <= M; i += R)
+  for (; i < tiles * R; i += R)
     micro<Step, R, NV>(L, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, accumulate);
   if constexpr (R > MR)
     for (; i + MR <= M; i += MR)
