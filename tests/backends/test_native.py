@@ -328,26 +328,27 @@ def test_short_calls_run_by_group_or_by_block_alike(case, monkeypatch):
 
 GROUP_CASES = {  # rules under which the query blocks of one task see different key blocks
     "window, ragged": dict(
-        window=(150, 0), q_offset=np.array([37], np.int32), kv_lengths=np.array([690], np.int32)
+        window=(150, 0), q_offset=np.array([37], np.int32), kv_lengths=np.array([1100], np.int32)
     ),
     "segments": dict(
         is_causal=True, q_offset=60,
-        q_segment_ids=np.repeat([[0, 1, 2]], 1, 0).repeat([190, 300, 210], 1).astype(np.int32),
-        kv_segment_ids=np.repeat([[0, 1, 2]], 1, 0).repeat([250, 300, 210], 1).astype(np.int32),
+        q_segment_ids=np.repeat([[0, 1, 2]], 1, 0).repeat([190, 300, 571], 1).astype(np.int32),
+        kv_segment_ids=np.repeat([[0, 1, 2]], 1, 0).repeat([250, 300, 571], 1).astype(np.int32),
     ),
 }
 
 
 @pytest.mark.parametrize("case", GROUP_CASES)
 def test_blocks_run_in_groups_or_alone_alike(case, monkeypatch):
-    # A forward task runs up to four query blocks of one (b, n) and reads each key block
+    # A forward task runs up to eight query blocks of one (b, n) and reads each key block
     # once for all of them (attention.cc, forward_task); a backward task up to four key
     # blocks of one (b, key/value head), each query block once for all of them. The
-    # groups shrink until there are eight tasks per thread. 11 query blocks and 12 key
-    # blocks x 3 heads: groups of 4 with one thread (9 tasks), of 2 with two (18). A query
-    # block's forward is the same arithmetic in any group (the same bits); the gradients
-    # (dQ summed in another order) close to float64. B x K = 3: never the short calls'.
-    B, T, S, N, K, H = 1, 700, 760, 3, 3, 7
+    # groups halve until there are eight tasks per thread. 17 query blocks x 3 heads:
+    # groups of 8 (8, 8, 1) with one thread (9 tasks), of 2 with two (27); 18 key blocks:
+    # 4 and 2. A query block's forward is the same arithmetic in any group (the same
+    # bits); the gradients (dQ summed in another order) close to float64. B x K = 3:
+    # never the short calls' path.
+    B, T, S, N, K, H = 1, 1061, 1121, 3, 3, 7
     q, k, v = randn(21, B, T, N, H), randn(22, B, S, K, H), randn(23, B, S, K, H)
     results = {}
     for threads in ("1", "2"):

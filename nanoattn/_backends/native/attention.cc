@@ -1,7 +1,7 @@
 // nanoattn's native CPU attention kernel, called from JAX through XLA's FFI.
 //
 // Forward: online softmax over key blocks (FlashAttention-2), one task per
-// (batch row b, query head n, up to four query blocks), each key block read once for
+// (batch row b, query head n, up to eight query blocks), each key block read once for
 // all the task's query blocks (from L3 once, not once per block). Backward: one task
 // per (b, key/value head, up to four key blocks) accumulates dK and dV for every query
 // head of its group, each query block read once for all its key blocks; dQ goes to
@@ -497,7 +497,7 @@ void forward_step(const Problem& p, const Geometry& g, int64_t b, int64_t n, For
 // Query blocks run together by one forward task, at most: each key block, read from
 // the shared tiles once, serves all of them while it is in L1 (a key block of 64 x 64
 // floats comes from L3 once per task, not once per query block).
-constexpr int64_t kQueryGroup = 4;
+constexpr int64_t kQueryGroup = 8;
 
 // The forward pass of query blocks [qb0, qb0 + count) of (b, n) (count <= kQueryGroup):
 // online softmax over the key blocks any of them may see, each key block taken once
