@@ -331,7 +331,8 @@ GROUP_CASES = {  # rules under which the query blocks of one task see different 
         window=(150, 0), q_offset=np.array([37], np.int32), kv_lengths=np.array([1100], np.int32)
     ),
     "segments": dict(
-        is_causal=True, q_offset=60,
+        is_causal=True,
+        q_offset=60,
         q_segment_ids=np.repeat([[0, 1, 2]], 1, 0).repeat([190, 300, 571], 1).astype(np.int32),
         kv_segment_ids=np.repeat([[0, 1, 2]], 1, 0).repeat([250, 300, 571], 1).astype(np.int32),
     ),
