@@ -294,6 +294,19 @@ def test_memory_is_linear_in_sequence_length():
     assert at_16k / at_8k <= 2.1, (at_8k, at_16k)
 
 
+def alike_on_one_and_two_threads(monkeypatch, q, k, v, **rules):
+    """The native call on one thread and on two, each close to float64 (outputs and
+    gradients), the outputs bitwise equal (the forward's arithmetic per query block does
+    not depend on how the work is split)."""
+    outputs = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("NANOATTN_NUM_THREADS", threads)
+        got, truth = run_and_truth(q, k, v, **rules)
+        assert_close(got, truth)
+        outputs.append(got[0])
+    np.testing.assert_array_equal(*outputs)
+
+
 SHORT_CASES = {  # rules of the short calls below, each against float64
     "causal, ragged rows": dict(
         is_causal=True, q_offset=np.array([40, 0, -30], np.int32),
@@ -317,13 +330,7 @@ def test_short_calls_run_by_group_or_by_block_alike(case, monkeypatch):
     # dQ in another order, each close to float64.
     B, T, S, N, K, H = 3, 70, 150, 6, 2, 5
     q, k, v = randn(11, B, T, N, H), randn(12, B, S, K, H), randn(13, B, S, K, H)
-    results = {}
-    for threads in ("1", "2"):
-        monkeypatch.setenv("NANOATTN_NUM_THREADS", threads)
-        got, truth = run_and_truth(q, k, v, **SHORT_CASES[case])
-        assert_close(got, truth)
-        results[threads] = got
-    np.testing.assert_array_equal(results["1"][0], results["2"][0])
+    alike_on_one_and_two_threads(monkeypatch, q, k, v, **SHORT_CASES[case])
 
 
 GROUP_CASES = {  # rules under which the query blocks of one task see different key blocks
@@ -351,10 +358,4 @@ def test_blocks_run_in_groups_or_alone_alike(case, monkeypatch):
     # never the short calls' path.
     B, T, S, N, K, H = 1, 1061, 1121, 3, 3, 7
     q, k, v = randn(21, B, T, N, H), randn(22, B, S, K, H), randn(23, B, S, K, H)
-    results = {}
-    for threads in ("1", "2"):
-        monkeypatch.setenv("NANOATTN_NUM_THREADS", threads)
-        got, truth = run_and_truth(q, k, v, **GROUP_CASES[case])
-        assert_close(got, truth)
-        results[threads] = got
-    np.testing.assert_array_equal(results["1"][0], results["2"][0])
+    alike_on_one_and_two_threads(monkeypatch, q, k, v, **GROUP_CASES[case])
