@@ -865,8 +865,7 @@ void forward_run(ffi::ThreadPool& pool, const Problem& p, const In* q, const Kv*
   // as many blocks as leave eight tasks per thread at least (one for a decode step). A
   // query block's cost is the number of key blocks it may see (those a mask_fn leaves),
   // a task's the sum of its blocks': causal work balances without a static split.
-  int64_t group = decode ? 1 : kQueryGroup;
-  while (group > 1 && p.B * p.N * ((p.n_q() + group - 1) / group) < 8 * threads) group /= 2;
+  const int64_t group = decode ? 1 : blocks_per_task(kQueryGroup, p.B * p.N, p.n_q(), threads);
   const int64_t n_groups = (p.n_q() + group - 1) / group;
   const std::vector<int64_t> order = costliest_first(p.B * p.N * n_groups, [&](int64_t t) {
     const int64_t qg = t % n_groups, n = (t / n_groups) % p.N, b = t / (n_groups * p.N);
@@ -1048,8 +1047,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
   }
   // Tasks of `group` key blocks of one (b, key/value head) share each query block
   // (backward_task): as many blocks as leave eight tasks per thread at least.
-  int64_t group = kKeyGroup;
-  while (group > 1 && p.B * p.K * ((p.n_k() + group - 1) / group) < 8 * threads) group /= 2;
+  const int64_t group = blocks_per_task(kKeyGroup, p.B * p.K, p.n_k(), threads);
   const int64_t n_groups = (p.n_k() + group - 1) / group, total = p.B * p.K * n_groups;
   // Each lane: the tasks of one thread, by their cost (the blocks they may see), in a
   // fixed order, and its own dQ buffer (the memory of one buffer per thread).

@@ -64,6 +64,16 @@ void parallel_for(xla::ffi::ThreadPool& pool, int threads, int64_t total, const 
   job->cv.wait(lock, [&] { return job->done == job->total; });
 }
 
+// How many of a row's `blocks` blocks one task takes: `most` (a power of two), halved
+// while `rows` rows of tasks so sized leave fewer than eight tasks per thread (1 at
+// least). Fewer, larger tasks share what they read; enough of them keep every thread
+// busy to the end.
+inline int64_t blocks_per_task(int64_t most, int64_t rows, int64_t blocks, int threads) {
+  int64_t group = most;
+  while (group > 1 && rows * ((blocks + group - 1) / group) < 8 * threads) group /= 2;
+  return group;
+}
+
 // Task indices [0, total) by decreasing cost(task), ties in index order: the
 // costliest start first, so the last ones to start are short.
 template <class Cost>
