@@ -144,6 +144,15 @@ void pack_rows(const Problem& p, const In* x, const Geometry& g, int64_t b, int6
   }
 }
 
+// Asks for `rows` rows of `bytes` each, `stride` bytes apart, ahead of a packer that
+// reads them one after the other: their cache misses overlap, where each row's would
+// otherwise wait behind the stores of the row before it.
+inline void prefetch_rows(const void* first, int64_t rows, int64_t stride, int64_t bytes) {
+  const char* at = static_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r, at += stride)
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(at + offset);
+}
+
 // keys [j0, j0 + BK) of head kh as (BK, Hp) rows, or transposed as (Hp, BK); keys
 // past S or unseen are 0. Quantized keys (int8, float8) are multiplied by their
 // `scales` (B, S, K) as they are packed (null for float keys).
@@ -153,6 +162,9 @@ void pack_keys(const Problem& p, const In* x, const Geometry& g, int64_t b, int6
   if (cols && p.Hp > p.H) std::fill(cols + p.H * BK, cols + p.Hp * BK, 0.0f);  // padded widths
   const uint8_t* k_seen = seen(p, g, kh);
   alignas(64) float factor[BK];  // each key's scale (1 for float keys, 0 unseen)
+  const In* base = x + ((b * p.S + j0) * p.K + kh) * p.H;
+  const int64_t stride = p.K * p.H;
+  prefetch_rows(base, std::min<int64_t>(BK, p.S - j0), stride * sizeof(In), p.H * sizeof(In));
   for (int64_t c = 0; c < BK; ++c) {
     const int64_t j = j0 + c;
     const bool real = j < p.S && k_seen[j];
@@ -170,8 +182,6 @@ void pack_keys(const Problem& p, const In* x, const Geometry& g, int64_t b, int6
   if (!cols) return;
   // Transposed: each width h a contiguous row of BK keys (the keys' rows, BK of them,
   // stay in L1 while every h reads them).
-  const In* base = x + ((b * p.S + j0) * p.K + kh) * p.H;
-  const int64_t stride = p.K * p.H;
   for (int64_t h = 0; h < p.H; ++h) {
     float* dst = cols + h * BK;
     for (int64_t c = 0; c < BK; ++c) {
@@ -336,6 +346,9 @@ void pack_queries_t(const Problem& p, const In* x, const Geometry& g, int64_t b,
                     int64_t i0, float factor, float* out) {
   std::fill(out, out + p.Hp * BQ, 0.0f);
   const uint8_t* q_sees = sees(p, g, n);
+  const int64_t stride = p.N * p.H;
+  prefetch_rows(x + (b * p.T + i0) * stride + n * p.H, std::min<int64_t>(BQ, p.T - i0),
+                stride * sizeof(In), p.H * sizeof(In));
   for (int64_t c = 0; c < BQ && i0 + c < p.T; ++c) {
     if (!q_sees[i0 + c]) continue;
     const In* src = x + ((b * p.T + i0 + c) * p.N + n) * p.H;
@@ -373,6 +386,9 @@ void pack_query_pairs(const Problem& p, const uint16_t* x, const Geometry& g, in
   const int64_t W = p.Hp / 2;
   std::fill(out, out + W * BQ, 0u);
   const uint8_t* q_sees = sees(p, g, n);
+  const int64_t stride = p.N * p.H;
+  prefetch_rows(x + (b * p.T + i0) * stride + n * p.H, std::min<int64_t>(BQ, p.T - i0),
+                stride * sizeof(uint16_t), p.H * sizeof(uint16_t));
   for (int64_t c = 0; c < BQ && i0 + c < p.T; ++c) {
     if (!q_sees[i0 + c]) continue;
     const uint16_t* src = x + ((b * p.T + i0 + c) * p.N + n) * p.H;
