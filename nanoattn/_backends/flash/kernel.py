@@ -146,9 +146,11 @@ def _key_blocks(x, plan: Plan, dtype):
     return x.reshape(plan.B, plan.n_k, plan.block_k, plan.K, x.shape[-1])
 
 
-def _take_queries(blocks, qi):
-    """Each lane's query block, head-major: (B, L, K, G, bq, H)."""
-    return jnp.einsum("BLqKGH->BLKGqH", jnp.take(blocks, qi, axis=1))
+def _take_queries(blocks, qi, scale=None):
+    """Each lane's query block, head-major: (B, L, K, G, bq, H), times ``scale`` if given
+    (before the transpose, so that the transpose stays a plain copy)."""
+    taken = jnp.take(blocks, qi, axis=1)
+    return jnp.einsum("BLqKGH->BLKGqH", taken if scale is None else taken * scale)
 
 
 def _take_keys(blocks, kj):
@@ -542,7 +544,9 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     q, k, v = inputs.query, inputs.key, inputs.value
     acc = softmax_dtype(q.dtype, k.dtype, v.dtype)
     neg = large_negative(acc)
-    qb = _query_blocks(q, plan, acc) * jnp.asarray(plan.scale, acc)
+    # The queries as blocks: a reshape of the input, no copy (each step scales its own
+    # lanes' queries, so that no scaled copy of all of them is held).
+    qb, scale = _query_blocks(q, plan, acc), jnp.asarray(plan.scale, acc)
     kb, vb = _key_blocks(k, plan, acc), _key_blocks(v, plan, acc)
     blocks = RuleBlocks.of(plan, inputs, acc)
     kinds = inputs.kinds
@@ -565,7 +569,7 @@ def forward_block(plan: Plan, inputs: BlockInputs):
             o_old = jnp.take(o, qi, axis=1)  # (B, L, bq, K, G, H)
 
             def update():
-                qs = _take_queries(qb, qc)  # (B, L, K, G, bq, H)
+                qs = _take_queries(qb, qc, scale)  # (B, L, K, G, bq, H)
                 ks, vs, cells, allowed = item_keys(qc, kj)  # (B, L, K, bk, H) twice
                 s, _ = _scores(plan, qs, ks, qc, kj, blocks, allowed, cells, consts)
                 # The block's own softmax, shifted twice: by its row maximum, then by the
