@@ -179,6 +179,29 @@ def test_a_static_block_mask_is_reused_and_taken_at_the_kernels_blocks(block, mo
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("limit", [None, 0], ids=["a constant", "at run time"])
+def test_a_static_masks_bits_are_a_constant_up_to_a_limit(limit, monkeypatch):
+    # A mask of concrete arrays has its partial blocks' bits worked out once, when the
+    # call is traced (no evaluation of mask_fn left in the program); past
+    # CONSTANT_BITS_LIMIT they are computed in the program, every call. Both serve the
+    # literal's attention.
+    if limit is not None:
+        monkeypatch.setattr(native_kernel, "CONSTANT_BITS_LIMIT", limit)
+    T = S = 131
+    q, k, v = inputs(T, S)
+    bits = []
+
+    def attend(q, k, v):
+        bits.append(native_kernel._mask_operands(Rules.make(q, k, v, mask_fn=documents))[2])
+        return nanoattn.dot_product_attention(q, k, v, mask_fn=documents, implementation="native")
+
+    out = jax.jit(attend)(q, k, v)
+    assert bits[0].shape == (12, 1024)  # (2 rows x 3 x 3 blocks, 6 of them partial per row)
+    assert isinstance(bits[0], jax.core.Tracer if limit == 0 else np.ndarray)
+    want, _ = np_attention_vjp(q, k, v, np.zeros(q.shape), LITERALS[documents](*positions(T, S)))
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-5)
+
+
 def test_masks_of_traced_arrays_are_served_from_bits_computed_at_run_time(monkeypatch):
     # Ids passed to jit, and per-row offsets traced: the kinds are known at run time
     # only, so every block's bits are computed then (the kinds with them), here one

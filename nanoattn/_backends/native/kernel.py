@@ -39,6 +39,10 @@ TARGET_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16"}
 # (a decoding step's, one query block, are 16 * S bytes per row and head) and leaves
 # larger ones to 'flash', which needs none.
 TRACED_BITS_LIMIT = 16 * 2**20
+# With static kinds, the partial blocks' bits are worked out once, when the call is
+# traced, and become a constant of the compiled program, up to this many bytes (1,024 a
+# block); more are computed at run time, in every call.
+CONSTANT_BITS_LIMIT = 8 * 2**20
 
 
 def native_attention(query, key, value, rules: Rules):
@@ -178,10 +182,23 @@ def _packed(cells):
 
 def _partial_bits(rules: Rules, partial: np.ndarray, bq: int, bk: int):
     """The bits (P, 2 * BQ * BK / 8) of the partial blocks (b, n, query block, key block):
-    ``mask_fn`` on a (P, BQ, BK) stack of cells, CHUNK_CELLS at a time."""
+    ``mask_fn`` on a (P, BQ, BK) stack of cells, CHUNK_CELLS at a time; found when the
+    call is traced (a constant, not work in every call) where ``mask_fn`` gives concrete
+    cells and the bits take at most CONSTANT_BITS_LIMIT bytes."""
     size = 2 * bq * bk // 8
     if len(partial) == 0:
         return jnp.zeros((0, size), jnp.uint8)
+    if len(partial) * size <= CONSTANT_BITS_LIMIT:
+        with jax.ensure_compile_time_eval():
+            bits = _evaluated_bits(rules, partial, bq, bk)
+        return bits if isinstance(bits, jax.core.Tracer) else np.asarray(bits)
+    return _evaluated_bits(rules, partial, bq, bk)
+
+
+def _evaluated_bits(rules: Rules, partial: np.ndarray, bq: int, bk: int):
+    """:func:`_partial_bits`'s evaluation of ``mask_fn`` on the (non-empty) partial
+    blocks."""
+    size = 2 * bq * bk // 8
     mask_fn, T, S = _mask_fn_of(rules), rules.T, rules.S
     offset = jnp.reshape(jnp.asarray(rules.index_offset, jnp.int32), (-1,))  # (1 or B,)
     r, c = jnp.arange(bq, dtype=jnp.int32), jnp.arange(bk, dtype=jnp.int32)
