@@ -144,13 +144,23 @@ void pack_rows(const Problem& p, const In* x, const Geometry& g, int64_t b, int6
   }
 }
 
-// Asks for `rows` rows of `bytes` each, `stride` bytes apart, ahead of a packer that
-// reads them one after the other: their cache misses overlap, where each row's would
-// otherwise wait behind the stores of the row before it.
-inline void prefetch_rows(const void* first, int64_t rows, int64_t stride, int64_t bytes) {
-  const char* at = static_cast<const char*>(first);
-  for (int64_t r = 0; r < rows; ++r, at += stride)
-    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(at + offset);
+// Asks for `rows` rows of `width` elements each, `stride` elements apart, ahead of a
+// packer that reads them one after the other: their cache misses overlap, where each
+// row's would otherwise wait behind the stores of the row before it.
+template <class In>
+void prefetch_rows(const In* first, int64_t rows, int64_t stride, int64_t width) {
+  const char* at = reinterpret_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r, at += stride * sizeof(In))
+    for (int64_t offset = 0; offset < width * int64_t{sizeof(In)}; offset += 64)
+      __builtin_prefetch(at + offset);
+}
+
+// The rows of queries [i0, i0 + BQ) of head n in batch row b (those before T), for the
+// query packers.
+template <class In>
+void prefetch_queries(const Problem& p, const In* x, int64_t b, int64_t n, int64_t i0) {
+  prefetch_rows(x + ((b * p.T + i0) * p.N + n) * p.H, std::min<int64_t>(BQ, p.T - i0),
+                p.N * p.H, p.H);
 }
 
 // keys [j0, j0 + BK) of head kh as (BK, Hp) rows, or transposed as (Hp, BK); keys
@@ -164,7 +174,7 @@ void pack_keys(const Problem& p, const In* x, const Geometry& g, int64_t b, int6
   alignas(64) float factor[BK];  // each key's scale (1 for float keys, 0 unseen)
   const In* base = x + ((b * p.S + j0) * p.K + kh) * p.H;
   const int64_t stride = p.K * p.H;
-  prefetch_rows(base, std::min<int64_t>(BK, p.S - j0), stride * sizeof(In), p.H * sizeof(In));
+  prefetch_rows(base, std::min<int64_t>(BK, p.S - j0), stride, p.H);
   for (int64_t c = 0; c < BK; ++c) {
     const int64_t j = j0 + c;
     const bool real = j < p.S && k_seen[j];
@@ -346,9 +356,7 @@ void pack_queries_t(const Problem& p, const In* x, const Geometry& g, int64_t b,
                     int64_t i0, float factor, float* out) {
   std::fill(out, out + p.Hp * BQ, 0.0f);
   const uint8_t* q_sees = sees(p, g, n);
-  const int64_t stride = p.N * p.H;
-  prefetch_rows(x + (b * p.T + i0) * stride + n * p.H, std::min<int64_t>(BQ, p.T - i0),
-                stride * sizeof(In), p.H * sizeof(In));
+  prefetch_queries(p, x, b, n, i0);
   for (int64_t c = 0; c < BQ && i0 + c < p.T; ++c) {
     if (!q_sees[i0 + c]) continue;
     const In* src = x + ((b * p.T + i0 + c) * p.N + n) * p.H;
@@ -386,9 +394,7 @@ void pack_query_pairs(const Problem& p, const uint16_t* x, const Geometry& g, in
   const int64_t W = p.Hp / 2;
   std::fill(out, out + W * BQ, 0u);
   const uint8_t* q_sees = sees(p, g, n);
-  const int64_t stride = p.N * p.H;
-  prefetch_rows(x + (b * p.T + i0) * stride + n * p.H, std::min<int64_t>(BQ, p.T - i0),
-                stride * sizeof(uint16_t), p.H * sizeof(uint16_t));
+  prefetch_queries(p, x, b, n, i0);
   for (int64_t c = 0; c < BQ && i0 + c < p.T; ++c) {
     if (!q_sees[i0 + c]) continue;
     const uint16_t* src = x + ((b * p.T + i0 + c) * p.N + n) * p.H;
