@@ -251,6 +251,7 @@ class Engine:
         last = np.zeros(c.max_sequences, np.int32)
         last[: len(rows)] = np.asarray(batch.query_starts[1 : len(rows) + 1]) - 1
         self.state, next_tokens = self.step(self.state, x, batch, last)
+        alloc.confirm(batch)
         return np.asarray(next_tokens)
 
     def _retire(self, alloc, rows, next_tokens, running, outputs) -> int:

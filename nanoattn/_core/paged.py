@@ -82,8 +82,9 @@ def paged_attention(
         among the pages a sequence holds, ``kv_lengths[b]`` above ``M * page_size``
         or below sequence b's q_len, or ``query_starts`` that do not start at 0,
         decrease or pass Tq, naming the argument and the row. Under ``jit``, where
-        they cannot be checked, the rows of the sequences concerned are NaN and no
-        other row changes; no page outside the pool is ever read.
+        they cannot be checked, a bad page id or length makes the rows of its
+        sequence NaN and no other row changes, and query starts that are no layout
+        make every row NaN; no page outside the pool is ever read.
 
     Example:
       >>> import jax.numpy as jnp, nanoattn

@@ -136,13 +136,14 @@ class _Rows:
         the arrays ``x`` (each already extended in the allocator), padded with poison
         to ``tokens``; returns the outputs (Tq, F) as float64."""
         chunk = np.concatenate([*x, self.poison(tokens - sum(len(a) for a in x))])[None]
-        batch = self.alloc.batch(rows, tokens)
+        batch = original = self.alloc.batch(rows, tokens)
         held = -(-batch.kv_lengths // self.alloc.page_size)  # (B,)
         table = batch.page_table.copy()
         unused = np.arange(table.shape[1])[None, :] >= held[:, None]
         table[unused] = self.rng.integers(0, self.pages, int(unused.sum()))  # never read
         batch = dataclasses.replace(batch, page_table=table)
         self.state, y = self.decoder.step(self.state, chunk, batch)
+        self.alloc.confirm(original)
         return as_features(y, chunk.shape, "step")[0]
 
     def start(self, tokens: int) -> None:

@@ -241,29 +241,48 @@ def test_random_layouts_equal_each_sequence_alone(sequences, page_size, seed, na
     _check(Layout(lengths, q_lens, page_size, seed=seed), name)
 
 
+ALL = "every row"  # query starts that are no layout: no row's sequence can be told
+
+
 def _bad_calls():
     layout = Layout(**MIXED, page_size=5)
     _, _, _, table, lengths, starts = layout.arrays()
     bad_table = table.copy()
     bad_table[3, 1] = 99  # a page sequence 3 holds, outside the pool
+    partial = table.copy()
+    partial[2, 2] = -1  # sequence 2's last page, partial (13 keys in pages of 5)
     long = lengths.copy()
     long[1] = table.shape[1] * 5 + 1
     short = lengths.copy()
     short[5] = 8  # below its 9 queries
     down = starts.copy()
     down[3] = down[2] - 1  # sequence 2's rows end before they start
+    Tq = layout.q.shape[0]
+
+    def starts_with(b, value):
+        moved = starts.copy()
+        moved[b] = value
+        return dict(query_starts=moved)
+
     return layout, {
         "page id": (dict(page_table=bad_table), r"page_table\[3, 1\]=99 is not a page", [3]),
+        "partial last page": (dict(page_table=partial), r"page_table\[2, 2\]=-1 is not", [2]),
         "lengths above": (dict(kv_lengths=long), r"kv_lengths\[1\]=", [1]),
         "lengths below": (dict(kv_lengths=short), r"kv_lengths\[5\]=8", [5]),
         "decreasing starts": (
-            dict(query_starts=down), r"query_starts must be non-decreasing", [2, 3]
+            dict(query_starts=down), r"query_starts must be non-decreasing", ALL
         ),
+        "starts past Tq": (starts_with(-1, Tq + 1), r"query_starts\[6\]=.* is past", ALL),
+        "starts from 1": (starts_with(0, 1), r"query_starts\[0\] must be 0, got 1", ALL),
+        "starts from -1": (starts_with(0, -1), r"query_starts\[0\] must be 0, got -1", ALL),
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["page id", "lengths above", "lengths below", "decreasing starts"])
+@pytest.mark.parametrize("case", list(_bad_calls()[1]))
 def test_invalid_inputs_raise_when_concrete_and_poison_their_rows_under_jit(case):
+    """One line naming the argument when concrete; under jit NaN in exactly the rows
+    of the sequences concerned (every row, for starts that are no layout), the other
+    rows as in the good call."""
     layout, cases = _bad_calls()
     changes, message, sequences = cases[case]
     names = ("query", "key_pages", "value_pages", "page_table", "kv_lengths", "query_starts")
@@ -278,15 +297,13 @@ def test_invalid_inputs_raise_when_concrete_and_poison_their_rows_under_jit(case
             bad = np.asarray(
                 jax.jit(functools.partial(nanoattn.paged_attention, implementation=name))(**arrays)
             )
-        except ValueError:  # a backend that does not serve paged calls
+        except ValueError as error:  # a backend that does not serve paged calls
+            assert "cannot serve this call" in str(error), name
             continue
         served += 1
-        starts = np.asarray(arrays["query_starts"])
-        hit = np.zeros(bad.shape[0], bool)
-        for b in sequences:
-            hit[min(starts[b], starts[b + 1]) : max(starts[b], starts[b + 1])] = True
-        if case == "decreasing starts":  # rows of sequence 3 that overlap sequence 1's
-            hit[starts[3] : layout.starts[3]] = True
+        hit = np.full(bad.shape[0], sequences == ALL)
+        for b in [] if sequences == ALL else sequences:
+            hit[layout.starts[b] : layout.starts[b + 1]] = True
         assert np.isnan(bad[hit]).all(), name
         np.testing.assert_allclose(bad[~hit], np.asarray(good)[~hit], atol=2e-5, err_msg=name)
     assert served >= 2  # the reference and the kernels

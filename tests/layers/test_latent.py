@@ -135,6 +135,7 @@ def test_paged_cache_equals_the_forward():
         y, state = layer.apply({**params, "cache": pool}, x, decode=True, pages=batch,
                                mutable=["cache"])  # fmt: skip
         pool = state["cache"]
+        allocator.confirm(batch)
         outs.append(np.asarray(y).reshape(B, length, D))
     full = layer.apply(params, _x()[:, :6])
     np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=2e-5, rtol=2e-5)

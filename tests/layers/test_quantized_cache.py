@@ -140,6 +140,7 @@ def _decode_paged(kv_cache_dtype, a, b):
         x = np.concatenate([x for _, x in rows])
         batch = alloc.batch([(s, len(x)) for s, x in rows], tokens=8)
         y, cache = step(cache, jnp.asarray(np.pad(x, ((0, 8 - len(x)), (0, 0)))[None]), batch)
+        alloc.confirm(batch)
         ys.append(np.asarray(y[0, : len(x)]))
     return np.concatenate(ys), cache
 

@@ -11,9 +11,10 @@ positions ``kv_lengths[b] - q_len + i``. Entries of the page table past the page
 sequence holds are never read, whatever they hold.
 
 What cannot be checked under ``jit`` (a page id outside the pool, lengths outside
-[q_len, max_pages * page_size], decreasing query starts) makes the rows of the
-sequences concerned NaN (:func:`token_layout`'s ``broken``), and no page outside the
-pool is ever read (:func:`safe_page_table`). Axis letters: B sequences, Tq query
+[q_len, max_pages * page_size]) makes the rows of the sequences concerned NaN
+(:func:`token_layout`'s ``broken``); query starts that are no layout (not from 0,
+decreasing, past Tq) make every row NaN; and no page outside the pool is ever read
+(:func:`safe_page_table`). Axis letters: B sequences, Tq query
 tokens, P pages, M pages per sequence at most, S = M * page_size the most keys a
 sequence holds.
 """
@@ -170,24 +171,24 @@ def safe_page_table(page_table, kv_lengths, page_size: int, P: int):
 def token_layout(page_table, kv_lengths, query_starts, Tq: int, P: int, page_size: int):
     """The :class:`TokenLayout` of a paged call's Tq query rows (traced or not).
 
-    A sequence is broken when its query count is negative, its rows overlap another
-    sequence's, its lengths are outside [q_len, M * page_size], or a page it holds is
-    outside the pool; every row it covers is then broken. ``query_starts[0] != 0``
-    breaks the rows before it; rows at or past ``query_starts[B]`` are padding."""
+    A sequence is broken when its lengths are outside [q_len, M * page_size] or a page
+    it holds is outside the pool; every row it covers is then broken. Query starts that
+    are not a layout (not starting at 0, decreasing, or past Tq) break every row of the
+    call: no row's sequence can be told from them. Rows at or past ``query_starts[B]``
+    are padding."""
     M = page_table.shape[1]
     starts = query_starts.astype(jnp.int32)
     q_lens = starts[1:] - starts[:-1]  # (B,)
     held = held_pages(kv_lengths, page_size, M)
     bad_page = (held & ((page_table < 0) | (page_table >= P))).any(axis=1)
     bad_length = (kv_lengths < q_lens) | (kv_lengths > M * page_size)
-    overlap = jnp.concatenate([jnp.zeros((1,), bool), starts[1:-1] < starts[:-2]])
-    sequence_broken = (q_lens < 0) | bad_length | bad_page | overlap  # (B,)
+    bad_starts = (starts[0] != 0) | (q_lens < 0).any() | (starts[-1] > Tq)  # ()
+    sequence_broken = bad_length | bad_page | bad_starts  # (B,)
     t = jnp.arange(Tq, dtype=jnp.int32)[:, None]  # (Tq, 1)
     member = (starts[None, :-1] <= t) & (t < starts[None, 1:])  # (Tq, B)
     count = member.sum(axis=1)
     sequence = jnp.argmax(member, axis=1).astype(jnp.int32)  # the first; 0 where none
-    broken = (count > 1) | (member & sequence_broken[None]).any(axis=1)
-    broken = broken | ((t[:, 0] < starts[0]) & (starts[0] != 0))  # rows before the start
+    broken = (member & sequence_broken[None]).any(axis=1) | bad_starts
     real = (count == 1) & ~broken
     i = t[:, 0] - starts[sequence]  # the row's index among its sequence's queries
     position = kv_lengths[sequence] - q_lens[sequence] + i

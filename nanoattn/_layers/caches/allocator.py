@@ -1,16 +1,23 @@
 """``PageAllocator``: the host side of a paged KV cache (plain Python and numpy).
 
-It keeps which pages of the pool each sequence holds and how many tokens, hands out
-free pages as sequences grow, takes them back when a sequence is freed or rewound,
-lets a sequence fork another (sharing its pages, with reference counts, and copying a
-shared page before it is written: copy-on-write), and makes the arrays a jitted
-decoding step needs (:meth:`PageAllocator.batch`: a
+It keeps which pages of the pool each sequence holds, how many tokens it holds and how
+many of them a step has written, hands out free pages as sequences grow, takes them back
+when a sequence is freed or rewound, lets a sequence fork another (sharing its pages,
+with reference counts, and copying a shared page before it is written: copy-on-write),
+and makes the arrays a jitted decoding step needs (:meth:`PageAllocator.batch`: a
 :class:`~nanoattn._layers.caches.paged.PagedBatch` of static shapes, so that admitting
 and retiring sequences never recompiles). One allocator serves every layer of a
 model: their pools have the same pages, and the page table is shared.
+
+A step is two calls around the model's: ``batch = alloc.batch(rows, tokens)``, which
+changes nothing (a failed step is retried by calling it again, and any number of models
+may run the same batch), then ``alloc.confirm(batch)`` once the step has run: its
+tokens are written and its copies done. What may happen between two steps, and why
+the rest is refused, is docs/decoding.md's table ("Between two steps").
 """
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -25,7 +32,15 @@ class PoolExhausted(ValueError):
 class _Sequence:
     pages: list[int]
     length: int  # tokens held
+    written: int = 0  # tokens a confirmed step has written (the first `written` held)
     last: int = 0  # tokens the last extension brought (what rewind may take back)
+
+
+def _count(name: str, value, least: int) -> int:
+    """``value`` as an int >= ``least`` (numpy integers too; never a bool or a float)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return int(value)
 
 
 class PageAllocator:
@@ -38,7 +53,8 @@ class PageAllocator:
       max_pages: M, the most pages one sequence may hold (the page table's width):
         sequences are at most M * page_size tokens long.
       max_copies: the copy-on-write copies one step may carry (default
-        ``max_sequences``: one per sequence, the most one step can need).
+        ``max_sequences``); an :meth:`extend` that would need one more is refused
+        until a step has carried the pending ones.
       seed: None to hand out pages lowest first; an int to hand them out in a shuffled
         order (what a long-running server's pool looks like: tests and
         ``verify.check_decoding`` use it).
@@ -46,30 +62,36 @@ class PageAllocator:
     Example:
       >>> alloc = PageAllocator(pages=8, page_size=4, max_sequences=2, max_pages=4)
       >>> alloc.allocate("a", 6)  # a prompt of 6 tokens: 2 pages
+      >>> batch = alloc.batch([("a", 6)], tokens=8)  # the step that writes them
+      >>> # ... run the model's step on batch, then:
+      >>> alloc.confirm(batch)
       >>> alloc.fork("a", "b")  # b shares a's 6 tokens
       >>> alloc.extend("b", 1)  # b's 7th token goes in a's partial page: copied first
-      >>> batch = alloc.batch([("a", 6), ("b", 1)], tokens=8)
+      >>> batch = alloc.batch([("b", 1)], tokens=8)
       >>> batch.kv_lengths.tolist(), batch.query_starts.tolist(), batch.copies[0].tolist()
-      ([6, 7], [0, 6, 7], [1, 2])
+      ([7, 0], [0, 1, 1], [1, 2])
     """
 
     def __init__(self, pages: int, page_size: int, *, max_sequences: int, max_pages: int,
                  max_copies: int | None = None, seed: int | None = None):  # fmt: skip
-        sizes = dict(pages=pages, page_size=page_size, max_sequences=max_sequences,
-                     max_pages=max_pages)  # fmt: skip
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self.pages, self.page_size = pages, page_size
-        self.max_sequences, self.max_pages = max_sequences, max_pages
-        self.max_copies = max_sequences if max_copies is None else max_copies
-        order = list(range(pages))
+        self.pages = _count("pages", pages, 1)
+        self.page_size = _count("page_size", page_size, 1)
+        self.max_sequences = _count("max_sequences", max_sequences, 1)
+        self.max_pages = _count("max_pages", max_pages, 1)
+        if max_copies is None:
+            max_copies = self.max_sequences
+        self.max_copies = _count("max_copies", max_copies, 0)
+        order = list(range(self.pages))
         if seed is not None:
-            order = [int(p) for p in np.random.default_rng(seed).permutation(pages)]
+            seed = _count("seed", seed, 0)
+            order = [int(p) for p in np.random.default_rng(seed).permutation(self.pages)]
         self._free = order[::-1]  # a stack: the next page handed out is the last
-        self._refs = np.zeros(pages, np.int64)
+        self._refs = np.zeros(self.pages, np.int64)
         self._sequences: dict = {}
+        # Pending copies (source, target): their sources resolved through the others, so
+        # that a step carries them all at once, reading the pool as it was before it.
         self._copies: list[tuple[int, int]] = []
+        self._outstanding = None  # (the batch made and not confirmed, its rows)
 
     # --- what the host asks -------------------------------------------------------
 
@@ -78,9 +100,24 @@ class PageAllocator:
         """The pages no sequence holds."""
         return len(self._free)
 
+    def free_page_ids(self) -> list[int]:
+        """The pages no sequence holds, the next one handed out last."""
+        return list(self._free)
+
     def length(self, seq_id) -> int:
         """The tokens sequence ``seq_id`` holds."""
         return self._get(seq_id).length
+
+    def unwritten(self, seq_id) -> int:
+        """The tokens sequence ``seq_id`` holds that no confirmed step has written: the
+        ``q_len`` its next step must bring."""
+        sequence = self._get(seq_id)
+        return sequence.length - sequence.written
+
+    def last_extension(self, seq_id) -> int:
+        """The tokens sequence ``seq_id``'s last extension brought and a rewind may
+        still take back."""
+        return self._get(seq_id).last
 
     def pages_of(self, seq_id) -> list[int]:
         """The pages sequence ``seq_id`` holds, in order."""
@@ -91,22 +128,33 @@ class PageAllocator:
         return list(self._sequences)
 
     def refs(self, page: int) -> int:
-        """How many sequences hold ``page``."""
+        """How many sequences hold ``page`` (an int in [0, pages))."""
+        if (
+            isinstance(page, bool)
+            or not isinstance(page, numbers.Integral)
+            or not (0 <= page < self.pages)
+        ):
+            raise ValueError(f"page must be an int in [0, {self.pages}), got {page!r}")
         return int(self._refs[page])
+
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies ``(source, target)`` the next step carries."""
+        return list(self._copies)
 
     # --- what changes it ----------------------------------------------------------
 
     def allocate(self, seq_id, n_tokens: int = 0) -> None:
         """A new sequence, with room for its first ``n_tokens`` tokens (it then holds
-        ``n_tokens``: a step's batch writes them).
+        ``n_tokens``, unwritten: its next step brings them).
 
         Raises:
           ValueError: ``seq_id`` is already held, or ``n_tokens`` is negative or more
             than ``max_pages * page_size``.
           PoolExhausted: too few free pages (nothing is allocated).
         """
+        self._idle("allocate")
         if seq_id in self._sequences:
-            raise ValueError(f"sequence {seq_id!r} is already allocated; free it first")
+            raise ValueError(f"allocate: sequence {seq_id!r} is already allocated; free it first")
         self._sequences[seq_id] = _Sequence([], 0)
         try:
             self.extend(seq_id, n_tokens)
@@ -116,26 +164,34 @@ class PageAllocator:
 
     def extend(self, seq_id, n_tokens: int) -> None:
         """Room for ``n_tokens`` more tokens of sequence ``seq_id`` (it then holds
-        them): new pages as needed, and a copy of its last page first when that page
-        is shared (a fork) and the new tokens go into it, so that no other sequence's
-        tokens ever change.
+        them, unwritten: its next step brings them): new pages as needed, and a copy of
+        its last page first when that page is shared (a fork) and the new tokens go
+        into it, so that no other sequence's tokens ever change. The copy is carried by
+        the next step, before its writes.
 
         Raises:
-          ValueError: ``n_tokens`` negative, or past ``max_pages * page_size`` tokens.
+          ValueError: ``n_tokens`` negative, past ``max_pages * page_size`` tokens, or
+            a copy past the ``max_copies`` one step carries.
           PoolExhausted: too few free pages (nothing is changed).
         """
+        self._idle("extend")
         sequence = self._get(seq_id)
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
+        n_tokens = _count("n_tokens", n_tokens, 0)
         ps = self.page_size
         new_length = sequence.length + n_tokens
         if new_length > self.max_pages * ps:
             raise ValueError(
-                f"sequence {seq_id!r} would hold {new_length} tokens, more than max_pages * "
-                f"page_size = {self.max_pages} * {ps} = {self.max_pages * ps}"
+                f"extend: sequence {seq_id!r} would hold {new_length} tokens, more than "
+                f"max_pages * page_size = {self.max_pages} * {ps} = {self.max_pages * ps}"
             )
-        shared = n_tokens > 0 and sequence.length % ps and self._refs[sequence.pages[-1]] > 1
-        needed = -(-new_length // ps) - len(sequence.pages) + (1 if shared else 0)
+        shared = bool(n_tokens and sequence.length % ps and self._refs[sequence.pages[-1]] > 1)
+        if shared and len(self._copies) >= self.max_copies:
+            raise ValueError(
+                f"extend: sequence {seq_id!r} writes into a page it shares, and the "
+                f"{len(self._copies)} copy-on-write copies pending are max_copies="
+                f"{self.max_copies}; run a step (it carries them) first"
+            )
+        needed = -(-new_length // ps) - len(sequence.pages) + shared
         if needed > len(self._free):
             raise PoolExhausted(
                 f"the pool of {self.pages} pages is exhausted: sequence {seq_id!r} needs "
@@ -145,9 +201,9 @@ class PageAllocator:
         if shared:  # copy-on-write of the shared partial last page
             source = sequence.pages[-1]
             target = self._take()
+            self._copies.append((self._source(source), target))
             self._release(source)
             sequence.pages[-1] = target
-            self._copies.append((source, target))
         while len(sequence.pages) < -(-new_length // ps):
             sequence.pages.append(self._take())
         sequence.length, sequence.last = new_length, n_tokens
@@ -155,27 +211,43 @@ class PageAllocator:
     def fork(self, parent, child) -> None:
         """A new sequence ``child`` holding what ``parent`` holds (its prompt, say),
         sharing its pages: no page is copied until one of them writes into a shared
-        page (then :meth:`extend` copies it)."""
+        page (then :meth:`extend` copies it).
+
+        Raises:
+          ValueError: ``child`` is already held, or ``parent`` holds tokens no
+            confirmed step has written (their keys are not in its pages yet: run the
+            step that writes them, then fork).
+        """
+        self._idle("fork")
         source = self._get(parent)
         if child in self._sequences:
-            raise ValueError(f"sequence {child!r} is already allocated; free it first")
+            raise ValueError(f"fork: sequence {child!r} is already allocated; free it first")
+        if source.written < source.length:
+            raise ValueError(
+                f"fork: sequence {parent!r} has {source.length - source.written} tokens no "
+                f"step has written yet; run a step (and confirm it) first"
+            )
         for page in source.pages:
             self._refs[page] += 1
-        self._sequences[child] = _Sequence(list(source.pages), source.length)
+        self._sequences[child] = _Sequence(list(source.pages), source.length, source.length)
 
     def rewind(self, seq_id, n: int) -> None:
         """Takes back the last ``n`` tokens of sequence ``seq_id`` (speculative
-        decoding): 0 <= n <= what its last extension brought. Whole pages past its
-        new length are returned to the pool; the tokens past it are never read, and
-        the next extension writes over them (copying first if the page is shared)."""
+        decoding): 0 <= n <= what its last extension brought, written or not. Whole
+        pages past its new length are returned to the pool; the tokens past it are
+        never read, and the next extension writes over them (copying first if the page
+        is shared)."""
+        self._idle("rewind")
         sequence = self._get(seq_id)
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= sequence.last:
+        integral = isinstance(n, numbers.Integral) and not isinstance(n, bool)
+        if not integral or not 0 <= n <= sequence.last:
             raise ValueError(
                 f"rewind: n={n!r} is outside [0, {sequence.last}], the tokens sequence "
                 f"{seq_id!r} took in its last extension"
             )
-        sequence.length -= n
-        sequence.last -= n
+        sequence.length -= int(n)
+        sequence.last -= int(n)
+        sequence.written = min(sequence.written, sequence.length)
         keep = -(-sequence.length // self.page_size)
         for page in sequence.pages[keep:]:
             self._release(page)
@@ -184,6 +256,7 @@ class PageAllocator:
     def free(self, seq_id) -> None:
         """Sequence ``seq_id`` is finished: its pages go back to the pool (a page
         another sequence still shares stays held)."""
+        self._idle("free")
         sequence = self._get(seq_id)
         for page in sequence.pages:
             self._release(page)
@@ -192,55 +265,106 @@ class PageAllocator:
     # --- what a step takes --------------------------------------------------------
 
     def batch(self, rows, tokens: int) -> PagedBatch:
-        """The arrays of a step: ``rows`` is a list of ``(seq_id, q_len)``, the
-        sequences of the step in the order of their tokens in x (each already holds its
-        ``q_len`` new tokens: :meth:`allocate` or :meth:`extend`), and ``tokens`` the
-        step's Tq (x (1, Tq, D); tokens past the rows' are padding). The copies made
-        since the last batch are carried out by this step, before its writes.
+        """The arrays of a step, changing nothing: ``rows`` is a list of ``(seq_id,
+        q_len)``, the sequences of the step in the order of their tokens in x, each at
+        most once, ``q_len`` the tokens it holds that no confirmed step has written
+        (:meth:`unwritten`: what :meth:`allocate` and :meth:`extend` gave it since its
+        last step); ``tokens`` the step's Tq (x (1, Tq, D); tokens past the rows' are
+        padding). The step carries every pending copy-on-write copy, before its writes.
+        Once the step has run, :meth:`confirm` the batch; until then nothing else may
+        change the allocator (a batch made again replaces this one: a retried step).
 
         Raises:
-          ValueError: more rows than ``max_sequences``, more tokens than ``tokens``, a
-            q_len outside [0, the sequence's length], or more copies than ``max_copies``.
+          ValueError: more rows than ``max_sequences``, a sequence twice, a q_len other
+            than the sequence's unwritten tokens, or more tokens than ``tokens``.
         """
+        tokens = _count("tokens", tokens, 1)
+        rows = [tuple(row) for row in rows]
         if len(rows) > self.max_sequences:
             raise ValueError(
-                f"a step takes at most max_sequences={self.max_sequences} sequences, got "
-                f"{len(rows)}"
+                f"batch: a step takes at most max_sequences={self.max_sequences} sequences, "
+                f"got {len(rows)}"
             )
         table = np.zeros((self.max_sequences, self.max_pages), np.int32)
         lengths = np.zeros(self.max_sequences, np.int32)
         q_lens = np.zeros(self.max_sequences, np.int32)
-        for b, (seq_id, q_len) in enumerate(rows):
+        seen = set()
+        for b, row in enumerate(rows):
+            if len(row) != 2:
+                raise ValueError(f"batch: rows[{b}] must be (seq_id, q_len), got {row!r}")
+            seq_id, q_len = row
             sequence = self._get(seq_id)
-            if not 0 <= q_len <= sequence.length:
+            if seq_id in seen:
                 raise ValueError(
-                    f"q_len of sequence {seq_id!r} must be in [0, {sequence.length}], the "
-                    f"tokens it holds, got {q_len}"
+                    f"batch: sequence {seq_id!r} is in rows twice; a step takes each "
+                    f"sequence once, with all its new tokens"
+                )
+            seen.add(seq_id)
+            pending = sequence.length - sequence.written
+            if (
+                isinstance(q_len, bool)
+                or not isinstance(q_len, numbers.Integral)
+                or (q_len != pending)
+            ):
+                raise ValueError(
+                    f"batch: q_len of sequence {seq_id!r} must be {pending}, the tokens "
+                    f"allocate/extend gave it since its last confirmed step, got {q_len!r}"
                 )
             table[b, : len(sequence.pages)] = sequence.pages
-            lengths[b], q_lens[b] = sequence.length, q_len
+            lengths[b], q_lens[b] = sequence.length, pending
         starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         if starts[-1] > tokens:
             raise ValueError(
-                f"the step's rows bring {int(starts[-1])} tokens, more than its tokens={tokens}"
-            )
-        if len(self._copies) > self.max_copies:
-            raise ValueError(
-                f"{len(self._copies)} copy-on-write copies are pending, more than "
-                f"max_copies={self.max_copies}; run a step between forks"
+                f"batch: the step's rows bring {int(starts[-1])} tokens, more than its "
+                f"tokens={tokens}"
             )
         copies = np.full((self.max_copies, 2), -1, np.int32)
         if self._copies:
             copies[: len(self._copies)] = self._copies
+        batch = PagedBatch(table, lengths, starts, copies, self.page_size, self.pages)
+        self._outstanding = (batch, [(seq_id, int(q)) for seq_id, q in rows])
+        return batch
+
+    def confirm(self, batch: PagedBatch) -> None:
+        """The step of ``batch`` (the last :meth:`batch` made) has run: its rows'
+        tokens are written and its copies done.
+
+        Raises:
+          ValueError: ``batch`` is not the last one made, or it was confirmed already.
+        """
+        if self._outstanding is None or not _same(batch, self._outstanding[0]):
+            raise ValueError(
+                "confirm: this is not the batch the allocator made last (or it was "
+                "confirmed already); confirm the batch whose step ran, once"
+            )
+        for seq_id, _ in self._outstanding[1]:
+            sequence = self._sequences[seq_id]
+            sequence.written = sequence.length
         self._copies = []
-        return PagedBatch(table, lengths, starts, copies)
+        self._outstanding = None
 
     # --- the pages ----------------------------------------------------------------
+
+    def _idle(self, what: str) -> None:
+        """Raises ValueError while a batch waits for :meth:`confirm`."""
+        if self._outstanding is not None:
+            raise ValueError(
+                f"{what}: a step's batch is waiting to be confirmed; run the step, then "
+                f"alloc.confirm(batch), before changing the allocator"
+            )
 
     def _get(self, seq_id) -> _Sequence:
         if seq_id not in self._sequences:
             raise KeyError(f"no sequence {seq_id!r} is allocated")
         return self._sequences[seq_id]
+
+    def _source(self, page: int) -> int:
+        """Where ``page``'s content is before the next step: the source of the pending
+        copy into it, if any (the step reads every copy's source before writing)."""
+        for source, target in self._copies:
+            if target == page:
+                return source
+        return page
 
     def _take(self) -> int:
         page = self._free.pop()
@@ -251,3 +375,13 @@ class PageAllocator:
         self._refs[page] -= 1
         if self._refs[page] == 0:
             self._free.append(page)
+            # A copy into a page nobody holds is dropped: the page may be a new copy's.
+            self._copies = [c for c in self._copies if c[1] != page]
+
+
+def _same(a: PagedBatch, b: PagedBatch) -> bool:
+    """Whether two batches are the same step (their arrays equal)."""
+    if not isinstance(a, PagedBatch):
+        return False
+    fields = ("page_table", "kv_lengths", "query_starts", "copies")
+    return all(np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f))) for f in fields)

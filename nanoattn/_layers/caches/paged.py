@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core.base.paged import check_paged_values, safe_page_table, token_layout
+from ..._core.base.paged import check_paged_values, held_pages, safe_page_table, token_layout
 from ..._core.base.validate import as_array, expect_integer, expect_shape
 from .. import positional
 from . import quantized
@@ -44,14 +44,22 @@ class PagedBatch:
       kv_lengths: (B,): the keys row b holds after this step (0 for an unused row).
       query_starts: (B + 1,): row b's tokens are rows ``query_starts[b] ..
         query_starts[b + 1] - 1`` of the step's x.
-      copies: (C, 2): pages to copy before writing, ``(source, destination)``; -1
-        for an unused entry.
+      copies: (C, 2): pages to copy before writing, ``(source, destination)``;
+        ``(-1, -1)`` for an unused entry. They are carried out all at once, each
+        reading its source as the pool was before the step; no two share a
+        destination.
+      page_size: the tokens of a page, as the allocator counts them (static): a
+        layer whose cache has pages of another size refuses the batch.
+      pool_pages: P, the pages of the allocator's pool (static): a layer whose pool
+        has another number of pages refuses the batch.
     """
 
     page_table: jax.Array
     kv_lengths: jax.Array
     query_starts: jax.Array
     copies: jax.Array
+    page_size: int = dataclasses.field(metadata=dict(static=True))
+    pool_pages: int = dataclasses.field(metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,18 +133,33 @@ class PagedCache(CachePolicy):
                 f"got {tuple(shape)}"
             )
         Tq, P = shape[1], cache.key.shape[0]
+        if pages.page_size != self.page_size:
+            raise ValueError(
+                f"pages: the batch is for pages of {pages.page_size} tokens (its "
+                f"PageAllocator's page_size), but this layer's cache has page_size="
+                f"{self.page_size}; make the allocator with page_size={self.page_size}"
+            )
+        if pages.pool_pages != P:
+            raise ValueError(
+                f"pages: the batch's PageAllocator has {pages.pool_pages} pages, but this "
+                f"layer's pool has P={P}; make the allocator with pages={P}"
+            )
         table = _ints("page_table", pages.page_table, "B M", (None, None))
         B = table.shape[0]
         lengths = _ints("kv_lengths", pages.kv_lengths, "B", (B,))
         starts = _ints("query_starts", pages.query_starts, "B+1", (B + 1,))
         copies = _ints("copies", pages.copies, "C 2", (None, 2))
         check_paged_values(table, lengths, starts, Tq, P, self.page_size)
-        _check_copies(copies, P)
+        check_copies(copies, P)
         layout = token_layout(table, lengths, starts, Tq, P, self.page_size)
-        pages = PagedBatch(table, lengths, starts, copies)
+        # A sequence holding a page that a bad copy was to fill (only under jit): NaN.
+        spoilt = copy_spoils(copies, table, lengths, P, self.page_size)[layout.sequence]
+        spoilt = spoilt & layout.real
+        pages = PagedBatch(table, lengths, starts, copies, self.page_size, P)
         return StepLayout(
-            layout.position[None], layout.real[None], layout.broken[None], pages=pages
-        )
+            layout.position[None], (layout.real & ~spoilt)[None],
+            (layout.broken | spoilt)[None], pages=pages,
+        )  # fmt: skip
 
     def write_step(self, cache: KVCache, k, v, layout: StepLayout) -> KVCache:
         """The step's copies first (copy-on-write of shared pages), then each real
@@ -145,16 +168,16 @@ class PagedCache(CachePolicy):
         pages = layout.pages
         P, ps = cache.key.shape[:2]
         copies = pages.copies
-        used = (copies[:, 0] >= 0) & (copies[:, 0] < P) & (copies[:, 1] >= 0) & (copies[:, 1] < P)
+        used = ~copy_faults(copies, P).any(axis=1) & (copies[:, 0] >= 0)
         source = jnp.where(used, copies[:, 0], 0)
         target = jnp.where(used, copies[:, 1], P)  # P: dropped
-        layout_t = token_layout(
+        sequence = token_layout(
             pages.page_table, pages.kv_lengths, pages.query_starts, k.shape[1], P, ps
-        )
+        ).sequence
         table = safe_page_table(pages.page_table, pages.kv_lengths, ps, P)
-        position = layout_t.position
-        page = table[layout_t.sequence, position // ps]
-        page = jnp.where(layout_t.real, page, P)  # padding and broken tokens: dropped
+        position = layout.positions[0]
+        page = table[sequence, position // ps]
+        page = jnp.where(layout.real[0], page, P)  # padding and broken tokens: dropped
         slot = position % ps
 
         def write(pool, new):
@@ -205,13 +228,45 @@ def _ints(name: str, x, axes: str, dims):
     return x.astype(jnp.int32)
 
 
-def _check_copies(copies, P: int) -> None:
-    """Raises ValueError for a used copy naming a page outside the pool, when concrete."""
+def copy_faults(copies, P: int):
+    """(C, 2) bool, traced or not: whether each used copy names a page outside the pool
+    (column 0), and whether another used copy has its destination (column 1). An entry
+    ``(-1, -1)`` is unused: no fault."""
+    source, target = copies[:, 0], copies[:, 1]
+    unused = (source == -1) & (target == -1)
+    outside = ~unused & ((source < 0) | (source >= P) | (target < 0) | (target >= P))
+    same = (target[:, None] == target[None, :]) & ~unused[:, None] & ~unused[None, :]
+    twice = (same & ~jnp.eye(copies.shape[0], dtype=bool)).any(axis=1)
+    return jnp.stack([outside, twice & ~outside], axis=1)
+
+
+def check_copies(copies, P: int) -> None:
+    """Raises ValueError for a copy naming a page outside the pool, or two copies into
+    one page, when concrete (under ``jit``: :func:`copy_spoils`)."""
     if isinstance(copies, jax.core.Tracer):
         return
     values = np.asarray(copies)
-    used = values[:, 0] >= 0
-    bad = np.flatnonzero(used & ((values >= P).any(axis=1) | (values[:, 1] < 0)))
-    if bad.size:
-        c = int(bad[0])
-        raise ValueError(f"copies[{c}]={values[c].tolist()} names a page outside the pool (P={P})")
+    faults = np.asarray(copy_faults(jnp.asarray(values), P))
+    if faults[:, 0].any():
+        c = int(np.flatnonzero(faults[:, 0])[0])
+        raise ValueError(
+            f"copies[{c}]={values[c].tolist()} names a page outside the pool (P={P}); an "
+            f"unused entry is [-1, -1]"
+        )
+    if faults[:, 1].any():
+        c, d = (int(i) for i in np.flatnonzero(values[:, 1] == values[faults[:, 1]][0, 1])[:2])
+        raise ValueError(
+            f"copies[{c}] and copies[{d}] both copy into page {int(values[c, 1])}; a page "
+            f"takes one copy per step"
+        )
+
+
+def copy_spoils(copies, page_table, kv_lengths, P: int, page_size: int):
+    """(B,) bool: the sequences holding a page that a faulty copy was to fill (their
+    tokens are NaN under ``jit``, and never written)."""
+    faulty = copy_faults(copies, P).any(axis=1)
+    target = copies[:, 1]
+    lost = jnp.where(faulty & (target >= 0) & (target < P), target, -1)  # (C,)
+    held = held_pages(kv_lengths, page_size, page_table.shape[1])  # (B, M)
+    hits = (page_table[:, :, None] == lost[None, None, :]) & held[..., None]  # (B, M, C)
+    return hits.any(axis=(1, 2))
