@@ -6,6 +6,7 @@ sequences, forks that share a prompt, pages reused after free holding stale NaN 
 inf, and rewinds, each sequence equal to its own full forward (docs/decoding.md,
 "Paged caches")."""
 
+import dataclasses
 import functools
 
 import jax
@@ -194,6 +195,67 @@ def test_misuse_is_refused_in_one_line():
                     pages=batch, lengths=jnp.zeros((1,), jnp.int32), mutable=["cache"])  # fmt: skip
     with pytest.raises(ValueError, match=r"page_size .* and rolling_cache=True"):
         AttentionConfig(D, N, window=(3, 0), rolling_cache=True, page_size=PS)
+
+
+def test_a_batch_of_another_allocators_geometry_is_refused_even_under_jit():
+    """The batch says its allocator's page size and pool; unused page-table entries are
+    0, a valid page, so a mismatch would read and write the wrong slots silently."""
+    step, _, cache = _layer()
+    for pages, page_size, message in (
+        (PAGES, 4, r"pages: the batch is for pages of 4 tokens .* page_size=5"),
+        (PAGES + 1, PS, r"pages: the batch's PageAllocator has 24 pages, but this layer's pool"),
+    ):
+        alloc = PageAllocator(pages, page_size, max_sequences=SEQS, max_pages=MAX_PAGES)
+        alloc.allocate("a", 3)
+        with pytest.raises(ValueError, match=message):
+            step(cache, jnp.ones((1, TQ, D)), alloc.batch([("a", 3)], tokens=TQ))
+
+
+def _two_sequences():
+    """A driver holding a (7 tokens) and b (6 tokens, fed), and the next step's
+    batch: a's decode token and b's chunk of 3; its inputs x (1, TQ, D)."""
+    run = Driver(seed=5)
+    run.feed([("a", _x(20, 7)), ("b", _x(21, 6))])
+    run.alloc.extend("a", 1)
+    run.alloc.extend("b", 3)
+    batch = run.alloc.batch([("a", 1), ("b", 3)], tokens=TQ)
+    x = np.concatenate([_x(22, 1), _x(23, 3), np.zeros((TQ - 4, D), np.float32)])[None]
+    return run, batch, jnp.asarray(x)
+
+
+def _spoil(case, batch):
+    table, starts, copies = (np.array(a) for a in (batch.page_table, batch.query_starts,
+                                                    batch.copies))  # fmt: skip
+    if case == "page id":  # b's second page outside the pool
+        table[1, 1] = PAGES
+    elif case == "copies":  # a copy into b's last page from outside the pool
+        copies[0] = [PAGES + 3, table[1, 1]]
+    elif case == "two copies into one page":
+        copies[0], copies[1] = [table[0, 0], table[1, 1]], [table[0, 1], table[1, 1]]
+    else:  # starts that decrease
+        starts[2] = 0
+    return dataclasses.replace(batch, page_table=table, query_starts=starts, copies=copies)
+
+
+@pytest.mark.parametrize("case", ["page id", "copies", "two copies into one page", "starts"])
+def test_a_bad_batch_raises_when_concrete_and_poisons_its_rows_under_jit(case):
+    run, batch, x = _two_sequences()
+    good, good_cache = run.step(run.cache, x, batch)
+    bad_batch = _spoil(case, batch)
+    layer = CausalSelfAttention(_config())
+    params = layer.init(jax.random.key(0), jnp.zeros((1, PS, D)), True)
+    with pytest.raises(ValueError, match=r"page_table\[1, 1\]|copies\[[01]\]|query_starts"):
+        layer.apply({**params, "cache": run.cache}, x, True, decode=True, pages=bad_batch,
+                    mutable=["cache"])  # fmt: skip
+    y, cache = run.step(run.cache, x, bad_batch)  # jitted: NaN rows instead
+    y, good = np.asarray(y), np.asarray(good)
+    rows = (np.arange(TQ) >= 1) & (np.arange(TQ) < 4)  # b's (starts: every row)
+    rows |= case == "starts"
+    assert np.isnan(y[0, rows]).all()
+    np.testing.assert_array_equal(y[0, ~rows], good[0, ~rows])  # a's row, the padding
+    if case != "starts":  # a's token is written as in the good step, at slot 7 % 5
+        page = run.alloc.pages_of("a")[1]
+        np.testing.assert_array_equal(cache["key"][page, 2], good_cache["key"][page, 2])
 
 
 def test_a_fresh_pool_is_buffers_of_its_own_so_a_step_may_donate_it():
