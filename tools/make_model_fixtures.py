@@ -3,12 +3,13 @@
 Run from the repository root with a Python that has torch and transformers (they are
 never dependencies of nanoattn or of its tests, which read only the .npz files):
 
-    /path/to/venv-with-torch/bin/python tools/make_model_fixtures.py
+    /path/to/venv-with-torch/bin/python tools/make_model_fixtures.py [NAME ...]
 
-For each family (llama, mistral, qwen2, qwen3, gemma2, gemma3, gpt_oss, olmo2, phi3) it
-builds the ``...ForCausalLM`` with a small random configuration (two layers where the
-family alternates layer types or sliding windows), gives the attention weights random
-values of a useful size, and runs, with the eager attention:
+(NAME: a family, a variant or ``rope``; none: every fixture.) For each family (llama,
+mistral, qwen2, qwen3, gemma2, gemma3, gpt_oss, olmo2, phi3) it builds the
+``...ForCausalLM`` with a small random configuration (two layers where the family
+alternates layer types or sliding windows), gives the attention weights random values
+of a useful size, and runs, with the eager attention:
 
 * a forward over B x T tokens, recording each layer's attention input ``x{i}`` and
   output ``y{i}_f32`` (hooks on ``model.layers[i].self_attn``);
@@ -22,7 +23,9 @@ values of a useful size, and runs, with the eager attention:
   every such request is given float64 (:func:`float64_everywhere`), so the truth is
   transformers' own code in float64.
 
-It writes tests/fixtures/models/<family>.npz: ``config`` (``model.config.to_dict()`` as
+The same for each variant of a family (``VARIANTS``: qwen3_yarn_derived, YaRN with
+``factor`` None, which transformers derives from the lengths). It writes
+tests/fixtures/models/<family or variant>.npz: ``config`` (``model.config.to_dict()`` as
 JSON), the attention weights under their checkpoint names
 (``model.layers.{i}.self_attn.*``, float32), the arrays above and ``chunks`` (the
 decode's call lengths). And tests/fixtures/models/rope.npz: transformers' inverse
@@ -33,6 +36,7 @@ scaling, held against ``nanoattn._core.rope.frequencies``.
 import contextlib
 import json
 import pathlib
+import sys
 
 import numpy as np
 import torch
@@ -120,6 +124,18 @@ FAMILIES = {
     ),
 }  # fmt: skip
 
+# Fixtures of a family with other options: (family, the options that replace its own).
+# qwen3_yarn_derived: YaRN with factor None, which transformers derives from the lengths
+# (max_position_embeddings / original_max_position_embeddings = 40 / 8 = 5).
+VARIANTS = {
+    "qwen3_yarn_derived": (
+        "qwen3",
+        dict(max_position_embeddings=40,
+             rope_parameters=dict(rope_type="yarn", rope_theta=100.0, factor=None,
+                                  original_max_position_embeddings=8)),
+    ),
+}  # fmt: skip
+
 # Gemma's norms multiply by 1 + w and store w; the others store the scale itself.
 OFFSET_NORMS = ("gemma2", "gemma3")
 
@@ -139,9 +155,11 @@ def float64_everywhere():
         torch.set_default_dtype(saved[3])
 
 
-def build(family: str, dtype=torch.float32):
+def build(name: str, dtype=torch.float32):
+    """The ForCausalLM of a family or a variant (VARIANTS), in ``dtype``."""
+    family, changes = VARIANTS.get(name, (name, {}))
     model_name, config_name, options = FAMILIES[family]
-    config = getattr(transformers, config_name)(**(SMALL | options))
+    config = getattr(transformers, config_name)(**(SMALL | options | changes))
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"  # gpt-oss: grouped_mm has no float64
     model = getattr(transformers, model_name)(config).to(dtype).eval()
@@ -231,16 +249,17 @@ def run(model, ids, replace_full=None, replace_decode=None):
     return full, rec
 
 
-def make(family: str, seed: int) -> dict[str, np.ndarray]:
+def make(name: str, seed: int) -> dict[str, np.ndarray]:
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    model = build(family)
+    model = build(name)
+    family = VARIANTS.get(name, (name,))[0]
     randomize(model, family, generator)
     weights = attention_state(model)
     ids = torch.randint(0, VOCAB, (B, T), generator=generator)
     full, decode = run(model, ids)
     with float64_everywhere():
-        model64 = build(family, torch.float64)
+        model64 = build(name, torch.float64)
         model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()}, strict=True)
         full64, decode64 = run(model64, ids, full.inputs, decode.inputs)
     arrays = {"config": np.array(json.dumps(model.config.to_dict(), default=str))}
@@ -254,7 +273,7 @@ def make(family: str, seed: int) -> dict[str, np.ndarray]:
             f"dy{i}_f64": np.concatenate(decode64.outputs[i], axis=1),
         }
         error = np.abs(arrays[f"y{i}_f32"] - arrays[f"y{i}_f64"]).max()
-        assert 0 < error < 1e-4, (family, i, error)  # a float64 truth, and not a copy
+        assert 0 < error < 1e-4, (name, i, error)  # a float64 truth, and not a copy
         assert np.array_equal(full64.inputs[i][0], x.astype(np.float64))
     arrays["chunks"] = np.array([PROMPT] + [1] * (T - PROMPT))
     return arrays
@@ -307,22 +326,30 @@ def rope_fixtures() -> dict[str, np.ndarray]:
     return arrays
 
 
-def main():
+def main(names: list[str]) -> None:
+    """Writes the fixtures named (families, variants, ``rope``), or all of them."""
+    every = [*FAMILIES, *VARIANTS, "rope"]
+    unknown = sorted(set(names) - set(every))
+    if unknown:
+        raise SystemExit(f"no fixture {unknown[0]!r}; the fixtures: {', '.join(every)}")
     OUT.mkdir(parents=True, exist_ok=True)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    for seed, family in enumerate(FAMILIES):
-        arrays = make(family, seed)
-        path = OUT / f"{family}.npz"
+    for seed, name in enumerate([*FAMILIES, *VARIANTS]):  # each fixture's seed is its place
+        if names and name not in names:
+            continue
+        arrays = make(name, seed)
+        path = OUT / f"{name}.npz"
         np.savez_compressed(path, **arrays)
         error = max(
             np.abs(arrays[f"y{i}_f32"] - arrays[f"y{i}_f64"]).max()
             for i in range(sum(k.startswith("x") and k[1:].isdigit() for k in arrays))
         )
         size = path.stat().st_size / 1024
-        print(f"{family:8s} {size:5.1f} KiB  transformers' float32 error {error:.2e}")
-    np.savez_compressed(OUT / "rope.npz", **rope_fixtures())
-    print(f"rope     {(OUT / 'rope.npz').stat().st_size / 1024:5.1f} KiB")
+        print(f"{name:8s} {size:5.1f} KiB  transformers' float32 error {error:.2e}")
+    if not names or "rope" in names:
+        np.savez_compressed(OUT / "rope.npz", **rope_fixtures())
+        print(f"rope     {(OUT / 'rope.npz').stat().st_size / 1024:5.1f} KiB")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
