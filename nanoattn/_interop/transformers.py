@@ -21,6 +21,12 @@ or the checkpoint's ``config.json`` in the older format with ``rope_theta`` and
   ``qk_norm="head"``, OLMo 2's whole-projection norms ``"projection"``, each with
   the model's ``rms_norm_eps``; gpt-oss's ``sinks`` are ``sinks``.
 
+Where transformers fills in a missing key (``head_dim``, a RoPE base, yarn's ``factor``
+and original length), the same is filled in; any other key the layer needs that is
+missing or of the wrong kind, a layer type or RoPE type it does not load, and tensors
+of mixed dtypes (or float64 without ``jax_enable_x64``) are refused in one line naming
+the key or the tensor (docs/models.md).
+
 :func:`to_transformers` is the inverse: the state dict entries of the layer from
 (fine-tuned) params, bit for bit the arrays :func:`from_transformers` read.
 
@@ -28,13 +34,18 @@ Axis letters (docs/conventions.md): D model width, N query heads, K key/value he
 H head width.
 """
 
-from collections.abc import Mapping
+import math
+import numbers
+from collections.abc import Mapping, Sequence
 
+import jax
 import numpy as np
 
 from .._layers.config import AttentionConfig
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss", "olmo2", "phi3")
+# The layer types a layer can be loaded as; any other (chunked_attention, ...) is refused.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # Where a ForCausalLM checkpoint keeps decoder layer i's attention, and the same without
 # the "model." prefix (and Gemma 3's multimodal checkpoints, whose text model is nested).
 PREFIXES = (
@@ -51,6 +62,9 @@ _SINKS = ("gpt_oss",)
 _FUSED_QKV = ("phi3",)
 # Families whose sliding window, when set, applies to every layer.
 _WINDOW_EVERYWHERE = ("mistral", "phi3")
+# transformers' RoPE base where a configuration has none (its configs' default_theta);
+# Gemma 3's sliding layers: rope_local_base_freq, 10000 where absent.
+_DEFAULT_THETA = {"gemma3": 1_000_000.0, "gpt_oss": 150_000.0}
 _ROPE_KEYS = {
     "linear": ("factor",),
     "dynamic": ("factor",),
@@ -66,6 +80,56 @@ _ROPE_KEYS = {
         "truncate",
     ),
 }
+# What each scaled RoPE needs in the configuration (the lengths come from
+# max_position_embeddings where absent, and yarn's factor from the lengths).
+_ROPE_NEEDS = {"linear": ("factor",), "dynamic": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor")}  # fmt: skip
+# What a RoPE parameter must be, where not "a number > 0" (mscale 0: unset, as transformers).
+_ROPE_KINDS = {
+    "original_max_position_embeddings": "an int >= 1",
+    "mscale": "a number >= 0",
+    "mscale_all_dim": "a number >= 0",
+    "truncate": "True or False",
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    return real and math.isfinite(value)
+
+
+# What a configuration value may be: the words the messages say, the test, the conversion.
+_KINDS = {
+    "an int >= 1": (lambda v: _is_int(v) and v >= 1, int),
+    "an int >= 0": (lambda v: _is_int(v) and v >= 0, int),
+    "a number > 0": (lambda v: _is_real(v) and v > 0, float),
+    "a number >= 0": (lambda v: _is_real(v) and v >= 0, float),
+    "a number in [0, 1)": (lambda v: _is_real(v) and 0 <= v < 1, float),
+    "a number in (0, 1]": (lambda v: _is_real(v) and 0 < v <= 1, float),
+    "True or False": (lambda v: isinstance(v, (bool, np.bool_)), bool),
+}
+_REQUIRED = object()
+
+
+def _get(config: Mapping, key: str, kind: str, default=_REQUIRED, name: str | None = None):
+    """``config[key]``, checked to be ``kind`` (a key of ``_KINDS``) and converted;
+    ``default`` where the key is absent or None. Otherwise (no default, a value of
+    another kind) a one-line ValueError naming the key: ``name``, where it sits in the
+    configuration (``rope_parameters['factor']``), else ``key``."""
+    name = name or key
+    value = config.get(key)
+    if value is None and default is not _REQUIRED:
+        return default
+    if key not in config:
+        raise ValueError(f"config has no {name} ({kind})")
+    test, convert = _KINDS[kind]
+    if not test(value):
+        raise ValueError(f"config {name} must be {kind}, got {value!r}")
+    return convert(value)
 
 
 def _family(config: Mapping) -> tuple[str, Mapping]:
@@ -78,7 +142,7 @@ def _family(config: Mapping) -> tuple[str, Mapping]:
     kind = config.get("model_type")
     if kind == "gemma3" and isinstance(config.get("text_config"), Mapping):
         return "gemma3", config["text_config"]
-    kind = {"gemma3_text": "gemma3"}.get(kind, kind)
+    kind = "gemma3" if kind == "gemma3_text" else kind
     if kind not in FAMILIES:
         raise ValueError(
             f"config model_type {config.get('model_type')!r} is not supported; supported: "
@@ -87,38 +151,44 @@ def _family(config: Mapping) -> tuple[str, Mapping]:
     return kind, config
 
 
-def _int(config: Mapping, key: str, default=None) -> int:
-    value = config.get(key, default)
-    if value is None and default is not None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"config {key} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
 def _sizes(config: Mapping) -> tuple[int, int, int, int]:
-    D = _int(config, "hidden_size")
-    N = _int(config, "num_attention_heads")
-    K = _int(config, "num_key_value_heads", N)
-    H = config.get("head_dim")
-    H = _int(config, "head_dim") if H is not None else D // N
+    D = _get(config, "hidden_size", "an int >= 1")
+    N = _get(config, "num_attention_heads", "an int >= 1")
+    K = _get(config, "num_key_value_heads", "an int >= 1", N)
+    H = _get(config, "head_dim", "an int >= 1", D // N)  # transformers' default: D // N
     return D, N, K, H
 
 
 def _layer_type(family: str, config: Mapping, layer: int) -> str:
-    """``"sliding_attention"`` or ``"full_attention"`` of decoder layer ``layer``."""
+    """``"sliding_attention"`` or ``"full_attention"``: decoder layer ``layer``'s entry of
+    ``layer_types`` (one per layer; any other type is refused), or the family's older
+    rule."""
     types = config.get("layer_types")
     if types is not None:
+        layers = _get(config, "num_hidden_layers", "an int >= 1")
+        if isinstance(types, (str, bytes)) or not isinstance(types, Sequence):
+            raise ValueError(f"config layer_types must be a list of layer types, got {types!r}")
+        if len(types) != layers:
+            raise ValueError(
+                f"config layer_types must have one entry per layer (num_hidden_layers="
+                f"{layers}), got {len(types)}"
+            )
+        if types[layer] not in LAYER_TYPES:
+            raise ValueError(
+                f"config layer_types[{layer}] is {types[layer]!r}, which from_transformers does "
+                f"not load; known: {', '.join(LAYER_TYPES)}"
+            )
         return types[layer]
     window = config.get("sliding_window")
     if family in _WINDOW_EVERYWHERE:
         return "full_attention" if window is None else "sliding_attention"
     if family in ("qwen2", "qwen3"):  # transformers' rule before layer_types
-        sliding = config.get("use_sliding_window") and window is not None
-        sliding = sliding and layer >= config.get("max_window_layers", 0)
+        sliding = _get(config, "use_sliding_window", "True or False", False) and window is not None
+        sliding = sliding and layer >= _get(config, "max_window_layers", "an int >= 0")
         return "sliding_attention" if sliding else "full_attention"
     if family == "gemma3":
-        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        keys = [k for k in ("sliding_window_pattern", "_sliding_window_pattern") if k in config]
+        pattern = _get(config, (keys or ["sliding_window_pattern"])[0], "an int >= 1", 6)
         return "full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
     if family in ("gemma2", "gpt_oss"):
         return "full_attention" if layer % 2 else "sliding_attention"
@@ -130,35 +200,57 @@ def _window(config: Mapping, layer_type: str):
     before it) as nanoattn's ``window=(W - 1, 0)``, on sliding layers."""
     if layer_type != "sliding_attention":
         return None
-    W = _int(config, "sliding_window")
+    W = _get(config, "sliding_window", "an int >= 1")
     return (W - 1, 0)
 
 
-def _rope_parameters(family: str, config: Mapping, layer_type: str) -> dict:
-    """The RoPE parameters of a layer type, in transformers' current form
-    (``rope_type``, ``rope_theta``, ...), from either form of the configuration."""
-    params = config.get("rope_parameters")
-    if params is not None:
-        if layer_type in params and isinstance(params[layer_type], Mapping):  # per layer type
-            params = params[layer_type]
-        params = dict(params)
+def _mapping(value, name: str) -> dict:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config {name} must be a dict of RoPE parameters, got {value!r}")
+    return dict(value)
+
+
+def _rope_parameters(family: str, config: Mapping, layer_type: str) -> tuple[dict, str]:
+    """The RoPE parameters of a layer type in transformers' current form, from either
+    form of the configuration: ``rope_type``, ``rope_theta`` and
+    ``partial_rotary_factor`` (None: whole heads) checked, the rest as given; and where
+    they sit in the configuration, for the messages."""
+    local = family == "gemma3" and layer_type == "sliding_attention"
+    if config.get("rope_parameters") is not None:
+        where = "rope_parameters"
+        params = _mapping(config[where], where)
+        if any(key in LAYER_TYPES for key in params):  # one entry per layer type (Gemma 3)
+            if layer_type not in params:
+                raise ValueError(f"config rope_parameters has no {layer_type!r} entry")
+            where = f"rope_parameters[{layer_type!r}]"
+            params = _mapping(params[layer_type], where)
     else:  # config.json before transformers 5: rope_theta and rope_scaling
-        params = dict(config.get("rope_scaling") or {})
-        params["rope_theta"] = config.get("rope_theta", 10000.0)
-        if family == "gemma3" and layer_type == "sliding_attention":
-            params = {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
-        if config.get("partial_rotary_factor") is not None:
-            params["partial_rotary_factor"] = config["partial_rotary_factor"]
+        where = "rope_scaling"
+        scaling = config.get(where)
+        params = {} if local or scaling is None else _mapping(scaling, where)
+    # Where the layer type's own parameters have no base: transformers' order.
+    if local:
+        top, theta = "rope_local_base_freq", 10_000.0
+    else:
+        top, theta = "rope_theta", _DEFAULT_THETA.get(family, 10_000.0)
+    if "rope_theta" in params:
+        theta = _get(params, "rope_theta", "a number > 0", name=f"{where}['rope_theta']")
+    else:
+        theta = _get(config, top, "a number > 0", _REQUIRED if top in config else theta)
+    key = "partial_rotary_factor"
+    source, name = (params, f"{where}[{key!r}]") if key in params else (config, key)
+    params[key] = _get(source, key, "a number in (0, 1]", None, name=name)
+    params["rope_theta"] = theta
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    return params
+    return params, where
 
 
 def _rope(family: str, config: Mapping, layer_type: str, head_dim: int) -> dict:
     """The layer's RoPE as AttentionConfig options."""
-    params = _rope_parameters(family, config, layer_type)
+    params, where = _rope_parameters(family, config, layer_type)
     kind = params["rope_type"]
-    options = {"rope_base": float(params.get("rope_theta", 10000.0))}
-    partial = params.get("partial_rotary_factor")
+    options = {"rope_base": params["rope_theta"]}
+    partial = params["partial_rotary_factor"]
     if partial is not None and int(head_dim * partial) != head_dim:
         options["rotary_dim"] = int(head_dim * partial)
     if kind == "default":
@@ -168,23 +260,39 @@ def _rope(family: str, config: Mapping, layer_type: str, head_dim: int) -> dict:
             f"config rope_type {kind!r} is not supported; supported: default, "
             f"{', '.join(_ROPE_KEYS)}"
         )
+    for key in _ROPE_NEEDS.get(kind, ()):
+        if params.get(key) is None:
+            raise ValueError(f"config {where} has no {key!r}, which rope_type {kind!r} needs")
     scaling = {"rope_type": kind}
-    scaling |= {key: params[key] for key in _ROPE_KEYS[kind] if params.get(key) is not None}
-    longest = config.get("max_position_embeddings")
+    for key in _ROPE_KEYS[kind]:
+        if params.get(key) is not None:
+            kind_of = _ROPE_KINDS.get(key, "a number > 0")
+            scaling[key] = _get(params, key, kind_of, name=f"{where}[{key!r}]")
     if kind == "dynamic":  # transformers grows the base past max_position_embeddings
-        scaling["original_max_position_embeddings"] = longest
+        scaling["original_max_position_embeddings"] = _longest(config, "rope_type 'dynamic'")
     elif kind in ("llama3", "yarn") and "original_max_position_embeddings" not in scaling:
-        scaling["original_max_position_embeddings"] = config.get(
-            "original_max_position_embeddings", longest
-        )
+        key = "original_max_position_embeddings"  # transformers: the top level's, else
+        top = _get(config, key, "an int >= 1", None)  # max_position_embeddings
+        scaling[key] = top or _longest(config, f"rope_type {kind!r}")
     if kind == "yarn":
-        if scaling.get("factor") is None:  # transformers: the extension ratio
+        if "factor" not in scaling:  # transformers: the extension ratio
+            longest = _longest(config, "rope_type 'yarn' without a factor")
             scaling["factor"] = longest / scaling["original_max_position_embeddings"]
         top = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if "truncate" in top:  # transformers reads yarn's truncate at the top level
-            scaling["truncate"] = top["truncate"]
+            name = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+            scaling["truncate"] = _get(top, "truncate", "True or False", name=f"{name}['truncate']")
     options["rope_scaling"] = scaling
     return options
+
+
+def _longest(config: Mapping, needs: str) -> int:
+    """max_position_embeddings, which ``needs`` (a RoPE type) reads."""
+    if config.get("max_position_embeddings") is None:
+        raise ValueError(
+            f"config has no max_position_embeddings (an int >= 1), which {needs} needs"
+        )
+    return _get(config, "max_position_embeddings", "an int >= 1")
 
 
 def _prefix(state_dict: Mapping, layer: int, first: str) -> str:
@@ -205,7 +313,7 @@ def _expect(name: str, array, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _check_layer(config: Mapping, layer) -> int:
-    layers = _int(config, "num_hidden_layers")
+    layers = _get(config, "num_hidden_layers", "an int >= 1")
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise TypeError(f"layer must be an int, got layer={layer!r}")
     if not 0 <= layer < layers:
@@ -213,17 +321,41 @@ def _check_layer(config: Mapping, layer) -> int:
     return int(layer)
 
 
+def _dtype(tensors: Mapping[str, np.ndarray]) -> np.dtype:
+    """The one dtype of a layer's tensors (checkpoint name to array), or a one-line
+    ValueError naming a tensor: one of another dtype than the first, or of a dtype that
+    is not floating point or that JAX would not keep (float64 without jax_enable_x64)."""
+    (first, array), *rest = tensors.items()
+    for name, other in rest:
+        if other.dtype != array.dtype:
+            raise ValueError(
+                f"state_dict {name} is {other.dtype.name} but {first} is {array.dtype.name}; "
+                f"cast the layer's tensors to one dtype first"
+            )
+    dtype = array.dtype
+    if not jax.dtypes.issubdtype(dtype, np.floating):  # bfloat16 included
+        raise ValueError(f"state_dict {first} is {dtype.name}; expected floating-point tensors")
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise ValueError(
+            f"state_dict {first} is {dtype.name}, which JAX truncates to "
+            f"{jax.dtypes.canonicalize_dtype(dtype).name} without jax_enable_x64; cast the "
+            f"tensors to float32 first (or enable jax_enable_x64)"
+        )
+    return dtype
+
+
 def _attention_config(family: str, config: Mapping, layer: int, dtype, biases) -> AttentionConfig:
     D, N, K, H = _sizes(config)
     layer_type = _layer_type(family, config, layer)
-    if family in _QUERY_SCALAR and config.get("use_bidirectional_attention"):
+    bidirectional = "use_bidirectional_attention"
+    if family in _QUERY_SCALAR and _get(config, bidirectional, "True or False", False):
         raise ValueError("config use_bidirectional_attention=True is not causal attention")
     options = dict(
         d_model=D,
         n_heads=N,
         n_kv_heads=None if K == N else K,
         head_dim=H,
-        dropout=float(config.get("attention_dropout") or 0.0),
+        dropout=_get(config, "attention_dropout", "a number in [0, 1)", 0.0),
         window=_window(config, layer_type),
         param_dtype=dtype,
         sinks=family in _SINKS,
@@ -233,11 +365,13 @@ def _attention_config(family: str, config: Mapping, layer: int, dtype, biases) -
     if biases[1] != biases[0]:  # Qwen2: q, k, v biases, none on the output
         options["out_bias"] = biases[1]
     if family in _QUERY_SCALAR:
-        options["scale"] = float(config["query_pre_attn_scalar"]) ** -0.5
-        if config.get("attn_logit_softcapping") is not None:
-            options["logit_soft_cap"] = float(config["attn_logit_softcapping"])
+        options["scale"] = _get(config, "query_pre_attn_scalar", "a number > 0") ** -0.5
+        cap = _get(config, "attn_logit_softcapping", "a number > 0", None)
+        if cap is not None:
+            options["logit_soft_cap"] = cap
     if family in _QK_NORM:
-        options |= dict(qk_norm=_QK_NORM[family], qk_norm_eps=float(config["rms_norm_eps"]))
+        eps = _get(config, "rms_norm_eps", "a number > 0")
+        options |= dict(qk_norm=_QK_NORM[family], qk_norm_eps=eps)
         if family in _OFFSET_NORMS:
             options["qk_norm_offset"] = 1.0
     return AttentionConfig(**options)
@@ -282,9 +416,14 @@ def from_transformers(config, state_dict, layer):
       ``nanoattn.nnx.from_linen(config, params, rngs=...)`` for NNX.
 
     Raises:
-      ValueError: an unsupported family or RoPE type, a layer out of range, a missing
-        tensor or one of another shape than the config gives, or a tensor of the
-        layer's attention that the family does not use.
+      TypeError: a config, state_dict or layer of another type.
+      ValueError: in one line naming the key or the tensor: an unsupported family, layer
+        type or RoPE type; a layer out of range; a configuration key the layer needs
+        that is missing or not what it must be (``hidden_size`` an int >= 1,
+        ``query_pre_attn_scalar`` a number > 0, ``layer_types`` one type per layer,
+        ``rope_scaling`` a dict, ...); a missing tensor or one of another shape than
+        the config gives; a tensor of the layer's attention that the family does not
+        use; tensors of mixed dtypes, or float64 without ``jax_enable_x64``.
 
     Example:
       >>> import numpy as np
@@ -292,9 +431,9 @@ def from_transformers(config, state_dict, layer):
       ...           "num_key_value_heads": 1, "num_hidden_layers": 1, "rope_theta": 1e6}
       >>> rng = np.random.default_rng(0)
       >>> shapes = {"q": (8, 8), "k": (4, 8), "v": (4, 8), "o": (8, 8)}
-      >>> state = {f"model.layers.0.self_attn.{p}_proj.weight": rng.normal(size=s)
+      >>> state = {f"model.layers.0.self_attn.{p}_proj.weight": rng.standard_normal(s, np.float32)
       ...          for p, s in shapes.items()}
-      >>> state |= {f"model.layers.0.self_attn.{p}_proj.bias": rng.normal(size=s[0])
+      >>> state |= {f"model.layers.0.self_attn.{p}_proj.bias": rng.standard_normal(s[0], np.float32)
       ...           for p, s in shapes.items() if p != "o"}  # Qwen2: no output bias
       >>> attention, params = from_transformers(config, state, 0)
       >>> attention.head_dim, attention.kv_heads, attention.has_bias("out")
@@ -326,13 +465,7 @@ def from_transformers(config, state_dict, layer):
             f"{prefix}{names[inputs[has.index(False)] + '_bias']}: nanoattn's fused qkv "
             f"projection has one bias for all of q, k and v"
         )
-    dtypes = {np.asarray(a).dtype for a in get.values()}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"state_dict's tensors of {prefix[:-1]} have dtypes {sorted(d.name for d in dtypes)}; "
-            f"cast them to one dtype first"
-        )
-    (dtype,) = dtypes
+    dtype = _dtype({prefix + names[key]: np.asarray(a) for key, a in get.items()})
     cfg = _attention_config(family, config, layer, dtype, (all(has), "o_bias" in get))
     return cfg, _params(family, cfg, prefix, get)
 

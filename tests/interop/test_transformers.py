@@ -273,8 +273,15 @@ def test_errors_name_what_is_wrong_in_one_line():
         (config, {k: v for k, v in state.items() if k != "model.layers.0.self_attn.k_proj.bias"},
          0, ValueError, "state_dict has model.layers.0.self_attn.q_proj.bias but not "
          "model.layers.0.self_attn.k_proj.bias: nanoattn's fused qkv projection has one bias"),
-        (config, state | {q: state[q].astype(np.float64)}, 0, ValueError,
-         "have dtypes ['float32', 'float64']; cast them to one dtype first"),
+        (config, state | {q: state[q].astype(np.float16)}, 0, ValueError,
+         f"state_dict {q} is float16 but model.layers.0.self_attn.o_proj.weight is float32; "
+         "cast the layer's tensors to one dtype first"),
+        (config, {k: v.astype(np.float64) for k, v in state.items()}, 0, ValueError,
+         "state_dict model.layers.0.self_attn.o_proj.weight is float64, which JAX truncates "
+         "to float32 without jax_enable_x64; cast the tensors to float32 first"),
+        (config, {k: v.astype(np.int32) for k, v in state.items()}, 0, ValueError,
+         "state_dict model.layers.0.self_attn.o_proj.weight is int32; expected "
+         "floating-point tensors"),
         (dict(config, sliding_window=0), state, 1, ValueError,
          "config sliding_window must be an int >= 1, got 0"),
     ]  # fmt: skip
@@ -290,3 +297,231 @@ def test_errors_name_what_is_wrong_in_one_line():
     with pytest.raises(ValueError) as e:
         to_transformers(config, {"out": params["out"]}, layer=0)
     assert one_line(e) == "params has no qkv/kernel (24, 40)"
+
+
+def test_float64_tensors_load_as_float64_params_under_jax_enable_x64(x64):
+    config, state, arrays = LOADED["qwen2"]
+    wide = {k: v.astype(np.float64) for k, v in state.items()}
+    attention, params = from_transformers(config, wide, 0)
+    assert attention.param_dtype == np.float64 and params["qkv"]["kernel"].dtype == np.float64
+    y = CausalSelfAttention(attention).apply({"params": params}, arrays["x0"].astype(np.float64))
+    assert y.dtype == np.float64 and error(y, arrays["y0_f64"]) < 1e-12
+
+
+def without(mapping: dict, *keys: str) -> dict:
+    return {k: v for k, v in mapping.items() if k not in keys}
+
+
+def rope(config: dict, **changes) -> dict:
+    """The configuration with its (flat) rope_parameters changed: None removes a key."""
+    params = dict(config["rope_parameters"]) | changes
+    return dict(config, rope_parameters={k: v for k, v in params.items() if v is not None})
+
+
+# Each mistake in a configuration: (family, the configuration, layer, the message). Every
+# message is one line naming the key and what it must be; before these checks each was
+# a KeyError, IndexError, ZeroDivisionError or TypeError, or went through silently.
+def config_mistakes():
+    llama, gemma2, gemma3, qwen2, qwen3, gpt_oss, phi3 = (
+        LOADED[f][0] for f in ("llama", "gemma2", "gemma3", "qwen2", "qwen3", "gpt_oss", "phi3")
+    )
+    old_gemma3 = older_form("gemma3", gemma3)
+    old_qwen2 = older_form("qwen2", qwen2)
+    return {
+        "gemma2 without query_pre_attn_scalar": (
+            "gemma2", without(gemma2, "query_pre_attn_scalar"), 0,
+            "config has no query_pre_attn_scalar (a number > 0)"),
+        "gemma2 query_pre_attn_scalar 0": (
+            "gemma2", dict(gemma2, query_pre_attn_scalar=0), 0,
+            "config query_pre_attn_scalar must be a number > 0, got 0"),
+        "qwen3 without rms_norm_eps": (
+            "qwen3", without(qwen3, "rms_norm_eps"), 0,
+            "config has no rms_norm_eps (a number > 0)"),
+        "gemma3 rms_norm_eps a string": (
+            "gemma3", dict(gemma3, rms_norm_eps="1e-6"), 0,
+            "config rms_norm_eps must be a number > 0, got '1e-6'"),
+        "gemma3 sliding_window_pattern 0": (
+            "gemma3", dict(old_gemma3, sliding_window_pattern=0), 0,
+            "config sliding_window_pattern must be an int >= 1, got 0"),
+        "layer_types shorter than the layers, layer past it": (
+            "qwen2", dict(qwen2, layer_types=["full_attention"]), 1,
+            "config layer_types must have one entry per layer (num_hidden_layers=2), got 1"),
+        "layer_types shorter than the layers, layer within it": (
+            "qwen2", dict(qwen2, layer_types=["full_attention"]), 0,
+            "config layer_types must have one entry per layer (num_hidden_layers=2), got 1"),
+        "layer_types a string": (
+            "qwen2", dict(qwen2, layer_types="full_attention"), 0,
+            "config layer_types must be a list of layer types, got 'full_attention'"),
+        "layer_types of an unknown type": (
+            "qwen2", dict(qwen2, layer_types=["chunked_attention", "full_attention"]), 0,
+            "config layer_types[0] is 'chunked_attention', which from_transformers does not "
+            "load; known: full_attention, sliding_attention"),
+        "yarn without factor nor max_position_embeddings": (
+            "qwen3", without(rope(qwen3, factor=None), "max_position_embeddings"), 0,
+            "config has no max_position_embeddings (an int >= 1), which rope_type 'yarn' "
+            "without a factor needs"),
+        "rope_theta None": (
+            "llama", dict(older_form("llama", llama), rope_theta=None), 0,
+            "config rope_theta must be a number > 0, got None"),
+        "rope_parameters' rope_theta None": (
+            "llama", dict(llama, rope_parameters=dict(llama["rope_parameters"], rope_theta=None)),
+            0, "config rope_parameters['rope_theta'] must be a number > 0, got None"),
+        "rope_scaling a string": (
+            "llama", dict(older_form("llama", llama), rope_scaling="linear"), 0,
+            "config rope_scaling must be a dict of RoPE parameters, got 'linear'"),
+        "rope_parameters a string": (
+            "llama", dict(llama, rope_parameters="default"), 0,
+            "config rope_parameters must be a dict of RoPE parameters, got 'default'"),
+        "rope_parameters without the layer's type": (
+            "gemma3", dict(gemma3, rope_parameters=without(gemma3["rope_parameters"],
+                                                           "sliding_attention")), 0,
+            "config rope_parameters has no 'sliding_attention' entry"),
+        "linear without factor": (
+            "gemma3", dict(gemma3, rope_parameters=dict(
+                gemma3["rope_parameters"], full_attention=dict(rope_type="linear"))), 1,
+            "config rope_parameters['full_attention'] has no 'factor', which rope_type "
+            "'linear' needs"),
+        "llama3 without low_freq_factor": (
+            "llama", rope(llama, low_freq_factor=None), 0,
+            "config rope_parameters has no 'low_freq_factor', which rope_type 'llama3' needs"),
+        "factor a string": (
+            "llama", rope(llama, factor="8"), 0,
+            "config rope_parameters['factor'] must be a number > 0, got '8'"),
+        "yarn original_max_position_embeddings a float": (
+            "qwen3", rope(qwen3, original_max_position_embeddings=8.5), 0,
+            "config rope_parameters['original_max_position_embeddings'] must be an int >= 1, "
+            "got 8.5"),
+        "yarn truncate a string": (
+            "gpt_oss", rope(gpt_oss, truncate="no"), 0,
+            "config rope_parameters['truncate'] must be True or False, got 'no'"),
+        "dynamic without max_position_embeddings": (
+            "llama", without(dict(llama, rope_parameters=dict(rope_type="dynamic", factor=2.0)),
+                             "max_position_embeddings"), 0,
+            "config has no max_position_embeddings (an int >= 1), which rope_type 'dynamic' "
+            "needs"),
+        "partial_rotary_factor 0": (
+            "phi3", rope(phi3, partial_rotary_factor=0.0), 0,
+            "config rope_parameters['partial_rotary_factor'] must be a number in (0, 1], got 0.0"),
+        "without num_attention_heads": (
+            "qwen2", without(qwen2, "num_attention_heads"), 0,
+            "config has no num_attention_heads (an int >= 1)"),
+        "without hidden_size": (
+            "qwen2", without(qwen2, "hidden_size"), 0, "config has no hidden_size (an int >= 1)"),
+        "without num_hidden_layers": (
+            "qwen2", without(qwen2, "num_hidden_layers"), 0,
+            "config has no num_hidden_layers (an int >= 1)"),
+        "head_dim a string": (
+            "gemma2", dict(gemma2, head_dim="8"), 0,
+            "config head_dim must be an int >= 1, got '8'"),
+        "num_key_value_heads 0": (
+            "qwen2", dict(qwen2, num_key_value_heads=0), 0,
+            "config num_key_value_heads must be an int >= 1, got 0"),
+        "attention_dropout a string": (
+            "qwen2", dict(qwen2, attention_dropout="0.1"), 0,
+            "config attention_dropout must be a number in [0, 1), got '0.1'"),
+        "attn_logit_softcapping a string": (
+            "gemma2", dict(gemma2, attn_logit_softcapping="50"), 0,
+            "config attn_logit_softcapping must be a number > 0, got '50'"),
+        "max_window_layers missing where the sliding rule reads it": (
+            "qwen2", without(old_qwen2, "max_window_layers"), 1,
+            "config has no max_window_layers (an int >= 0)"),
+        "use_sliding_window a string": (
+            "qwen2", dict(old_qwen2, use_sliding_window="true"), 1,
+            "config use_sliding_window must be True or False, got 'true'"),
+        "model_type a list": (
+            "qwen2", dict(qwen2, model_type=["qwen2"]), 0,
+            "config model_type ['qwen2'] is not supported; supported: llama"),
+    }  # fmt: skip
+
+
+CONFIG_MISTAKES = config_mistakes()
+
+
+@pytest.mark.parametrize("case", list(CONFIG_MISTAKES))
+def test_each_configuration_mistake_is_a_one_line_value_error_naming_the_key(case):
+    family, config, layer, message = CONFIG_MISTAKES[case]
+    with pytest.raises(ValueError) as e:
+        from_transformers(config, LOADED[family][1], layer)
+    assert message in one_line(e), (message, str(e.value))
+
+
+def test_yarn_without_a_factor_takes_the_ratio_of_the_lengths_as_transformers_does():
+    """transformers derives YaRN's factor, where the configuration has none, as
+    max_position_embeddings / original_max_position_embeddings (40 / 8 = 5 here): the
+    fixture is transformers' own run of a configuration with factor None."""
+    config, state, arrays = load("qwen3_yarn_derived")
+    assert config["rope_parameters"]["factor"] is None and config["max_position_embeddings"] == 40
+    old = older_form("qwen3", config)
+    forms = {
+        "factor None, as transformers writes it": config,
+        "no factor key": rope(config, factor=None),
+        "a config.json whose rope_scaling has no factor": dict(
+            old, rope_scaling=without(old["rope_scaling"], "factor")
+        ),
+    }
+    derived = dict(rope_type="yarn", factor=5.0, original_max_position_embeddings=8)
+    loaded = {name: from_transformers(form, state, 0) for name, form in forms.items()}
+    for name, (attention, _) in loaded.items():
+        assert attention.rope_scaling.as_dict() == derived, name
+    attention, params = loaded["no factor key"]
+    x, truth, theirs = arrays["x0"], arrays["y0_f64"], arrays["y0_f32"]
+    y = CausalSelfAttention(attention).apply({"params": params}, x, deterministic=True)
+    assert error(y, truth) <= 2 * error(theirs, truth) + FLOOR, error(y, truth)
+    # The factor shows in the outputs: the qwen3 fixture's 4 misses transformers' 5.
+    other, _ = from_transformers(rope(config, factor=4.0), state, 0)
+    y = CausalSelfAttention(other).apply({"params": params}, x, deterministic=True)
+    assert error(y, truth) > 100 * error(theirs, truth)
+
+
+def nested(config: dict, **entries) -> dict:
+    """Gemma 3's configuration with rope_parameters' layer-type entries replaced."""
+    return dict(config, rope_parameters=dict(config["rope_parameters"], **entries))
+
+
+# Keys transformers fills in where a configuration lacks them, and what it fills in
+# (transformers 5.25: modeling_rope_utils.py and each family's configuration_*.py), as
+# (family, layer, the configuration, what from_transformers must read). RoPE bases: its
+# configs' default_theta (10000; Gemma 3's {"global": 1e6, "local": 1e4}, gpt-oss's
+# 150000); yarn's and llama3's original length: max_position_embeddings; head_dim:
+# D // N; Gemma 3's sliding_window_pattern: 6.
+def derived_keys():
+    llama, gemma3, gpt_oss, qwen3, olmo2 = (
+        LOADED[f][0] for f in ("llama", "gemma3", "gpt_oss", "qwen3", "olmo2")
+    )
+    old_gemma3 = without(older_form("gemma3", gemma3), "rope_theta", "rope_local_base_freq")
+    default = dict(rope_type="default")
+    return {
+        "llama rope_theta": ("llama", 0, rope(llama, rope_theta=None), "rope_base", 10_000.0),
+        "gpt_oss rope_theta": (
+            "gpt_oss", 0, rope(gpt_oss, rope_theta=None), "rope_base", 150_000.0),
+        "gemma3 global rope_theta": (
+            "gemma3", 1, nested(gemma3, full_attention=default), "rope_base", 1_000_000.0),
+        "gemma3 local rope_theta": (
+            "gemma3", 0, nested(gemma3, sliding_attention=default), "rope_base", 10_000.0),
+        "gemma3 config.json rope_theta": ("gemma3", 1, old_gemma3, "rope_base", 1_000_000.0),
+        "gemma3 config.json rope_local_base_freq": (
+            "gemma3", 0, old_gemma3, "rope_base", 10_000.0),
+        "gemma3 sliding_window_pattern": (
+            "gemma3", 1, without(old_gemma3, "sliding_window_pattern"), "window", (3, 0)),
+        "yarn original_max_position_embeddings": (
+            "qwen3", 0, rope(qwen3, original_max_position_embeddings=None), "rope_scaling",
+            dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
+        "llama3 original_max_position_embeddings": (
+            "llama", 0, rope(llama, original_max_position_embeddings=None), "rope_scaling",
+            dict(llama["rope_parameters"], original_max_position_embeddings=256)),
+        "head_dim": ("llama", 0, without(llama, "head_dim"), "head_dim", 8),
+        "num_key_value_heads": ("olmo2", 0, without(olmo2, "num_key_value_heads"), "kv_heads", 4),
+    }  # fmt: skip
+
+
+DERIVED_KEYS = derived_keys()
+
+
+@pytest.mark.parametrize("case", list(DERIVED_KEYS))
+def test_a_missing_key_is_what_transformers_makes_of_it(case):
+    family, layer, config, name, want = DERIVED_KEYS[case]
+    attention, _ = from_transformers(config, LOADED[family][1], layer)
+    got = getattr(attention, name)
+    if name == "rope_scaling":
+        got, want = got.as_dict(), {k: v for k, v in want.items() if k != "rope_theta"}
+    assert got == want, (got, want)
