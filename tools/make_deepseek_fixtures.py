@@ -3,27 +3,37 @@
 Run from the repository root with a Python that has torch and transformers (never
 dependencies of nanoattn or of its tests, which read only the .npz files):
 
-    /path/to/venv-with-torch/bin/python tools/make_deepseek_fixtures.py
+    /path/to/venv-with-torch/bin/python tools/make_deepseek_fixtures.py [CASE ...]
 
 For each case it builds transformers' ``DeepseekV3Attention`` (layer 0) with a small
 random configuration, gives every weight random values of a useful size (the RMSNorm
 scales too, so a forgotten norm shows), and runs it with the eager attention, causal,
 on B x T random inputs at positions 0 .. T - 1: in float32 (``y_f32``) and, on the
-same inputs, in float64 (``y_f64``, with the rotary table computed in float64: the
-truth). It writes tests/fixtures/models/deepseek_<case>.npz: ``config``
-(``config.to_dict()`` as JSON), the weights under the checkpoint's names
+same inputs, in float64 (``y_f64``, every float32 transformers asks for made float64,
+the rotary table included, as tools/make_model_fixtures.py does: the truth). It writes
+tests/fixtures/models/deepseek_<case>.npz: ``config`` (``config.to_dict()`` as JSON,
+or as the case writes it), the weights under the checkpoint's names
 (``model.layers.0.self_attn.*``, float32), ``x``, ``y_f32`` and ``y_f64``.
 
-Cases: ``v3`` (a low-rank query, YaRN with DeepSeek's mscale, interleaved rope) and
-``v2_lite`` (one query projection, plain RoPE, the half layout, biases).
+    /path/to/venv-with-torch/bin/python tools/make_deepseek_fixtures.py v3_config_json
+
+makes only the cases named. Cases: ``v3`` (a low-rank query, YaRN with DeepSeek's mscale,
+interleaved rope), ``v2_lite`` (one query projection, plain RoPE, the half layout,
+biases) and ``v3_config_json``, whose configuration is written as DeepSeek-V3's own
+config.json is (``rope_theta`` and ``rope_scaling`` with ``type`` at the top, and no
+``rope_interleave``: transformers reads it with its default, True). transformers runs
+each case from the configuration the fixture holds.
 """
 
+import contextlib
 import json
 import pathlib
+import sys
 
 import numpy as np
 import torch
 import transformers
+from make_model_fixtures import float64_everywhere  # tools/, the script's folder
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "models"
@@ -39,29 +49,64 @@ CASES = {
         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
     "v2_lite": dict(q_lora_rank=None, rope_interleave=False, attention_bias=True,
                     rope_parameters=dict(rope_type="default", rope_theta=50.0)),
+    "v3_config_json": dict(q_lora_rank=11, rope_parameters=dict(
+        rope_type="yarn", rope_theta=200.0, factor=4.0, original_max_position_embeddings=8,
+        beta_fast=16.0, beta_slow=2.0, mscale=1.0, mscale_all_dim=0.8)),
 }  # fmt: skip
+# The cases written in the form of DeepSeek-V3's config.json (no rope_interleave).
+CONFIG_JSON = ("v3_config_json",)
 
 
-def run(config, state, x, dtype):
-    """The attention's output for x (B, T, D) in ``dtype`` (float32 or float64)."""
-    config = transformers.DeepseekV3Config(**json.loads(config.to_json_string()))
-    config._attn_implementation = "eager"
-    attention = deepseek.DeepseekV3Attention(config, layer_idx=0).to(dtype)
-    attention.load_state_dict({k: torch.tensor(v, dtype=dtype) for k, v in state.items()})
-    rotary = deepseek.DeepseekV3RotaryEmbedding(config).to(torch.float64)
-    positions = torch.arange(T)[None].repeat(B, 1)
-    xs = torch.tensor(x, dtype=dtype)
-    with torch.autocast("cpu", enabled=False):
-        cos, sin = rotary(xs.to(torch.float64), positions)
-    causal = torch.full((T, T), float("-inf"), dtype=dtype).triu(1)[None, None]
-    with torch.no_grad():
-        y, _ = attention(xs, (cos.to(dtype), sin.to(dtype)), causal.repeat(B, 1, 1, 1))
-    return y.numpy().astype(np.float64 if dtype == torch.float64 else np.float32)
+def saved_config(name: str, config) -> dict:
+    """The configuration the fixture holds: ``config.to_dict()``, or for the cases of
+    CONFIG_JSON the form of DeepSeek-V3's config.json."""
+    saved = json.loads(config.to_json_string())
+    if name in CONFIG_JSON:
+        rope = saved.pop("rope_parameters")
+        saved |= dict(rope_theta=rope.pop("rope_theta"), rope_scaling=dict(
+            type=rope.pop("rope_type"), **rope))  # fmt: skip
+        del saved["rope_interleave"]
+        assert read(saved).rope_interleave is True
+    return saved
 
 
-def main():
+def read(saved: dict):
+    """transformers' configuration from the fixture's (a copy: transformers changes the
+    dicts it is given)."""
+    return transformers.DeepseekV3Config(**json.loads(json.dumps(saved)))
+
+
+def run(saved: dict, state, x, dtype):
+    """The attention's output for x (B, T, D) in ``dtype`` (float32 or float64), with
+    the configuration as the fixture holds it. In float64 every float32 that
+    transformers asks for is float64 too (the rotary table's inverse frequencies and
+    angles, the RMSNorm), so the truth is transformers' own code in float64."""
+    wide = dtype == torch.float64
+    with float64_everywhere() if wide else contextlib.nullcontext():
+        config = read(saved)
+        config._attn_implementation = "eager"
+        attention = deepseek.DeepseekV3Attention(config, layer_idx=0).to(dtype)
+        attention.load_state_dict({k: torch.tensor(v, dtype=dtype) for k, v in state.items()})
+        rotary = deepseek.DeepseekV3RotaryEmbedding(config).to(dtype)
+        positions = torch.arange(T)[None].repeat(B, 1)
+        xs = torch.tensor(x, dtype=dtype)
+        with torch.autocast("cpu", enabled=False):
+            cos, sin = rotary(xs, positions)
+        assert cos.dtype == dtype and rotary.inv_freq.dtype == dtype
+        causal = torch.full((T, T), float("-inf"), dtype=dtype).triu(1)[None, None]
+        with torch.no_grad():
+            y, _ = attention(xs, (cos, sin), causal.repeat(B, 1, 1, 1))
+    return y.numpy().astype(np.float64 if wide else np.float32)
+
+
+def main(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        raise SystemExit(f"no case {unknown[0]!r}; the cases: {', '.join(CASES)}")
     OUT.mkdir(parents=True, exist_ok=True)
     for name, options in CASES.items():
+        if names and name not in names:
+            continue
         torch.manual_seed(0)
         config = transformers.DeepseekV3Config(**SIZES, **options)
         config._attn_implementation = "eager"
@@ -75,10 +120,11 @@ def main():
                 value = rng.standard_normal(tuple(tensor.shape)) / np.sqrt(tensor.shape[-1])
             state[key] = value.astype(np.float32)
         x = rng.standard_normal((B, T, SIZES["hidden_size"])).astype(np.float32)
+        saved = saved_config(name, config)
         arrays = {f"model.layers.0.self_attn.{k}": v for k, v in state.items()}
         arrays |= dict(
-            config=np.array(config.to_json_string()), x=x,
-            y_f32=run(config, state, x, torch.float32), y_f64=run(config, state, x, torch.float64),
+            config=np.array(json.dumps(saved)), x=x,
+            y_f32=run(saved, state, x, torch.float32), y_f64=run(saved, state, x, torch.float64),
         )  # fmt: skip
         path = OUT / f"deepseek_{name}.npz"
         np.savez_compressed(path, **arrays)
@@ -86,4 +132,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
