@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._layers.latent_config import LatentConfig
-from .transformers import PREFIXES, _rope
+from .transformers import PREFIXES, _check_layer, _dtype, _get, _rope
 
 # The linen parameters' names of transformers' tensors (without ".weight"/".bias").
 _NAMES = {
@@ -27,13 +27,15 @@ _NAMES = {
     "kv_b_proj": "kv_b", "o_proj": "out",
 }  # fmt: skip
 _NORMS = {"q_a_layernorm": "q_a_norm", "kv_a_layernorm": "kv_a_norm"}
+_BIASED = ("q_a", "kv_a", "out")  # transformers' attention_bias: these projections only
 
 
-def _size(config: Mapping, key: str, default=None):
-    value = config.get(key, default)
-    if value is None and default is None and key != "q_lora_rank":
-        raise ValueError(f"config has no {key!r}: is it a DeepSeek-V2/V3 configuration?")
-    return None if value is None else int(value)
+def _size(config: Mapping, key: str) -> int:
+    if config.get(key) is None:
+        raise ValueError(
+            f"config has no {key} (an int >= 1): is it a DeepSeek-V2/V3 configuration?"
+        )
+    return _get(config, key, "an int >= 1")
 
 
 def deepseek_config(config: Mapping, dtype=np.float32) -> LatentConfig:
@@ -48,16 +50,19 @@ def deepseek_config(config: Mapping, dtype=np.float32) -> LatentConfig:
         "qk_nope_head_dim": _size(config, "qk_nope_head_dim"),
         "qk_rope_head_dim": _size(config, "qk_rope_head_dim"),
         "v_head_dim": _size(config, "v_head_dim"),
-        "q_lora_rank": _size(config, "q_lora_rank"),
+        "q_lora_rank": _get(config, "q_lora_rank", "an int >= 1", None),  # None: one q_proj
     }
     rope = _rope("deepseek_v3", config, "full_attention", sizes["qk_rope_head_dim"])
     if "rotary_dim" in rope:
-        raise ValueError("a partial rotary factor is not DeepSeek's: the rope part rotates whole")
-    layout = "interleaved" if config.get("rope_interleave", True) else "half"
+        raise ValueError(
+            "config partial_rotary_factor is not DeepSeek's: its rope part rotates whole"
+        )
+    # transformers' default where the key is absent (DeepSeek-V3's own config.json): True
+    interleave = "rope_interleave" not in config or _get(config, "rope_interleave", "True or False")
     return LatentConfig(
-        **sizes, **rope, rope_layout=layout,
+        **sizes, **rope, rope_layout="interleaved" if interleave else "half",
         norm_eps=1e-6,  # transformers: the default of its RMSNorm, not rms_norm_eps
-        attention_bias=bool(config.get("attention_bias", False)), param_dtype=dtype,
+        attention_bias=_get(config, "attention_bias", "True or False", False), param_dtype=dtype,
     )  # fmt: skip
 
 
@@ -78,8 +83,13 @@ def from_deepseek(config: Mapping, state_dict: Mapping, layer: int = 0):
       ``(config, params)``: ``LatentAttention(config).apply({"params": params}, x)``.
 
     Raises:
-      ValueError: a missing key or tensor, or a tensor of another shape than the
-        config gives.
+      TypeError: a config, state_dict or layer of another type.
+      ValueError: in one line naming the key or the tensor: a configuration key that is
+        missing or not what it must be (the sizes ints >= 1, ``rope_interleave`` and
+        ``attention_bias`` True or False, the RoPE's as for ``from_transformers``); a
+        missing tensor or one of another shape than the config gives; a tensor under the
+        layer's prefix that the layer does not use; tensors of mixed dtypes, or float64
+        without ``jax_enable_x64`` (cast to float32 first), as ``from_transformers``.
 
     Example:
       >>> import numpy as np
@@ -87,13 +97,18 @@ def from_deepseek(config: Mapping, state_dict: Mapping, layer: int = 0):
       ...            qk_nope_head_dim=3, qk_rope_head_dim=2, v_head_dim=3, rope_theta=1e4)
       >>> shapes = {"q_proj": (10, 8), "kv_a_proj_with_mqa": (6, 8), "kv_b_proj": (12, 4),
       ...           "o_proj": (8, 6)}
-      >>> state = {f"{name}.weight": np.ones(shape) for name, shape in shapes.items()}
-      >>> state["kv_a_layernorm.weight"] = np.ones(4)
+      >>> state = {f"{name}.weight": np.ones(shape, np.float32) for name, shape in shapes.items()}
+      >>> state["kv_a_layernorm.weight"] = np.ones(4, np.float32)
       >>> latent, params = from_deepseek(cfg, state)
       >>> latent.cache_width, params["kv_b"]["kernel"].shape
       (6, (4, 12))
     """
     cfg = deepseek_config(config)
+    layer = _layer(config, layer)
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a mapping from names to arrays, got {type(state_dict).__name__}"
+        )
     prefix = _prefix(state_dict, layer)
     N, r, D = cfg.n_heads, cfg.kv_lora_rank, cfg.d_model
     shapes = {
@@ -108,20 +123,43 @@ def from_deepseek(config: Mapping, state_dict: Mapping, layer: int = 0):
         rq = cfg.q_lora_rank
         shapes |= {"q_a_proj": (rq, D), "q_b_proj": (N * cfg.qk_head_dim, rq),
                    "q_a_layernorm": (rq,)}  # fmt: skip
-    params, dtype = {}, None
-    for name, shape in shapes.items():
-        weight = _tensor(state_dict, prefix + name + ".weight", shape)
-        dtype = dtype or weight.dtype
+    expected = {f"{prefix}{name}.weight": shape for name, shape in shapes.items()}
+    if cfg.attention_bias:
+        expected |= {f"{prefix}{name}.bias": shape[:1] for name, shape in shapes.items()
+                     if _NAMES.get(name) in _BIASED}  # fmt: skip
+    unknown = sorted(key for key in state_dict if key.startswith(prefix) and key not in expected)
+    if unknown:
+        bias = "with" if cfg.attention_bias else "without"
+        raise ValueError(
+            f"state_dict has {unknown[0]}, which a DeepSeek attention layer {bias} "
+            f"attention_bias does not use"
+        )
+    arrays = {key: _tensor(state_dict, key, shape) for key, shape in expected.items()}
+    dtype = _dtype(arrays)
+    params = {}
+    for name in shapes:
+        weight = arrays[f"{prefix}{name}.weight"]
         if name in _NORMS:
             params[_NORMS[name]] = {"scale": weight}
             continue
         params[_NAMES[name]] = {"kernel": np.ascontiguousarray(weight.T)}
-        bias = prefix + name + ".bias"
-        if cfg.attention_bias and _NAMES[name] in ("q_a", "kv_a", "out"):
-            params[_NAMES[name]]["bias"] = _tensor(state_dict, bias, shape[:1])
-    if dtype != np.float32:
+        if f"{prefix}{name}.bias" in arrays:
+            params[_NAMES[name]]["bias"] = arrays[f"{prefix}{name}.bias"]
+    if dtype != cfg.param_dtype:
         cfg = deepseek_config(config, dtype)
     return cfg, params
+
+
+def _layer(config: Mapping, layer) -> int:
+    """``layer`` as an int in [0, num_hidden_layers) (>= 0 where the config has no
+    num_hidden_layers), or a one-line error."""
+    if config.get("num_hidden_layers") is not None:
+        return _check_layer(config, layer)
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"layer must be an int, got layer={layer!r}")
+    if layer < 0:
+        raise ValueError(f"layer must be >= 0, got layer={layer}")
+    return int(layer)
 
 
 def _prefix(state_dict: Mapping, layer: int) -> str:
