@@ -8,6 +8,12 @@ run by every test that uses these.
 * :func:`serving`: the names of the backends that serve a call, for a test that runs
   several backends in one body.
 * :func:`refusal`: why one backend does not serve a call, or None.
+* :func:`paged_refusal`, :func:`paged_serving`, :func:`require_paged`: the same for a
+  ``paged_attention`` call (its six arrays and its rule keywords).
+
+A test skips only on the backend's refusal, asked before the call: never on an
+exception the call raises, which would hide a backend that accepts a call it then
+fails on.
 
 The calls are described as ``dot_product_attention``'s (``q, k, v`` batched and its rule
 keywords); the backends are asked about the call's rules, dtype and dropout rate, as
@@ -56,3 +62,26 @@ def each_backend(argname: str = "implementation"):
     """Parametrizes ``argname`` over every registered backend's name (built-in ones, and
     those registered when the test module is collected)."""
     return pytest.mark.parametrize(argname, registry.names())
+
+
+def paged_refusal(implementation: str, query, key_pages, value_pages, page_table, kv_lengths,
+                  query_starts, **rules) -> str | None:  # fmt: skip
+    """Why the backend ``implementation`` does not serve this ``paged_attention`` call
+    (its arrays, concrete and valid, and its rule keywords), or None."""
+    arrays = (query, key_pages, value_pages, page_table, kv_lengths, query_starts)
+    spec = Rules.make_paged(*(jnp.asarray(x) for x in arrays), **rules)
+    dtype = jnp.asarray(query).dtype
+    return dispatch.refusal(registry.get(implementation), spec, dtype, 0.0)
+
+
+def paged_serving(*arrays, **rules) -> list[str]:
+    """The names of the registered backends that serve this ``paged_attention`` call, in
+    the registry's order (the reference first)."""
+    return [name for name in registry.names() if paged_refusal(name, *arrays, **rules) is None]
+
+
+def require_paged(implementation: str, *arrays, **rules) -> None:
+    """Skips the test, with the backend's reason, unless it serves this
+    ``paged_attention`` call."""
+    if reason := paged_refusal(implementation, *arrays, **rules):
+        pytest.skip(f"{implementation}: {reason}")
