@@ -180,3 +180,29 @@ def test_an_unknown_kv_cache_dtype_raises_a_one_line_error_naming_it():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of") as error:
         _config("full", "int4")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_gradient_through_a_quantized_cache_step_raises_one_line_a_float_one_runs(jit):
+    """jax.grad over a decoding step: through a quantized cache, quantize_kv's one-line
+    refusal (not jax's missing rule ten frames deep); through a float cache, gradients."""
+    x = randn(8, B, 4, D)
+
+    def loss_of(kv_cache_dtype):
+        layer = CausalSelfAttention(_config("full", kv_cache_dtype))
+        variables = layer.init(jax.random.key(0), jnp.zeros((B, C, D)), True, decode=True)
+
+        def loss(params):
+            y, _ = layer.apply({"params": params, "cache": variables["cache"]}, x, True,
+                               decode=True, mutable=["cache"])  # fmt: skip
+            return jnp.sum(y**2)
+
+        grad = jax.grad(loss)
+        return (jax.jit(grad) if jit else grad), variables["params"]
+
+    grad, params = loss_of(None)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grad(params)))
+    grad, params = loss_of("int8")
+    with pytest.raises(ValueError, match="quantize_kv is not differentiable") as error:
+        grad(params)
+    assert "\n" not in str(error.value) and "kv_cache_dtype=None" in str(error.value)
