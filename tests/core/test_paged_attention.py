@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 import nanoattn
 from nanoattn._backends import registry
+from nanoattn._backends.flash import paged as flash_paged
+from nanoattn._core.base.rules import Rules
 
 from _backends import paged_serving, require_paged
 from _reference import np_attention_vjp, np_lse, randn
@@ -213,6 +215,51 @@ def test_the_result_does_not_depend_on_where_pages_sit(name):
     table = np.where(layout.table >= 0, moved[np.clip(layout.table, 0, None)], layout.table)
     second = call(arrays[0], jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table), *arrays[4:])
     np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_sequences_longer_than_a_flash_key_block(name):
+    """Pages of 7 (flash takes 18 a block: 126 keys): 300 keys (three blocks, the first
+    out of a window of 130), 131 and 127 (a second block of 5 keys and of 1), so that
+    each block's pages and positions come from its offset."""
+    layout = Layout([300, 131, 3, 127], [20, 2, 3, 1], page_size=7, seed=13)
+    rules = Rules.make_paged(*(jnp.asarray(x) for x in layout.arrays()))
+    plan, _ = flash_paged.plan_of(rules, None, jnp.float32)
+    assert 2 * plan.block_k < 300 and plan.block_k < 127 < 131 < 2 * plan.block_k
+    _check(layout, name, window=(130, 0))
+
+
+def test_a_row_that_attends_to_a_nan_key_is_nan():
+    """NaN in one held key of sequence 0 (position 34, key/value head 1; its queries sit
+    at 32 .. 36): the heads of that group of the rows that see it are NaN, output and
+    log-sum-exp, on every backend that serves paged calls; the rows before it (causal),
+    past the window, the other group's heads and every other sequence's rows are as in
+    the clean call."""
+    layout = Layout(**MIXED, page_size=5, seed=11)
+    b, j, k = 0, 34, 1
+    kp = layout.kp.copy()
+    kp[layout.table[b, j // 5], j % 5, k] = np.nan
+    clean = [jnp.asarray(x) for x in layout.arrays()]
+    dirty = [clean[0], jnp.asarray(kp), *clean[2:]]
+    rows = np.arange(layout.starts[b], layout.starts[b + 1])
+    positions = layout.lengths[b] - len(rows) + np.arange(len(rows))
+    heads = np.arange(N) // (N // K) == k
+    names = paged_serving(*layout.arrays())
+    assert {"xla", "flash"} <= set(names)
+    for name in names:
+        for window in (None, (1, 0)):  # (1, 0): the row at 36 no longer sees key 34
+            rules = dict(window=window, return_residual=True, implementation=name)
+            call = jax.jit(functools.partial(nanoattn.paged_attention, **rules))
+            want, got = (jax.tree.map(np.asarray, call(*arrays)) for arrays in (clean, dirty))
+            reach = (positions >= j) & (window is None or positions - 1 <= j)
+            sees = np.zeros(want[1].shape, bool)  # (Tq, N)
+            sees[rows[reach]] = heads
+            assert reach.any() and not reach.all()
+            where = f"{name}, window={window}"
+            for x, w in zip(got, want):
+                assert np.isnan(x[sees]).all(), where
+                assert not np.isnan(x[~sees]).any(), where
+                np.testing.assert_array_equal(x[~sees], w[~sees], err_msg=where)
 
 
 def _paged_kernels():
