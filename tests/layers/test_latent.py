@@ -173,3 +173,40 @@ def test_scale_is_of_the_query_key_width_with_deepseeks_mscale():
                 mscale=1.0, mscale_all_dim=1.0)  # fmt: skip
     m = 0.1 * np.log(40.0) + 1
     assert LatentConfig(**SIZES, rope_scaling=yarn).scale == pytest.approx(11**-0.5 * m * m)
+
+
+def test_a_paged_latent_cache_decodes_mixed_steps_equal_to_the_forward():
+    """The fast case of the paged latent cache (the slow one above: eager steps):
+    jitted steps of pages of 3 over a pool of NaN, row 0 a prefill of 5 then a decode
+    token, row 1 a prefill of 2 then a chunk of 4, token-major and padded, equal to
+    the forward."""
+    layer, params = _layer()
+    paged = LatentAttention(LatentConfig(**SIZES, q_lora_rank=17, page_size=3))
+    shapes = jax.eval_shape(
+        lambda: paged.init(jax.random.key(1), jnp.zeros((1, 15, D)), decode=True)["cache"]
+    )  # a pool of 5 pages
+    pool = jax.tree.map(lambda a: jnp.full(a.shape, jnp.nan if a.dtype.kind == "f" else 0,
+                                          a.dtype), shapes)  # fmt: skip
+    step = jax.jit(lambda pool, x, batch: paged.apply(
+        {**params, "cache": pool}, x, decode=True, pages=batch, mutable=["cache"]
+    ))  # fmt: skip
+    allocator = nanoattn.PageAllocator(pages=5, page_size=3, max_sequences=B, max_pages=2)
+    x, tokens, outs = np.asarray(_x()), 7, [[], []]
+    for rows in ([(0, 0, 5), (1, 0, 2)], [(0, 5, 6), (1, 2, 6)]):  # (row, first, end)
+        for row, first, end in rows:
+            (allocator.extend if first else allocator.allocate)(row, end - first)
+        batch = allocator.batch([(row, end - first) for row, first, end in rows], tokens=tokens)
+        chunk = np.concatenate([x[row, first:end] for row, first, end in rows])
+        chunk = np.pad(chunk, ((0, tokens - len(chunk)), (0, 0)))[None]
+        y, state = step(pool, jnp.asarray(chunk), batch)
+        pool = state["cache"]
+        allocator.confirm(batch)
+        at = 0
+        for row, first, end in rows:
+            outs[row].append(np.asarray(y[0, at : at + end - first]))
+            at += end - first
+        assert (np.asarray(y[0, at:]) == 0).all()  # padding rows
+    full = layer.apply(params, _x())
+    for row in range(B):
+        np.testing.assert_allclose(np.concatenate(outs[row]), full[row, :6], atol=2e-5,
+                                   rtol=2e-5)  # fmt: skip
