@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nanoattn import apply_rope, dot_product_attention, paged_attention
+from nanoattn import PageAllocator, apply_rope, dot_product_attention, paged_attention
 
 D, N, H = 12, 3, 4
 WINDOW = 5
@@ -346,27 +346,48 @@ def latent(bug: str | None = None):
 # * ``"page_order"``: RoPE rotates a token by its physical slot, page * page_size +
 #   slot, not by its position in its sequence (right only when the pages are in order);
 # * ``"decode_takes_prefill_positions"``: every sequence's first new token takes the
-#   position of the first sequence's (right only when all sequences are at one position).
+#   position of the first sequence's (right only when all sequences are at one position);
+# * ``"copies_after_writes"``: the step's copies are made after its writes, so a copy
+#   overwrites the new tokens a fork writes into its copied page;
+# * ``"copies_last_first"``: the copies are made one at a time, the last first, so a copy
+#   whose source page another copy of the step fills reads it filled (the step's copies
+#   read the pool as it was before the step).
 PAGE_SIZE = 3
 PAGED_BUGS = (
     "one_page_too_far",
     "fork_writes_shared",
     "page_order",
     "decode_takes_prefill_positions",
+    "copies_after_writes",
+    "copies_last_first",
 )
+
+
+def _copy(pool, copies, skip, one_by_one):
+    """The pool after a step's copies, all at once (each reading the pool as it was), or
+    with ``one_by_one`` one at a time, the last first; none with ``skip``."""
+    P = pool.shape[0]
+    used = (copies[:, 0] >= 0) & ~skip
+    source, target = jnp.maximum(copies[:, 0], 0), jnp.where(used, copies[:, 1], P)
+    at_once = pool.at[target].set(pool[source], mode="drop")
+
+    def turn(i, x):
+        c = copies.shape[0] - 1 - i
+        return x.at[target[c]].set(x[source[c]], mode="drop")
+
+    return jnp.where(one_by_one, jax.lax.fori_loop(0, copies.shape[0], turn, pool), at_once)
 
 
 @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 def _paged_decode(pool, x, batch, embed, bug):
-    """One paged step: x (1, Tq, ...) token-major; ``bug`` (4,) bool in PAGED_BUGS's order."""
-    too_far, no_copy, physical, from_first = bug
+    """One paged step: x (1, Tq, ...) token-major; ``bug`` (6,) bool in PAGED_BUGS's order."""
+    too_far, no_copy, physical, from_first, after_writes, last_first = bug
     table, lengths, starts, copies = (
         batch.page_table, batch.kv_lengths, batch.query_starts, batch.copies
     )  # fmt: skip
     P, B, Tq = pool["key"].shape[0], lengths.shape[0], x.shape[1]
-    used = (copies[:, 0] >= 0) & ~no_copy
-    source, target = jnp.maximum(copies[:, 0], 0), jnp.where(used, copies[:, 1], P)
-    keys, values = (pool[n].at[target].set(pool[n][source], mode="drop") for n in ("key", "value"))
+    skip = no_copy | after_writes
+    keys, values = (_copy(pool[n], copies, skip, last_first) for n in ("key", "value"))
     t = jnp.arange(Tq)
     row = jnp.minimum(jnp.searchsorted(starts[1:], t, side="right"), B - 1)  # (Tq,)
     real = t < starts[B]
@@ -380,6 +401,7 @@ def _paged_decode(pool, x, batch, embed, bug):
     page = jnp.where(real, page, P)  # padding: dropped
     keys = keys.at[page, slot].set(k[0], mode="drop")
     values = values.at[page, slot].set(v[0], mode="drop")
+    keys, values = (_copy(x, copies, ~after_writes, False) for x in (keys, values))
     held = lengths + too_far * PAGE_SIZE
     y = paged_attention(q[0], keys, values, table, held, starts, window=(WINDOW, 0))
     return {"key": keys, "value": values}, y.reshape(1, Tq, D) @ WO
@@ -408,6 +430,48 @@ def paged(bug: str | None = None, vocab: int | None = None):
 def paged_correct():
     """A zero-argument factory for `nanoattn verify --decode`: the correct paged decoder."""
     return paged()
+
+
+# The three wrong answers of nanoattn's own paged serving before issue 45, planted back
+# into its PageAllocator (a PagedDecoder's ``allocator``), so that check_decoding on
+# nanoattn's layers shows it would have caught them. They reach into the allocator's
+# private state: that is where the bugs were.
+class ForkBeforeWrite(PageAllocator):
+    """A fork of a parent whose tokens no step has written is taken: the child's copy of
+    the shared partial page is made before the parent's step fills it."""
+
+    def fork(self, parent, child):
+        sequence = self._sequences[parent]
+        written, sequence.written = sequence.written, sequence.length
+        try:
+            super().fork(parent, child)
+        finally:
+            sequence.written = written
+
+
+class StaleChainedCopy(PageAllocator):
+    """A copy whose source is another pending copy's target reads that target as it
+    is before the step (not filled yet), not the other copy's source."""
+
+    def _source(self, page):
+        return page
+
+
+class CopyIntoFreedPage(PageAllocator):
+    """A pending copy into a page that was freed stays pending: when the page is handed
+    to another copy, two copies of one step fill it."""
+
+    def _release(self, page):
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+
+
+ALLOCATOR_BUGS = {
+    "fork_before_write": ForkBeforeWrite,
+    "stale_chained_copy": StaleChainedCopy,
+    "copy_into_freed_page": CopyIntoFreedPage,
+}
 
 
 # A quantized cache (AttentionConfig(kv_cache_dtype="int8")): nanoattn's linen layer,

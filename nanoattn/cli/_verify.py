@@ -37,7 +37,7 @@ def add_parser(commands) -> None:
         "nanoattn.verify.decoders builds it for nanoattn's and flax's modules; a "
         "nanoattn.verify.Decoder also brings its rewind, capacity and max_chunk; a "
         "nanoattn.verify.PagedDecoder, a paged layer's, runs through a shuffled page pool "
-        "with forks) and "
+        "with forks and random programs of a server's allocator calls) and "
         "nanoattn.verify.check_decoding runs on it. On a terminal, a stage still running after "
         "about 2 s says on stderr what it is doing (nothing with --json). "
         "Exit status 0 when every check passes, 1 when one fails (also when the target raises "

@@ -29,7 +29,7 @@ decoder that mutates its state in place is checked as well as a pure one.
 
 A decoder with a paged cache is a :class:`~nanoattn.verify.PagedDecoder`
 (``init(pages)``, ``step(state, chunk, batch)``), run through this same protocol
-by :mod:`nanoattn.verify._paged_decoding`, plus its forks check.
+by :mod:`nanoattn.verify._paged_decoding`, plus its forks and programs checks.
 """
 
 import dataclasses
@@ -41,6 +41,7 @@ import numpy as np
 from ._inputs import Inputs, as_features
 from ._leaks import Leaks, per_feature, positive_control
 from ._paged_decoding import PagedDecoder, as_rows, check_forks
+from ._paged_programs import check_programs
 from ._quantization import check_quantization
 from ._report import CheckResult, Report
 
@@ -223,7 +224,7 @@ def check_decoding(
     pages handed out in a shuffled order after poison sequences (NaN and +-3e38
     inputs, or random ids) filled the pool and were freed, the page table's unused
     entries random pages, a rewind the allocator's (so rewinding is always checked),
-    and one more check, forks (below). With T =
+    and two more checks, forks and programs (below). With T =
     ``seq_len`` (default 13) and a capacity of T + 3 slots, or with ``capacity`` C
     (a bounded, rolling cache) C slots and T = 4 C + 3 by default, so that the ring
     wraps several times, from random x:
@@ -254,6 +255,11 @@ def check_decoding(
       (sharing its pages, the partial last one copied on write), and every row goes
       on with tokens of its own in right-padded chunks (the children's first): each
       row equals the full forward of its own sequence;
+    * programs, for a :class:`PagedDecoder`: seeded random programs of a server's
+      allocator calls (allocate, extend, forks before and after the parent's step,
+      chains of forks, rewinds then forks, frees with copies pending) and steps of
+      every held sequence's unwritten tokens: each token equals the full forward of
+      its own sequence (the allocator may refuse a call; no token may be wrong);
     * quantization error, with ``float_cache`` (a decoder whose cache is quantized:
       int8, float8; :mod:`nanoattn.verify.decoders` gives nanoattn's layers with
       ``kv_cache_dtype`` theirs): every chunking of the cache equivalence check decoded
@@ -453,6 +459,8 @@ def check_decoding(
         checks.append(_rewinding(full, init, step, rewind, inputs, batch, T, width, tol, max_len))
     if paged is not None:
         checks.append(check_forks(paged, inputs, T, batch, tol, width))
+        make_rows = as_rows(paged, inputs)[0]
+        checks.append(check_programs(paged, inputs, T, tol, make_rows))
     return Report("decoding", checks)
 
 

@@ -59,6 +59,10 @@ class PagedDecoder:
         PagedDecoder): ``check_decoding``'s quantization error check.
       reference: None, or the full forward in float64, ``reference(x) -> y``, that
         check's yardstick for the float cache (default: ``full``).
+      allocator: the class (or factory with its signature) of the
+        :class:`~nanoattn.PageAllocator` the checks drive the decoder through
+        (default ``nanoattn.PageAllocator``): a server's own allocator is checked
+        with its decoder the same way.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -71,7 +75,7 @@ class PagedDecoder:
       (4, 3)
       >>> report = check_decoding(decoder, d_model=16, seq_len=7)
       >>> report.passed, report.checks[-1].name
-      (True, 'forks')
+      (True, 'programs')
     """
 
     full: object
@@ -82,6 +86,7 @@ class PagedDecoder:
     seed: int = 0
     float_cache: "PagedDecoder | None" = None
     reference: object = None
+    allocator: object = PageAllocator
 
     def __post_init__(self):
         for name in ("full", "init", "step"):
@@ -90,6 +95,10 @@ class PagedDecoder:
         if self.float_cache is not None and not isinstance(self.float_cache, PagedDecoder):
             raise ValueError(
                 f"float_cache must be None or a PagedDecoder, got {self.float_cache!r}"
+            )
+        if not callable(self.allocator):
+            raise ValueError(
+                f"allocator must be a PageAllocator class or factory, got {self.allocator!r}"
             )
         if self.reference is not None and not callable(self.reference):
             raise ValueError(f"reference must be None or a function x -> y, got {self.reference!r}")
@@ -114,7 +123,7 @@ class _Rows:
         self.decoder, self.inputs, self.batch = decoder, inputs, batch
         self.max_pages = -(-max_len // ps)  # M
         self.pages = batch * self.max_pages + decoder.slack  # P
-        self.alloc = PageAllocator(
+        self.alloc = decoder.allocator(
             self.pages, ps, max_sequences=batch, max_pages=self.max_pages, seed=decoder.seed
         )
         self.state = decoder.init(self.pages)
@@ -147,8 +156,14 @@ class _Rows:
         return as_features(y, chunk.shape, "step")[0]
 
     def start(self, tokens: int) -> None:
-        """Fills the pool with poison sequences in steps of ``tokens``, frees them, and
-        allocates the rows, empty."""
+        """:meth:`fill`, then allocates the rows, empty."""
+        self.fill(tokens)
+        self.ids = [("row", b) for b in range(self.batch)]
+        for seq in self.ids:
+            self.alloc.allocate(seq, 0)
+
+    def fill(self, tokens: int) -> None:
+        """Fills the pool with poison sequences in steps of ``tokens``, then frees them."""
         ps, alloc, k = self.alloc.page_size, self.alloc, 0
         while alloc.free_pages:
             seq = ("poison", k)
@@ -164,9 +179,6 @@ class _Rows:
                 self.run([(seq, n)], tokens, [self.poison(n)])
         for j in range(k):
             alloc.free(("poison", j))
-        self.ids = [("row", b) for b in range(self.batch)]
-        for seq in self.ids:
-            alloc.allocate(seq, 0)
 
     def fork(self, parent: int, child: int) -> None:
         """Row ``child`` (empty) becomes a fork of row ``parent``: it shares its pages."""

@@ -7,6 +7,7 @@ The planted bugs share one compiled step per token count (a traced switch); ever
 report is computed once.
 """
 
+import dataclasses
 import functools
 import json
 
@@ -19,7 +20,7 @@ from flax import nnx
 from nanoattn import PagedBatch
 from nanoattn import nnx as nanoattn_nnx
 from nanoattn.cli import main
-from nanoattn.linen import AttentionConfig, CausalSelfAttention
+from nanoattn.linen import AttentionConfig, CausalSelfAttention, LatentAttention, LatentConfig
 from nanoattn.verify import Decoder, PagedDecoder, Report, check_decoding, decoders
 from nanoattn.verify._inputs import Inputs
 from nanoattn.verify._paged_decoding import as_rows, fork_point, fork_schedule
@@ -35,6 +36,7 @@ CHECKS = [
     "positive control",
     "rewinding",
     "forks",
+    "programs",
 ]
 
 
@@ -70,21 +72,26 @@ PLANTED = {
     # a stale page (NaN, inf) past each sequence's: every check, from the first token
     "one_page_too_far": (set(CHECKS), "cache equivalence", 0, 0),
     # only a fork writes a copied page: the first child's first own token, at the prefix
-    "fork_writes_shared": ({"forks"}, "forks", 1, 5),
+    "fork_writes_shared": ({"forks", "programs"}, "forks", 1, 5),
     # RoPE is relative within a page: the first divergence is the second page's first token
     "page_order": (
-        {"cache equivalence", "ragged rows", "rewinding", "forks"},
+        {"cache equivalence", "ragged rows", "rewinding", "forks", "programs"},
         "cache equivalence",
         0,
         PS,
     ),
     # rows at one position hide it: only where rows sit at different positions
     "decode_takes_prefill_positions": (
-        {"ragged rows", "rewinding", "forks"},
+        {"ragged rows", "rewinding", "forks", "programs"},
         "ragged rows",
         1,
         1,
     ),
+    # a copy made after the writes overwrites a child's first own token
+    "copies_after_writes": ({"forks", "programs"}, "forks", 1, 5),
+    # copies in turn, the last first: only a step whose copy reads a page another copy
+    # of the step fills, an order only the random programs reach
+    "copies_last_first": ({"programs"}, None, None, None),
 }
 
 
@@ -93,9 +100,32 @@ def test_planted_paged_bug_is_caught_by_the_right_checks(bug):
     report = paged_report(bug)
     names, check, row, position = PLANTED[bug]
     assert failed(report) == names, report
-    first = by_name(report)[check].data["first"]
-    assert (first["batch"], first["position"]) == (row, position), first
-    assert first["deviation"] > 0.1
+    if check is not None:
+        first = by_name(report)[check].data["first"]
+        assert (first["batch"], first["position"]) == (row, position), first
+        assert first["deviation"] > 0.1
+
+
+def test_the_programs_reach_every_order_they_are_for():
+    """Forks before and after the parent's step, chains of copies, copies into and
+    from freed pages, refusals: each met by the correct decoder's programs, whose
+    every token is checked."""
+    programs = by_name(paged_report(None))["programs"]
+    assert programs.passed and all(n > 0 for n in programs.data["orders"].values()), programs
+
+
+@pytest.mark.parametrize("bug", list(_verify_decoders.ALLOCATOR_BUGS))
+def test_the_wrong_answers_of_the_old_allocator_are_caught_on_nanoattns_layer(bug):
+    """Issue 45's three: a fork before the parent's step, a copy whose source is another
+    pending copy's target, a freed copy target handed to another copy in one step,
+    each planted back into the allocator: the programs check fails, naming the moves."""
+    decoder = _paged_layer("linen", "rope")
+    planted = dataclasses.replace(decoder, allocator=_verify_decoders.ALLOCATOR_BUGS[bug])
+    report = check_decoding(planted, d_model=D)
+    assert "programs" in failed(report), report
+    programs = by_name(report)["programs"]
+    assert programs.detail.startswith("first divergence: program ")
+    assert "the last moves: " in programs.detail and "fork" in programs.detail
 
 
 def test_a_fork_that_writes_the_shared_page_names_the_child_and_the_schedule():
@@ -199,6 +229,22 @@ def test_no_false_alarm_on_nanoattn_paged_layers(framework, name):
     report = check_decoding(decoder, d_model=D)
     assert report.passed, report
     assert [c.name for c in report.checks] == CHECKS
+
+
+def test_no_false_alarm_on_a_quantized_pool_and_the_latent_layers_pool():
+    """The programs (and every other check) over an int8 pool, whose tolerance is the
+    quantization's, and over multi-head latent attention's pool of one latent head."""
+    layer = CausalSelfAttention(AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0,
+                                                kv_cache_dtype="int8", page_size=3))  # fmt: skip
+    params = layer.init(jax.random.key(1), jnp.zeros((1, 2, D)), True)
+    report = check_decoding(decoders.linen(layer, params), d_model=D, atol=0.05)
+    assert report.passed and "programs" in by_name(report), report
+    latent = LatentAttention(LatentConfig(d_model=16, n_heads=2, kv_lora_rank=7,
+                                          qk_nope_head_dim=3, qk_rope_head_dim=4,
+                                          v_head_dim=5, page_size=3))  # fmt: skip
+    params = latent.init(jax.random.key(2), jnp.ones((1, 2, 16)))
+    report = check_decoding(decoders.linen(latent, params), d_model=16, seq_len=7)
+    assert report.passed and "programs" in by_name(report), report
 
 
 def test_the_adapters_keep_slot_caches_and_refuse_a_capacity_for_pages():
