@@ -58,6 +58,15 @@ def require(implementation: str, q, k, v=None, *, dtype=None, dropout_rate=0.0, 
         pytest.skip(f"{implementation}: {reason}")
 
 
+def skip_refusal(error: ValueError, implementation: str):
+    """Skips the test when ``error`` is the dispatcher's refusal of ``implementation``
+    (it cannot serve this call); re-raises any other error: a backend that took the call
+    and then failed is a failure, never a skip."""
+    if str(error).startswith(f"implementation={implementation!r} cannot serve this call"):
+        pytest.skip(str(error))
+    raise error
+
+
 def each_backend(argname: str = "implementation"):
     """Parametrizes ``argname`` over every registered backend's name (built-in ones, and
     those registered when the test module is collected)."""
