@@ -135,6 +135,7 @@ def test_served_requests_equal_their_greedy_decoding_alone(trained):
     assert len({len(r.prompt) for r in requests}) > 5 and len({r.new_tokens for r in requests}) > 4
     config = engine.EngineConfig(pages=13, page_size=5, max_sequences=3, step_tokens=7)
     server = engine.Engine(model, config, max(r.need for r in requests))
+    assert server.warm_up() == ("xla",)  # the tiny run's ModelConfig: implementation="xla"
     served = server.run(requests)
     want = engine.alone(model, requests)
     assert served.outputs == want
@@ -144,6 +145,155 @@ def test_served_requests_equal_their_greedy_decoding_alone(trained):
     assert static.batch * engine.static_capacity(requests) <= config.pages * config.page_size
     assert static.run(requests).outputs == want
     assert len({tuple(t) for t in want.values()}) > 5  # not one answer for every prompt
+    flash = engine.with_implementation(model, "flash")
+    assert flash.config == dataclasses.replace(model.config, implementation="flash")
+    assert all(np.array_equal(a, b) for a, b in zip(params(flash), params(model), strict=True))
+    assert engine.static_for(flash, config, requests).warm_up(requests) == ("flash",)
+
+
+# A workload the tiny run serves in seconds (the engine test's pool and steps).
+TINY_SERVE = [
+    "--requests", "5", "--prompt-lengths", "2,9", "--new-tokens", "1,4", "--pages", "13",
+    "--page-size", "5", "--max-sequences", "3", "--step-tokens", "7", "--no-progress",
+]  # fmt: skip
+
+
+def test_serve_runs_a_tiny_workload_on_the_automatic_choice(trained, capsys, monkeypatch):
+    """The whole command, untimed (--target 0): the checkpoint was trained with
+    implementation="xla" (ModelConfig's default), and the engine, the static batches
+    and the check alone all run on the automatic choice instead, the backends nanoattn
+    took named."""
+    _, _, directory = trained
+    seen = []
+
+    def spy(name, function):
+        def call(model, *args):
+            seen.append((name, model.config.implementation))
+            return function(model, *args)
+
+        monkeypatch.setattr(engine, name, call)
+
+    for name in ("Engine", "static_for", "alone"):
+        spy(name, getattr(engine, name))
+    argv = ["serve", "--run", str(directory), *TINY_SERVE, "--check", "2", "--target", "0"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert seen == [("Engine", None), ("static_for", None), ("alone", None)]
+    assert (
+        "attention: nanoattn's automatic choice (--implementation; the checkpoint was "
+        "trained with implementation='xla')\n" in out
+    ), out
+    served = re.findall(r"^  attention served by (.+)$", out, re.M)
+    assert len(served) == 2, out  # the engine, then the static batches
+    assert all(set(s.split(", ")) <= set(recall_main._backend_names()) for s in served), out
+    assert re.search(r"^continuous / static batching: \d+\.\d\dx the tokens/s \(not judged: "
+                     r"--target 0\)$", out, re.M), out  # fmt: skip
+    assert "every request's tokens equal in both: yes" in out, out
+    assert "the first 2 requests' tokens equal their greedy decoding alone: yes" in out, out
+    assert "FAIL" not in out, out
+
+
+class _Timed:
+    """Stands for engine.Engine and engine.Static in the command's tests of the target:
+    it records the backend its model has, and a run gives each request the first token
+    of its prompt and takes ``seconds`` (no clock, no model)."""
+
+    batch = 1
+
+    def __init__(self, model, seconds: float, made: list):
+        made.append(model.config.implementation)
+        self.seconds = seconds
+
+    def warm_up(self, *requests):
+        return ("stub",)
+
+    def run(self, requests, progress=None):
+        outputs = {r.id: [r.prompt[0]] * r.new_tokens for r in requests}
+        return engine.Served(outputs, self.seconds, steps=1)
+
+
+def serve_timed(monkeypatch, directory, engine_seconds: float, options=()) -> tuple[int, list]:
+    """``serve`` on the tiny run with engine.Engine and engine.static_for stubbed by
+    :class:`_Timed` (the static batches take 1 s): (exit status, the implementation
+    each got)."""
+    made = []
+    monkeypatch.setattr(engine, "Engine", lambda model, *_: _Timed(model, engine_seconds, made))
+    monkeypatch.setattr(engine, "static_for", lambda model, *_: _Timed(model, 1.0, made))
+    argv = ["serve", "--run", str(directory), *TINY_SERVE, "--check", "0", *options]
+    return main(argv), made
+
+
+@pytest.mark.parametrize(
+    "engine_seconds, options, verdict, status",
+    [
+        (0.5, [], "2.00x the tokens/s (target >= 2x): met", 0),
+        (0.6, [], "1.67x the tokens/s (target >= 2x): MISSED", 1),
+        (0.6, ["--target", "1.5"], "1.67x the tokens/s (target >= 1.5x): met", 0),
+    ],
+)
+def test_serve_judges_its_target_in_the_exit_status(
+    trained, capsys, monkeypatch, engine_seconds, options, verdict, status
+):
+    """Continuous batching must make --target (2) times the tokens/s of static batching:
+    the ratio printed with its verdict, and a miss is exit status 1 with one FAIL line
+    saying why. The runs are stubbed (:class:`_Timed`): no timing is asserted."""
+    got, _ = serve_timed(monkeypatch, trained[2], engine_seconds, options)
+    out = capsys.readouterr().out
+    assert got == status, out
+    assert f"\ncontinuous / static batching: {verdict}\n" in out, out
+    fail = [line for line in out.splitlines() if line.startswith("FAIL")]
+    if status:
+        assert fail == [
+            "FAIL: continuous batching made 1.67x the tokens/s of static batching, under the "
+            "target 2x"
+        ], out
+    else:
+        assert fail == [], out
+
+
+@pytest.mark.parametrize(
+    "options, implementation",
+    [([], None), (["--implementation", "none"], None), (["--implementation", "flash"], "flash")],
+)
+def test_serve_runs_both_on_the_implementation_asked_for(
+    trained, capsys, monkeypatch, options, implementation
+):
+    got, made = serve_timed(monkeypatch, trained[2], 0.5, options)
+    out = capsys.readouterr().out
+    assert got == 0, out
+    assert made == [implementation, implementation]  # the engine, the static batches
+    said = "nanoattn's automatic choice" if implementation is None else "implementation='flash'"
+    assert f"\nattention: {said} (--implementation; " in out, out
+
+
+class _Refusing:
+    """A backend that serves no call, chosen only by name."""
+
+    name = "refusing_for_the_test"
+    priority = None
+    serves = frozenset()
+
+    def unsupported(self, rules, dtype, dropout_rate):
+        return "it serves no call"
+
+    def pays_off(self, rules, dtype):
+        return False
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("never chosen")
+
+
+def test_serve_on_a_backend_that_cannot_serve_is_one_error_line(trained, capsys):
+    from nanoattn._backends import registry
+
+    registry.register(_Refusing())
+    try:
+        argv = ["serve", "--run", str(trained[2]), *TINY_SERVE, "--implementation", _Refusing.name]
+        line = usage_error(capsys, argv)
+    finally:
+        registry.unregister(_Refusing.name)
+    assert f"--implementation {_Refusing.name}: " in line, line
+    assert "cannot serve this call: it serves no call" in line, line
 
 
 def test_the_whole_model_passes_nanoattn_verify(trained):
@@ -249,6 +399,8 @@ BAD_OPTIONS = [
     (["serve", "--prompt-lengths", "9,3"], ["--prompt-lengths"]),
     (["serve", "--new-tokens", "0,3"], ["--new-tokens"]),
     (["serve", "--pages", "0"], ["--pages"]),
+    (["serve", "--implementation", "fast"], ["--implementation"]),
+    (["serve", "--target", "-1"], ["--target"]),
     (["serve", "--max-sequences", "9", "--step-tokens", "8"], ["--step-tokens", "--max-sequences"]),
     (["quantized", "--sequences", "0"], ["--sequences"]),
     (["verify", "--seq-lens", "1,x"], ["--seq-lens"]),

@@ -17,11 +17,14 @@ A request is a prompt and the number of tokens to generate greedily after it.
   ``batch * capacity <= pages * page_size``, the engine's pool.
 
 Both are greedy, so each request's tokens equal its greedy decoding alone
-(tests/test_example_recall.py checks it). Axis letters: Tq tokens of a step, B rows
-of a step, V vocabulary.
+(tests/test_example_recall.py checks it). Both run on the model that
+:func:`with_implementation` gives: the trained parameters, attention on the backend
+serving asks for (by default nanoattn's automatic choice), not the one the checkpoint
+was trained with. Axis letters: Tq tokens of a step, B rows of a step, V vocabulary.
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import time
@@ -35,6 +38,45 @@ import nanoattn
 
 from . import data, generate
 from .model import Decoder
+
+# Issue #33's target: continuous batching at least this many times the tokens/s of
+# static batching in the same cache memory (``python -m examples.recall serve`` judges it).
+TARGET = 2.0
+
+
+def with_implementation(model: Decoder, implementation: str | None) -> Decoder:
+    """``model``'s parameters in a decoder whose attention runs on nanoattn's backend
+    ``implementation`` (None: the automatic choice, call by call), in evaluation mode.
+
+    A checkpoint's ``ModelConfig`` keeps the backend it was trained with (by default
+    the reference ``"xla"``, the fastest for training at these sizes on CPU, which
+    gathers every sequence's pages in a paged step); serving names its own."""
+    config = dataclasses.replace(model.config, implementation=implementation)
+    other = Decoder(config, rngs=nnx.Rngs(0))
+    nnx.update(other, nnx.state(model, nnx.Param))
+    other.eval()
+    return other
+
+
+@contextlib.contextmanager
+def recording_backends():
+    """Yields a list that collects the name of the backend nanoattn takes for every
+    attention call traced inside the block (the automatic choice is made as a call is
+    traced, per layer and per shape). nanoattn has no public way to say which backend
+    served, so this wraps its dispatcher's ``choose`` for the block's duration."""
+    from nanoattn._backends import dispatch
+
+    chosen, choose = [], dispatch.choose
+
+    def recording(*args, **kwargs):
+        chosen.append(name := choose(*args, **kwargs))
+        return name
+
+    dispatch.choose = recording
+    try:
+        yield chosen
+    finally:
+        dispatch.choose = choose
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +213,18 @@ class Engine:
             c.pages, c.page_size, max_sequences=c.max_sequences, max_pages=self.max_pages
         )
 
-    def warm_up(self) -> None:
-        """Compiles the step (one call with no tokens: nothing is written)."""
+    def warm_up(self) -> tuple[str, ...]:
+        """Compiles the step (one call with no tokens: nothing is written). Returns the
+        backends nanoattn took for its attention calls, distinct, in order of use."""
         c = self.config
         batch = self._allocator().batch([], tokens=c.step_tokens)
         tokens = np.full(c.step_tokens, data.PAD, np.int32)
-        self.state, out = self.step(self.state, tokens, batch, np.zeros(c.max_sequences, np.int32))
+        with recording_backends() as chosen:
+            self.state, out = self.step(
+                self.state, tokens, batch, np.zeros(c.max_sequences, np.int32)
+            )
         out.block_until_ready()
+        return tuple(dict.fromkeys(chosen))
 
     def run(self, requests, progress=None) -> Served:
         """Serves ``requests`` in order of arrival; ``progress(n)`` is called with the
@@ -285,10 +332,13 @@ class Static:
         tokens, lengths = generate.right_pad([r.prompt for r in rows], self.width)
         return tokens, lengths, max(r.new_tokens for r in group)
 
-    def warm_up(self, requests) -> None:
-        """Compiles the prefill and the step."""
+    def warm_up(self, requests) -> tuple[str, ...]:
+        """Compiles the prefill and the step. Returns the backends nanoattn took for
+        their attention calls, distinct, in order of use."""
         tokens, lengths, _ = self._group(requests[: self.batch])
-        self.generate(tokens, lengths, 2)
+        with recording_backends() as chosen:
+            self.generate(tokens, lengths, 2)
+        return tuple(dict.fromkeys(chosen))
 
     def run(self, requests, progress=None) -> Served:
         outputs, steps = {}, 0

@@ -40,7 +40,9 @@ class ModelConfig:
         others attend to the whole context. A local first block finds the previous
         token at once, the first step of looking a key up.
       implementation: nanoattn's attention backend (``AttentionConfig``); the
-        reference ``"xla"`` is the fastest at these sizes on CPU, None chooses.
+        reference ``"xla"`` is the fastest for training at these sizes on CPU, None
+        chooses. Kept in the checkpoint; ``serve`` does not inherit it (its own
+        ``--implementation``, by default None: engine.with_implementation).
     """
 
     vocab: int
