@@ -343,7 +343,7 @@ def test_the_quantized_command_prints_both_measures(trained, capsys, monkeypatch
     _, _, directory = trained
     calls = []
 
-    def measure(model, task, seed, sequences):
+    def measure(model, task, seed, sequences, progress):
         calls.append((task, sequences))
         return _measured(int8_fraction)
 
@@ -357,6 +357,69 @@ def test_the_quantized_command_prints_both_measures(trained, capsys, monkeypatch
     assert f"int8 cache: {int8_fraction:.2%} of the steps (target >= 99%): {verdict}" in out
     assert re.search(r"  0 window 1 +3\.00e-07 +5\.00e-03 +2\.00e-02", out), out
     assert "  1 global " in out
+
+
+def test_measure_reports_each_stage_as_it_begins(trained, monkeypatch):
+    """quantized.measure calls progress with every name of quantized.stages, in order,
+    each as its work begins (the decodings and forwards stubbed: no compiling)."""
+    model, run, _ = trained
+    events = []
+    progress = events.append
+
+    def work(name):
+        def stub(*args):
+            events.append(name)
+            return stubs[name](*args)
+
+        return stub
+
+    stubs = {
+        "greedy_steps": lambda m, tokens, prefix: np.zeros((len(tokens), 6), np.int32),
+        "layer_inputs": lambda m, tokens: [np.zeros((len(tokens), 14, 24), np.float32)] * 2,
+        "float64_forward": lambda layer, x: np.ones(x.shape),
+        "decode": lambda layer, x, prefix: np.zeros(x.shape),
+    }
+    for name in stubs:
+        monkeypatch.setattr(quantized, name, work(name))
+    quantized.measure(model, run.task, run.train.seed, 3, progress)
+    caches = ("float32", "int8", "float8_e4m3fn")
+    layers = [
+        [f"layer {layer}, float64 forward", "float64_forward"]
+        + [step for c in caches for step in (f"layer {layer}, {c} cache", "decode")]
+        for layer in (0, 1)
+    ]
+    assert events == [
+        *(step for c in caches for step in (f"greedy tokens, {c} cache", "greedy_steps")),
+        "layer_inputs", *layers[0], *layers[1],
+    ]  # fmt: skip
+    assert [e for e in events if " " in e] == quantized.stages(model)  # stages have spaces
+
+
+@pytest.mark.parametrize("no_progress", [False, True])
+def test_the_quantized_command_shows_each_stage_as_it_runs(trained, capsys, monkeypatch,
+                                                           no_progress):  # fmt: skip
+    """A bar on stderr names each stage as it begins (tqdm, as serve's bars; measure
+    stubbed, calling progress as the real one does); --no-progress, none."""
+    model, _, directory = trained
+    stages = quantized.stages(model)
+
+    def measure(model, task, seed, sequences, progress):
+        for stage in stages:
+            progress(stage)
+        return _measured(0.99)
+
+    monkeypatch.setattr(quantized, "measure", measure)
+    options = ["--no-progress"] if no_progress else []
+    assert main(["quantized", "--run", str(directory), "--sequences", "5", *options]) == 0
+    captured = capsys.readouterr()
+    if no_progress:
+        assert captured.err == ""
+        return
+    shown = [stage for stage in stages if f"{stage}]" in captured.err]
+    assert shown == stages, captured.err
+    positions = [captured.err.index(f"{stage}]") for stage in stages]
+    assert positions == sorted(positions), captured.err
+    assert re.search(rf"10/{len(stages)} .*layer 1, float8_e4m3fn cache\]", captured.err)
 
 
 def test_every_command_has_help(capsys):

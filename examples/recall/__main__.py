@@ -308,12 +308,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
         "fed) and prints how often each quantized cache's greedy token equals the float "
         "cache's, at every step and at the answer steps (target: int8 at least 99%% of "
         "the steps), then each attention layer's output decoded through each cache against "
-        "its float64 forward. Exit status 1 when int8 misses the target.",
+        "its float64 forward. A progress bar names each stage as it runs (each decoding "
+        "compiles first). Exit status 1 when int8 misses the target.",
     )
     _run_option(p)
     p.add_argument(
         "--sequences", type=positive_int, default=200, help="held-out recall sequences (200)"
     )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = commands.add_parser(
         "verify",
@@ -547,6 +549,8 @@ def _serve(parser, args) -> int:
 
 
 def _quantized(parser, args) -> int:
+    from tqdm import tqdm
+
     from . import quantized, train
 
     model, run, step = train.restore(_checkpoints(parser, args))
@@ -556,7 +560,15 @@ def _quantized(parser, args) -> int:
         f"{run.task.seq_len - prompt} decoding steps each: a prompt of {prompt} tokens in "
         "one call, then one token per call, the sequence's own tokens fed"
     )
-    found = quantized.measure(model, run.task, run.train.seed, args.sequences)
+    stages = quantized.stages(model)
+    with tqdm(total=len(stages), unit="stage", disable=args.no_progress, leave=False) as bar:
+
+        def begin(stage):
+            bar.update(stages.index(stage) - bar.n)  # the stages before it are done
+            bar.set_postfix_str(stage)
+
+        found = quantized.measure(model, run.task, run.train.seed, args.sequences, begin)
+        bar.update(bar.total - bar.n)
     print("greedy tokens equal to the float cache's:")
     print(f"  {'cache':16}{'every step':>22}{'answer steps':>22}{'answers right':>16}")
     for dtype, a in found.agreement.items():

@@ -104,17 +104,37 @@ def greedy_steps(model: Decoder, tokens: np.ndarray, prefix: int) -> np.ndarray:
     return logits[:, prefix - 1 : -1].argmax(-1)
 
 
-def agreement(model: Decoder, tokens, answers, prefix: int, dtypes=STORAGE_DTYPES) -> dict:
+def _name(dtype: str | None) -> str:
+    return "float32" if dtype is None else dtype
+
+
+def stages(model: Decoder, dtypes=STORAGE_DTYPES) -> list[str]:
+    """What :func:`measure` computes, in order, one name per stage (``progress``): the
+    greedy tokens through each cache, then per attention layer its float64 forward and
+    its decoding through each cache."""
+    caches = [_name(d) for d in (None, *dtypes)]
+    names = [f"greedy tokens, {c} cache" for c in caches]
+    for layer in range(model.config.n_layers):
+        names += [f"layer {layer}, float64 forward"]
+        names += [f"layer {layer}, {c} cache" for c in caches]
+    return names
+
+
+def agreement(
+    model: Decoder, tokens, answers, prefix: int, dtypes=STORAGE_DTYPES, progress=None
+) -> dict:
     """``{None: Agreement, dtype: Agreement, ...}``: the float cache (against itself,
     its answers right) and each of ``dtypes`` against it, on recall sequences
-    ``tokens`` (B, T) with ``answers`` (B, T) True at the answer tokens."""
+    ``tokens`` (B, T) with ``answers`` (B, T) True at the answer tokens.
+    ``progress(stage)`` is called as each cache's decoding begins."""
+    progress = progress or (lambda stage: None)
     graded = np.asarray(answers)[:, prefix:]  # (B, T - prefix): steps predicting an answer
     truth = np.asarray(tokens)[:, prefix:]
-    reference = greedy_steps(with_cache(model, None), tokens, prefix)
-    out = {}
+    out, reference = {}, None
     for dtype in (None, *dtypes):
-        greedy = reference if dtype is None else greedy_steps(with_cache(model, dtype), tokens,
-                                                              prefix)  # fmt: skip
+        progress(f"greedy tokens, {_name(dtype)} cache")
+        greedy = greedy_steps(with_cache(model, dtype), tokens, prefix)
+        reference = greedy if dtype is None else reference
         same = greedy == reference
         out[dtype] = Agreement(
             steps=same.size, equal=int(same.sum()), answer_steps=int(graded.sum()),
@@ -162,20 +182,26 @@ def _forward(graphdef, state, x):
     return nnx.merge(graphdef, state)(x)
 
 
-def layer_errors(model: Decoder, tokens, prefix: int, dtypes=(None, *STORAGE_DTYPES)) -> list:
+def layer_errors(
+    model: Decoder, tokens, prefix: int, dtypes=(None, *STORAGE_DTYPES), progress=None
+) -> list:
     """Per attention layer, ``{dtype: error}``: the layer decoding its input through a
     cache of ``dtype`` (None: float32) on the schedule of :func:`decode`, against its
-    float64 full forward, as ``max |y - y64| / max |y64|``."""
+    float64 full forward, as ``max |y - y64| / max |y64|``. ``progress(stage)`` is
+    called as each layer's float64 forward and each decoding begins."""
+    progress = progress or (lambda stage: None)
     base = with_cache(model, None)
     models = {dtype: with_cache(model, dtype) for dtype in dtypes}
     errors = []
     for layer, x in enumerate(layer_inputs(base, tokens)):
+        progress(f"layer {layer}, float64 forward")
         reference = float64_forward(base.blocks[layer].attn, x)
         scale = np.abs(reference).max()
-        errors.append({
-            dtype: float(np.abs(decode(m.blocks[layer].attn, x, prefix) - reference).max() / scale)
-            for dtype, m in models.items()
-        })  # fmt: skip
+        errors.append({})
+        for dtype, m in models.items():
+            progress(f"layer {layer}, {_name(dtype)} cache")
+            y = decode(m.blocks[layer].attn, x, prefix)
+            errors[-1][dtype] = float(np.abs(y - reference).max() / scale)
     return errors
 
 
@@ -195,11 +221,16 @@ class Measured:
         return self.agreement["int8"].fraction >= TARGET
 
 
-def measure(model: Decoder, task: data.TaskConfig, seed: int, sequences: int) -> Measured:
-    """Both measures on ``sequences`` held-out recall sequences of the run's stream."""
+def measure(
+    model: Decoder, task: data.TaskConfig, seed: int, sequences: int, progress=None
+) -> Measured:
+    """Both measures on ``sequences`` held-out recall sequences of the run's stream;
+    ``progress(stage)`` is called as each of :func:`stages` begins (a decoding
+    compiles, then runs: seconds to a minute each at the command's sizes)."""
     tokens, answers = data.held_out(seed, task, sequences, 1)["recall"]
     prefix = 2 + 2 * task.pairs  # RECALL, the pairs, SEP
     return Measured(
-        agreement(model, tokens, answers, prefix), layer_errors(model, tokens, prefix),
+        agreement(model, tokens, answers, prefix, progress=progress),
+        layer_errors(model, tokens, prefix, progress=progress),
         sequences, prefix, task.seq_len,
     )  # fmt: skip
