@@ -18,7 +18,8 @@ The decoding step never rebuilds ``k_n`` or ``v`` for the cached tokens: since
 attention. So the step is multi-query attention (K = 1) with key ``[c | k_r]`` (width
 r + Hr) and value ``c`` (width r, :attr:`Rules.Hv` != H), over a cache of
 (B, C, 1, r + Hr) per layer: the values are a slice of the keys, stored once (the
-cache's value array has width 0).
+cache's value array has width 0). A quantized cache (``kv_cache_dtype``) keeps one scale
+per token for its r + Hr numbers, and the values, that slice, are read with it.
 
 Axis letters: B batch, T query time, S key time, C cache capacity, N heads, D model
 width, r latent width, Hn, Hr, Hv the nope, rope and value widths.
@@ -157,8 +158,19 @@ def forward(params: LatentParameters, cfg: LatentConfig, x, *, mask=None, positi
 
 def empty_cache(cfg: LatentConfig, batch: int, capacity: int, dtype) -> kv_cache.KVCache:
     """A fresh latent cache: keys (B, C, 1, r + Hr), the latent and the rotated RoPE key
-    of each token; values of width 0 (they are the keys' first r features)."""
-    return policy_of(cfg).empty(batch, capacity, 1, cfg.cache_width, dtype, value_dim=0)
+    of each token; values of width 0 (they are the keys' first r features). In ``dtype``,
+    or quantized with ``cfg.kv_cache_dtype``: then ``key_scales`` (B, C, 1), one scale a
+    token, and ``value_scales`` (B, C, 1), the width-0 values' (zeros, never read: the
+    values are read with the keys' scales)."""
+    storage = cfg.kv_cache_dtype or dtype
+    return policy_of(cfg).empty(batch, capacity, 1, cfg.cache_width, storage, value_dim=0)
+
+
+def _scales(key_scales) -> dict:
+    """The scale keywords of a latent attention call: none for a float cache; for a
+    quantized one the keys' scales, for the values too (they are a slice of the keys;
+    the cache's ``value_scales`` are the width-0 values' and are never read)."""
+    return {} if key_scales is None else dict(key_scales=key_scales, value_scales=key_scales)
 
 
 def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCache, *, mask=None,
@@ -195,13 +207,15 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
     q = jnp.concatenate([q_lat, rotate(cfg, q_rope, layout.positions)], axis=-1)  # (.., r+Hr)
     r = cfg.kv_lora_rank
 
-    def dense(q, keys, values, **rules):  # keys (B, C, 1, r + Hr); the values: their c
-        return dot_product_attention(q, keys, keys[..., :r], **rules, **_options(cfg))
+    def dense(q, keys, values, key_scales=None, value_scales=None, **rules):
+        # keys (B, C, 1, r + Hr); the values: their c (with the keys' scales, quantized)
+        return dot_product_attention(q, keys, keys[..., :r], **rules, **_scales(key_scales),
+                                     **_options(cfg))  # fmt: skip
 
-    def paged(q, key_pages, value_pages, batch, **rules):
+    def paged(q, key_pages, value_pages, batch, key_scales=None, value_scales=None, **rules):
         out = paged_attention(
             q[0], key_pages, key_pages[..., :r], batch.page_table, batch.kv_lengths,
-            batch.query_starts, **rules, **_options(cfg),
+            batch.query_starts, **rules, **_scales(key_scales), **_options(cfg),
         )  # fmt: skip
         return out[None]
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._backends.registry import check_implementation
+from .._core.base.quantized import check_storage
 from .._core.base.rules import check_soft_cap, normalize_window
 from .._core.base.validate import expect_flag, float_dtype, positive_number
 from .._core.rope import check_layout as check_rope_layout
@@ -57,6 +58,11 @@ class LatentConfig:
         rolling cache).
       rolling_cache, page_size: the cache kind when decoding, as in
         ``AttentionConfig``: a full cache by default.
+      kv_cache_dtype: None (the cache holds the latent and the RoPE key in the compute
+        dtype), ``"int8"`` or ``"float8_e4m3fn"``: every kind of latent cache stores
+        them quantized, one float32 scale per token over its r + Hr numbers
+        (``nanoattn.quantize_kv``); the attention reads the values, a slice of the
+        keys, with the keys' scales (docs/latent.md, "A quantized latent cache").
       norm_eps: the epsilon of the latent's and the query's RMSNorm (1e-6).
       attention_bias: biases on ``q_a``, ``kv_a`` and ``out`` (never on ``q``, ``q_b``
         and ``kv_b``), as transformers' ``attention_bias``.
@@ -79,6 +85,7 @@ class LatentConfig:
     logit_soft_cap: float | None = None
     rolling_cache: bool = False
     page_size: int | None = None
+    kv_cache_dtype: str | None = None
     norm_eps: float = 1e-6
     attention_bias: bool = False
     implementation: str | None = None
@@ -108,6 +115,8 @@ class LatentConfig:
             _positive_int("page_size", self.page_size)
             if self.rolling_cache:
                 raise ValueError("page_size and rolling_cache are two cache kinds: pick one")
+        if self.kv_cache_dtype is not None:
+            set_(self, "kv_cache_dtype", check_storage("kv_cache_dtype", self.kv_cache_dtype))
         check_implementation(self.implementation)
         if self.dtype is not None:
             set_(self, "dtype", float_dtype("dtype", self.dtype))

@@ -210,3 +210,112 @@ def test_a_paged_latent_cache_decodes_mixed_steps_equal_to_the_forward():
     for row in range(B):
         np.testing.assert_allclose(np.concatenate(outs[row]), full[row, :6], atol=2e-5,
                                    rtol=2e-5)  # fmt: skip
+
+
+# A quantized latent cache (LatentConfig(kv_cache_dtype=)): the same chunks decoded into
+# a float and a quantized cache of the same layer, full, rolling and paged; the quantized
+# cache holds exactly quantize_kv of what the float one holds (one scale a token over its
+# r + Hr numbers, each token quantized once, at its own slot), the values (a slice of the
+# keys) are read with the keys' scales, and the outputs stay within the quantization's
+# error of the float decode's (and differ: the stored values are read).
+QUANTIZED_KINDS = {
+    "full": {}, "rolling": dict(window=(3, 0), rolling_cache=True), "paged": dict(page_size=3),
+}  # fmt: skip
+QUANTIZED_CHUNKS = ((0, 3), (3, 5), (5, 6), (6, 9), (9, T))  # within the rolling limit 3
+# the largest difference from the float decode's outputs (largest output about 3):
+# int8 keeps 8 bits a number, float8_e4m3fn 4 (measured 0.013 and 0.076 on this layer)
+QUANTIZED_DTYPES = nanoattn._core.base.quantized.QUANTIZED_DTYPES
+QUANTIZED_BOUND = {"int8": 0.04, "float8_e4m3fn": 0.25}
+
+
+@functools.cache
+def _quantized_decode(kind, kv_cache_dtype):
+    """The outputs (B, T, D) of decoding x in QUANTIZED_CHUNKS through a jitted step of
+    the layer with the cache kind ``kind`` and ``kv_cache_dtype``, and its last cache."""
+    _, params = _layer()
+    layer = LatentAttention(LatentConfig(**SIZES, q_lora_rank=17, kv_cache_dtype=kv_cache_dtype,
+                                         **QUANTIZED_KINDS[kind]))  # fmt: skip
+    step = jax.jit(lambda cache, x, **pages: layer.apply(
+        {**params, "cache": cache}, x, decode=True, mutable=["cache"], **pages
+    ))  # fmt: skip
+    x = np.asarray(_x())
+    if kind != "paged":
+        capacity = 6 if kind == "rolling" else T + 2
+        cache = layer.init(jax.random.key(1), jnp.zeros((B, capacity, D)), decode=True)["cache"]
+        outs = []
+        for a, b in QUANTIZED_CHUNKS:
+            y, state = step(cache, jnp.asarray(x[:, a:b]))
+            cache = state["cache"]
+            outs.append(np.asarray(y))
+        return np.concatenate(outs, 1), cache
+    cache = layer.init(jax.random.key(1), jnp.zeros((1, 27, D)), decode=True)["cache"]
+    allocator = nanoattn.PageAllocator(pages=9, page_size=3, max_sequences=B, max_pages=4, seed=2)
+    outs = [[], []]
+    for a, b in QUANTIZED_CHUNKS:  # both rows' tokens, token-major, padded to 6
+        for row in range(B):
+            (allocator.extend if a else allocator.allocate)(row, b - a)
+        batch = allocator.batch([(row, b - a) for row in range(B)], tokens=6)
+        chunk = np.pad(x[:, a:b].reshape(-1, D), ((0, 6 - B * (b - a)), (0, 0)))[None]
+        y, state = step(cache, jnp.asarray(chunk), pages=batch)
+        cache = state["cache"]
+        allocator.confirm(batch)
+        for row in range(B):
+            outs[row].append(np.asarray(y[0, row * (b - a) : (row + 1) * (b - a)]))
+    return np.stack([np.concatenate(rows) for rows in outs]), cache
+
+
+def _assert_holds_the_quantized_float_latent_cache(quantized, float_cache, dtype):
+    """Keys and their scales: exactly quantize_kv of the float cache's; values of width
+    0, whose scales (never read) are zeros."""
+    values, scales = nanoattn.quantize_kv(float_cache["key"], dtype)
+    assert quantized["key"].dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(quantized["key"], np.float32),
+                                  np.asarray(values, np.float32))  # fmt: skip
+    np.testing.assert_array_equal(quantized["key_scales"], scales)
+    assert quantized["value"].shape[-1] == 0 and not np.asarray(quantized["value_scales"]).any()
+
+
+@pytest.mark.parametrize(
+    "kind, dtype",
+    [
+        # float8 on the rolling and paged caches in make test-all; its fast path: the
+        # full cache here (the same store and read), and the int8 cases of every kind
+        pytest.param(kind, dtype, marks=[pytest.mark.slow] * (dtype != "int8" and kind != "full"))
+        for dtype in QUANTIZED_DTYPES
+        for kind in QUANTIZED_KINDS
+    ],
+)
+def test_a_quantized_latent_cache_holds_each_token_quantized_once(kind, dtype):
+    y_float, float_cache = _quantized_decode(kind, None)
+    y, cache = _quantized_decode(kind, dtype)
+    assert sorted(cache) == ["key", "key_scales", "last", "position", "value", "value_scales"]
+    _assert_holds_the_quantized_float_latent_cache(cache, float_cache, dtype)
+    error = np.abs(y - y_float).max()
+    assert 1e-5 < error <= QUANTIZED_BOUND[dtype], error
+    if kind == "full":  # the float decode is the forward's, as the tests above hold
+        layer, params = _layer()
+        np.testing.assert_allclose(y_float, layer.apply(params, _x()), atol=2e-5, rtol=2e-5)
+
+
+def test_a_quantized_nnx_latent_cache_holds_each_token_quantized_once():
+    decoded = {}
+    for dtype in (None, "int8"):
+        module = nanoattn.nnx.LatentAttention(
+            LatentConfig(**SIZES, q_lora_rank=17, kv_cache_dtype=dtype), rngs=nnx.Rngs(3)
+        )
+        module.init_cache(B, T)
+        ys = [np.asarray(module(_x()[:, a:b], decode=True)) for a, b in QUANTIZED_CHUNKS]
+        decoded[dtype] = (np.concatenate(ys, 1), module.cache.get()._asdict())
+    (y_float, float_cache), (y, cache) = decoded[None], decoded["int8"]
+    _assert_holds_the_quantized_float_latent_cache(cache, float_cache, "int8")
+    assert 1e-5 < np.abs(y - y_float).max() <= QUANTIZED_BOUND["int8"]
+
+
+def test_a_quantized_latent_cache_s_bytes_and_its_config_error():
+    _, cache = _quantized_decode("full", "int8")
+    r, Hr, C = CONFIG.kv_lora_rank, CONFIG.qk_rope_head_dim, T + 2
+    # int8 keys, a float32 scale a token for the keys and one for the width-0 values
+    assert nanoattn.linen.cache_bytes(cache)[""] == B * C * (r + Hr) + 2 * B * C * 4 + 8 * B
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of") as error:
+        LatentConfig(**SIZES, kv_cache_dtype="int4")
+    assert "\n" not in str(error.value)

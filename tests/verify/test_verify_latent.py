@@ -1,6 +1,9 @@
 """check_decoding on multi-head latent attention: the layer's own decode passes (linen
 and NNX, through nanoattn.verify.decoders), and the bugs an absorbed decode ships with
-are caught (tests/_verify_decoders.py: ``latent(bug)``)."""
+are caught (tests/_verify_decoders.py: ``latent(bug)``); a quantized latent cache passes
+within its error, reported next to its float cache's."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -40,3 +43,23 @@ def test_the_hand_written_absorbed_decode_passes():
 def test_each_planted_latent_bug_is_caught(bug):
     report = check_decoding(*_verify_decoders.latent(bug), d_model=12, seq_len=7)
     assert "cache equivalence" in _failed(report), report
+
+
+def test_a_quantized_latent_cache_passes_within_its_error_and_reports_it():
+    """An int8 latent cache (full and paged, linen and NNX): with a tolerance above its
+    error every check passes, and the quantization check measures that error against
+    the same layer's float cache, whose own error against float64 is float32's."""
+    atol = 0.05  # measured 0.008-0.01 on this layer
+    quantized = dataclasses.replace(CONFIG, kv_cache_dtype="int8")
+    found = []
+    for page_size in (None, 2):
+        layer = LatentAttention(dataclasses.replace(quantized, page_size=page_size))
+        params = layer.init(jax.random.key(0), jnp.ones((1, 2, 16)))
+        found.append(check_decoding(decoders.linen(layer, params), d_model=16, seq_len=7,
+                                    atol=atol))  # fmt: skip
+    module = nanoattn.nnx.LatentAttention(quantized, rngs=nnx.Rngs(0))
+    found.append(check_decoding(decoders.nnx(module), d_model=16, seq_len=7, atol=atol))
+    for report in found:
+        assert report.passed, report
+        errors = next(c for c in report.checks if c.name == "quantization error").data
+        assert 1e-4 < errors["quantized_vs_float"] <= atol and errors["float_vs_reference"] < 1e-5

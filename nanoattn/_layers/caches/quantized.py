@@ -8,7 +8,10 @@ pool); a float cache has None there. A step quantizes only its new tokens
 (:func:`store`: each token's scale is written beside it, and no token already cached is
 ever quantized again), and the attention reads the stored values with their scales
 (:func:`read`), so the kernel dequantizes per block and no float copy of the cache is
-made. Rewind moves positions only, so it works alike.
+made. Rewind moves positions only, so it works alike. A latent cache
+(``LatentConfig(kv_cache_dtype=)``) goes through the same two functions: its values of
+width 0 quantize to scale 0, and its attention reads the values, a slice of the keys,
+with the keys' scales (``nanoattn._layers.latent``).
 """
 
 from ..._core.base.quantized import storage_name

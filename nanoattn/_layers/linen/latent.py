@@ -70,7 +70,9 @@ class LatentAttention(nn.Module):
     ``decode=True``: ``layer.init(key, jnp.zeros((B, C, D)), decode=True)`` also makes a
     ``"cache"`` collection holding per token only the latent and the rotated RoPE key,
     ``key`` (B, C, 1, r + Hr) (``value`` (B, C, 1, 0): the values are the latent
-    itself), ``position`` and ``last`` as in ``CausalSelfAttention``; each
+    itself), ``position`` and ``last`` as in ``CausalSelfAttention`` (with
+    ``kv_cache_dtype``, int8 or float8 keys and ``key_scales`` and ``value_scales``
+    (B, C, 1)); each
     ``apply(..., chunk, decode=True, mutable=["cache"])`` takes a chunk of any length
     and attends in absorbed form (``nanoattn._layers.latent.decode``), equal to the full
     forward. ``lengths`` (B,) makes rows ragged; ``nanoattn.linen.rewind`` rewinds it.
@@ -120,7 +122,7 @@ class LatentAttention(nn.Module):
         variables = {
             name: self.variable(CACHE, name, lambda name=name: getattr(
                 latent.empty_cache(cfg, B, T, dtype), name))
-            for name in kv_cache.fields(quantized=False)
+            for name in kv_cache.fields(quantized=cfg.kv_cache_dtype is not None)
         }  # fmt: skip
         if fresh:  # init: an empty cache of capacity T; the output is the full forward
             return latent.forward(params, cfg, x, mask=mask, mask_fn=mask_fn, score_fn=score_fn)

@@ -67,7 +67,8 @@ class LatentAttention(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
         """An empty latent cache of ``max_len`` tokens for ``batch`` rows, in ``dtype``
-        (default ``config.dtype``, else ``config.param_dtype``)."""
+        (default ``config.dtype``, else ``config.param_dtype``); with
+        ``config.kv_cache_dtype``, in that dtype with its scales."""
         cfg = self.config
         if dtype is None:
             dtype = cfg.param_dtype if cfg.dtype is None else cfg.dtype
