@@ -187,24 +187,17 @@ def test_paged_output_is_the_reference_s_on_the_dequantized_pages(implementation
 # key/value head 1, has a NaN value scale. Sequence 1 brings one decode token.
 PS_NAN, P_NAN, K_NAN, N_NAN = 5, 11, 3, 6  # G = 2
 NAN_AT = 37
-# Backends whose paged kernel still spreads a NaN value scale to rows of the chunk that
-# never see its token (flash/paged.py multiplies its weights, 0 for those rows, by
-# values already dequantized: 0 * NaN). Strict: once fixed this goes red, and the entry
-# goes with it.
-_SPREADS_A_NAN_VALUE_SCALE = {"flash"}
 
 
 @each_backend()
 @pytest.mark.parametrize("dtype", QUANTIZED_DTYPES)
 @pytest.mark.parametrize("window", [None, (4, 0)], ids=["causal", "window"])
 def test_a_nan_value_scale_leaves_the_paged_rows_that_never_see_its_token_finite(
-    implementation, dtype, window, request
+    implementation, dtype, window
 ):
     """The rows of the chunk before the token (causal), or past the window, never see
     it: finite, and equal to the call whose scale is clean; the rows that see it are NaN
     in the heads of its group; the other heads and sequence 1 are untouched."""
-    if implementation in _SPREADS_A_NAN_VALUE_SCALE:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="0 * NaN value scale"))
     table = np.array([[7, 2, 9, 0, 5, 10, 3, 8, 1], [4, 6, -1, -1, -1, -1, -1, -1, -1]],
                      np.int32)  # fmt: skip
     lengths, starts = np.array([43, 7], np.int32), np.array([0, 40, 41], np.int32)

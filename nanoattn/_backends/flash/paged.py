@@ -193,19 +193,29 @@ def _key_blocks(plan: PagedPlan, positions, real, length):
 
 
 def _block(plan: PagedPlan, inputs: PagedInputs, b, j, acc):
-    """Key block j of sequence b: keys (k, K, H) and values (k, K, Hv) in ``acc``, their
-    positions (k,), and the pages they came from (pages_per_block,)."""
+    """Key block j of sequence b: keys (k, K, H) in ``acc`` (dequantized), values
+    (k, K, Hv) in ``acc`` as stored (not scaled: :func:`_value_weights` folds their
+    scales into the weights), their positions (k,), and the pages they came from
+    (pages_per_block,)."""
     pages = jax.lax.dynamic_slice_in_dim(
         inputs.table[b], j * plan.pages_per_block, plan.pages_per_block
     )
     keys = _read_pages(
         inputs.key_pages, inputs.key_scales, pages, (plan.block_k, plan.K, plan.H), acc
     )
-    values = _read_pages(
-        inputs.value_pages, inputs.value_scales, pages, (plan.block_k, plan.K, plan.Hv), acc
-    )
+    values = inputs.value_pages[pages].reshape(plan.block_k, plan.K, plan.Hv).astype(acc)
     positions = j * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
     return keys, values, positions, pages
+
+
+def _value_weights(plan: PagedPlan, inputs: PagedInputs, p, pages, acc):
+    """The weights p (K, G, q, k) with the scales of quantized values folded in: a
+    weight of 0 never reads its value's scale, so a NaN scale reaches only the rows
+    that see its token (``0 * NaN`` would spread it to the whole head group)."""
+    if inputs.value_scales is None:
+        return p
+    scales = inputs.value_scales[pages].reshape(plan.block_k, plan.K).astype(acc)  # (k, K)
+    return jnp.where(p != 0, p * jnp.einsum("kK->Kk", scales)[:, None, None, :], 0)
 
 
 def _read_pages(pool, scales, pages, shape, acc):
@@ -305,7 +315,7 @@ def _forward(plan: PagedPlan, inputs: PagedInputs):
 
         def one_block(j, state):
             m_old, l_old, o_old = state
-            keys, values, k_pos, _ = _block(plan, inputs, b, j, acc)
+            keys, values, k_pos, pages = _block(plan, inputs, b, j, acc)
             allowed = _allowed(plan, b, q_pos, real, k_pos, length)
             keys, values = _unseen_zeroed(plan, keys, values, allowed)
             s, allowed, _, _ = _scores(plan, qs, keys, b, q_pos, k_pos, allowed, inputs.consts)
@@ -318,7 +328,8 @@ def _forward(plan: PagedPlan, inputs: PagedInputs):
             m_new = jnp.maximum(m_old, m_block)
             rescale, weight = jnp.exp(m_old - m_new), jnp.exp(m_block - m_new)
             l_new = l_old * rescale + p.sum(-1) * weight
-            pv = jnp.einsum("KGqk,kKH->KGqH", p, values)
+            p_v = _value_weights(plan, inputs, p, pages, acc)
+            pv = jnp.einsum("KGqk,kKH->KGqH", p_v, values)
             o_new = o_old * rescale[..., None] + pv * weight[..., None]
             return m_new, l_new, o_new
 
