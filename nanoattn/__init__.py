@@ -5,18 +5,18 @@ in docs/conventions.md.
 """
 
 from . import parallel as parallel
+from ._base.block_mask import BlockMask as BlockMask
+from ._base.block_mask import block_mask as block_mask
+from ._base.masks import causal_mask as causal_mask
+from ._base.masks import combine_masks as combine_masks
+from ._base.masks import lengths_to_valid as lengths_to_valid
+from ._base.masks import padding_mask as padding_mask
+from ._base.masks import segment_mask as segment_mask
+from ._base.masks import window_mask as window_mask
+from ._base.numerics import large_negative as large_negative
 from ._core.api import attention_weights as attention_weights
 from ._core.api import dot_product_attention as dot_product_attention
 from ._core.api import flash_attention as flash_attention
-from ._core.base.block_mask import BlockMask as BlockMask
-from ._core.base.block_mask import block_mask as block_mask
-from ._core.base.masks import causal_mask as causal_mask
-from ._core.base.masks import combine_masks as combine_masks
-from ._core.base.masks import lengths_to_valid as lengths_to_valid
-from ._core.base.masks import padding_mask as padding_mask
-from ._core.base.masks import segment_mask as segment_mask
-from ._core.base.masks import window_mask as window_mask
-from ._core.base.numerics import large_negative as large_negative
 from ._core.merge import merge_attention as merge_attention
 from ._core.paged import paged_attention as paged_attention
 from ._core.quantize import dequantize_kv as dequantize_kv

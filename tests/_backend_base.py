@@ -29,7 +29,7 @@ import pytest
 import nanoattn
 from nanoattn._backends import dispatch, registry
 from nanoattn._backends.interface import unserved
-from nanoattn._core.base.rules import RULE_NAMES, Rules
+from nanoattn._base.rules import RULE_NAMES, Rules
 
 from _reference import (
     np_attention_vjp,

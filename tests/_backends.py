@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import pytest
 
 from nanoattn._backends import dispatch, registry
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 
 
 def refusal(

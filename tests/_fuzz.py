@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import nanoattn
 from nanoattn._backends import dispatch, native, registry
-from nanoattn._core.base import rules
+from nanoattn._base import rules
 
 from _reference import (
     np_attention,

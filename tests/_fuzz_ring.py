@@ -28,7 +28,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
-from nanoattn._core.base.zigzag import zigzag_order
+from nanoattn._base.zigzag import zigzag_order
 from nanoattn.parallel import ring_attention
 
 import _fuzz

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 import nanoattn
-from nanoattn._core.base.zigzag import zigzag_order
+from nanoattn._base.zigzag import zigzag_order
 from nanoattn.parallel import ring_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@ tools (``verify/``, ``bench/``, ``cli/``) -> interop (``_interop/``: the flax an
 jax.nn adapters) -> layers (``_layers/``: the config, the shared steps, the caches,
 linen, NNX) -> core (``_core/``: the public functions, merge, RoPE; ``parallel/``:
 the ring) -> kernels (``_backends/``: the registry, the dispatch, one module or folder
-per backend) -> base (``_core/base/``: the rules of a call, validation, masks, the
+per backend) -> base (``_base/``: the rules of a call, validation, masks, the
 shared numerics). A module belongs to the deepest folder the table names. No module
 imports another package's private function. The imports are read with ``ast`` from
 every module, those inside functions included, so a lazy import cannot hide a back
@@ -23,7 +23,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nanoattn"
 # Lowest first: folders (dotted, relative to the package); a module may import modules
 # of its own layer and the layers below.
 LAYERS = {
-    "base": ["_core.base"],
+    "base": ["_base"],
     "kernels": ["_backends"],
     "core": ["_core", "parallel"],
     "layers": ["_layers"],
@@ -176,7 +176,7 @@ def test_an_attention_config_loads_no_kernel():
     kernels = sorted(m for m in loaded if any(m == k or m.startswith(k + ".") for k in KERNELS))
     assert not kernels, f"nanoattn._layers.config loads {kernels}"
     # the rules it checks, from one place each
-    assert {"_backends.registry", "_core.base.rules", "_core.base.zigzag"} <= loaded
+    assert {"_backends.registry", "_base.rules", "_base.zigzag"} <= loaded
 
 
 def test_every_module_is_in_a_folder_of_the_table():

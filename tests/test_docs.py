@@ -175,7 +175,7 @@ def test_readme_shows_the_real_audit_output(default_audit):
     "module",
     [
         "nanoattn._core.api",
-        "nanoattn._core.base.masks",
+        "nanoattn._base.masks",
         "nanoattn._core.merge",
         "nanoattn._core.rope",
         "nanoattn._layers.linen.attention",

@@ -36,7 +36,7 @@ THRESHOLD = 0.90
 # relative to tests/)
 TARGETS = {
     "masks": (
-        ["nanoattn/_core/base/masks.py"],
+        ["nanoattn/_base/masks.py"],
         ["core/test_masks.py", "core/test_window.py", "core/test_segments.py", "test_bad_input.py"],
     ),
     "reference": (
@@ -53,7 +53,7 @@ TARGETS = {
         ],
     ),
     "spec": (
-        ["nanoattn/_core/base/rules.py"],
+        ["nanoattn/_base/rules.py"],
         [
             "core/test_soft_cap.py",
             "core/test_attention.py",
@@ -71,7 +71,7 @@ TARGETS = {
         [
             "nanoattn/_backends/flash/kernel.py",
             "nanoattn/_backends/flash/plan.py",
-            "nanoattn/_core/base/shard_map.py",
+            "nanoattn/_base/shard_map.py",
         ],
         [
             "backends/test_flash.py",

@@ -9,8 +9,8 @@ and their rules are in :mod:`nanoattn._backends`, their names in
 :mod:`nanoattn._backends.registry`.
 """
 
-from .._core.base.autodiff import REVERSE_ONLY, in_forward_mode
-from .._core.base.rules import Rules
+from .._base.autodiff import REVERSE_ONLY, in_forward_mode
+from .._base.rules import Rules
 from . import registry
 from .interface import unserved
 
@@ -25,7 +25,7 @@ def _ranked():
 def refusal(backend, rules: Rules, dtype, dropout_rate: float) -> str | None:
     """Why ``backend`` cannot serve the call, or None: its own reasons, then any rule
     it does not serve (which a backend may also check itself, earlier), then a
-    forward-mode differentiation it cannot take (:mod:`~nanoattn._core.base.autodiff`)."""
+    forward-mode differentiation it cannot take (:mod:`~nanoattn._base.autodiff`)."""
     reason = backend.unsupported(rules, dtype, dropout_rate) or unserved(backend, rules)
     if reason is None and not getattr(backend, "forward_mode", False) and in_forward_mode():
         return REVERSE_ONLY

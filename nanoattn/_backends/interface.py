@@ -10,7 +10,7 @@ Adding a backend: docs/architecture.md.
 
 from typing import Protocol
 
-from .._core.base.rules import RULE_NAMES, Rules
+from .._base.rules import RULE_NAMES, Rules
 from . import registry
 
 # Why a backend other than the reference cannot serve a call with dropout.

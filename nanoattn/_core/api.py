@@ -12,12 +12,12 @@ from .._backends import dispatch
 from .._backends.flash import kernel as flash_kernel
 from .._backends.registry import Implementation, get
 from .._backends.xla import reference
-from .base.debug import one_program
-from .base.dropout import check_dropout
-from .base.numerics import softmax_dtype
-from .base.quantized import is_quantized
-from .base.rules import ARGUMENTS, Rules, batched, poison_rows
-from .base.validate import check_scale, check_tiles
+from .._base.debug import one_program
+from .._base.dropout import check_dropout
+from .._base.numerics import softmax_dtype
+from .._base.quantized import is_quantized
+from .._base.rules import ARGUMENTS, Rules, batched, poison_rows
+from .._base.validate import check_scale, check_tiles
 from .eager import cacheable, is_eager
 from .merge import add_sinks
 
@@ -341,7 +341,7 @@ class _Call:
 
     Attributes:
       query: (B, T, N, H); key, value: (B, S, K, H) (value None for the weights).
-      rules: the call's :class:`~nanoattn._core.base.rules.Rules`.
+      rules: the call's :class:`~nanoattn._base.rules.Rules`.
       unbatched: the call came as query (T, N, H), key and value (S, K, H), as
         ``jax.nn.dot_product_attention`` also takes it; B = 1 here, and
         :meth:`unbatch` takes the axis off the results.

@@ -30,8 +30,8 @@ import types
 import jax
 import numpy as np
 
-from .base.block_mask import BlockMask
-from .base.rules import Rules
+from .._base.block_mask import BlockMask
+from .._base.rules import Rules
 
 MOST = 128  # the fingerprinted functions kept (the oldest are dropped first)
 _stand_ins: collections.OrderedDict = collections.OrderedDict()  # fingerprint -> function

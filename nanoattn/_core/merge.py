@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .base.numerics import softmax_dtype
-from .base.validate import as_array, expect_floating, expect_shape
+from .._base.numerics import softmax_dtype
+from .._base.validate import as_array, expect_floating, expect_shape
 
 _OUT_SHAPES = {4: "B T N H", 3: "T N H"}
 

@@ -4,9 +4,9 @@ token, a speculative chunk), in one call (docs/decoding.md, "Paged caches")."""
 
 import jax.numpy as jnp
 
+from .._base.rules import Rules
+from .._base.validate import check_scale
 from .api import attend
-from .base.rules import Rules
-from .base.validate import check_scale
 
 
 def paged_attention(

@@ -7,8 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .base.quantized import LIMITS, check_storage, dequantize
-from .base.validate import as_array, expect_floating, expect_shape, float_dtype
+from .._base.quantized import LIMITS, check_storage, dequantize
+from .._base.validate import as_array, expect_floating, expect_shape, float_dtype
 
 # Why jax cannot differentiate quantize_kv (its rounding is piecewise constant), and
 # what to do instead: raised when jax differentiates it (forward or reverse, under jit).

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .base.validate import expect_floating, expect_integer, expect_shape, positive_number
+from .._base.validate import expect_floating, expect_integer, expect_shape, positive_number
 
 ROPE_TYPES = ("linear", "llama3", "yarn", "dynamic")
 LAYOUTS = ("half", "interleaved")

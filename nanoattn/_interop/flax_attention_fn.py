@@ -22,10 +22,10 @@ import jax.numpy as jnp
 
 from .._backends import registry
 from .._backends.xla import reference
+from .._base.dropout import check_dropout
+from .._base.rules import Rules
+from .._base.validate import check_scale
 from .._core.api import attend
-from .._core.base.dropout import check_dropout
-from .._core.base.rules import Rules
-from .._core.base.validate import check_scale
 from .flax_hand_over import hand_over as _hand_over
 from .flax_hand_over import unserved
 from .flax_precision import matmul_precision, under_precision

@@ -16,11 +16,11 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from .._base.debug import one_program
+from .._base.numerics import softmax_dtype
+from .._base.rules import Rules, poison_rows
+from .._base.validate import check_scale, expect_flag, lengths_outside
 from .._core.api import attend
-from .._core.base.debug import one_program
-from .._core.base.numerics import softmax_dtype
-from .._core.base.rules import Rules, poison_rows
-from .._core.base.validate import check_scale, expect_flag, lengths_outside
 from .jax_nn_inputs import check_implementation, check_window, checked
 from .jax_nn_rows import as_jax_nn, query_valid, sees_a_key
 
@@ -155,7 +155,7 @@ def jax_nn_attention(
         return out, lse
 
     # one program under jax's debug flags: the -inf kept for rows that see no key is
-    # internal, as jax.nn keeps none (nanoattn/_core/base/debug.py)
+    # internal, as jax.nn keeps none (nanoattn/_base/debug.py)
     out, lse = one_program(run, q, k, v, rules, q_valid, arrays.q_lengths)
     out = out.reshape(arrays.shape)
     if not return_residual:

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from .._core.base.validate import as_array, lengths_within
+from .._base.validate import as_array, lengths_within
 
 # jax.nn's names for ``implementation`` (or None); nanoattn.dot_product_attention takes its own.
 IMPLEMENTATIONS = ("xla", "cudnn")

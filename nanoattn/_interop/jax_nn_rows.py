@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._backends.xla.reference import allowed_mask
-from .._core.base.masks import lengths_to_valid
-from .._core.base.numerics import softmax_dtype
-from .._core.base.rules import Rules
+from .._base.masks import lengths_to_valid
+from .._base.numerics import softmax_dtype
+from .._base.rules import Rules
 
 # jax.nn's value for each blocked logit, -0.7 times float32's largest (it caps it at
 # float32's range whatever the dtype, jax's _get_large_negative), rounded to float32

@@ -5,7 +5,7 @@ layers' projections: ``3D`` or ``(N+2K)H`` (q | k | v), ``D`` or ``NH`` (q alone
 the concatenated heads), ``D`` or ``KH`` (k or v alone), ``2D`` or ``2KH``
 (cross-attention's k | v); the first of each pair when K = N and N H = D, so a
 multi-head layer keeps the seed's names. The layers label
-every stage they check with :func:`labels` (``nanoattn._core.base.trace.check_shape``) and
+every stage they check with :func:`labels` (``nanoattn._base.trace.check_shape``) and
 the audit checks every stage against :func:`axis_sizes`: one table, so a label
 cannot stand for two sizes.
 """

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._backends.registry import check_implementation
-from .._core.base.dropout import check_rate
-from .._core.base.quantized import check_storage
-from .._core.base.rules import check_soft_cap, normalize_window
-from .._core.base.validate import expect_flag, expect_real, float_dtype, positive_number
-from .._core.base.zigzag import check_layout
+from .._base.dropout import check_rate
+from .._base.quantized import check_storage
+from .._base.rules import check_soft_cap, normalize_window
+from .._base.validate import expect_flag, expect_real, float_dtype, positive_number
+from .._base.zigzag import check_layout
 from .._core.rope import check_layout as check_rope_layout
 from .._core.rope import check_rotary_dim, rope_scaling_of
 from .norm import EPSILON

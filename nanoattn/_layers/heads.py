@@ -14,8 +14,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from .._base.trace import check_shape
 from .._core.api import attention_weights, dot_product_attention
-from .._core.base.trace import check_shape
 from .._core.paged import paged_attention
 from .._core.quantize import dequantize_kv
 from .._core.rope import apply_rope

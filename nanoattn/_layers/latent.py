@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._base.trace import check_shape
+from .._base.validate import expect_floating, expect_integer, expect_shape
 from .._core.api import dot_product_attention
-from .._core.base.trace import check_shape
-from .._core.base.validate import expect_floating, expect_integer, expect_shape
 from .._core.paged import paged_attention
 from .._core.rope import apply_rope
 from .caches import kv_cache

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from .._base.rules import Rules
+from .._base.zigzag import to_zigzag
 from .._core.api import dot_product_attention
-from .._core.base.rules import Rules
-from .._core.base.zigzag import to_zigzag
 from ..parallel._ring import ring_attention
 
 PARAMETER_AXES = {

@@ -11,9 +11,9 @@ width, D model width.
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.base.masks import padding_mask
-from .._core.base.trace import check_shape
-from .._core.base.validate import expect_bool, expect_floating, expect_integer, expect_shape
+from .._base.masks import padding_mask
+from .._base.trace import check_shape
+from .._base.validate import expect_bool, expect_floating, expect_integer, expect_shape
 from .axes import labels
 from .caches import kv_cache
 from .caches.kinds import policy_of

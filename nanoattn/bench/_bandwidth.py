@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.base.validate import describe
+from .._base.validate import describe
 
 BANDWIDTH_FRACTION = 0.5  # the decode targets: of the read bandwidth, at least
 ROWS_PER_CORE = 8  # the jitted sum's rows: several per core, so that XLA can split them

@@ -4,7 +4,7 @@ the random inputs every measurement uses."""
 import jax
 import jax.numpy as jnp
 
-from .._core.base.validate import describe
+from .._base.validate import describe
 from . import _torch
 from ._measure import causal_flops, jax_pass, temp_bytes, time_runs
 from ._peers import PEERS

@@ -44,7 +44,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .._core.base.validate import describe
+from .._base.validate import describe
 from ..linen import AttentionConfig, CausalSelfAttention
 from ._measure import time_interleaved, time_runs
 

@@ -12,8 +12,8 @@ process, and compute the same per-head outputs (B, 1, N, Hv).
 import jax
 import jax.numpy as jnp
 
+from .._base.validate import describe
 from .._core.api import dot_product_attention
-from .._core.base.validate import describe
 from .._layers.caches.kv_cache import cache_bytes
 from .._layers.latent_config import LatentConfig
 from .._layers.linen.latent import LatentAttention

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._base.validate import describe
 from .._core.api import dot_product_attention
-from .._core.base.validate import describe
 from ._cell import inputs
 from ._measure import time_interleaved
 

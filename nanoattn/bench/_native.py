@@ -20,7 +20,7 @@ Targets (issue #22):
   forward+backward: at least as fast as torch's bfloat16.
 """
 
-from .._core.base.validate import describe
+from .._base.validate import describe
 from . import _torch
 from ._alone import compare
 from ._measure import causal_flops

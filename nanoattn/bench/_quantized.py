@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.base.validate import describe
+from .._base.validate import describe
 from .._core.paged import paged_attention
 from .._core.quantize import quantize_kv
 from .._layers.caches.kv_cache import cache_bytes

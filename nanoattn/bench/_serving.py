@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._backends import registry
+from .._base.validate import describe
 from .._core.api import dot_product_attention
-from .._core.base.validate import describe
 from .._core.paged import paged_attention
 from . import _quantized
 from ._bandwidth import bandwidth_target, measure_read

@@ -10,8 +10,8 @@ each comes from its memory analysis.
 
 import jax
 
+from .._base.validate import describe
 from .._core.api import dot_product_attention
-from .._core.base.validate import describe
 from ._cell import inputs
 from ._measure import jax_pass, temp_bytes, time_interleaved
 

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from .._core.base.validate import describe
+from .._base.validate import describe
 from ..verify import Decoder, PagedDecoder, check_causality, check_decoding, check_mask
 from ..verify._bounds import raised_everywhere, within
 from ..verify._causality import DEFAULT_SEQ_LENS

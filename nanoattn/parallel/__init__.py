@@ -4,7 +4,7 @@
 axes to mesh axes (:func:`logical_rules`). docs/parallel.md shows the mesh setup and what the tests
 prove."""
 
-from .._core.base.zigzag import from_zigzag as from_zigzag
-from .._core.base.zigzag import to_zigzag as to_zigzag
+from .._base.zigzag import from_zigzag as from_zigzag
+from .._base.zigzag import to_zigzag as to_zigzag
 from .._layers.sharded import logical_rules as logical_rules
 from ._ring import ring_attention as ring_attention

@@ -53,11 +53,11 @@ from .._backends.flash.kernel import (
     kernel_rules,
 )
 from .._backends.flash.plan import Plan, Plans, kernel_plans
-from .._core.base import zigzag
-from .._core.base.block_mask import EMPTY, FULL, PARTIAL, chunk_pair_kinds
-from .._core.base.masks import lengths_to_valid
-from .._core.base.rules import Rules
-from .._core.base.shard_map import varying_like
+from .._base import zigzag
+from .._base.block_mask import EMPTY, FULL, PARTIAL, chunk_pair_kinds
+from .._base.masks import lengths_to_valid
+from .._base.rules import Rules
+from .._base.shard_map import varying_like
 from .._core.merge import merge_attention
 from ._segments import ids_meet
 

@@ -31,15 +31,15 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from .._backends.flash.kernel import kernel_rules
-from .._core.base import zigzag
-from .._core.base.autodiff import in_forward_mode
-from .._core.base.block_mask import BlockMask
-from .._core.base.mask_fn import check_mask_fn, check_score_fn, closure_converted
-from .._core.base.numerics import softmax_dtype
-from .._core.base.quantized import is_quantized
-from .._core.base.rules import ARGUMENTS, Rules, check_lengths, check_sinks, poison_rows
-from .._core.base.shard_map import sum_to_varying, varying_like
-from .._core.base.validate import check_scale, check_tiles, expect_shape
+from .._base import zigzag
+from .._base.autodiff import in_forward_mode
+from .._base.block_mask import BlockMask
+from .._base.mask_fn import check_mask_fn, check_score_fn, closure_converted
+from .._base.numerics import softmax_dtype
+from .._base.quantized import is_quantized
+from .._base.rules import ARGUMENTS, Rules, check_lengths, check_sinks, poison_rows
+from .._base.shard_map import sum_to_varying, varying_like
+from .._base.validate import check_scale, check_tiles, expect_shape
 from .._core.merge import add_sinks
 from . import _blocks
 
@@ -92,7 +92,7 @@ class RingInputs(NamedTuple):
 
     Attributes:
       query: (B, T, N, H); key, value: (B, T, K, H): this device's shards.
-      rules: the call's :class:`~nanoattn._core.base.rules.Rules` on this device (key
+      rules: the call's :class:`~nanoattn._base.rules.Rules` on this device (key
         lengths, global and replicated; segment ids of this device's queries and keys;
         :func:`~nanoattn._backends.flash.kernel.kernel_rules`: no functions, no sinks).
       kinds: ``mask_fn``'s block kinds per chunk pair (:func:`_blocks.pair_kinds`), a
@@ -334,7 +334,7 @@ def ring_attention(
 def _ring_call(query, key, value, axis_name, arguments: dict, *, layout, forward_tiles,
                backward_tiles):  # fmt: skip
     """The per-device call (inside shard_map): validation into one
-    :class:`~nanoattn._core.base.rules.Rules`, then the ring."""
+    :class:`~nanoattn._base.rules.Rules`, then the ring."""
     if in_forward_mode(query, key, value):
         raise ValueError(
             "ring_attention's gradient is reverse-mode only (a custom_vjp), and jax "
@@ -405,7 +405,7 @@ def _global_fns(mask_fn, score_fn, B: int, N: int, T: int):
 def _on_mesh(mesh, axis_name, query, key, value, arguments: dict, placement: dict):
     """``ring_attention`` wrapped in ``jax.shard_map`` over ``mesh``: the sequence
     axis sharded over ``axis_name``, the rules' arrays as
-    :meth:`~nanoattn._core.base.rules.Rules.partition_specs` says."""
+    :meth:`~nanoattn._base.rules.Rules.partition_specs` says."""
     if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {mesh!r}")
     if axis_name not in mesh.shape:

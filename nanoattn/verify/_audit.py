@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._base.masks import causal_mask, lengths_to_valid, padding_mask
 from .._core.api import attention_weights, dot_product_attention
-from .._core.base.masks import causal_mask, lengths_to_valid, padding_mask
 from ..linen import AttentionConfig, CausalSelfAttention, CrossAttention
 from . import Report, check_causality, check_padding, check_row_sums
 

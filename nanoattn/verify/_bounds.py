@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 
-from .._core.base.validate import describe
+from .._base.validate import describe
 from ._report import CheckResult
 
 NAME = "fn runs"

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from .._core.base.mask_fn import check_elementwise
+from .._base.mask_fn import check_elementwise
 from ._bounds import SubjectFailed, runs_check, skipped, within
 from ._causality import _lengths
 from ._claimed import Claimed

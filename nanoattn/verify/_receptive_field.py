@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.base.validate import describe
+from .._base.validate import describe
 from ._inputs import jit
 from ._leaks import Leaks, per_feature
 from ._probes import SingleChanges

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from .._core.base.trace import Stage, record_shapes
+from .._base.trace import Stage, record_shapes
 from .._layers.axes import axis_sizes
 from ..linen import AttentionConfig, CausalSelfAttention, CrossAttention
 from ._inputs import _int_at_least

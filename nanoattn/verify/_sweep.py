@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from .._core.base.validate import describe
+from .._base.validate import describe
 from ._bounds import SubjectFailed, call
 from ._inputs import Inputs, as_features, jit
 

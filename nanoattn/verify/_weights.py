@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .._core.base.validate import expect_bool, expect_broadcastable
+from .._base.validate import expect_bool, expect_broadcastable
 from ._report import CheckResult, Report
 
 

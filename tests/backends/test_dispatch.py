@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 from nanoattn import dot_product_attention
 from nanoattn._backends import dispatch
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 from _backends import serving

@@ -15,7 +15,7 @@ import pytest
 import nanoattn
 from nanoattn import dot_product_attention
 from nanoattn._backends.flash.kernel import flash_attention
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 
 from _backend_base import BackendTestBase
 from _cases import SMALL_TILES, Case, assert_cases_match
@@ -403,7 +403,7 @@ def test_float32_under_x64_computes_in_float32_only(x64):
 
 def test_kernel_plans_are_forward_then_backward():
     from nanoattn._backends.flash.plan import BACKWARD_TILES, FORWARD_TILES, kernel_plans
-    from nanoattn._core.base.rules import Rules
+    from nanoattn._base.rules import Rules
 
     q, k, v = typed_qkv(300, 200)
     spec = Rules.make(q, k, v, is_causal=True, q_offset=0)
@@ -465,7 +465,7 @@ def test_the_tiles_given_are_the_tiles_run():
 
 def test_fit_tiles_shrinks_only_as_far_as_the_budget_needs():
     from nanoattn._backends.flash.plan import FORWARD_STEP_CELLS, FORWARD_TILES, fit_tiles
-    from nanoattn._core.base.rules import Rules
+    from nanoattn._base.rules import Rules
 
     def fit(B, T, S, N):
         q, kv = jnp.zeros((B, T, N, 8)), jnp.zeros((B, S, N, 8))

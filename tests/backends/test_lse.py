@@ -14,7 +14,7 @@ import nanoattn
 from nanoattn._backends import native
 from nanoattn._backends.flash.kernel import BlockInputs, forward_block, kernel_rules
 from nanoattn._backends.flash.plan import kernel_plans
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 from nanoattn.parallel import _blocks, ring_attention
 
 B, T, S, N, K, H = 3, 11, 13, 4, 2, 8

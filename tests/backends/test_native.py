@@ -133,7 +133,7 @@ def test_vmap_over_an_extra_axis_equals_a_loop():
 def test_automatic_choice_takes_it_where_it_serves():
     from nanoattn._backends.dispatch import choose
     from nanoattn._backends.native.backend import CPU_MIN_CELLS
-    from nanoattn._core.base.rules import Rules
+    from nanoattn._base.rules import Rules
 
     side = int(np.ceil(np.sqrt(CPU_MIN_CELLS)))
     z = jnp.zeros((1, side, 2, 8))

@@ -24,7 +24,7 @@ import pytest
 
 from nanoattn._backends.dispatch import choose
 from nanoattn._backends.native import build as native_build
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 
 from _reference import np_attention, np_causal, randn
 
@@ -155,7 +155,7 @@ FALLBACK_SCRIPT = """
 import json, os, sys, warnings, jax, jax.numpy as jnp, numpy as np, nanoattn
 from nanoattn._backends.dispatch import choose
 from nanoattn._backends.native import build as native_build
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 compilers, folder = json.loads(sys.argv[1]), sys.argv[2]
 z = jnp.ones((1, 300, 2, 8))
 q, k, v = (np.load(os.path.join(folder, 'qkv.npz'))[x] for x in 'qkv')

@@ -22,7 +22,7 @@ import nanoattn
 from nanoattn._backends import native
 from nanoattn._backends.dispatch import choose
 from nanoattn._backends.native import kernel as native_kernel
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 
 from _cases import jit_vjp as run
 from _reference import np_attention_vjp, np_index_grids, randn

@@ -80,7 +80,7 @@ def test_a_registered_backend_serves_a_layer_through_its_config(toy):
 
 def test_the_automatic_choice_never_takes_a_backend_without_priority(toy):
     q, k, v = _qkv()
-    spec = nanoattn._core.base.rules.Rules.make(q, k, v, is_causal=True)
+    spec = nanoattn._base.rules.Rules.make(q, k, v, is_causal=True)
     assert dispatch.choose(None, spec, jnp.float32, 0.0) != "toy"
     nanoattn.dot_product_attention(q, k, v, is_causal=True)
     assert toy.calls == 0

@@ -19,7 +19,7 @@ import pytest
 
 from nanoattn._backends.flash.kernel import BlockInputs, RuleBlocks, kernel_rules, live_schedule
 from nanoattn._backends.flash.plan import kernel_plans, segment_kinds, with_segment_kinds
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 
 from _cases import Case, assert_cases_match
 from _reference import np_causal, np_lengths, np_segments, np_window, randn

@@ -694,7 +694,7 @@ def test_block_sparse_case_leaves_a_quarter_of_the_flash_kernels_work():
     # items in both passes. With a pattern of 64-blocks nearly every 256 x 512 forward
     # block would be partial and nothing skipped. Deterministic: no time is measured.
     from nanoattn._backends.flash import plan as flash_plan
-    from nanoattn._core.base import rules
+    from nanoattn._base import rules
 
     T = _masks.LENGTH
     q = jnp.zeros((1, T, _masks.N, _masks.H))

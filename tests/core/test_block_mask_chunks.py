@@ -1,4 +1,4 @@
-"""Block classification past one chunk (nanoattn/_core/base/block_mask.py): a block row
+"""Block classification past one chunk (nanoattn/_base/block_mask.py): a block row
 of more than CHUNK_CELLS cells (64 queries x S >= 65536 keys, or far fewer keys with a
 per-row, per-head mask) is classified one query block at a time; every later chunk
 must be classified at its own positions, and the kernels that skip by these kinds must
@@ -10,7 +10,7 @@ import numpy as np
 
 import nanoattn
 from nanoattn._backends import native as native_kernel
-from nanoattn._core.base.block_mask import BLOCK, CHUNK_CELLS, EMPTY, FULL, PARTIAL
+from nanoattn._base.block_mask import BLOCK, CHUNK_CELLS, EMPTY, FULL, PARTIAL
 
 from _reference import np_attention, randn
 

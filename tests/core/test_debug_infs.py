@@ -2,7 +2,7 @@
 inf: the -inf it keeps for a row that sees no key, or for a blockwise kernel's padded
 query rows, never reaches an operation's output otherwise (padded rows' log-sum-exp is
 finite until they are cut off; a call's work runs as one program under the flag,
-nanoattn/_core/base/debug.py). Every backend that serves the call, forward and
+nanoattn/_base/debug.py). Every backend that serves the call, forward and
 gradients; the automatic choice with a bias and a score_fn."""
 
 import jax

@@ -2,7 +2,7 @@
 and offset, so a function whose value in a block differs from its value beside its
 neighbours would give an answer that depends on the backend and the length. Each call
 evaluates them on a small grid of its own cells whole and in two blocks
-(nanoattn/_core/base/mask_fn.py, ``check_elementwise``) and refuses such a function in
+(nanoattn/_base/mask_fn.py, ``check_elementwise``) and refuses such a function in
 one line naming it and saying "elementwise": in dot_product_attention, the ring and
 verify.check_mask."""
 

@@ -2,7 +2,7 @@
 against jax.nn's own forward-mode results: the kernels' gradients are custom_vjp
 (reverse mode only), so the automatic choice serves such a call with the reference,
 also when the jvp is taken of a jitted function; a kernel named for it, and the ring,
-say why not in one line (nanoattn/_core/base/autodiff.py)."""
+say why not in one line (nanoattn/_base/autodiff.py)."""
 
 import jax
 import jax.numpy as jnp

@@ -16,7 +16,7 @@ import pytest
 
 import nanoattn
 from nanoattn._backends.flash import plan as flash_plan
-from nanoattn._core.base import block_mask, rules
+from nanoattn._base import block_mask, rules
 
 from _backends import each_backend, require, serving
 from _fuzz import check, concrete_call

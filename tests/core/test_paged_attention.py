@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import nanoattn
 from nanoattn._backends import registry
 from nanoattn._backends.flash import paged as flash_paged
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 
 from _backends import paged_serving, require_paged
 from _reference import np_attention_vjp, np_lse, randn

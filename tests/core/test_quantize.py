@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import nanoattn
-from nanoattn._core.base.quantized import QUANTIZED_DTYPES
+from nanoattn._base.quantized import QUANTIZED_DTYPES
 
 from _reference import randn
 

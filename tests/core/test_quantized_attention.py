@@ -17,8 +17,8 @@ import pytest
 import nanoattn
 from nanoattn._backends import registry
 from nanoattn._backends.interface import unserved
-from nanoattn._core.base.quantized import QUANTIZED_DTYPES
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.quantized import QUANTIZED_DTYPES
+from nanoattn._base.rules import Rules
 
 from _backends import each_backend, require, require_paged, serving
 from _reference import np_attention, np_causal, np_lengths, np_window, randn

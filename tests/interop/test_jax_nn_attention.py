@@ -29,7 +29,7 @@ import pytest
 import nanoattn
 from nanoattn import jax_nn_attention
 from nanoattn._backends import dispatch
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 from nanoattn._interop import jax_nn_attention as jax_nn_attention_module
 from nanoattn._interop import jax_nn_rows
 
@@ -375,7 +375,7 @@ def test_float64_with_a_mask_under_debug_infs(name, x64, monkeypatch):
 
 def test_a_row_that_sees_no_key_under_debug_infs():
     """The -inf kept for the row's log-sum-exp is internal (one program under the debug
-    flags, nanoattn/_core/base/debug.py): no inf in the result, so nothing to catch."""
+    flags, nanoattn/_base/debug.py): no inf in the result, so nothing to catch."""
     q, k, v = (x[0] for x in qkv(15))
     mask = np.ones((T, S), bool)
     mask[2] = False

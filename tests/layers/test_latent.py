@@ -224,7 +224,7 @@ QUANTIZED_KINDS = {
 QUANTIZED_CHUNKS = ((0, 3), (3, 5), (5, 6), (6, 9), (9, T))  # within the rolling limit 3
 # the largest difference from the float decode's outputs (largest output about 3):
 # int8 keeps 8 bits a number, float8_e4m3fn 4 (measured 0.013 and 0.076 on this layer)
-QUANTIZED_DTYPES = nanoattn._core.base.quantized.QUANTIZED_DTYPES
+QUANTIZED_DTYPES = nanoattn._base.quantized.QUANTIZED_DTYPES
 QUANTIZED_BOUND = {"int8": 0.04, "float8_e4m3fn": 0.25}
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nanoattn import apply_rope, dot_product_attention, padding_mask
-from nanoattn._core.base.trace import check_shape
+from nanoattn._base.trace import check_shape
 from nanoattn.linen import AttentionConfig, CausalSelfAttention, CrossAttention, MultiHeadAttention
 
 from _np_layer import np_layer, np_rms_norm, np_softmax

@@ -16,7 +16,7 @@ from flax import nnx
 import nanoattn
 from nanoattn import PageAllocator
 from nanoattn import nnx as nanoattn_nnx
-from nanoattn._core.base.quantized import QUANTIZED_DTYPES
+from nanoattn._base.quantized import QUANTIZED_DTYPES
 from nanoattn.linen import AttentionConfig, CausalSelfAttention, cache_bytes, rewind
 
 from _layer_configs import random_params

@@ -175,7 +175,7 @@ def test_ring_skips_every_chunk_pair_mask_fn_hides_and_unmasks_the_full_ones(lay
     and a window, against the pair's cells by brute force: skipped when the window or
     mask_fn hides every cell, run without mask_fn when mask_fn shows every cell, with
     it (and its block kinds) otherwise; the sweep reaches every kind."""
-    from nanoattn._core.base.rules import Rules
+    from nanoattn._base.rules import Rules
     from nanoattn.parallel import _blocks
 
     T, left = 192, 60  # chunks of C = 24: adjacent pairs wholly in the window, others not

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 from nanoattn.parallel import _blocks
 from nanoattn.parallel._segments import id_range, ids_meet, ranges_meet
 

@@ -2,7 +2,7 @@
 and element count, grouped-query and cross-attention axes, and shape_report on planted
 stages that lose elements or name the wrong axis sizes."""
 
-from nanoattn._core.base.trace import Stage
+from nanoattn._base.trace import Stage
 from nanoattn.linen import AttentionConfig
 from nanoattn.verify import check_shapes
 from nanoattn.verify._shapes import shape_report

@@ -22,7 +22,7 @@ Dropout is not supported here: the dispatcher sends it to the reference.
 
 The interface, also used by the ring (:mod:`nanoattn.parallel._blocks`): a
 call's arrays are a :class:`BlockInputs` (queries, keys, values and the call's
-:class:`~nanoattn._core.base.rules.Rules`), its static part a
+:class:`~nanoattn._base.rules.Rules`), its static part a
 :class:`~nanoattn._backends.flash.plan.Plan` per pass; :func:`forward_block` returns the
 output and the log-sum-exp, :func:`backward_block` takes them back as
 :class:`Residuals` and returns :class:`BlockGrads`. Within a pass the rules' arrays
@@ -37,12 +37,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..._core.base.block_mask import EMPTY, BlockMask, block_mask
-from ..._core.base.mask_fn import closure_converted, evaluate_mask, evaluate_score
-from ..._core.base.numerics import large_negative, softmax_dtype
-from ..._core.base.quantized import NO_QUANTIZED_GRADIENTS, dequantize, is_quantized
-from ..._core.base.rules import Rules
-from ..._core.base.shard_map import sum_to_varying, varying_like
+from ..._base.block_mask import EMPTY, BlockMask, block_mask
+from ..._base.mask_fn import closure_converted, evaluate_mask, evaluate_score
+from ..._base.numerics import large_negative, softmax_dtype
+from ..._base.quantized import NO_QUANTIZED_GRADIENTS, dequantize, is_quantized
+from ..._base.rules import Rules
+from ..._base.shard_map import sum_to_varying, varying_like
 from .plan import Plan, block_id_ranges, kernel_plans, with_segment_kinds
 from .schedule import Schedule
 
@@ -59,7 +59,7 @@ class BlockInputs:
     Attributes:
       query: (B, T, N, H).
       key, value: (B, S, K, H).
-      rules: the call's :class:`~nanoattn._core.base.rules.Rules`, whose arrays the
+      rules: the call's :class:`~nanoattn._base.rules.Rules`, whose arrays the
         kernel reads: a bias and a dense mask (rank 4, broadcastable to (B, N, T, S)),
         a traced offset (int () or (B,), read when the plan has no static one), key
         lengths (B,), segment ids (B, T) and (B, S). Its functions and sinks are
@@ -759,7 +759,7 @@ def flash_attention(query, key, value, rules: Rules, *, forward_tiles=None, back
 
     Args:
       query: (B, T, N, H); key (B, S, K, H), value (B, S, K, Hv); ``rules`` from
-        :meth:`nanoattn._core.base.rules.Rules.make`.
+        :meth:`nanoattn._base.rules.Rules.make`.
       forward_tiles, backward_tiles: ``(block_q, block_k, lanes)`` for each
         pass: block sizes along T and S (capped at T and S; lengths need not
         be multiples of them) and the work items processed side by side per
@@ -804,7 +804,7 @@ def flash_attention(query, key, value, rules: Rules, *, forward_tiles=None, back
 
 def _converted_score_fn(rules: Rules, plan: Plan, acc):
     """``rules.score_fn`` closure-converted for one block of ``plan``'s (B, N, bq, bk)
-    (:func:`~nanoattn._core.base.mask_fn.closure_converted`)."""
+    (:func:`~nanoattn._base.mask_fn.closure_converted`)."""
     return closure_converted(
         rules.score_fn, plan.B, plan.K * plan.G, plan.block_q, plan.block_k, rules.q_offset, acc
     )

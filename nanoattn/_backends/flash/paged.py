@@ -25,11 +25,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from ..._core.base.mask_fn import closure_converted, evaluate_mask, evaluate_score
-from ..._core.base.numerics import large_negative, softmax_dtype
-from ..._core.base.paged import safe_page_table
-from ..._core.base.quantized import NO_QUANTIZED_GRADIENTS, dequantize
-from ..._core.base.rules import Rules
+from ..._base.mask_fn import closure_converted, evaluate_mask, evaluate_score
+from ..._base.numerics import large_negative, softmax_dtype
+from ..._base.paged import safe_page_table
+from ..._base.quantized import NO_QUANTIZED_GRADIENTS, dequantize
+from ..._base.rules import Rules
 
 BLOCK_Q = 16  # query rows per block: a decode token's block wastes few
 BLOCK_KEYS = 128  # keys per key block (whole pages; at least one)

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core.base.block_mask import EMPTY, FULL, PARTIAL, BlockMask
-from ..._core.base.rules import Rules
+from ..._base.block_mask import EMPTY, FULL, PARTIAL, BlockMask
+from ..._base.rules import Rules
 from .schedule import Schedule, block_schedules
 
 # (block_q, block_k, most lanes) per pass, and the most score cells one step may

@@ -23,7 +23,7 @@ import functools
 
 import numpy as np
 
-from ..._core.base.block_mask import EMPTY, FULL
+from ..._base.block_mask import EMPTY, FULL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core.base.block_mask import CHUNK_CELLS, EMPTY, FULL, PARTIAL, BlockMask, classify
-from ..._core.base.mask_fn import evaluate_mask, grid
-from ..._core.base.quantized import NO_QUANTIZED_GRADIENTS
-from ..._core.base.rules import Rules
+from ..._base.block_mask import CHUNK_CELLS, EMPTY, FULL, PARTIAL, BlockMask, classify
+from ..._base.mask_fn import evaluate_mask, grid
+from ..._base.quantized import NO_QUANTIZED_GRADIENTS
+from ..._base.rules import Rules
 from .build import load
 
 _F32 = jnp.dtype(jnp.float32)
@@ -53,7 +53,7 @@ def native_attention(query, key, value, rules: Rules):
         the query's type (products and softmax in float32), or int8 / float8_e4m3fn
         with ``rules.key_scales`` and ``rules.value_scales`` (B, S, K) (dequantized as
         the kernel packs its blocks; the query widened to float32); ``rules`` from
-        :meth:`nanoattn._core.base.rules.Rules.make` that the ``native`` backend
+        :meth:`nanoattn._base.rules.Rules.make` that the ``native`` backend
         (:mod:`nanoattn._backends.native`) accepts.
 
     Returns:

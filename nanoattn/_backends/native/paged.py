@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core.base.rules import Rules
+from ..._base.rules import Rules
 from ..flash.paged import PagedInputs, PagedPlan, paged_gradients, paged_inputs
 from .kernel import TARGET_SUFFIX, static_rules
 

@@ -2,8 +2,8 @@
 tensor. Always available, every rule and dropout; it defines the output contract every
 other backend is tested against."""
 
-from ..._core.base.numerics import softmax_dtype
-from ..._core.base.quantized import dequantized_call
+from ..._base.numerics import softmax_dtype
+from ..._base.quantized import dequantized_call
 from ..interface import EVERY_RULE
 from . import reference
 

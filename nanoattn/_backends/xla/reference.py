@@ -6,12 +6,12 @@ It defines the output contract that every other backend is tested against.
 import jax
 import jax.numpy as jnp
 
-from ..._core.base.mask_fn import evaluate_mask, evaluate_score, grid
-from ..._core.base.masks import band_mask, combine_masks, lengths_to_valid, segment_mask
-from ..._core.base.numerics import masked_softmax, soft_cap, softmax_dtype
-from ..._core.base.paged import safe_page_table
-from ..._core.base.rules import Rules
-from ..._core.base.trace import record
+from ..._base.mask_fn import evaluate_mask, evaluate_score, grid
+from ..._base.masks import band_mask, combine_masks, lengths_to_valid, segment_mask
+from ..._base.numerics import masked_softmax, soft_cap, softmax_dtype
+from ..._base.paged import safe_page_table
+from ..._base.rules import Rules
+from ..._base.trace import record
 
 
 def allowed_mask(rules: Rules):
@@ -104,7 +104,7 @@ def attend(
 
     where key/value head ``k = n // G`` serves query head ``n``, the logits are
     soft-capped when ``rules`` says so, and ``P~`` is ``P`` after dropout (``P``
-    without). The softmax runs in :func:`~nanoattn._core.base.numerics.softmax_dtype`.
+    without). The softmax runs in :func:`~nanoattn._base.numerics.softmax_dtype`.
 
     Args:
       query: (B, T, N, H); key (B, S, K, H); value (B, S, K, Hv); ``rules`` their

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core.base.quantized import storage_name
+from ..._base.quantized import storage_name
 
 POISONED = -1  # the position of a poisoned row, in every kind of cache
 

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core.base.paged import check_paged_values, held_pages, safe_page_table, token_layout
-from ..._core.base.validate import as_array, expect_integer, expect_shape
+from ..._base.paged import check_paged_values, held_pages, safe_page_table, token_layout
+from ..._base.validate import as_array, expect_integer, expect_shape
 from .. import positional
 from . import quantized
 from .kv_cache import KVCache, quantized_zeros

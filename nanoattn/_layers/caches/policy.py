@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..._core.base.validate import expect_shape
+from ..._base.validate import expect_shape
 from . import kv_cache, quantized
 from .kv_cache import KVCache, Rule
 

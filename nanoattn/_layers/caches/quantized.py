@@ -14,7 +14,7 @@ width 0 quantize to scale 0, and its attention reads the values, a slice of the 
 with the keys' scales (``nanoattn._layers.latent``).
 """
 
-from ..._core.base.quantized import storage_name
+from ..._base.quantized import storage_name
 from ..._core.quantize import quantize_kv
 from .kv_cache import KVCache
 

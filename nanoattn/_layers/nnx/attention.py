@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..._core.base.validate import float_dtype
+from ..._base.validate import float_dtype
 from .. import steps
 from ..caches import kv_cache
 from ..caches.kinds import policy_of

@@ -5,7 +5,7 @@
 import jax.numpy as jnp
 from flax import nnx
 
-from ..._core.base.validate import float_dtype
+from ..._base.validate import float_dtype
 from .. import latent, steps
 from ..caches.kinds import policy_of
 from ..latent_config import LatentConfig

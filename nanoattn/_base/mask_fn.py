@@ -61,7 +61,7 @@ def closure_converted(score_fn, B: int, N: int, T: int, S: int, q_offset, dtype)
     arrays)``, the floating arrays it closes over hoisted out (as
     ``jax.closure_convert``), so that they can cross a kernel's ``custom_vjp`` as
     inputs and receive their gradients. ``fn`` evaluates the traced program with
-    :func:`~nanoattn._core.base.shard_map.eval_alike`, so it may be called inside
+    :func:`~nanoattn._base.shard_map.eval_alike`, so it may be called inside
     ``jax.shard_map`` with arguments that vary over its axes."""
     example = (jax.ShapeDtypeStruct((B, N, T, S), dtype), *_abstract_grid(B, N, T, S, q_offset))
     # Traced through a fresh wrapper: jax caches traces by function, and a trace of

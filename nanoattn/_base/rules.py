@@ -101,7 +101,7 @@ class Rules:
       traced_scale: the factor as a scalar array (a traced one under ``jit``), or
         None; :attr:`scale` reads whichever is set.
       mask_fn: ``mask_fn(b, n, q_pos, k_pos) -> bool`` (:mod:`.mask_fn`), a
-        :class:`~nanoattn._core.base.block_mask.BlockMask`, or None.
+        :class:`~nanoattn._base.block_mask.BlockMask`, or None.
       score_fn: ``score_fn(score, b, n, q_pos, k_pos) -> score``, or None.
       sinks: float (N,), one logit per query head added to each row's softmax
         denominator, or None.
@@ -247,7 +247,7 @@ class Rules:
         return self.page_table is not None
 
     def layout(self):
-        """A paged call's :class:`~nanoattn._core.base.paged.TokenLayout` (each query
+        """A paged call's :class:`~nanoattn._base.paged.TokenLayout` (each query
         row's sequence and position, which rows are real and which broken)."""
         return token_layout(
             self.page_table, self.kv_lengths, self.query_starts, self.T, self.pool_pages,
