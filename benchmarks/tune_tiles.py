@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from nanoattn._backends.flash.kernel import flash_attention
-from nanoattn._core.base.rules import Rules
+from nanoattn._base.rules import Rules
 
 CANDIDATES = [
     (128, 128, 8),
