@@ -11,8 +11,11 @@ over the rules of a call (causality with static and traced offsets, windows, key
 lengths, segment ids, a dense mask and bias, soft-cap, mask_fn static and traced,
 score_fn, sinks, the log-sum-exp, GQA, unbatched calls); the linen and NNX layers
 (training forward, gradients of the parameters, decoding on a full and on a rolling
-cache with sink tokens, rewind); the adapters; merge_attention; and the ring on 4
-simulated devices (run in a subprocess with its own ``XLA_FLAGS``).
+cache with sink tokens, rewind); paged_attention on every backend (forward and
+gradients, quantized pages, values of their own width) and paged linen (float and
+int8) and latent layers decoding through a PageAllocator with a fork and a rewind;
+the adapters; merge_attention; and the ring on 4 simulated devices (run in a
+subprocess with its own ``XLA_FLAGS``).
 
 Documented nondeterminism (docs/conventions.md): the native kernel's dq is summed in
 the order its workers finish, so ``native`` dq entries are compared to 1e-6 relative
@@ -315,10 +318,120 @@ def _ring(out, scratch):
     os.remove(path)
 
 
+def _paged(out):
+    """paged_attention on every backend (forward, and gradients where served) over a
+    mixed batch with each rule a paged call takes, quantized pages, values of their own
+    width; a paged linen layer (float and int8) and the latent layer's paged cache
+    decoding through a PageAllocator with a fork and a rewind."""
+    import jax
+    import jax.numpy as jnp
+
+    import nanoattn
+    from nanoattn.linen import (
+        AttentionConfig,
+        CausalSelfAttention,
+        LatentAttention,
+        LatentConfig,
+    )
+
+    rng = np.random.default_rng(1)
+    P, PS, K, N, H = 13, 5, 2, 6, 8
+    lengths = np.array([37, 1, 13, 9], np.int32)
+    q_lens = np.array([5, 1, 0, 9], np.int32)
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    table = np.full((4, 8), -1, np.int32)
+    order = rng.permutation(P)
+    at = 0
+    for b, n in enumerate(lengths):
+        m = -(-int(n) // PS)
+        table[b, :m] = order[at : at + m] if at + m <= P else order[:m]
+        at += m
+    Tq = int(starts[-1]) + 2
+    q = jnp.asarray(rng.standard_normal((Tq, N, H)), jnp.float32)
+    kp = jnp.asarray(rng.standard_normal((P, PS, K, H)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((P, PS, K, H)), jnp.float32)
+    v5 = jnp.asarray(rng.standard_normal((P, PS, K, 5)), jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal((N,)), jnp.float32)
+    args = (jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(starts))
+    kq, ks = nanoattn.quantize_kv(kp, "int8")
+    vq, vs = nanoattn.quantize_kv(vp, "int8")
+    cases = {
+        "causal": dict(),
+        "window_cap_sinks": dict(window=(6, 0), logit_soft_cap=3.0, sinks=sinks),
+        "bidirectional": dict(is_causal=False, return_residual=True),
+        "mask_fn": dict(mask_fn=lambda b, n, qp, kp: (kp + b + n) % 3 != 0),
+    }
+    for backend in ("xla", "flash", "native"):
+        for name, rules in cases.items():
+
+            def loss(q, kp, vp, rules=rules, backend=backend):
+                res = nanoattn.paged_attention(q, kp, vp, *args, implementation=backend, **rules)
+                o = res[0] if isinstance(res, tuple) else res
+                return jnp.sum(o * jnp.cos(o)), res
+
+            try:
+                grads, res = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, kp, vp)
+            except ValueError as error:
+                out[f"paged/{backend}/{name}/refused"] = np.asarray(str(error))
+                continue
+            _arrays(f"paged/{backend}/{name}/out", res, out)
+            for gname, g in zip(("dq", "dk", "dv"), grads):
+                out[f"paged/{backend}/{name}/{gname}"] = np.asarray(g)
+        for name, extra in (("int8", (kq, vq, dict(key_scales=ks, value_scales=vs))),
+                            ("value_width", (kp, v5, {}))):  # fmt: skip
+            try:
+                o = nanoattn.paged_attention(q, extra[0], extra[1], *args,
+                                             implementation=backend, **extra[2])  # fmt: skip
+            except ValueError as error:
+                out[f"paged/{backend}/{name}/refused"] = np.asarray(str(error))
+                continue
+            out[f"paged/{backend}/{name}/out"] = np.asarray(o)
+
+    def decode(layer, D, name, pool_pages=9, ps=3):
+        x = jnp.asarray(rng.standard_normal((3, 12, D)), jnp.float32)
+        variables = layer.init(jax.random.key(2), jnp.zeros((1, pool_pages * ps, D)), decode=True)
+        params, pool = {"params": variables["params"]}, variables["cache"]
+        pool = jax.tree.map(lambda a: jnp.full(a.shape, jnp.nan, a.dtype)
+                            if a.dtype == jnp.float32 else a, pool)  # fmt: skip
+        alloc = nanoattn.PageAllocator(pool_pages, ps, max_sequences=3, max_pages=6, seed=3)
+
+        def step(rows, tokens, pool):
+            batch = alloc.batch([(s, n) for s, n, _ in rows], tokens)
+            chunk = jnp.concatenate([x[s, a : a + n] for s, n, a in rows if n], axis=0)
+            chunk = jnp.pad(chunk, ((0, tokens - chunk.shape[0]), (0, 0)))[None]
+            y, state = layer.apply({**params, "cache": pool}, chunk, decode=True, pages=batch,
+                                   mutable=["cache"])  # fmt: skip
+            alloc.confirm(batch)
+            return np.asarray(y), state["cache"]
+
+        alloc.allocate(0, 5)
+        alloc.allocate(1, 4)
+        y1, pool = step([(0, 5, 0), (1, 4, 0)], 10, pool)
+        alloc.fork(0, 2)
+        alloc.extend(2, 2)
+        alloc.extend(0, 1)
+        y2, pool = step([(2, 2, 5), (0, 1, 5)], 10, pool)
+        alloc.rewind(2, 1)
+        alloc.extend(2, 3)
+        y3, pool = step([(2, 3, 6)], 10, pool)
+        for i, y in enumerate((y1, y2, y3)):
+            out[f"paged_layer/{name}/y{i}"] = y
+
+    D = 24
+    for dtype in (None, "int8"):
+        cfg = AttentionConfig(D, 6, n_kv_heads=2, rope_base=100.0, page_size=3,
+                              kv_cache_dtype=dtype)  # fmt: skip
+        decode(CausalSelfAttention(cfg), D, f"linen_{dtype}")
+    latent = LatentConfig(d_model=16, n_heads=2, kv_lora_rank=7, qk_nope_head_dim=3,
+                          qk_rope_head_dim=4, v_head_dim=5, page_size=3)  # fmt: skip
+    decode(LatentAttention(latent), 16, "latent")
+
+
 def snapshot(scratch: str) -> dict:
     out = {}
     _functional(out)
     _layers(out)
+    _paged(out)
     _ring(out, scratch)
     return out
 
