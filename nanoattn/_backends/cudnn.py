@@ -37,7 +37,8 @@ class Cudnn:
     def pays_off(self, rules, dtype) -> bool:
         return True
 
-    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
+    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
+                 tiles=None):  # fmt: skip
         out = jax.nn.dot_product_attention(
             query,
             key,

@@ -27,6 +27,8 @@ def refusal(backend, rules: Rules, dtype, dropout_rate: float) -> str | None:
     it does not serve (which a backend may also check itself, earlier), then a
     forward-mode differentiation it cannot take (:mod:`~nanoattn._base.autodiff`)."""
     reason = backend.unsupported(rules, dtype, dropout_rate) or unserved(backend, rules)
+    if reason is None and rules.paged and not callable(getattr(backend, "paged", None)):
+        reason = "it lists the page table in serves but has no paged(...) method"
     if reason is None and not getattr(backend, "forward_mode", False) and in_forward_mode():
         return REVERSE_ONLY
     return reason

@@ -55,10 +55,22 @@ class Backend(Protocol):
         asked before :meth:`unsupported`, so that a call it would not be chosen for
         never builds it."""
 
-    def __call__(self, query, key, value, rules: Rules, *, dropout_rate: float, dropout_rng):
-        """Attention output (B, T, N, H) in the query's dtype, for query (B, T, N, H),
-        key and value (B, S, K, H) and the call's ``rules``; with
-        ``rules.return_residual`` also the log-sum-exp (B, T, N)."""
+    def __call__(self, query, key, value, rules: Rules, *, dropout_rate: float, dropout_rng,
+                 tiles=None):  # fmt: skip
+        """A dense call: the attention output (B, T, N, Hv) in the query's dtype, for
+        query (B, T, N, H), key (B, S, K, H), value (B, S, K, Hv) and the call's
+        ``rules`` (never paged); with ``rules.return_residual`` also the log-sum-exp
+        (B, T, N). ``tiles``: None, or a blockwise kernel's ``(forward_tiles,
+        backward_tiles)`` (``nanoattn.flash_attention``); a backend without tiles
+        ignores it."""
+
+    def paged(self, query, key_pages, value_pages, rules: Rules):
+        """A paged call (``nanoattn.paged_attention``; ``rules.paged``): the output
+        (Tq, N, Hv) in the query's dtype for query (Tq, N, H) and the pool's pages
+        (P, page_size, K, H) and (P, page_size, K, Hv), the page table, key lengths and
+        query starts in ``rules``; with ``rules.return_residual`` also the log-sum-exp
+        (Tq, N). Optional: a backend without it must not list ``"page_table"`` in
+        ``serves`` (it then refuses paged calls)."""
 
 
 def unserved(backend: Backend, rules: Rules) -> str | None:

@@ -9,9 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .._backends import dispatch
-from .._backends.flash import kernel as flash_kernel
 from .._backends.registry import Implementation, get
-from .._backends.xla import reference
 from .._base.debug import one_program
 from .._base.dropout import check_dropout
 from .._base.numerics import softmax_dtype
@@ -209,7 +207,7 @@ def attention_weights(
     call = _Call.of(query, key, None, _rule_arguments(locals()))
 
     def run(query, key, rules):
-        weights = reference.weights(query, key, rules).astype(query.dtype)
+        weights = get("xla").weights(query, key, rules).astype(query.dtype)
         return poison_rows(weights, rules.broken_rows())
 
     weights = one_program(run, call.query, call.key, call.rules)
@@ -253,24 +251,22 @@ def flash_attention(
       >>> flash_attention(q, k, v, is_causal=True, forward_tiles=(64, 128, 2)).shape
       (1, 300, 2, 16)
     """
-    forward_tiles = check_tiles("forward_tiles", forward_tiles)
-    backward_tiles = check_tiles("backward_tiles", backward_tiles)
+    tiles = (check_tiles("forward_tiles", forward_tiles),
+             check_tiles("backward_tiles", backward_tiles))  # fmt: skip
     call = _Call.of(query, key, value, _rule_arguments(locals()))
-    dispatch.choose("flash", call.rules, call.query.dtype, 0.0)  # raises if it cannot serve
-    arrays = (call.query, call.key, call.value, call.rules)
-    if is_eager(*arrays) and (kept := cacheable(call.rules)) is not None:
-        result = _compiled_flash(forward_tiles, backward_tiles, *arrays[:3], kept)
-    else:
-        result = one_program(functools.partial(_flash, forward_tiles, backward_tiles), *arrays)
+    result = attend(call.query, call.key, call.value, call.rules, implementation="flash",
+                    tiles=tiles)  # fmt: skip
     return call.unbatch(result)
 
 
-def attend(
-    query, key, value, rules: Rules, *, implementation=None, dropout_rate=0.0, dropout_rng=None
-):
+def attend(query, key, value, rules: Rules, *, implementation=None, dropout_rate=0.0,
+           dropout_rng=None, tiles=None):  # fmt: skip
     """Attention under ``rules`` by the backend ``implementation`` (None: the automatic
-    choice): what :func:`dot_product_attention` computes once its keywords are
-    :class:`Rules`. query (B, T, N, H), key and value (B, S, K, H), batched.
+    choice): what :func:`dot_product_attention` and ``paged_attention`` compute once
+    their keywords are :class:`Rules`. query (B, T, N, H), key and value (B, S, K, H),
+    batched; for a paged call (``rules.paged``) query (Tq, N, H) and the pool's pages
+    (P, page_size, K, H). ``tiles``: a blockwise kernel's ``(forward_tiles,
+    backward_tiles)`` (:func:`flash_attention`).
 
     Returns:
       (B, T, N, H) in the query's dtype; with ``rules.return_residual`` also the
@@ -280,33 +276,29 @@ def attend(
     arrays = (query, key, value, rules, dropout_rng)
     if is_eager(*arrays) and (kept := cacheable(rules)) is not None:
         # compiled once for the call's static parts (nanoattn/_core/eager.py)
-        return _compiled(backend, dropout_rate, query, key, value, kept, dropout_rng)
-    return one_program(functools.partial(_run, backend, dropout_rate), *arrays)
+        return _compiled(backend, dropout_rate, tiles, query, key, value, kept, dropout_rng)
+    return one_program(functools.partial(_run, backend, dropout_rate, tiles), *arrays)
 
 
-def _run(backend, dropout_rate, query, key, value, rules, dropout_rng):
-    """:func:`attend`'s work once its backend is chosen."""
-    kernel = functools.partial(backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+def _run(backend, dropout_rate, tiles, query, key, value, rules, dropout_rng):
+    """:func:`attend`'s work once its backend is chosen: a paged call through the
+    backend's ``paged``, a dense one through the backend itself."""
+    if rules.paged:
+        kernel = backend.paged
+    else:
+        options = {} if tiles is None else {"tiles": tiles}
+        kernel = functools.partial(
+            backend, dropout_rate=dropout_rate, dropout_rng=dropout_rng, **options
+        )
     sinks_inside = getattr(backend, "applies_sinks", False)
     result = _with_sinks(kernel, query, key, value, rules, sinks_inside)
     return poison_rows(result, rules.broken_rows())
 
 
 # Eager calls as jitted programs, kept by jit's cache: the backend (a registered one by
-# identity, so another under the same name compiles anew) and the rate are static.
-_compiled = jax.jit(_run, static_argnums=(0, 1))
-
-
-def _flash(forward_tiles, backward_tiles, query, key, value, rules):
-    """:func:`flash_attention`'s work once its call is checked."""
-    kernel = functools.partial(
-        flash_kernel.flash_attention, forward_tiles=forward_tiles, backward_tiles=backward_tiles
-    )
-    result = _with_sinks(kernel, query, key, value, rules, False)
-    return poison_rows(result, rules.broken_rows())
-
-
-_compiled_flash = jax.jit(_flash, static_argnums=(0, 1))
+# identity, so another under the same name compiles anew), the rate and the tiles are
+# static.
+_compiled = jax.jit(_run, static_argnums=(0, 1, 2))
 
 
 def _rule_arguments(arguments: dict) -> dict:

@@ -39,6 +39,10 @@ class Toy:
             query, key, value, spec, dropout_rate=dropout_rate, dropout_rng=dropout_rng
         )
 
+    def paged(self, query, key_pages, value_pages, spec):
+        self.calls += 1
+        return registry.get("xla").paged(query, key_pages, value_pages, spec)
+
 
 @pytest.fixture
 def toy():
@@ -64,6 +68,21 @@ def test_a_registered_backend_serves_dot_product_attention(toy):
     with pytest.raises(ValueError, match=r"^implementation='toy' cannot serve this call: it "
                        r"serves causal calls only$"):  # fmt: skip
         nanoattn.dot_product_attention(q, k, v, implementation="toy")
+
+
+def test_a_paged_call_reaches_a_backends_paged_method_or_is_refused(toy, monkeypatch):
+    """Paged calls go to ``backend.paged`` with the pool's pages, never to ``__call__``;
+    a backend that lists the page table but has no ``paged`` is refused in one line."""
+    q = jax.random.normal(jax.random.key(3), (4, 6, 8))
+    pages = jax.random.normal(jax.random.key(4), (5, 2, 3, 8))
+    arrays = (q, pages, pages, jnp.array([[3, 1]]), jnp.array([4]), jnp.array([0, 4]))
+    out = nanoattn.paged_attention(*arrays, implementation="toy")
+    assert toy.calls == 1
+    np.testing.assert_array_equal(out, nanoattn.paged_attention(*arrays, implementation="xla"))
+    monkeypatch.delattr(Toy, "paged")
+    with pytest.raises(ValueError, match=r"^implementation='toy' cannot serve this call: it "
+                       r"lists the page table in serves but has no paged\(...\) method$"):  # fmt: skip
+        nanoattn.paged_attention(*arrays, implementation="toy")
 
 
 def test_a_registered_backend_serves_a_layer_through_its_config(toy):
@@ -116,6 +135,7 @@ def test_every_built_in_backend_has_the_interface(name):
     assert isinstance(backend.priority, int)
     for method in ("unsupported", "pays_off", "__call__"):
         assert callable(getattr(backend, method))
+    assert callable(getattr(backend, "paged", None)) == ("page_table" in backend.serves)
     assert backend.serves <= interface.EVERY_RULE
     assert set(interface.Backend.__annotations__) == {"name", "priority", "serves"}
 

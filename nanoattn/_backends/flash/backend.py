@@ -37,10 +37,15 @@ class Flash:
             return cells >= CPU_MIN_CELLS
         return rules.B * rules.N * cells * 4 >= ACCELERATOR_MIN_SCORE_BYTES
 
-    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
-        if rules.paged:  # key and value are pages (P, page_size, K, H)
-            return paged_flash_attention(query, key, value, rules)
-        return flash_kernel.flash_attention(query, key, value, rules)
+    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
+                 tiles=None):  # fmt: skip
+        forward_tiles, backward_tiles = (None, None) if tiles is None else tiles
+        return flash_kernel.flash_attention(
+            query, key, value, rules, forward_tiles=forward_tiles, backward_tiles=backward_tiles
+        )
+
+    def paged(self, query, key_pages, value_pages, rules):
+        return paged_flash_attention(query, key_pages, value_pages, rules)
 
 
 BACKEND = Flash()

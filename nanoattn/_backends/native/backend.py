@@ -55,15 +55,24 @@ class Native:
         least = CPU_MIN_CELLS_BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else CPU_MIN_CELLS
         return jax.default_backend() == "cpu" and rules.T * rules.S >= least
 
-    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
-        dtype = query.dtype
-        quantized = rules.key_scales is not None  # read as stored (int8, float8)
-        if not quantized and not dtype == key.dtype == value.dtype:  # mixed: all float32
-            query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
-        attention = native_paged_attention if rules.paged else native_attention
-        out, lse = attention(query, key, value, rules)  # pages (P, page_size, K, H) if paged
-        out = out.astype(dtype)
-        return (out, lse) if rules.return_residual else out
+    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
+                 tiles=None):  # fmt: skip
+        return _run(native_attention, query, key, value, rules)
+
+    def paged(self, query, key_pages, value_pages, rules):
+        return _run(native_paged_attention, query, key_pages, value_pages, rules)
+
+
+def _run(attention, query, key, value, rules):
+    """``attention(query, key, value, rules)`` on float32 when the dtypes are mixed
+    (quantized keys and values are read as stored), its output in the query's dtype."""
+    dtype = query.dtype
+    quantized = rules.key_scales is not None  # read as stored (int8, float8)
+    if not quantized and not dtype == key.dtype == value.dtype:  # mixed: all float32
+        query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
+    out, lse = attention(query, key, value, rules)
+    out = out.astype(dtype)
+    return (out, lse) if rules.return_residual else out
 
 
 BACKEND = Native()

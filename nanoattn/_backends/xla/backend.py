@@ -21,17 +21,26 @@ class Xla:
     def pays_off(self, rules, dtype) -> bool:
         return True
 
-    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng):
+    def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
+                 tiles=None):  # fmt: skip
         # quantized keys and values: dequantized first, the arithmetic kernels match
         key, value, rules = dequantized_call(key, value, rules, softmax_dtype(query.dtype))
-        if rules.paged:  # key and value are pages (P, page_size, K, H)
-            return reference.paged_attend(
-                query, key, value, rules, return_residual=rules.return_residual
-            )
         return reference.attend(
             query, key, value, rules, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             return_residual=rules.return_residual,
         )  # fmt: skip
+
+    def paged(self, query, key_pages, value_pages, rules):
+        key_pages, value_pages, rules = dequantized_call(
+            key_pages, value_pages, rules, softmax_dtype(query.dtype)
+        )
+        return reference.paged_attend(
+            query, key_pages, value_pages, rules, return_residual=rules.return_residual
+        )
+
+    def weights(self, query, key, rules):
+        """The normalised weights (B, N, T, S) (``nanoattn.attention_weights``)."""
+        return reference.weights(query, key, rules)
 
 
 BACKEND = Xla()
