@@ -80,8 +80,8 @@ def test_a_paged_call_reaches_a_backends_paged_method_or_is_refused(toy, monkeyp
     assert toy.calls == 1
     np.testing.assert_array_equal(out, nanoattn.paged_attention(*arrays, implementation="xla"))
     monkeypatch.delattr(Toy, "paged")
-    with pytest.raises(ValueError, match=r"^implementation='toy' cannot serve this call: it "
-                       r"lists the page table in serves but has no paged\(...\) method$"):  # fmt: skip
+    message = r"^implementation='toy' cannot serve this call: it lists the page table in "
+    with pytest.raises(ValueError, match=message + r"serves but has no paged\(...\) method$"):
         nanoattn.paged_attention(*arrays, implementation="toy")
 
 
