@@ -5,8 +5,16 @@ import json
 import unicodedata
 
 from ..linen import AttentionConfig, LatentConfig
-from ..verify import _audit, check_shapes
-from ..verify._latent_audit import latent_shapes
+from ..verify import check_shapes
+from ..verify.command_line import (
+    ALLOWED,
+    FUTURE,
+    PADDING,
+    blocked_row_example,
+    latent_shapes,
+    mask_examples,
+    verify_modules,
+)
 from . import _stages
 from ._common import UsageError, int_list
 
@@ -19,8 +27,8 @@ _LATENT_FLAGS = (
     ("--q-lora-rank", None, "the query's low rank rq (default: none, one projection)"),
 )
 SYMBOLS = {
-    "emoji": {_audit.ALLOWED: "✅", _audit.FUTURE: "❌", _audit.PADDING: "🚫"},
-    "ascii": {_audit.ALLOWED: "+", _audit.FUTURE: "x", _audit.PADDING: "-"},
+    "emoji": {ALLOWED: "✅", FUTURE: "❌", PADDING: "🚫"},
+    "ascii": {ALLOWED: "+", FUTURE: "x", PADDING: "-"},
 }
 
 
@@ -108,10 +116,10 @@ def run(args) -> int:
     with stage("tracing the shapes of one forward pass"):
         shapes = check_shapes(config, batch=args.batch, seq_len=args.seq_len, kv_len=args.kv_len)
     with stage("computing the weights of the mask examples"):
-        examples = _audit.mask_examples(config, lengths, args.seq_len, args.kv_len)
+        examples = mask_examples(config, lengths, args.seq_len, args.kv_len)
     with stage("checking a query that sees no key"):
-        blocked = _audit.blocked_row_example(config, args.seq_len)
-    verified = [] if args.no_verify else _audit.verify_modules(config, stage=stage)
+        blocked = blocked_row_example(config, args.seq_len)
+    verified = [] if args.no_verify else verify_modules(config, stage=stage)
     passed = (
         shapes.passed
         and all(e.passed for e in examples)
@@ -216,8 +224,8 @@ def _text(module, config, args, shapes, examples, blocked, verified, passed, sym
     lines += [
         "",
         f"Masks (rows = query tokens, columns = key positions; "
-        f"{symbols[_audit.ALLOWED]} permitted, {symbols[_audit.FUTURE]} future, "
-        f"{symbols[_audit.PADDING]} padding)",
+        f"{symbols[ALLOWED]} permitted, {symbols[FUTURE]} future, "
+        f"{symbols[PADDING]} padding)",
     ]
     for e in _examples_to_draw(examples):
         row = "" if e.title == "causal mask" else f", batch row {e.batch_index + 1}"
@@ -225,9 +233,7 @@ def _text(module, config, args, shapes, examples, blocked, verified, passed, sym
         lines += _draw(e.cells, symbols)
         sums = "  ".join(f"{x:.3f}" for x in e.row_sums)
         lines.append(f"Row sums:  {sums}   {'ok' if e.passed else 'FAIL'}")
-        both = [
-            str(i + 1) for i, r in enumerate(e.cells) if _audit.FUTURE in r and _audit.PADDING in r
-        ]
+        both = [str(i + 1) for i, r in enumerate(e.cells) if FUTURE in r and PADDING in r]
         if both:
             lines.append(
                 f"Both kinds of blocked cell in the row of token {', '.join(both)}; "
@@ -274,7 +280,7 @@ def _examples_to_draw(examples):
     for title in dict.fromkeys(e.title for e in examples):
         group = [e for e in examples if e.title == title]
         distinct = [e for e in group if e.cells != group[0].cells or e is group[0]]
-        padded = [e for e in group if any(_audit.PADDING in row for row in e.cells)]
+        padded = [e for e in group if any(PADDING in row for row in e.cells)]
         drawn += distinct if len(distinct) == 1 else padded or group[:1]
     return drawn
 

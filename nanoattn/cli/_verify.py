@@ -11,11 +11,18 @@ import os
 import sys
 
 from .._base.validate import describe
-from ..verify import Decoder, PagedDecoder, check_causality, check_decoding, check_mask
-from ..verify._bounds import raised_everywhere, within
-from ..verify._causality import DEFAULT_SEQ_LENS
-from ..verify._decoding import CAPACITY_SLACK, DEFAULT_SEQ_LEN, LAPS
-from ..verify._mask import DEFAULT_SEQ_LENS as MASK_SEQ_LENS
+from ..verify import PagedDecoder, check_causality, check_decoding, check_mask
+from ..verify.command_line import (
+    CAPACITY_SLACK,
+    CAUSALITY_SEQ_LENS,
+    DECODE_SEQ_LEN,
+    LAPS,
+    MASK_SEQ_LENS,
+    as_decoder,
+    default_seq_len,
+    raised_everywhere,
+    within,
+)
 from . import _stages
 from ._common import UsageError, int_list
 
@@ -44,6 +51,15 @@ def add_parser(commands) -> None:
         "at some lengths), 2 when the target cannot be imported or raises at every length, or "
         "an option is bad.",
     )
+    _add_target(verify)
+    _add_checks(verify)
+    _add_lengths(verify)
+    _add_tolerance_and_output(verify)
+    verify.set_defaults(run=run)
+
+
+def _add_target(verify) -> None:
+    """What is checked, and its inputs."""
     verify.add_argument(
         "target",
         metavar="MODULE:OBJECT",
@@ -53,6 +69,10 @@ def add_parser(commands) -> None:
     verify.add_argument(
         "--vocab", type=int, help="vocabulary size V, for models on token ids (B, T)"
     )
+
+
+def _add_checks(verify) -> None:
+    """Which check runs: causality by default, --decode or --mask."""
     verify.add_argument(
         "--decode",
         action="store_true",
@@ -73,11 +93,15 @@ def add_parser(commands) -> None:
         help="--mask: the query heads MASK_FN is asked about (default 1); an output sees the "
         "union of its heads' keys",
     )
+
+
+def _add_lengths(verify) -> None:
+    """The lengths checked: --seq-lens and --max-len, or with --decode --seq-len."""
     verify.add_argument(
         "--seq-lens",
         type=int_list,
         help="causality: lengths to test (default "
-        + ",".join(map(str, DEFAULT_SEQ_LENS))
+        + ",".join(map(str, CAUSALITY_SEQ_LENS))
         + "; with --mask "
         + ",".join(map(str, MASK_SEQ_LENS))
         + ")",
@@ -93,7 +117,7 @@ def add_parser(commands) -> None:
     verify.add_argument(
         "--seq-len",
         type=int,
-        help=f"--decode: the length of the decoded sequence (default {DEFAULT_SEQ_LEN}; "
+        help=f"--decode: the length of the decoded sequence (default {DECODE_SEQ_LEN}; "
         f"{LAPS} C + {CAPACITY_SLACK} for a Decoder with a capacity of C slots)",
     )
     verify.add_argument(
@@ -101,6 +125,10 @@ def add_parser(commands) -> None:
         action="store_true",
         help="--decode: the step takes one token per call (check_decoding(chunked=False))",
     )
+
+
+def _add_tolerance_and_output(verify) -> None:
+    """The batch, the tolerance and the output format."""
     verify.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     verify.add_argument(
         "--atol",
@@ -109,7 +137,6 @@ def add_parser(commands) -> None:
         "1e-5, or 3e-2 for 16-bit outputs, times the largest output, at least 1)",
     )
     verify.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    verify.set_defaults(run=run)
 
 
 def _positive_int(text: str) -> int:
@@ -145,8 +172,9 @@ def load_target(
         if not hasattr(obj, part):
             raise UsageError(f"{module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if decode and _is_decoder(obj):
-        return _as_decoder(obj)
+    decoder = as_decoder(obj) if decode else None
+    if decoder is not None:
+        return decoder
     if not callable(obj):
         wanted = "a (full, init, step) decoder" if decode else "a callable"
         raise UsageError(f"{target} is {_a(obj)}, not {wanted}")
@@ -155,7 +183,7 @@ def load_target(
             obj = obj()
         except Exception as e:
             raise UsageError(f"calling the factory {target}() failed: {describe(e)}") from None
-        if decode and not _is_decoder(obj):
+        if decode and as_decoder(obj) is None:
             raise UsageError(
                 f"the factory {target}() returned {_a(obj)}, not a (full, init, step) decoder"
             )
@@ -163,17 +191,7 @@ def load_target(
             raise UsageError(f"the factory {target}() returned {_a(obj)}, not a callable")
     elif decode:
         raise UsageError(f"{target} takes arguments: --decode needs a (full, init, step) decoder")
-    return _as_decoder(obj) if decode else obj
-
-
-def _as_decoder(obj) -> Decoder | PagedDecoder:
-    return obj if isinstance(obj, Decoder | PagedDecoder) else Decoder(*obj)
-
-
-def _is_decoder(obj) -> bool:
-    if isinstance(obj, PagedDecoder):
-        return True
-    return isinstance(obj, tuple | list) and len(obj) == 3 and all(map(callable, obj))
+    return as_decoder(obj) if decode else obj
 
 
 def _takes_no_arguments(obj) -> bool:
@@ -232,11 +250,7 @@ def run(args) -> int:
     try:
         if args.decode:
             capacity = getattr(target, "capacity", None)  # a PagedDecoder has none
-            seq_len = args.seq_len or (
-                DEFAULT_SEQ_LEN
-                if capacity is None
-                else LAPS * capacity + CAPACITY_SLACK  # check_decoding's default
-            )
+            seq_len = args.seq_len or default_seq_len(capacity)  # check_decoding's default
             chunked = "" if args.one_token else " and in chunks"
             with stage(f"checking decoding of {seq_len} tokens one by one{chunked}"):
                 report = check_decoding(
@@ -272,7 +286,7 @@ def _check_field(args, target, inputs: dict, width: str, stage):
     if args.mask is not None:
         with stage(f"loading {args.mask}"):
             mask_fn = load_target(args.mask, what="--mask must look like MODULE:MASK_FN")
-    defaults = DEFAULT_SEQ_LENS if mask_fn is None else MASK_SEQ_LENS
+    defaults = CAUSALITY_SEQ_LENS if mask_fn is None else MASK_SEQ_LENS
     seq_lens = within(args.seq_lens or list(defaults), args.max_len, "seq_lens")
     common = dict(
         inputs,

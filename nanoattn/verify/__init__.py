@@ -15,7 +15,7 @@ See docs/verify.md.
 
 from . import decoders as decoders
 from ._causality import check_causality as check_causality
-from ._decoding import Decoder as Decoder
+from ._decoder import Decoder as Decoder
 from ._decoding import check_decoding as check_decoding
 from ._mask import check_mask as check_mask
 from ._padding import check_padding as check_padding

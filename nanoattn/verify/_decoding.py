@@ -30,6 +30,10 @@ decoder that mutates its state in place is checked as well as a pure one.
 A decoder with a paged cache is a :class:`~nanoattn.verify.PagedDecoder`
 (``init(pages)``, ``step(state, chunk, batch)``), run through this same protocol
 by :mod:`nanoattn.verify._paged_decoding`, plus its forks and programs checks.
+
+:func:`check_decoding` reads its arguments into one :class:`~._decoder.Subject` (the
+decoder as the checks drive it), decodes every chunking once into a :class:`_Run`,
+and runs the table :data:`CHECKS`: one function of the subject and the run per check.
 """
 
 import dataclasses
@@ -38,9 +42,11 @@ import itertools
 
 import numpy as np
 
+from ._decoder import Decoder as Decoder
+from ._decoder import Subject, subject
 from ._inputs import Inputs, as_features
 from ._leaks import Leaks, per_feature, positive_control
-from ._paged_decoding import PagedDecoder, as_rows, check_forks
+from ._paged_decoding import as_rows, check_forks
 from ._paged_programs import check_programs
 from ._quantization import check_quantization
 from ._report import CheckResult, Report
@@ -51,55 +57,12 @@ CHUNK_CYCLE = (4, 1)  # the uneven chunking: sizes 4, 1, 4, 1, ..., then 1s up t
 RAGGED_WIDTH = 4  # every ragged call is a right-padded chunk of 4 tokens
 TOLERANCE = {2: 3e-2, 4: 1e-5, 8: 1e-5}  # by the full forward's bytes per output element
 LAPS = 4  # with a capacity C, the default length decodes 4 C + 3 tokens: the ring wraps 4 times
-OPTIONAL = ("rewind", "capacity", "max_chunk", "float_cache", "reference")  # of a Decoder
 
 
-class Decoder(tuple):
-    """A decoder for :func:`check_decoding`: the triple ``(full, init, step)`` (it
-    unpacks as one, so ``check_decoding(*decoder)`` checks the core protocol) plus the
-    optional ``rewind``, ``capacity``, ``max_chunk``, ``float_cache`` and ``reference``
-    (``check_decoding(decoder)`` checks them too).
-
-    Args:
-      full: ``full(x) -> y`` on the whole sequence.
-      init: ``init(batch, max_len) -> state``, a fresh cache of ``max_len`` slots.
-      step: ``step(state, chunk, lengths) -> (state, y_chunk)``.
-      rewind: None, or ``rewind(state, n) -> state``: row b drops its last ``n[b]``
-        tokens (int (B,), at most the real tokens of its last call).
-      capacity: None (the cache holds the whole sequence), or the slots of a bounded
-        (rolling) cache: ``init`` gets them and decoding goes on past them.
-      max_chunk: None (any chunk length), or the most tokens one call may take.
-      float_cache: None, or for a decoder with a quantized cache the same model with a
-        float cache: a :class:`Decoder` or ``(full, init, step)``, whose ``init`` and
-        ``step`` the quantization check uses.
-      reference: None, or the full forward in higher precision (float64), ``reference(x)
-        -> y``, against which the quantization check measures the float cache (default:
-        ``full``).
-    """
-
-    def __new__(
-        cls, full, init, step, *, rewind=None, capacity=None, max_chunk=None, float_cache=None,
-        reference=None,
-    ):  # fmt: skip
-        self = super().__new__(cls, (full, init, step))
-        given = dict(rewind=rewind, capacity=capacity, max_chunk=max_chunk,
-                     float_cache=float_cache, reference=reference)  # fmt: skip
-        for name in OPTIONAL:
-            object.__setattr__(self, name, given[name])
-        return self
-
-    def __setattr__(self, name, value):
-        raise AttributeError("a Decoder is immutable")
-
-    full = property(lambda self: self[0])
-    init = property(lambda self: self[1])
-    step = property(lambda self: self[2])
-
-    def __repr__(self) -> str:
-        extras = "".join(
-            f", {n}={getattr(self, n)!r}" for n in OPTIONAL if getattr(self, n) is not None
-        )
-        return f"Decoder({self[0]!r}, {self[1]!r}, {self[2]!r}{extras})"
+def default_seq_len(capacity: int | None) -> int:
+    """The decoded length T when none is given: 13, or 4 C + 3 with a capacity of C
+    slots, so that the ring wraps several times."""
+    return DEFAULT_SEQ_LEN if capacity is None else LAPS * capacity + CAPACITY_SLACK
 
 
 def _chunkings(T: int, chunked: bool, max_chunk: int | None = None) -> dict[str, list[int]]:
@@ -315,76 +278,80 @@ def check_decoding(
       True
     """
     inputs = Inputs.of(d_model, vocab)
-    paged = full if isinstance(full, PagedDecoder) else None
-    if paged is not None or isinstance(full, Decoder):
-        float_cache = full.float_cache if float_cache is None else float_cache
-        reference = full.reference if reference is None else reference
-    if paged is not None:
-        if init is not None or step is not None:
-            raise ValueError("pass a PagedDecoder alone, without init and step")
-        given = {"rewind": rewind, "capacity": capacity, "max_chunk": max_chunk}
-        for name, value in given.items():
-            if value is not None:
-                raise ValueError(
-                    f"a PagedDecoder takes no {name}: its pages come from a PageAllocator, "
-                    f"which rewinds and has no chunk limit; got {name}={value!r}"
-                )
-        full, (init, step, rewind) = paged.full, as_rows(paged, inputs)
-        if float_cache is not None:
-            if not isinstance(float_cache, PagedDecoder):
-                raise ValueError(
-                    f"float_cache of a PagedDecoder must be a PagedDecoder, got {float_cache!r}"
-                )
-            float_cache = as_rows(float_cache, inputs)[:2]
-    elif isinstance(full, Decoder):
-        if init is not None or step is not None:
-            raise ValueError("pass a Decoder alone, or the functions full, init and step")
-        full, init, step, rewind, capacity, max_chunk = (
-            full.full,
-            full.init,
-            full.step,
-            full.rewind if rewind is None else rewind,
-            full.capacity if capacity is None else capacity,
-            full.max_chunk if max_chunk is None else max_chunk,
-        )
-    elif init is None or step is None:
-        raise ValueError("pass the decoder's full, init and step, or a Decoder")
-    if rewind is not None and not callable(rewind):
-        raise ValueError(f"rewind must be None or a function (state, n) -> state, got {rewind!r}")
-    if paged is None and float_cache is not None:
-        if not (isinstance(float_cache, tuple) and len(float_cache) == 3 and
-                all(map(callable, float_cache))):  # fmt: skip
-            raise ValueError(
-                f"float_cache must be None, a Decoder or (full, init, step), got {float_cache!r}"
-            )
-        float_cache = float_cache[1:]  # its init and step
-    if reference is not None and not callable(reference):
-        raise ValueError(f"reference must be None or a function x -> y, got {reference!r}")
-    for name, value, least in (("capacity", capacity, 1), ("max_chunk", max_chunk, 1)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < least
-        ):
-            raise ValueError(f"{name} must be None or an int >= {least}, got {name}={value!r}")
-    if seq_len is None:
-        seq_len = DEFAULT_SEQ_LEN if capacity is None else LAPS * capacity + CAPACITY_SLACK
-    for name, value, least in (("seq_len", seq_len, 2), ("batch", batch, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {name}={value!r}")
-    if ragged not in (None, True, False):
-        raise ValueError(f"ragged must be None, True or False, got ragged={ragged!r}")
-    T = seq_len
-    max_len = seq_len + CAPACITY_SLACK if capacity is None else capacity
-    rng = np.random.default_rng(0)
-    x = inputs.random(rng, batch, T)
-    y_raw = full(x)
-    y = as_features(y_raw, x.shape, "full")
-    tol = _tolerance(atol, y, np.asarray(y_raw).dtype.itemsize)
+    decoder = subject(
+        full, init, step, inputs, rewind=rewind, capacity=capacity, max_chunk=max_chunk,
+        float_cache=float_cache, reference=reference,
+    )  # fmt: skip
+    run = _Run.of(decoder, inputs, seq_len, chunked, ragged, batch, atol)
+    checks = (check(decoder, run) for check in CHECKS)
+    return Report("decoding", [result for result in checks if result is not None])
 
-    runs = _chunkings(T, chunked, max_chunk)
-    equivalence, decoded, diverged = Leaks(tol), {}, []
-    for name, sizes in runs.items():
-        decoded[name] = _decode(init, step, x, sizes, max_len)
-        deviation = per_feature(decoded[name], y)
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the checks of one call share: the inputs x (B, T, ...), the full forward y
+    (B, T, F), the tolerance, the cache's slots, the chunkings and their decodings.
+
+    Attributes:
+      rng: the generator that drew x, drawn from again by the no-future check and
+        then the positive control: the order of :data:`CHECKS` fixes the draws.
+      width: the widest chunk of the ragged and rewinding runs.
+      runs: the chunk sizes of each chunking, by name (:func:`_chunkings`).
+      decoded: each chunking's outputs (B, T, F), decoded from a fresh state.
+    """
+
+    inputs: Inputs
+    rng: np.random.Generator
+    x: np.ndarray
+    y: np.ndarray
+    itemsize: int
+    tol: float
+    max_len: int
+    width: int
+    ragged: bool | None
+    runs: dict
+    decoded: dict
+
+    @property
+    def T(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.x.shape[0]
+
+    @classmethod
+    def of(cls, decoder: Subject, inputs, seq_len, chunked, ragged, batch, atol) -> "_Run":
+        """The run of ``check_decoding``'s remaining arguments, checked; decodes x
+        through every chunking."""
+        seq_len = default_seq_len(decoder.capacity) if seq_len is None else seq_len
+        for name, value, least in (("seq_len", seq_len, 2), ("batch", batch, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {name}={value!r}")
+        if ragged not in (None, True, False):
+            raise ValueError(f"ragged must be None, True or False, got ragged={ragged!r}")
+        max_len = seq_len + CAPACITY_SLACK if decoder.capacity is None else decoder.capacity
+        rng = np.random.default_rng(0)
+        x = inputs.random(rng, batch, seq_len)
+        y_raw = decoder.full(x)
+        y = as_features(y_raw, x.shape, "full")
+        itemsize = np.asarray(y_raw).dtype.itemsize
+        runs = _chunkings(seq_len, chunked, decoder.max_chunk)
+        decoded = {
+            name: _decode(decoder.init, decoder.step, x, sizes, max_len)
+            for name, sizes in runs.items()
+        }
+        width = RAGGED_WIDTH if chunked else 1
+        width = width if decoder.max_chunk is None else min(width, decoder.max_chunk)
+        tol = _tolerance(atol, y, itemsize)
+        return cls(inputs, rng, x, y, itemsize, tol, max_len, width, ragged, runs, decoded)
+
+
+def _equivalence(decoder: Subject, run: _Run) -> CheckResult:
+    """Every chunking's decode against the full forward, feature by feature."""
+    equivalence, diverged = Leaks(run.tol), []
+    for name, decoded in run.decoded.items():
+        deviation = per_feature(decoded, run.y)
         equivalence.add(
             deviation,
             {"chunking": name},
@@ -392,76 +359,113 @@ def check_decoding(
             f"position {{position}} of row {{batch}} (feature {{feature}}) differs from the "
             f"full forward by {{deviation:.3g}}, decoding {name}",
         )
-        if not (np.nan_to_num(deviation, nan=np.inf) <= tol).all():
+        if not (np.nan_to_num(deviation, nan=np.inf) <= run.tol).all():
             diverged.append(name)
-    names = "; ".join(runs)
+    many = len(run.runs) > 1
     result = equivalence.result(
         "cache equivalence",
-        f"{len(runs)} chunking{'s' if len(runs) > 1 else ''} ({names}) reproduce"
-        f"{'' if len(runs) > 1 else 's'} the full forward at all {T} positions "
-        f"of {batch} rows"
-        + ("" if capacity is None else f" through a cache of {capacity} slots")
-        + ("" if paged is None else f" {paged.describe()}"),
+        f"{len(run.runs)} chunking{'s' if many else ''} ({'; '.join(run.runs)}) reproduce"
+        f"{'' if many else 's'} the full forward at all {run.T} positions of {run.batch} rows"
+        + ("" if decoder.capacity is None else f" through a cache of {decoder.capacity} slots")
+        + ("" if decoder.paged is None else f" {decoder.paged.describe()}"),
         first="first divergence",
     )
-    if not result.passed:
-        matches = [n for n in runs if n not in diverged]
-        detail = f"{result.detail}; diverges: {', '.join(diverged)}"
-        if matches:
-            detail += f"; matches: {', '.join(matches)}"
-        result = dataclasses.replace(result, detail=detail)
-    checks = [result]
-    if float_cache is not None:
-        float_tol = _tolerance(None, y, np.asarray(y_raw).dtype.itemsize)
-        decode = functools.partial(_decode, max_len=max_len)
-        quantization = check_quantization(
-            decode, *float_cache, reference, x, y, decoded, runs, tol, float_tol
-        )
-        checks.append(quantization)
+    if result.passed:
+        return result
+    matches = [n for n in run.runs if n not in diverged]
+    detail = f"{result.detail}; diverges: {', '.join(diverged)}"
+    if matches:
+        detail += f"; matches: {', '.join(matches)}"
+    return dataclasses.replace(result, detail=detail)
 
-    width = RAGGED_WIDTH if chunked else 1
-    width = width if max_chunk is None else min(width, max_chunk)
-    checks.append(_ragged(init, step, inputs, x, y, tol, ragged, width, max_len))
 
-    future = Leaks(tol)
-    for name, sizes in runs.items():
-        for p in sorted({1, T // 2, T - 1}):
-            other = x.copy()
-            other[:, p:] = inputs.changed(rng, x[:, p:])
+def _quantization(decoder: Subject, run: _Run) -> CheckResult | None:
+    """With a float cache: the quantized decode against the float one (module
+    :mod:`._quantization`)."""
+    if decoder.float_cache is None:
+        return None
+    float_tol = _tolerance(None, run.y, run.itemsize)
+    decode = functools.partial(_decode, max_len=run.max_len)
+    return check_quantization(
+        decode, *decoder.float_cache, decoder.reference, run.x, run.y, run.decoded, run.runs,
+        run.tol, float_tol,
+    )  # fmt: skip
+
+
+def _ragged_rows(decoder: Subject, run: _Run) -> CheckResult:
+    return _ragged(
+        decoder.init, decoder.step, run.inputs, run.x, run.y, run.tol, run.ragged, run.width,
+        run.max_len,
+    )  # fmt: skip
+
+
+def _no_future(decoder: Subject, run: _Run) -> CheckResult:
+    """In every chunking, tokens changed from p on change no decoded output before p."""
+    future, splits = Leaks(run.tol), sorted({1, run.T // 2, run.T - 1})
+    for name, sizes in run.runs.items():
+        for p in splits:
+            other = run.x.copy()
+            other[:, p:] = run.inputs.changed(run.rng, run.x[:, p:])
+            decoded = _decode(decoder.init, decoder.step, other, sizes, run.max_len)
             future.add(
-                per_feature(
-                    _decode(init, step, other, sizes, max_len)[:, :p], decoded[name][:, :p]
-                ),
+                per_feature(decoded[:, :p], run.decoded[name][:, :p]),
                 {"chunking": name, "split": p},
                 (p,),
                 f"output {{position}} of row {{batch}} (feature {{feature}}) changed by "
                 f"{{deviation:.3g}} when only tokens >= {p} changed, decoding {name}",
             )
-    checks.append(
-        future.result(
-            "no future in the cache",
-            f"{future.trials} decodings whose tokens differ only from p = "
-            f"{', '.join(map(str, sorted({1, T // 2, T - 1})))} on",
-        )
+    return future.result(
+        "no future in the cache",
+        f"{future.trials} decodings whose tokens differ only from p = "
+        f"{', '.join(map(str, splits))} on",
     )
 
-    changed = x.copy()
-    changed[:, 0] = inputs.changed(rng, x[:, 0])
+
+def _positive_control(decoder: Subject, run: _Run) -> CheckResult:
+    """A changed first token moves some later output decoded one token per call."""
+    changed = run.x.copy()
+    changed[:, 0] = run.inputs.changed(run.rng, run.x[:, 0])
     one = "1 token per call"
-    later = _decode(init, step, changed, runs[one], max_len)[:, 1:] - decoded[one][:, 1:]
-    moved = float(np.abs(later).max())
-    checks.append(
-        positive_control(
-            moved, tol, "the later outputs decoded one token per call", {"chunking": one}
-        )
+    decoded = _decode(decoder.init, decoder.step, changed, run.runs[one], run.max_len)
+    moved = float(np.abs(decoded[:, 1:] - run.decoded[one][:, 1:]).max())
+    return positive_control(
+        moved, run.tol, "the later outputs decoded one token per call", {"chunking": one}
     )
-    if rewind is not None:
-        checks.append(_rewinding(full, init, step, rewind, inputs, batch, T, width, tol, max_len))
-    if paged is not None:
-        checks.append(check_forks(paged, inputs, T, batch, tol, width))
-        make_rows = as_rows(paged, inputs)[0]
-        checks.append(check_programs(paged, inputs, T, tol, make_rows))
-    return Report("decoding", checks)
+
+
+def _rewinds(decoder: Subject, run: _Run) -> CheckResult | None:
+    if decoder.rewind is None:
+        return None
+    return _rewinding(
+        decoder.full, decoder.init, decoder.step, decoder.rewind, run.inputs, run.batch, run.T,
+        run.width, run.tol, run.max_len,
+    )  # fmt: skip
+
+
+def _forks(decoder: Subject, run: _Run) -> CheckResult | None:
+    if decoder.paged is None:
+        return None
+    return check_forks(decoder.paged, run.inputs, run.T, run.batch, run.tol, run.width)
+
+
+def _programs(decoder: Subject, run: _Run) -> CheckResult | None:
+    if decoder.paged is None:
+        return None
+    make_rows = as_rows(decoder.paged, run.inputs)[0]
+    return check_programs(decoder.paged, run.inputs, run.T, run.tol, make_rows)
+
+
+# The checks, in the order of the report; each returns None where it does not apply.
+CHECKS = (
+    _equivalence,  # every chunking against the full forward
+    _quantization,  # with a float cache
+    _ragged_rows,  # right-padded chunks with lengths per row
+    _no_future,  # draws from run.rng: before the positive control
+    _positive_control,
+    _rewinds,  # with a rewind (always for a PagedDecoder)
+    _forks,  # a PagedDecoder's
+    _programs,  # a PagedDecoder's
+)
 
 
 def rewind_schedule(batch: int, T: int, width: int, seed: int = 2):

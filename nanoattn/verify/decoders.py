@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx as _nnx
 
 from .._layers.caches.kinds import policy_of
-from ._decoding import Decoder as Decoder
+from ._decoder import Decoder as Decoder
 from ._inputs import jit
 from ._paged_decoding import PagedDecoder as PagedDecoder
 
@@ -114,10 +114,7 @@ def _float64(forward, state):
 def _with_float_cache(decoder, float_cache, reference):
     """``decoder`` (a Decoder or PagedDecoder) carrying ``float_cache`` and
     ``reference``."""
-    if isinstance(decoder, PagedDecoder):
-        return dataclasses.replace(decoder, float_cache=float_cache, reference=reference)
-    options = {name: getattr(decoder, name) for name in ("rewind", "capacity", "max_chunk")}
-    return Decoder(*decoder, **options, float_cache=float_cache, reference=reference)
+    return dataclasses.replace(decoder, float_cache=float_cache, reference=reference)
 
 
 def _params(variables) -> dict:
