@@ -22,90 +22,19 @@ def _ms(cell) -> str:
 
 def markdown(results: dict) -> str:
     """Tables of median times, flash's speedup over each peer, throughput and memory."""
-    m, config = results["machine"], results["config"]
-    cells = _cell_map(results)
-    impls = [i for i in config["implementations"] if any(k[0] == i for k in cells)]
-    peers = [i for i in impls if i != "flash"]
+    m = results["machine"]
     lines = [
         f"Machine: {m['platform']} ({m['device']}, {m['cpu_count']} CPUs, {m['processor']}); "
         f"jax {m['jax']}; torch {m['torch'] or 'not installed'}; measured f32 matmul peak "
         f"{m['matmul_peak_gflops']:.0f} GFLOP/s.",
     ]
-    if results["cells"]:
-        lines.append(
-            f"Causal attention, {config['dtype']}, batch B = {config['tokens']} / T (at least "
-            "1). Times are in ms, the median (and the minimum) of at least 3 runs after a "
-            "warm-up; ratios use the medians; GFLOP/s counts the ideal causal FLOPs (the "
-            "backward pass as 2.5x the forward)."
-        )
-    for N, H in config["shapes"] if results["cells"] else ():
-        shape = f"{N}x{H}"
-        for pass_ in ("fwd", "fwd+bwd"):
-            rows = [
-                (T, {i: cells.get((i, shape, T, pass_)) for i in impls}) for T in config["lengths"]
-            ]
-            lines += [
-                "",
-                f"### {N} heads of width {H}, {pass_}",
-                "",
-                "| T | B | "
-                + " | ".join(f"{i} ms" for i in impls)
-                + " | "
-                + " | ".join(f"flash vs {p}" for p in peers)
-                + " | flash GFLOP/s (% peak) |",
-                "|" + " --- |" * (3 + len(impls) + len(peers)),
-            ]
-            for T, row in rows:
-                flash = row.get("flash")
-                ratios = []
-                for p in peers:
-                    cell = row.get(p)
-                    ok = flash and cell and flash["status"] == cell["status"] == "ok"
-                    ratios.append(f"{cell['median_ms'] / flash['median_ms']:.2f}x" if ok else "")
-                B = next((c["B"] for c in row.values() if c), "")
-                rate = (
-                    f"{flash['gflops']:.0f} ({flash['pct_peak']:.0f}%)"
-                    if flash and flash["status"] == "ok"
-                    else ""
-                )
-                lines.append(
-                    f"| {T} | {B} | "
-                    + " | ".join(_ms(row[i]) for i in impls)
-                    + " | "
-                    + " | ".join(ratios)
-                    + f" | {rate} |"
-                )
-        jax_impls = [i for i in impls if i != "torch"]
-        lines += [
-            "",
-            f"### {N} heads of width {H}, fwd+bwd compiled temporary memory (MiB)",
-            "",
-            "| T | " + " | ".join(jax_impls) + " |",
-            "|" + " --- |" * (1 + len(jax_impls)),
-        ]
-        for T in config["lengths"]:
-            row = []
-            for i in jax_impls:
-                cell = cells.get((i, shape, T, "fwd+bwd"))
-                ok = cell and cell["status"] == "ok" and cell.get("temp_bytes") is not None
-                row.append(f"{cell['temp_bytes'] / 2**20:.1f}" if ok else _ms(cell))
-            lines.append(f"| {T} | " + " | ".join(row) + " |")
+    lines += grid_markdown(results)
     lines += generation_markdown(results.get("generation") or [])
     lines += window_markdown(results.get("window"))
     lines += native_markdown(results.get("native") or [], m.get("native_isa"))
     lines += masks_markdown(results.get("masks") or [])
     lines += serving_markdown(results.get("serving"))
-    if results["targets"]:
-        lines += [
-            "",
-            "### Targets (f32, causal; batch 1 and 4 heads of width 32 unless named)",
-            "",
-            "| target | measured | met |",
-            "| --- | --- | --- |",
-        ]
-        for t in results["targets"]:
-            met = {True: "yes", False: "NO", None: "n/a"}[t["passed"]]
-            lines.append(f"| {t['target']} | {t['measured']} | {met} |")
+    lines += targets_markdown(results["targets"])
     notes = sorted(
         {
             f"{c['impl']} {c['shape']} T={c['T']}: {c['status']}"
@@ -116,6 +45,101 @@ def markdown(results: dict) -> str:
     if notes:
         lines += ["", "Not measured:", *[f"- {n}" for n in notes]]
     return "\n".join(lines) + "\n"
+
+
+def grid_markdown(results: dict) -> list[str]:
+    """The grid's tables: for each head shape, the times of each pass and the memory."""
+    if not results["cells"]:
+        return []
+    config, cells = results["config"], _cell_map(results)
+    impls = [i for i in config["implementations"] if any(k[0] == i for k in cells)]
+    lines = [
+        f"Causal attention, {config['dtype']}, batch B = {config['tokens']} / T (at least "
+        "1). Times are in ms, the median (and the minimum) of at least 3 runs after a "
+        "warm-up; ratios use the medians; GFLOP/s counts the ideal causal FLOPs (the "
+        "backward pass as 2.5x the forward)."
+    ]
+    for N, H in config["shapes"]:
+        for pass_ in ("fwd", "fwd+bwd"):
+            lines += _times_table(cells, impls, config["lengths"], N, H, pass_)
+        lines += _memory_table(cells, impls, config["lengths"], N, H)
+    return lines
+
+
+def _times_table(cells: dict, impls: list, lengths, N: int, H: int, pass_: str) -> list[str]:
+    """One pass at one head shape: each implementation's time, flash's speedup over each
+    peer and flash's throughput, a row per length T."""
+    shape, peers = f"{N}x{H}", [i for i in impls if i != "flash"]
+    lines = [
+        "",
+        f"### {N} heads of width {H}, {pass_}",
+        "",
+        "| T | B | "
+        + " | ".join(f"{i} ms" for i in impls)
+        + " | "
+        + " | ".join(f"flash vs {p}" for p in peers)
+        + " | flash GFLOP/s (% peak) |",
+        "|" + " --- |" * (3 + len(impls) + len(peers)),
+    ]
+    for T in lengths:
+        row = {i: cells.get((i, shape, T, pass_)) for i in impls}
+        flash = row.get("flash")
+        ratios = []
+        for p in peers:
+            cell = row.get(p)
+            ok = flash and cell and flash["status"] == cell["status"] == "ok"
+            ratios.append(f"{cell['median_ms'] / flash['median_ms']:.2f}x" if ok else "")
+        B = next((c["B"] for c in row.values() if c), "")
+        rate = (
+            f"{flash['gflops']:.0f} ({flash['pct_peak']:.0f}%)"
+            if flash and flash["status"] == "ok"
+            else ""
+        )
+        lines.append(
+            f"| {T} | {B} | "
+            + " | ".join(_ms(row[i]) for i in impls)
+            + " | "
+            + " | ".join(ratios)
+            + f" | {rate} |"
+        )
+    return lines
+
+
+def _memory_table(cells: dict, impls: list, lengths, N: int, H: int) -> list[str]:
+    """The compiled temporary memory of fwd+bwd of each JAX implementation, a row per T."""
+    shape, jax_impls = f"{N}x{H}", [i for i in impls if i != "torch"]
+    lines = [
+        "",
+        f"### {N} heads of width {H}, fwd+bwd compiled temporary memory (MiB)",
+        "",
+        "| T | " + " | ".join(jax_impls) + " |",
+        "|" + " --- |" * (1 + len(jax_impls)),
+    ]
+    for T in lengths:
+        row = []
+        for i in jax_impls:
+            cell = cells.get((i, shape, T, "fwd+bwd"))
+            ok = cell and cell["status"] == "ok" and cell.get("temp_bytes") is not None
+            row.append(f"{cell['temp_bytes'] / 2**20:.1f}" if ok else _ms(cell))
+        lines.append(f"| {T} | " + " | ".join(row) + " |")
+    return lines
+
+
+def targets_markdown(targets: list[dict]) -> list[str]:
+    """The targets table: each target, what was measured, and whether it was met."""
+    if not targets:
+        return []
+    lines = [
+        "",
+        "### Targets (f32, causal; batch 1 and 4 heads of width 32 unless named)",
+        "",
+        "| target | measured | met |",
+        "| --- | --- | --- |",
+    ]
+    for t in targets:
+        met = {True: "yes", False: "NO", None: "n/a"}[t["passed"]]
+        lines.append(f"| {t['target']} | {t['measured']} | {met} |")
+    return lines
 
 
 def generation_markdown(rows: list[dict]) -> list[str]:

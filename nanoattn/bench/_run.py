@@ -173,6 +173,26 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
         [(f"{config.dtype} matmul peak", ())],
         lambda: matmul_peak_gflops(dtype=jnp.dtype(config.dtype)),
     )
+    cells = _grid(config, report, peak, no_torch)
+    targets, found = _kernel_targets(config, report, peak, no_torch), {}
+    for name, measure in PARTS.items():
+        found[name], judged = measure(config, report, peak, no_torch)
+        targets += judged
+    return {
+        "machine": machine() | {"matmul_peak_gflops": peak},
+        "config": dataclasses.asdict(config),
+        "cells": cells,
+        "targets": targets,
+        **found,
+    }
+
+
+# Each part after the grid and the kernel's targets: (config, report, peak, no_torch) ->
+# (its measurements, or None / [] when config skips it; its judged targets).
+
+
+def _grid(config: BenchConfig, report, peak: float, no_torch) -> list:
+    """Every implementation x length x head shape x pass, or none without ``config.grid``."""
     grid = []
     for N, H in config.shapes if config.grid else ():
         for T in config.lengths:
@@ -182,70 +202,92 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
                     skip = will_skip(name, B, T, N, config.max_score_gib, bool(no_torch))
                     label = f"{name} {'fwd+bwd' if backward else 'fwd'} {N}x{H} T={T}"
                     grid.append((None if skip else label, (name, B, T, N, H, backward)))
-    cells = _part(
+    return _part(
         report,
         "grid",
         grid,
         lambda *job: measure_cell(*job, config.dtype, peak, config.max_score_gib),
     )
-    targets = []
-    if config.targets:
-        relay = _Relay(
-            report,
-            "targets",
-            "targets: ",
-            skipped=lambda what: bool(no_torch) and what.startswith("torch "),
-            skips=TARGET_TORCH_ITEMS if no_torch else 0,
-        )
-        targets = _targets.measure_targets(peak, relay)
-        relay.end()
+
+
+def _kernel_targets(config: BenchConfig, report, peak: float, no_torch) -> list:
+    """The flash kernel's targets of docs/performance.md, with ``config.targets``."""
+    if not config.targets:
+        return []
+    relay = _Relay(
+        report,
+        "targets",
+        "targets: ",
+        skipped=lambda what: bool(no_torch) and what.startswith("torch "),
+        skips=TARGET_TORCH_ITEMS if no_torch else 0,
+    )
+    targets = _targets.measure_targets(peak, relay)
+    relay.end()
+    return targets
+
+
+def _generation_part(config: BenchConfig, report, peak: float, no_torch):
     contexts = [(f"context {C}", (C,)) for C in config.generation]
     generation = _part(report, "generation", contexts, _generation.measure_generation)
-    targets += _generation.generation_targets(generation)
-    window = None
-    if config.window_length:
-        T = config.window_length
-        (window,) = _part(report, "window", [(f"fwd+bwd T={T}", (T,))], _window.measure_window)
-        targets += _window.window_targets(window)
-    native = []
-    if config.native_lengths:
-        relay = None
-        if no_torch:  # measure_pair skips every pair at once
-            report("native", 0, 0, f"skipped: {no_torch}")
-        else:
-            relay = _Relay(report, "native", "native vs torch: ")
-        native = _native.measure_native(config.native_lengths, config.shapes, peak, relay)
-        if relay:
-            relay.end()
-        targets += _native.native_targets(native)
-    masks = []
-    if config.masks_length:
-        items = _masks.jobs(config.masks_length)
-        masks = _part(report, "masks", items, lambda *job: _masks.measure_pair(*job))
-        if config.masks_length == _masks.LENGTH:  # judged at the issue's length only
-            targets += _masks.masks_targets(masks)
-    latent = None
-    if config.latent_context:
-        C = config.latent_context
-        items = [(f"cache bytes and decode step, context {C}", (C,))]
-        (latent,) = _part(report, "latent", items, _latent.measure_latent)
-        targets += _latent.latent_targets(latent["cache"], latent["decode"])
-    serving = None
-    if config.serving:
-        shape = {"full": _serving.FULL, "quick": _serving.QUICK}[config.serving]
-        relay = _Relay(report, "serving", "")
-        serving = _serving.measure_serving(shape, relay)
+    return generation, _generation.generation_targets(generation)
+
+
+def _window_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.window_length:
+        return None, []
+    T = config.window_length
+    (window,) = _part(report, "window", [(f"fwd+bwd T={T}", (T,))], _window.measure_window)
+    return window, _window.window_targets(window)
+
+
+def _native_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.native_lengths:
+        return [], []
+    relay = None
+    if no_torch:  # measure_pair skips every pair at once
+        report("native", 0, 0, f"skipped: {no_torch}")
+    else:
+        relay = _Relay(report, "native", "native vs torch: ")
+    native = _native.measure_native(config.native_lengths, config.shapes, peak, relay)
+    if relay:
         relay.end()
-        targets += _serving.serving_targets(serving)
-    return {
-        "machine": machine() | {"matmul_peak_gflops": peak},
-        "config": dataclasses.asdict(config),
-        "cells": cells,
-        "targets": targets,
-        "generation": generation,
-        "window": window,
-        "native": native,
-        "masks": masks,
-        "latent": latent,
-        "serving": serving,
-    }
+    return native, _native.native_targets(native)
+
+
+def _masks_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.masks_length:
+        return [], []
+    items = _masks.jobs(config.masks_length)
+    masks = _part(report, "masks", items, lambda *job: _masks.measure_pair(*job))
+    judged = config.masks_length == _masks.LENGTH  # judged at the issue's length only
+    return masks, _masks.masks_targets(masks) if judged else []
+
+
+def _latent_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.latent_context:
+        return None, []
+    C = config.latent_context
+    items = [(f"cache bytes and decode step, context {C}", (C,))]
+    (latent,) = _part(report, "latent", items, _latent.measure_latent)
+    return latent, _latent.latent_targets(latent["cache"], latent["decode"])
+
+
+def _serving_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.serving:
+        return None, []
+    shape = {"full": _serving.FULL, "quick": _serving.QUICK}[config.serving]
+    relay = _Relay(report, "serving", "")
+    serving = _serving.measure_serving(shape, relay)
+    relay.end()
+    return serving, _serving.serving_targets(serving)
+
+
+# The parts after the grid and the kernel's targets, in the order they run and report.
+PARTS = {
+    "generation": _generation_part,
+    "window": _window_part,
+    "native": _native_part,
+    "masks": _masks_part,
+    "latent": _latent_part,
+    "serving": _serving_part,
+}

@@ -4,16 +4,24 @@ import argparse
 import pathlib
 import sys
 
-from ..bench import BenchConfig, run_bench, write
-from ..bench._generation import CONTEXTS
-from ..bench._latent import CONTEXT as LATENT_CONTEXT
-from ..bench._masks import LENGTH as MASKS_LENGTH
-from ..bench._masks import QUICK_LENGTH as MASKS_QUICK_LENGTH
-from ..bench._native import LENGTHS as NATIVE_LENGTHS
-from ..bench._peers import PEERS
-from ..bench._progress import ItemLines
-from ..bench._run import FULL_LENGTHS, QUICK_LENGTHS, SHAPES, default_implementations
-from ..bench._window import LENGTH, WINDOW
+from ..bench import (
+    FULL_LENGTHS,
+    GENERATION_CONTEXTS,
+    LATENT_CONTEXT,
+    MASKS_LENGTH,
+    MASKS_QUICK_LENGTH,
+    NATIVE_LENGTHS,
+    PEERS,
+    QUICK_LENGTHS,
+    SHAPES,
+    WINDOW,
+    WINDOW_LENGTH,
+    BenchConfig,
+    ItemLines,
+    default_implementations,
+    run_bench,
+    write,
+)
 from ._common import UsageError, int_list
 
 
@@ -36,6 +44,15 @@ def add_parser(commands) -> None:
         "Progress goes to stderr, a line per measured item: its part, the time elapsed in "
         "that part and an estimate of what is left.",
     )
+    _add_scope(bench)
+    _add_part_sizes(bench)
+    _add_grid(bench)
+    _add_judging_and_output(bench)
+    bench.set_defaults(run=run)
+
+
+def _add_scope(bench) -> None:
+    """What is measured: a quick run, or only some parts."""
     bench.add_argument(
         "--quick",
         action="store_true",
@@ -54,7 +71,7 @@ def add_parser(commands) -> None:
         + " (grid: the implementations table; targets: the flash kernel's targets; "
         "generation: time per token with the KV cache against recomputing and flax, "
         "judged at context 4096; window: window="
-        + f"{WINDOW} against full causal at T={LENGTH}, judged; native: the native "
+        + f"{WINDOW} against full causal at T={WINDOW_LENGTH}, judged; native: the native "
         "kernel against torch SDPA in float32 and bfloat16 over --lengths, judged, when "
         "torch is installed; masks: a document mask through mask_fn against segment ids, "
         "a block-sparse mask_fn against full causal and sinks with return_residual against "
@@ -72,19 +89,24 @@ def add_parser(commands) -> None:
         "judged). "
         "Example: --only generation,window",
     )
+
+
+def _add_part_sizes(bench) -> None:
+    """The sizes of the generation, window and masks parts."""
     bench.add_argument(
         "--contexts",
         type=int_list,
         default=None,
         help="context lengths of the generation benchmark (default "
-        + ",".join(map(str, CONTEXTS))
+        + ",".join(map(str, GENERATION_CONTEXTS))
         + "; with --quick 1024)",
     )
     bench.add_argument(
         "--window-length",
         type=int,
-        default=LENGTH,
-        help=f"T of the sliding-window benchmark (default {LENGTH}; judged only at {LENGTH})",
+        default=WINDOW_LENGTH,
+        help=f"T of the sliding-window benchmark (default {WINDOW_LENGTH}; judged only at "
+        f"{WINDOW_LENGTH})",
     )
     bench.add_argument(
         "--masks-length",
@@ -93,6 +115,10 @@ def add_parser(commands) -> None:
         help=f"T of the masks benchmark (default {MASKS_LENGTH}, with --quick "
         f"{MASKS_QUICK_LENGTH}; judged only at {MASKS_LENGTH})",
     )
+
+
+def _add_grid(bench) -> None:
+    """The grid: lengths, head shapes, batch, dtype, implementations."""
     bench.add_argument(
         "--lengths",
         type=int_list,
@@ -120,6 +146,10 @@ def add_parser(commands) -> None:
         default=2.0,
         help="skip implementations that materialise more GiB of scores (default 2)",
     )
+
+
+def _add_judging_and_output(bench) -> None:
+    """Whether the judged parts run, and where the results go."""
     bench.add_argument(
         "--no-targets",
         action="store_true",
@@ -133,7 +163,6 @@ def add_parser(commands) -> None:
         default=pathlib.Path("bench-results"),
         help="output folder (default bench-results)",
     )
-    bench.set_defaults(run=run)
 
 
 PARTS = ("grid", "targets", "generation", "window", "native", "masks", "serving", "latent")
@@ -168,7 +197,7 @@ def config_from_args(args) -> BenchConfig:
     if args.tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
     shapes = _shapes(args.shapes) if args.shapes else (SHAPES[:1] if args.quick else SHAPES)
-    contexts = args.contexts or ((1024,) if args.quick else CONTEXTS)
+    contexts = args.contexts or ((1024,) if args.quick else GENERATION_CONTEXTS)
     if min(contexts) < 1:
         raise UsageError(f"--contexts must be >= 1, got {contexts}")
     if not args.max_score_gib >= 0:
