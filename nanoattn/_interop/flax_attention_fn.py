@@ -142,7 +142,7 @@ def flax_attention_fn(
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     _check_shapes(query, key, value)
     *batch, T, N, H = query.shape
-    S, K = key.shape[-3], key.shape[-2]
+    S = key.shape[-3]
     causal_rule = is_causal and T != 1  # a single query is the newest position (docs/flax.md)
 
     why_not = unserved(query, key, value, dtype, precision, flax_args)
@@ -158,30 +158,8 @@ def flax_attention_fn(
     )
     with jax.numpy_dtype_promotion("standard"):  # flax's rules, whatever the caller's mode
         out_dtype = jnp.promote_types(weights_dtype, dtype)
-    if not deterministic:  # flax checks nothing when deterministic
-        check_dropout(dropout_rate, dropout_rng)
-    dropout = not deterministic and dropout_rate > 0.0
-    if (dropout or module is not None) and implementation not in (None, "xla"):
-        raise ValueError(
-            f"implementation={implementation!r} cannot serve this call: dropout and "
-            "sow_weights (module) need the full attention weights, which only 'xla' computes"
-        )
-
-    B = math.prod(batch)
-    q = query.reshape(B, T, N, H)  # (B, T, N, H)
-    k = key.reshape(B, S, K, H)  # (B, S, K, H)
-    v = value.reshape(B, S, K, H)  # (B, S, K, H)
-    if mask is not None:
-        mask = _flatten_scores("mask", jnp.asarray(mask), batch, N, T, S)
-        mask = mask if mask.dtype == jnp.bool_ else mask != 0
-    if bias is not None:
-        bias = jnp.asarray(bias)
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
-            bias = bias.astype(jnp.float32)
-        bias = _flatten_scores("bias", bias, batch, N, T, S)
-    causal = dict(is_causal=causal_rule, q_offset=0 if causal_rule and T != S else None)
-    rules = Rules.make(q, k, v, mask=mask, bias=bias, scale=check_scale(None), **causal)
-
+    dropout = _dropout(implementation, deterministic, dropout_rate, dropout_rng, module)
+    q, k, v, rules = _flat_call(query, key, value, mask, bias, causal_rule)
     if dropout or module is not None:
         bits = (dropout_rate, dropout_rng, broadcast_dropout, batch, dtype)
         drop = _flax_dropout(*bits) if dropout else None
@@ -197,6 +175,46 @@ def flax_attention_fn(
         call = functools.partial(attend, implementation=implementation)
         out = under_precision(precision, call, q, k, v, rules)
     return out.astype(out_dtype).reshape(*batch, T, N, H)
+
+
+def _dropout(implementation, deterministic: bool, rate: float, rng, module) -> bool:
+    """Whether the call drops weights (its dropout arguments checked, as flax, only when
+    not ``deterministic``); a ValueError when dropout or sown weights need the full
+    weights and a backend other than the reference was asked for."""
+    if not deterministic:  # flax checks nothing when deterministic
+        check_dropout(rate, rng)
+    dropout = not deterministic and rate > 0.0
+    if (dropout or module is not None) and implementation not in (None, "xla"):
+        raise ValueError(
+            f"implementation={implementation!r} cannot serve this call: dropout and "
+            "sow_weights (module) need the full attention weights, which only 'xla' computes"
+        )
+    return dropout
+
+
+def _flat_call(query, key, value, mask, bias, causal: bool):
+    """The call on (B, T, N, H) and (B, S, K, H) arrays, the batch axes flattened into
+    B: ``(q, k, v, rules)``, the mask and bias flattened alike (a 0/1 float mask read
+    as nonzero = may attend)."""
+    *batch, T, N, H = query.shape
+    S, K = key.shape[-3], key.shape[-2]
+    B = math.prod(batch)
+    q = query.reshape(B, T, N, H)  # (B, T, N, H)
+    k = key.reshape(B, S, K, H)  # (B, S, K, H)
+    v = value.reshape(B, S, K, H)  # (B, S, K, H)
+    if mask is not None:
+        mask = _flatten_scores("mask", jnp.asarray(mask), batch, N, T, S)
+        mask = mask if mask.dtype == jnp.bool_ else mask != 0
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            bias = bias.astype(jnp.float32)
+        bias = _flatten_scores("bias", bias, batch, N, T, S)
+    rules = Rules.make(
+        q, k, v, mask=mask, bias=bias, scale=check_scale(None), is_causal=causal,
+        q_offset=0 if causal and T != S else None,
+    )  # fmt: skip
+    return q, k, v, rules
 
 
 def _check_shapes(query, key, value) -> None:
