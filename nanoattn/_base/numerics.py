@@ -1,5 +1,6 @@
 """The numerics every kernel shares: the finite stand-in for -inf, the softmax dtype,
-the masked softmax with its log-sum-exp, and the logit soft-cap (docs/conventions.md)."""
+the masked softmax with its log-sum-exp, the logit soft-cap, and the zeroing of keys no
+query sees (docs/conventions.md)."""
 
 import jax
 import jax.numpy as jnp
@@ -98,3 +99,27 @@ def soft_cap(logits, cap, allowed=None):
     if allowed is not None:
         logits = jnp.where(allowed, logits, 0)
     return cap * jnp.tanh(logits / cap)
+
+
+def zero_unseen_keys(x, allowed, query_axes):
+    """Keys or values ``x`` with those that no query may see zeroed.
+
+    A blocked weight of exactly 0 does not protect the output from a NaN or inf there
+    (``0 * NaN = NaN`` in the sum over values and in the gradients), and a block may
+    hold keys that are not the call's (a paged sequence's stale pages).
+
+    Args:
+      x: keys or values, their width H last.
+      allowed: which query may see which key, bool; once reduced over ``query_axes``,
+        its axes are ``x``'s leading ones (each the same size or 1). None: every key is
+        seen, and ``x`` is returned as it is.
+      query_axes: the axes of ``allowed`` that tell the queries apart.
+
+    Example: keys (B, S, K, H) under a mask (B, N, T, S) are
+    ``zero_unseen_keys(keys, mask, (1, 2))``.
+    """
+    if allowed is None:
+        return x
+    sees = allowed.any(axis=query_axes)
+    sees = sees.reshape(sees.shape + (1,) * (x.ndim - sees.ndim))
+    return jnp.where(sees, x, jnp.zeros((), x.dtype))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from ..._base.mask_fn import evaluate_mask, evaluate_score, grid
 from ..._base.masks import band_mask, combine_masks, lengths_to_valid, segment_mask
-from ..._base.numerics import masked_softmax, soft_cap, softmax_dtype
+from ..._base.numerics import masked_softmax, soft_cap, softmax_dtype, zero_unseen_keys
 from ..._base.paged import safe_page_table
 from ..._base.rules import Rules
 from ..._base.trace import record
@@ -32,17 +32,6 @@ def allowed_mask(rules: Rules):
     return combine_masks(rules.mask, band, lengths, segments, by_fn)
 
 
-def _zero_unseen_keys(x, allowed):
-    """Zeroes keys or values (B, S, K, H) that no query of their batch row may see.
-
-    A blocked weight of exactly 0 does not protect the output from NaN or inf
-    there (``0 * NaN = NaN`` in the sum over values and in the gradients)."""
-    if allowed is None:
-        return x
-    sees = allowed.any(axis=(1, 2))[:, :, None, None]  # (B|1, S, 1, 1)
-    return jnp.where(sees, x, jnp.zeros((), x.dtype))
-
-
 def weights(query, key, rules: Rules):
     """Normalised attention weights (B, N, T, S) in the compute dtype."""
     return _weights(query, key, rules, allowed_mask(rules))[0]
@@ -55,7 +44,7 @@ def _weights(query, key, rules: Rules, allowed):
         # A query that sees no key is never read, so NaN there cannot reach a gradient.
         sees = jnp.moveaxis(allowed.any(-1), 1, 2)[..., None]  # (B|1, T, N|1, 1)
         query = jnp.where(sees, query, jnp.zeros((), query.dtype))
-        key = _zero_unseen_keys(key, allowed)
+        key = zero_unseen_keys(key, allowed, (1, 2))  # allowed (B|1, N|1, T|1, S)
     q = query.reshape(rules.B, rules.T, rules.K, rules.G, rules.H)  # (B, T, K, G, H)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key, preferred_element_type=acc)
     logits = logits.reshape(rules.score_shape) * jnp.asarray(rules.scale, acc)  # (B, N, T, S)
@@ -128,7 +117,7 @@ def attend(
     weights, lse = _weights(query, key, rules, allowed)
     if weights_dtype is not None:
         weights = weights.astype(weights_dtype)
-    value = _zero_unseen_keys(value, allowed)
+    value = zero_unseen_keys(value, allowed, (1, 2))
     probs = weights
     if dropout_fn is not None:
         probs = dropout_fn(probs)
