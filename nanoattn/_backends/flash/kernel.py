@@ -39,14 +39,26 @@ import jax.numpy as jnp
 
 from ..._base.block_mask import EMPTY, BlockMask, block_mask
 from ..._base.mask_fn import closure_converted, evaluate_mask, evaluate_score
-from ..._base.numerics import large_negative, softmax_dtype
+from ..._base.numerics import large_negative, softmax_dtype, zero_unseen_keys
 from ..._base.quantized import NO_QUANTIZED_GRADIENTS, dequantize, is_quantized
 from ..._base.rules import Rules
 from ..._base.shard_map import sum_to_varying, varying_like
 from .plan import Plan, block_id_ranges, kernel_plans, with_segment_kinds
 from .schedule import Schedule
+from .step import Layout, Scores, backward_step, finish, forward_step, scores
 
 _ITEM = "BLKGqk"  # the axes of one step's scores: batch, lane, kv head, group, query, key
+# A step's blocks: queries (and the output and its cotangent) head-major (B, L, K, G, bq,
+# H), keys and values (B, L, K, bk, H); the gradients of queries, keys and values come
+# out in the layout of their blocks, (B, L, bq, K, G, H) and (B, L, bk, K, H).
+_LAYOUT = Layout(
+    scores=f"BLKGqH,BLKkH->{_ITEM}",
+    values=f"{_ITEM},BLKkH->BLKGqH",
+    d_weights=f"BLKGqH,BLKkH->{_ITEM}",
+    d_queries=f"{_ITEM},BLKkH->BLqKGH",
+    d_keys=f"{_ITEM},BLKGqH->BLkKH",
+    d_values=f"{_ITEM},BLKGqH->BLkKH",
+)
 
 
 @jax.tree_util.register_dataclass
@@ -363,13 +375,6 @@ def _allowed(plan: Plan, blocks: RuleBlocks, qi, kj, cells=None):
     return functools.reduce(jnp.logical_and, parts)
 
 
-def _zero_unseen_keys(x, allowed):
-    """Zeroes an item's keys or values (B, L, K, bk, H) that no query of its block
-    may see: a blocked weight of 0 does not stop a NaN there (0 * NaN = NaN)."""
-    sees = allowed.any(axis=(3, 4))[..., None]  # (B|1, L, K|1, bk|1, 1)
-    return jnp.where(sees, x, jnp.zeros((), x.dtype))
-
-
 def _item_keys(plan: Plan, masked: bool, kb, vb, blocks: RuleBlocks, qc, kj):
     """Each lane's keys and values (B, L, K, bk, H), the indices of its cells for
     ``mask_fn`` and ``score_fn`` (None without them) and, for a masked schedule, which
@@ -383,7 +388,8 @@ def _item_keys(plan: Plan, masked: bool, kb, vb, blocks: RuleBlocks, qc, kj):
     allowed = None
     if masked:
         allowed = _allowed(plan, blocks, qc, kj, cells)
-        ks, vs = _zero_unseen_keys(ks, allowed), _zero_unseen_keys(vs, allowed)
+        # allowed (B|1, L, K|1, G|1, bq|1, bk|1): no query of the group and block sees
+        ks, vs = zero_unseen_keys(ks, allowed, (3, 4)), zero_unseen_keys(vs, allowed, (3, 4))
     return ks, vs, cells, allowed
 
 
@@ -479,45 +485,26 @@ def _run_steps(plan: Plan, kinds, blocks: RuleBlocks, schedule: Schedule, step, 
 
 
 def _scores(plan: Plan, qs, ks, qi, kj, blocks: RuleBlocks, allowed=None, cells=None,
-            consts=None, with_vjp=False):  # fmt: skip
-    """Logits of each lane's item (the query blocks are pre-scaled), through
-    ``score_fn`` and soft-capped; ``tanh(logits / cap)`` (None without a cap) for the
-    backward pass; and with ``with_vjp`` the VJP of ``score_fn`` (None without one),
-    which maps a cotangent of its output to those of its input and of ``consts``.
-
-    Blocked cells hold ``large_negative`` when ``allowed`` is given; their
-    ``tanh`` is 0, so a NaN there cannot reach a gradient."""
-    s = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", qs, ks)
-    if blocks.bias is not None:
-        s = s + _gather_pairs(blocks.bias, qi, kj, plan)
-    score_vjp = None
+            consts=(), with_vjp=False) -> Scores:  # fmt: skip
+    """:func:`~nanoattn._backends.flash.step.scores` of each lane's item (the query
+    blocks pre-scaled): with its bias, and ``score_fn`` mapped over the lanes at the
+    item's ``cells``. Blocked cells hold ``large_negative`` when ``allowed`` is given."""
+    bias = None if blocks.bias is None else _gather_pairs(blocks.bias, qi, kj, plan)
+    score = None
     if plan.score_fn is not None:
-        if allowed is not None:  # a blocked cell's score is never looked at
-            s = jnp.where(allowed, s, 0)
-        shape = s.shape
 
-        def modify(s, consts):
+        def score(s, consts):
             def one(s, b, n, q, k):
                 return evaluate_score(lambda *a: plan.score_fn(*a, *consts), s, b, n, q, k)
 
+            shape = s.shape
             flat = s.reshape(shape[0], shape[1], plan.K * plan.G, *shape[4:])  # (B, L, N, ., .)
             return _per_lane(one)((flat,), cells).reshape(shape)
 
-        if with_vjp:
-            s, score_vjp = jax.vjp(modify, s, tuple(consts))
-        else:
-            s = modify(s, tuple(consts))
-    tanh = None
-    if plan.soft_cap is not None:
-        if allowed is not None:
-            s = jnp.where(allowed, s, 0)
-        tanh = jnp.tanh(s / plan.soft_cap)
-        s = plan.soft_cap * tanh
-    if allowed is not None:
-        s = jnp.where(allowed, s, large_negative(s.dtype))
-    if with_vjp:
-        return s, tanh, score_vjp
-    return s, tanh
+    return scores(
+        _LAYOUT, qs, ks, allowed, bias=bias, score=score, consts=consts,
+        soft_cap=plan.soft_cap, with_vjp=with_vjp,
+    )  # fmt: skip
 
 
 def _segment_ranges(q_ids, kv_ids, plan: Plan):
@@ -571,26 +558,9 @@ def forward_block(plan: Plan, inputs: BlockInputs):
             def update():
                 qs = _take_queries(qb, qc, scale)  # (B, L, K, G, bq, H)
                 ks, vs, cells, allowed = item_keys(qc, kj)  # (B, L, K, bk, H) twice
-                s, _ = _scores(plan, qs, ks, qc, kj, blocks, allowed, cells, consts)
-                # The block's own softmax, shifted twice: by its row maximum, then by the
-                # maximum of the very values that are exponentiated (XLA may compute the
-                # first from a differently rounded copy of s; see _numerics.masked_softmax).
-                # Both maxima are at least `neg`, so a row whose logits are all -inf (a
-                # bias or score_fn of -inf) gets weights exp(-inf) = 0, never -inf - -inf:
-                # it counts as a row that sees nothing, as in the reference.
-                top = jnp.maximum(s.max(-1), neg)
-                shifted = s - top[..., None]
-                peak = jnp.maximum(shifted.max(-1), neg)
-                p = jnp.exp(jnp.minimum(shifted - peak[..., None], 0))
-                if masked:
-                    p = jnp.where(allowed, p, 0)  # exact zeros, also in a row that sees nothing
-                m_block = top + peak
-                m_new = jnp.maximum(m_old, m_block)
-                rescale, weight = jnp.exp(m_old - m_new), jnp.exp(m_block - m_new)
-                l_new = l_old * rescale + p.sum(-1) * weight
-                pv = jnp.einsum(f"{_ITEM},BLKkH->BLKGqH", p, vs)
+                s = _scores(plan, qs, ks, qc, kj, blocks, allowed, cells, consts).logits
                 o_prev = jnp.einsum("BLqKGH->BLKGqH", o_old)
-                o_new = o_prev * rescale[..., None] + pv * weight[..., None]
+                m_new, l_new, o_new = forward_step(_LAYOUT, (m_old, l_old, o_prev), s, vs, allowed)
                 return m_new, l_new, jnp.einsum("BLKGqH->BLqKGH", o_new)
 
             m_new, l_new, o_new = update()
@@ -601,15 +571,12 @@ def forward_block(plan: Plan, inputs: BlockInputs):
     masked, full = plan.schedules()
     m, l, o = run(run(state, masked, True), full, False)
     m, l, o = m[:, :-1], l[:, :-1], o[:, :-1]
-    # A row that sees a key has l >= 1; l == 0 only for a row that sees none. A NaN or
-    # inf among the row's visible content makes l NaN: such a row is seen, and its NaN
-    # output and log-sum-exp carry on into the backward pass (docs/conventions.md).
-    seen = l != 0
-    out = o / jnp.einsum("BnKGq->BnqKG", jnp.where(seen, l, 1))[..., None]
+    seen = l != 0  # NaN content counts as seen (docs/conventions.md)
+    denominator, lse = finish(m, l, seen)  # lse (B, nQ, K, G, bq)
+    out = o / jnp.einsum("BnKGq->BnqKG", denominator)[..., None]
     # log 0 = -inf marks a row that sees no key (the backward pass never reads its query),
     # set once the padded query rows are cut off, so that no array holds an inf that the
     # call's results do not (jax's debug_infs checks every operation's output).
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), 0)  # (B, nQ, K, G, bq)
     lse = _unblock_rows(lse, plan).reshape(plan.B, plan.T, plan.K * plan.G)  # (B, T, N)
     seen = _unblock_rows(seen, plan).reshape(lse.shape)
     return _unblock_queries(out, plan), jnp.where(seen, lse, -jnp.inf)
@@ -665,32 +632,16 @@ def backward_block(plan: Plan, residuals: Residuals, d_out, d_lse=None) -> Block
                 delta_i = jnp.take(delta, qc, axis=1) * live  # and dS vanish
                 lse_i = jnp.take(lse, qc, axis=1)
                 ks, vs, cells, allowed = item_keys(qc, kj)
-                s, tanh, score_vjp = _scores(
-                    plan, qs, ks, qc, kj, blocks, allowed, cells, consts, with_vjp=True
-                )
-                # p <= 1 exactly; the clamp keeps a differently rounded s from overflowing.
-                p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0))
-                if masked:
-                    p = jnp.where(allowed, p, 0)
-                dp = jnp.einsum(f"BLKGqH,BLKkH->{_ITEM}", dos, vs)
-                ds = p * (dp - delta_i[..., None])
-                if tanh is not None:
-                    ds = ds * (1 - tanh * tanh)  # through cap * tanh(s / cap)
-                d_consts = ()
-                if score_vjp is not None:  # through score_fn, to its input and its arrays
-                    ds, d_consts = score_vjp(ds)
-                dq_c = jnp.einsum(f"{_ITEM},BLKkH->BLqKGH", ds, ks)
-                dk_c = jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", ds, qs)
-                dv_c = jnp.einsum(f"{_ITEM},BLKGqH->BLkKH", p, dos)
-                return dq_c, dk_c, dv_c, ds, d_consts
+                block = _scores(plan, qs, ks, qc, kj, blocks, allowed, cells, consts, True)
+                return backward_step(_LAYOUT, block, lse_i, delta_i, qs, ks, vs, dos, allowed)
 
-            dq_c, dk_c, dv_c, ds, d_consts = contributions()
-            dq = dq.at[:, qi].add(dq_c)
-            dk = dk.at[:, kj].add(dk_c)
-            dv = dv.at[:, kj].add(dv_c)
+            g = contributions()
+            dq = dq.at[:, qi].add(g.query)
+            dk = dk.at[:, kj].add(g.key)
+            dv = dv.at[:, kj].add(g.value)
             if dbias is not None:
-                dbias = _scatter_pairs(dbias, qc, kj, ds)
-            dconsts = jax.tree.map(jnp.add, dconsts, d_consts)
+                dbias = _scatter_pairs(dbias, qc, kj, g.logits)
+            dconsts = jax.tree.map(jnp.add, dconsts, g.consts)
             return dq, dk, dv, dbias, dconsts
 
         return _run_steps(plan, kinds, blocks, schedule, step, grads)

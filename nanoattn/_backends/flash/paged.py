@@ -26,13 +26,24 @@ import jax
 import jax.numpy as jnp
 
 from ..._base.mask_fn import closure_converted, evaluate_mask, evaluate_score
-from ..._base.numerics import large_negative, softmax_dtype
+from ..._base.numerics import large_negative, softmax_dtype, zero_unseen_keys
 from ..._base.paged import safe_page_table
 from ..._base.quantized import NO_QUANTIZED_GRADIENTS, dequantize
 from ..._base.rules import Rules
+from .step import Layout, Scores, backward_step, finish, forward_step, scores
 
 BLOCK_Q = 16  # query rows per block: a decode token's block wastes few
 BLOCK_KEYS = 128  # keys per key block (whole pages; at least one)
+# A pair's blocks: queries (and the output and its cotangent) (q, K, G, H), keys and
+# values (k, K, H), scores (K, G, q, k).
+_LAYOUT = Layout(
+    scores="qKGH,kKH->KGqk",
+    values="KGqk,kKH->KGqH",
+    d_weights="qKGH,kKH->KGqk",
+    d_queries="KGqk,kKH->qKGH",
+    d_keys="KGqk,qKGH->kKH",
+    d_values="KGqk,qKGH->kKH",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +219,7 @@ def _block(plan: PagedPlan, inputs: PagedInputs, b, j, acc):
     return keys, values, positions, pages
 
 
-def _value_weights(plan: PagedPlan, inputs: PagedInputs, p, pages, acc):
+def _value_weights(plan: PagedPlan, inputs: PagedInputs, p, *, pages, acc):
     """The weights p (K, G, q, k) with the scales of quantized values folded in: a
     weight of 0 never reads its value's scale, so a NaN scale reaches only the rows
     that see its token (``0 * NaN`` would spread it to the whole head group)."""
@@ -228,7 +239,7 @@ def _read_pages(pool, scales, pages, shape, acc):
 
 
 def _allowed(plan: PagedPlan, b, q_pos, real, k_pos, length):
-    """Which cells of a pair's block are visible: bool (N or 1, q, k)."""
+    """Which cells of a pair's block are visible: bool (K or 1, G or 1, q, k)."""
     seen = real[:, None] & (k_pos[None, :] < length)  # (q, k)
     if plan.band is not None:
         left, right = plan.band
@@ -241,50 +252,35 @@ def _allowed(plan: PagedPlan, b, q_pos, real, k_pos, length):
         n = jnp.arange(plan.N, dtype=jnp.int32).reshape(1, plan.N, 1, 1)
         cells = evaluate_mask(plan.mask_fn, b.reshape(1, 1, 1, 1), n, q_pos.reshape(1, 1, -1, 1),
                               k_pos.reshape(1, 1, 1, -1))  # fmt: skip
-        seen = seen & cells[0]
-    return seen
+        seen = seen & cells[0]  # (N or 1, q, k)
+    return seen.reshape(plan.K, plan.G, *seen.shape[1:]) if seen.shape[0] > 1 else seen[None]
 
 
-def _unseen_zeroed(plan: PagedPlan, keys, values, allowed):
+def _unseen_zeroed(keys, values, allowed):
     """Keys and values (k, K, H) that no query of the block's key/value head group sees,
-    zeroed: a blocked weight of 0 does not stop a NaN there (0 * NaN = NaN), and a
-    sequence's block may hold pages it does not (stale content of a freed page)."""
-    group = allowed.reshape(allowed.shape[0] // plan.G or 1, -1, allowed.shape[-1])
-    sees = jnp.moveaxis(group.any(axis=1), 0, 1)[..., None]  # (k, K or 1, 1)
-    zero = jnp.zeros((), keys.dtype)
-    return jnp.where(sees, keys, zero), jnp.where(sees, values, zero)
+    zeroed (:func:`~nanoattn._base.numerics.zero_unseen_keys`; a sequence's block may
+    also hold pages it does not: stale content of a freed page)."""
+    by_key = jnp.moveaxis(allowed, -1, 0)  # (k, K or 1, G or 1, q)
+    return zero_unseen_keys(keys, by_key, (2, 3)), zero_unseen_keys(values, by_key, (2, 3))
 
 
-def _scores(plan: PagedPlan, qs, keys, b, q_pos, k_pos, allowed, consts, with_vjp=False):
-    """The block's logits (K, G, q, k) from pre-scaled queries (q, K, G, H), through
-    score_fn and the soft-cap, blocked cells at the large negative; with ``with_vjp``
-    also tanh(logits / cap) (or None) and score_fn's VJP (or None)."""
-    s = jnp.einsum("qKGH,kKH->KGqk", qs, keys)
-    allowed = allowed.reshape(-1, 1, *allowed.shape[1:]) if allowed.shape[0] == 1 else (
-        allowed.reshape(plan.K, plan.G, *allowed.shape[1:])
-    )  # fmt: skip
-    score_vjp = None
+def _scores(plan: PagedPlan, qs, keys, b, q_pos, k_pos, allowed, consts, with_vjp=False) -> Scores:
+    """:func:`~nanoattn._backends.flash.step.scores` of a pair's block (K, G, q, k) from
+    pre-scaled queries (q, K, G, H), ``score_fn`` seeing sequence ``b``'s positions."""
+    score = None
     if plan.score_fn is not None:
-        s = jnp.where(allowed, s, 0)  # a blocked cell's score is never looked at
         n = jnp.arange(plan.N, dtype=jnp.int32).reshape(1, plan.N, 1, 1)
         cells = (b.reshape(1, 1, 1, 1), n, q_pos.reshape(1, 1, -1, 1), k_pos.reshape(1, 1, 1, -1))
 
-        def modify(s, consts):
+        def score(s, consts):
             flat = s.reshape(1, plan.N, *s.shape[2:])
             out = evaluate_score(lambda *a: plan.score_fn(*a, *consts), flat, *cells)
             return out.reshape(s.shape)
 
-        if with_vjp:
-            s, score_vjp = jax.vjp(modify, s, tuple(consts))
-        else:
-            s = modify(s, tuple(consts))
-    tanh = None
-    if plan.soft_cap is not None:
-        s = jnp.where(allowed, s, 0)
-        tanh = jnp.tanh(s / plan.soft_cap)
-        s = plan.soft_cap * tanh
-    s = jnp.where(allowed, s, large_negative(s.dtype))
-    return s, allowed, tanh, score_vjp
+    return scores(
+        _LAYOUT, qs, keys, allowed, score=score, consts=consts, soft_cap=plan.soft_cap,
+        with_vjp=with_vjp,
+    )  # fmt: skip
 
 
 def _forward(plan: PagedPlan, inputs: PagedInputs):
@@ -314,29 +310,17 @@ def _forward(plan: PagedPlan, inputs: PagedInputs):
         )
 
         def one_block(j, state):
-            m_old, l_old, o_old = state
             keys, values, k_pos, pages = _block(plan, inputs, b, j, acc)
             allowed = _allowed(plan, b, q_pos, real, k_pos, length)
-            keys, values = _unseen_zeroed(plan, keys, values, allowed)
-            s, allowed, _, _ = _scores(plan, qs, keys, b, q_pos, k_pos, allowed, inputs.consts)
-            # shifted twice, both maxima at least `neg`: see the blockwise kernel
-            top = jnp.maximum(s.max(-1), neg)
-            shifted = s - top[..., None]
-            peak = jnp.maximum(shifted.max(-1), neg)
-            p = jnp.where(allowed, jnp.exp(jnp.minimum(shifted - peak[..., None], 0)), 0)
-            m_block = top + peak
-            m_new = jnp.maximum(m_old, m_block)
-            rescale, weight = jnp.exp(m_old - m_new), jnp.exp(m_block - m_new)
-            l_new = l_old * rescale + p.sum(-1) * weight
-            p_v = _value_weights(plan, inputs, p, pages, acc)
-            pv = jnp.einsum("KGqk,kKH->KGqH", p_v, values)
-            o_new = o_old * rescale[..., None] + pv * weight[..., None]
-            return m_new, l_new, o_new
+            keys, values = _unseen_zeroed(keys, values, allowed)
+            s = _scores(plan, qs, keys, b, q_pos, k_pos, allowed, inputs.consts).logits
+            weights = functools.partial(_value_weights, plan, inputs, pages=pages, acc=acc)
+            return forward_step(_LAYOUT, state, s, values, allowed, value_weights=weights)
 
         m, l, o = jax.lax.fori_loop(lo, hi, one_block, state)
         seen = (l != 0) & real[None, None]  # (K, G, q): NaN content counts as seen
-        o = o / jnp.where(seen, l, 1)[..., None]
-        block_lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), 0)
+        denominator, block_lse = finish(m, l, seen)
+        o = o / denominator[..., None]
         o = jnp.einsum("KGqH->qKGH", jnp.where(seen[..., None], o, 0))
         block_lse, seen = jnp.einsum("KGq->qKG", block_lse), jnp.einsum("KGq->qKG", seen)
         keep = real[:, None, None, None]  # only the pair's own rows are written
@@ -401,25 +385,14 @@ def _backward(plan: PagedPlan, inputs: PagedInputs, out, lse, d_out, d_lse):
             dq_i, dk_pool, dv_pool, d_consts = grads
             keys, values, k_pos, pages = _block(plan, inputs, b, j, acc)
             allowed = _allowed(plan, b, q_pos, real, k_pos, length)
-            keys, values = _unseen_zeroed(plan, keys, values, allowed)
-            s, allowed, tanh, score_vjp = _scores(
-                plan, qs, keys, b, q_pos, k_pos, allowed, inputs.consts, with_vjp=True
-            )
-            p = jnp.where(allowed, jnp.exp(jnp.minimum(s - lse_i[..., None], 0)), 0)
-            dp = jnp.einsum("qKGH,kKH->KGqk", dos, values)
-            ds = p * (dp - delta_i[..., None])
-            if tanh is not None:
-                ds = ds * (1 - tanh * tanh)
-            dc = ()
-            if score_vjp is not None:
-                ds, dc = score_vjp(ds)
-            dq_i = dq_i + jnp.einsum("KGqk,kKH->qKGH", ds, keys)
-            dk = jnp.einsum("KGqk,qKGH->kKH", ds, qs)
-            dv = jnp.einsum("KGqk,qKGH->kKH", p, dos)
+            keys, values = _unseen_zeroed(keys, values, allowed)
+            block = _scores(plan, qs, keys, b, q_pos, k_pos, allowed, inputs.consts, True)
+            g = backward_step(_LAYOUT, block, lse_i, delta_i, qs, keys, values, dos, allowed)
+            dq_i = dq_i + g.query
             shape = (plan.pages_per_block, plan.page_size, plan.K)
-            dk_pool = dk_pool.at[pages].add(dk.reshape(*shape, plan.H))
-            dv_pool = dv_pool.at[pages].add(dv.reshape(*shape, plan.Hv))
-            d_consts = tuple(x + y for x, y in zip(d_consts, dc, strict=True))
+            dk_pool = dk_pool.at[pages].add(g.key.reshape(*shape, plan.H))
+            dv_pool = dv_pool.at[pages].add(g.value.reshape(*shape, plan.Hv))
+            d_consts = tuple(x + y for x, y in zip(d_consts, g.consts, strict=True))
             return dq_i, dk_pool, dv_pool, d_consts
 
         zero = jnp.zeros((plan.block_q, plan.K, plan.G, plan.H), acc)
