@@ -14,137 +14,43 @@ causality, window, soft-cap, a Python scale or offset, ``mask_fn``, ``score_fn``
 metadata, so it crosses ``jit``, ``custom_vjp`` and ``shard_map`` whole and no rule
 travels as a loose positional argument.
 
-Adding a rule (docs/architecture.md): a field here, its check in :meth:`Rules.make`
-(one helper), its name in :meth:`Rules.active`, and its meaning in the reference
-kernel (``nanoattn._backends.xla.reference``); a backend that does not list it in its
-``serves`` is refused for calls that use it, with the names of the backends that do.
+Every rule is one entry of :data:`~nanoattn._base.rule_table.TABLE`: its fields here,
+its keywords, its check, whether a call uses it, its partition spec and its batched
+rank are read from there (docs/architecture.md, "How to add a rule").
 """
 
 import dataclasses
-import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
 
-from .block_mask import BlockMask
-from .mask_fn import check_mask_fn, check_score_fn
 from .paged import check_paged, token_layout
-from .quantized import check_kv_scales, is_quantized
-from .validate import (
-    as_array,
-    expect_bool,
-    expect_broadcastable,
-    expect_flag,
-    expect_floating,
-    expect_integer,
-    expect_shape,
-    lengths_outside,
-    lengths_within,
-    positive_number,
-)
+from .rule_checks import check_lengths as check_lengths
+from .rule_checks import check_sinks as check_sinks
+from .rule_checks import check_sizes
+from .rule_checks import check_soft_cap as check_soft_cap
+from .rule_checks import normalize_window as normalize_window
+from .rule_table import FIELDS, KEYWORDS, NAMES, PAGED_KEYWORDS, TABLE, UNSPLIT, Context
+from .validate import as_array, lengths_outside
 
-SCORE_AXES = "B N T S"
-# The keyword arguments of a call that Rules.make takes, in the order of the public
-# signatures (dot_product_attention's, after query, key and value).
-ARGUMENTS = (
-    "mask", "bias", "is_causal", "q_offset", "kv_lengths", "window", "q_segment_ids",
-    "kv_segment_ids", "logit_soft_cap", "scale", "mask_fn", "score_fn", "sinks",
-    "return_residual", "key_scales", "value_scales",
-)  # fmt: skip
+# The keyword arguments of a call that Rules.make takes (those of the table).
+ARGUMENTS = KEYWORDS
 # How an error names each rule of Rules.active.
-RULE_NAMES = {
-    "mask": "a dense mask",
-    "bias": "a bias",
-    "is_causal": "is_causal",
-    "window": "window",
-    "kv_lengths": "kv_lengths",
-    "segment_ids": "segment ids",
-    "logit_soft_cap": "logit_soft_cap",
-    "mask_fn": "mask_fn",
-    "score_fn": "score_fn",
-    "sinks": "sinks",
-    "page_table": "a page table (paged_attention)",
-    "kv_scales": "a quantized cache (key_scales, value_scales)",
-    "value_width": "a value head width Hv other than H",
-}
+RULE_NAMES = NAMES
+# The call's sizes: static fields of every Rules, before the rules' own.
+SIZES = {
+    "B": "batch", "T": "query time", "S": "key time", "N": "query heads",
+    "K": "key/value heads", "H": "head width (of queries and keys)",
+    "Hv": "the head width of values and of the output (H unless the values have a "
+          "width of their own, as in multi-head latent attention; docs/latent.md)",
+}  # fmt: skip
+STATIC = dict(static=True)  # a field of the pytree's metadata (hashable, never traced)
+_DEFAULTS = dict(is_causal=False, return_residual=False)
 
 
-# A field of the pytree's metadata (hashable, never traced); the others are its leaves.
-STATIC = dict(static=True)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Rules:
-    """The rules of one attention call. Shapes use the legend of docs/conventions.md.
-
-    Attributes:
-      B, T, S, N, K, H: batch, query time, key time, query heads, key/value heads and
-        head width (of queries and keys).
-      Hv: the head width of values and of the output (H unless the values have a
-        width of their own, as in multi-head latent attention; docs/latent.md).
-      mask: boolean, rank 4, broadcastable to (B, N, T, S), or None.
-      bias: floating, rank 4, broadcastable to (B, N, T, S), or None.
-      is_causal: whether the positional causal mask applies.
-      static_offset: the position of the first query as a Python int, or None.
-      offset: the position of the first query as an int array () or (B,) (traced or
-        not), or None; at most one of ``static_offset`` and ``offset`` is set, and
-        :attr:`q_offset` reads whichever is.
-      kv_lengths: int array (B,) of valid key counts, or None.
-      window: ``(left, right)`` of local attention, or None.
-      q_segment_ids, kv_segment_ids: int arrays (B, T) and (B, S), or None.
-      logit_soft_cap: the cap of ``cap * tanh(logits / cap)``, or None.
-      fixed_scale: the factor applied to ``q . k`` as a Python number, or None.
-      traced_scale: the factor as a scalar array (a traced one under ``jit``), or
-        None; :attr:`scale` reads whichever is set.
-      mask_fn: ``mask_fn(b, n, q_pos, k_pos) -> bool`` (:mod:`.mask_fn`), a
-        :class:`~nanoattn._base.block_mask.BlockMask`, or None.
-      score_fn: ``score_fn(score, b, n, q_pos, k_pos) -> score``, or None.
-      sinks: float (N,), one logit per query head added to each row's softmax
-        denominator, or None.
-      return_residual: whether the call also returns the log-sum-exp (B, T, N).
-      page_table, query_starts, page_size, pool_pages: a paged call's
-        (:meth:`make_paged`, :mod:`.paged`): the page table (B, M) of B sequences,
-        the starts (B + 1,) of their query rows among the T = Tq tokens, the keys per
-        page and the pages of the pool (P); S = M * page_size is the most keys a
-        sequence holds, and ``kv_lengths`` (B,) the keys each holds. None otherwise.
-      key_scales, value_scales: float (B, S, K) (a paged call's (P, page_size, K)),
-        the scales of quantized keys and values (:mod:`.quantized`): key token s of
-        head k is ``key[b, s, k] * key_scales[b, s, k]``; None for float keys.
-    """
-
-    B: int = dataclasses.field(metadata=STATIC)
-    T: int = dataclasses.field(metadata=STATIC)
-    S: int = dataclasses.field(metadata=STATIC)
-    N: int = dataclasses.field(metadata=STATIC)
-    K: int = dataclasses.field(metadata=STATIC)
-    H: int = dataclasses.field(metadata=STATIC)
-    Hv: int = dataclasses.field(metadata=STATIC)
-    mask: Any = None
-    bias: Any = None
-    is_causal: bool = dataclasses.field(default=False, metadata=STATIC)
-    static_offset: int | None = dataclasses.field(default=None, metadata=STATIC)
-    offset: Any = None
-    kv_lengths: Any = None
-    window: tuple[int, int] | None = dataclasses.field(default=None, metadata=STATIC)
-    q_segment_ids: Any = None
-    kv_segment_ids: Any = None
-    logit_soft_cap: float | None = dataclasses.field(default=None, metadata=STATIC)
-    fixed_scale: float | None = dataclasses.field(default=None, metadata=STATIC)
-    traced_scale: Any = None
-    mask_fn: Any = dataclasses.field(default=None, metadata=STATIC)
-    score_fn: Any = dataclasses.field(default=None, metadata=STATIC)
-    sinks: Any = None
-    return_residual: bool = dataclasses.field(default=False, metadata=STATIC)
-    page_table: Any = None
-    query_starts: Any = None
-    page_size: int | None = dataclasses.field(default=None, metadata=STATIC)
-    pool_pages: int | None = dataclasses.field(default=None, metadata=STATIC)
-    key_scales: Any = None
-    value_scales: Any = None
+class _Rules:
+    """The methods of :class:`Rules` (its fields come from the table)."""
 
     @classmethod
     def make(cls, query, key, value=None, **arguments) -> "Rules":
@@ -159,87 +65,53 @@ class Rules:
         unknown = sorted(set(arguments) - set(ARGUMENTS))
         if unknown:
             raise TypeError(f"unknown rule arguments {unknown}; the rules are {ARGUMENTS}")
-        a = dict.fromkeys(ARGUMENTS) | dict(is_causal=False, return_residual=False) | arguments
-        B, T, S, N, K, H, Hv = _sizes(query, key, value)
-        scores = (B, N, T, S)
-        mask, bias = _check_mask(a["mask"], scores), _check_bias(a["bias"], scores)
-        is_causal = expect_flag("is_causal", a["is_causal"])
-        return_residual = expect_flag("return_residual", a["return_residual"])
-        window = normalize_window(a["window"])
-        indexed = a["mask_fn"] is not None or a["score_fn"] is not None
-        q_offset = _check_q_offset(a["q_offset"], B, T, S, is_causal, window, indexed)
-        mask_fn = check_mask_fn(a["mask_fn"], B, N, T, S, q_offset)
-        if isinstance(mask_fn, BlockMask):
-            mask_fn.check_fits(B, N, T, S, q_offset)
-        score_fn = check_score_fn(a["score_fn"], B, N, T, S, q_offset)
-        sinks = check_sinks(a["sinks"], N)
-        kv_lengths = check_lengths(a["kv_lengths"], B, S)
-        q_ids, kv_ids = _check_segments(a["q_segment_ids"], a["kv_segment_ids"], B, T, S)
-        logit_soft_cap = check_soft_cap(a["logit_soft_cap"])
-        fixed_scale, traced_scale = _split_scale(a["scale"], H)
-        key_scales, value_scales = check_kv_scales(
-            jnp.asarray(key), None if value is None else jnp.asarray(value), a["key_scales"],
-            a["value_scales"], "B S K",
-        )  # fmt: skip
-        static = isinstance(q_offset, int)
-        return cls(
-            B=B, T=T, S=S, N=N, K=K, H=H, Hv=Hv, mask=mask, bias=bias, is_causal=is_causal,
-            static_offset=q_offset if static else None, offset=None if static else q_offset,
-            kv_lengths=kv_lengths, window=window, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-            logit_soft_cap=logit_soft_cap, fixed_scale=fixed_scale, traced_scale=traced_scale,
-            mask_fn=mask_fn, score_fn=score_fn, sinks=sinks, return_residual=return_residual,
-            key_scales=key_scales, value_scales=value_scales,
-        )  # fmt: skip
+        B, T, S, N, K, H, Hv = check_sizes(query, key, value)
+        sizes = dict(B=B, T=T, S=S, N=N, K=K, H=H, Hv=Hv)
+        key = jnp.asarray(key)
+        value = None if value is None else jnp.asarray(value)
+        given = dict.fromkeys(ARGUMENTS) | _DEFAULTS | arguments
+        return cls._checked(Context(sizes, query, key, value, given, {}))
 
     @classmethod
     def make_paged(cls, query, key_pages, value_pages, page_table, kv_lengths, query_starts,
                    **arguments) -> "Rules":  # fmt: skip
         """Checks a paged call (``nanoattn.paged_attention``) and returns its rules:
         sizes B (sequences), T (query tokens), S (the most keys a sequence holds), N,
-        K, H. ``arguments`` are ``is_causal``, ``window``, ``logit_soft_cap``,
-        ``scale``, ``sinks``, ``mask_fn``, ``score_fn``, ``return_residual``, and
-        ``key_scales`` and ``value_scales`` (P, page_size, K) of quantized pages.
+        K, H. ``arguments`` are the table's keywords a paged call takes (``is_causal``
+        (default True), ``window``, ``logit_soft_cap``, ``scale``, ``sinks``,
+        ``mask_fn``, ``score_fn``, ``return_residual``, and ``key_scales`` and
+        ``value_scales`` (P, page_size, K) of quantized pages).
 
         Raises:
           ValueError: a shape problem, or a value of the page table, the lengths or
             the starts that is invalid when concrete, naming the argument and the row.
         """
-        allowed = {"is_causal", "window", "logit_soft_cap", "scale", "sinks", "mask_fn",
-                   "score_fn", "return_residual", "key_scales", "value_scales"}  # fmt: skip
-        unknown = sorted(set(arguments) - allowed)
+        unknown = sorted(set(arguments) - set(PAGED_KEYWORDS))
         if unknown:
             raise TypeError(f"unknown arguments of a paged call {unknown}")
         arrays, sizes = check_paged(
             query, key_pages, value_pages, page_table, kv_lengths, query_starts
         )
         Tq, N, H, Hv, P, page_size, K, B, M = sizes
-        S = M * page_size
-        a = dict(is_causal=True, return_residual=False) | arguments
-        is_causal = expect_flag("is_causal", a["is_causal"])
-        window = normalize_window(a.get("window"))
-        # mask_fn and score_fn are checked on cells of real positions: queries at the
-        # end of a sequence that holds all S keys
-        T_probe = max(1, min(Tq, S))
-        mask_fn = check_mask_fn(a.get("mask_fn"), B, N, T_probe, S, S - T_probe)
-        if isinstance(mask_fn, BlockMask):
-            raise TypeError(
-                "mask_fn of a paged call must be a function, not a BlockMask (its blocks "
-                "are those of one (T, S) grid, not of pages)"
-            )
-        score_fn = check_score_fn(a.get("score_fn"), B, N, T_probe, S, S - T_probe)
-        fixed_scale, traced_scale = _split_scale(a.get("scale"), H)
-        key_scales, value_scales = check_kv_scales(
-            arrays[1], arrays[2], a.get("key_scales"), a.get("value_scales"), "P page_size K"
-        )
-        return cls(
-            B=B, T=Tq, S=S, N=N, K=K, H=H, Hv=Hv, is_causal=is_causal, kv_lengths=arrays[4],
-            window=window, logit_soft_cap=check_soft_cap(a.get("logit_soft_cap")),
-            fixed_scale=fixed_scale, traced_scale=traced_scale, mask_fn=mask_fn,
-            score_fn=score_fn, sinks=check_sinks(a.get("sinks"), N),
-            return_residual=expect_flag("return_residual", a["return_residual"]),
-            page_table=arrays[3], query_starts=arrays[5], page_size=page_size, pool_pages=P,
-            key_scales=key_scales, value_scales=value_scales,
-        )  # fmt: skip
+        sizes = dict(B=B, T=Tq, S=M * page_size, N=N, K=K, H=H, Hv=Hv)
+        paged = dict(page_table=arrays[3], kv_lengths=arrays[4], query_starts=arrays[5],
+                     page_size=page_size, pool_pages=P)  # fmt: skip
+        given = dict.fromkeys(ARGUMENTS) | _DEFAULTS | dict(is_causal=True) | arguments
+        return cls._checked(Context(sizes, *arrays[:3], given, {}, paged))
+
+    @classmethod
+    def _checked(cls, context: Context) -> "Rules":
+        """Runs every rule's check in the table's order (a paged call's own where it
+        has one; a rule a paged call does not take keeps its defaults)."""
+        fields = context.fields
+        for rule in TABLE:
+            if context.paged is None:
+                check = rule.check
+            else:
+                check = rule.paged_check or (rule.check if rule.paged else None)
+            if check is not None:
+                fields.update(check(context))
+        return cls(**context.sizes, **fields)
 
     @property
     def paged(self) -> bool:
@@ -257,34 +129,18 @@ class Rules:
     def arguments(self) -> dict:
         """The keywords that :meth:`make` turns into these rules (the inverse of make,
         for a call made again on other arrays, such as a shard of these)."""
-        return dict(
-            mask=self.mask, bias=self.bias, is_causal=self.is_causal, q_offset=self.q_offset,
-            kv_lengths=self.kv_lengths, window=self.window, q_segment_ids=self.q_segment_ids,
-            kv_segment_ids=self.kv_segment_ids, logit_soft_cap=self.logit_soft_cap,
-            scale=self.scale, mask_fn=self.mask_fn, score_fn=self.score_fn, sinks=self.sinks,
-            return_residual=self.return_residual, key_scales=self.key_scales,
-            value_scales=self.value_scales,
-        )  # fmt: skip
+        given = {}
+        for rule in TABLE:
+            if rule.keyword_of is not None:
+                given |= rule.keyword_of(self)
+            else:
+                given |= {name: getattr(self, name) for name in rule.keywords}
+        return given
 
     def active(self) -> tuple[str, ...]:
         """The names of the rules this call uses (the keys of :data:`RULE_NAMES`): what
         a backend must serve to take the call."""
-        uses = {
-            "mask": self.mask is not None,
-            "bias": self.bias is not None,
-            "is_causal": self.is_causal,
-            "window": self.window is not None,
-            "kv_lengths": self.kv_lengths is not None,
-            "segment_ids": self.q_segment_ids is not None,
-            "logit_soft_cap": self.logit_soft_cap is not None,
-            "mask_fn": self.mask_fn is not None,
-            "score_fn": self.score_fn is not None,
-            "sinks": self.sinks is not None,
-            "page_table": self.page_table is not None,
-            "kv_scales": self.key_scales is not None,
-            "value_width": self.Hv != self.H,
-        }
-        return tuple(name for name, used in uses.items() if used)
+        return tuple(rule.name for rule in TABLE if rule.used is not None and rule.used(self))
 
     def broken_rows(self, most: int | None = None):
         """(B,) bool: the batch rows whose ``kv_lengths`` are outside [0, ``most``]
@@ -310,29 +166,25 @@ class Rules:
     def partition_specs(self, sequence=None, heads=None) -> "Rules":
         """How these rules' arrays are laid out when queries and keys are split over the
         mesh axes ``sequence`` (their T and S, axis 1) and ``heads`` (N and K): these
-        rules with a ``PartitionSpec`` for each array, ``jax.shard_map``'s ``in_specs``
-        for them. Segment ids follow the sequence, sinks the heads; key lengths (global
-        positions), a traced offset and a traced scale are replicated.
+        rules with a ``PartitionSpec`` for each array (the table's specs), the in_specs
+        ``jax.shard_map`` takes for them.
 
         Raises:
           ValueError: a dense mask or a bias, which cannot follow keys that move
             between devices (use ``mask_fn`` or ``score_fn``).
         """
-        if self.mask is not None or self.bias is not None:
-            raise ValueError(
-                "a dense mask or a bias cannot be split over the sequence axis; give the "
-                "rule as mask_fn or score_fn"
-            )
-        specs = dict(
-            offset=PartitionSpec(), kv_lengths=PartitionSpec(), traced_scale=PartitionSpec(),
-            q_segment_ids=PartitionSpec(None, sequence),
-            kv_segment_ids=PartitionSpec(None, sequence), sinks=PartitionSpec(heads),
-            key_scales=PartitionSpec(None, sequence, heads),
-            value_scales=PartitionSpec(None, sequence, heads),
-        )  # fmt: skip
-        return dataclasses.replace(
-            self, **{name: spec for name, spec in specs.items() if getattr(self, name) is not None}
-        )
+        roles = {"sequence": sequence, "heads": heads, None: None}
+        specs = {}
+        for field in FIELDS:
+            if field.static or getattr(self, field.name) is None:
+                continue
+            if field.spec == UNSPLIT:
+                raise ValueError(
+                    "a dense mask or a bias cannot be split over the sequence axis; give the "
+                    "rule as mask_fn or score_fn"
+                )
+            specs[field.name] = PartitionSpec(*(roles[role] for role in field.spec))
+        return dataclasses.replace(self, **specs)
 
     @property
     def q_offset(self):
@@ -393,6 +245,31 @@ class Rules:
         return (self.B, self.N, self.T, self.S)
 
 
+def _rules_class():
+    """:class:`Rules`: the sizes and every field of the table, leaves and metadata, as
+    a frozen dataclass registered as a pytree; its docstring lists them."""
+    sizes = [(name, int, dataclasses.field(metadata=STATIC)) for name in SIZES]
+    fields = [
+        (f.name, object, dataclasses.field(default=f.default, metadata=STATIC if f.static else {}))
+        for f in FIELDS
+    ]
+    lines = [f"      {name}: {doc}." for name, doc in SIZES.items()]
+    lines += [f"      {f.name}: {f.doc}" for f in FIELDS]
+    doc = (
+        "The rules of one attention call (fields from the table of rules, "
+        ":mod:`nanoattn._base.rule_table`). Shapes use the legend of docs/conventions.md."
+        "\n\n    Attributes:\n" + "\n".join(lines) + "\n    "
+    )
+    cls = dataclasses.make_dataclass(
+        "Rules", sizes + fields, bases=(_Rules,), frozen=True, namespace={"__doc__": doc}
+    )
+    cls.__module__ = __name__
+    return jax.tree_util.register_dataclass(cls)
+
+
+Rules = _rules_class()
+
+
 def poison_rows(result, broken):
     """``result`` (an output (B, T, ...) or a tuple of such, the log-sum-exp too) with
     NaN in every batch row where ``broken`` (B,) is True; ``result`` itself when
@@ -407,180 +284,6 @@ def poison_rows(result, broken):
         return jnp.where(where, jnp.asarray(jnp.nan, x.dtype), x)
 
     return jax.tree.map(poison, result)
-
-
-def normalize_window(window) -> tuple[int, int] | None:
-    """A ``window`` argument as ``(left, right)``, or None.
-
-    An int ``w`` means ``(w, w)``; a pair is ``(left, right)``: query at position p may
-    see keys at positions ``p - left .. p + right``.
-
-    Raises:
-      TypeError: not None, an int or a pair of ints.
-      ValueError: a negative side.
-    """
-    if window is None:
-        return None
-    pair = (window, window) if isinstance(window, int) and not isinstance(window, bool) else window
-    try:
-        left, right = pair
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"window must be an int w (meaning (w, w)) or a pair (left, right) of ints, "
-            f"got {window!r}"
-        ) from None
-    for side in (left, right):
-        if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
-            raise TypeError(
-                f"window must be an int w (meaning (w, w)) or a pair (left, right) of ints, "
-                f"got {window!r}"
-            )
-    if left < 0 or right < 0:
-        raise ValueError(f"window sides must be >= 0, got (left, right) = ({left}, {right})")
-    return int(left), int(right)
-
-
-def check_soft_cap(cap) -> float | None:
-    """A ``logit_soft_cap`` argument as a float > 0, or None (:func:`positive_number`)."""
-    return positive_number("logit_soft_cap", cap, optional=True)
-
-
-def check_sinks(sinks, N: int):
-    """``sinks`` as a float array (N,), one logit per query head, or None."""
-    if sinks is None:
-        return None
-    sinks = as_array("sinks", sinks, "a float array (N,), one logit per query head")
-    expect_floating("sinks", sinks.dtype)
-    expect_shape("sinks", sinks.shape, "N", (N,))
-    return sinks
-
-
-def _sizes(query, key, value) -> tuple[int, ...]:
-    """(B, T, S, N, K, H, Hv) of query (B, T, N, H), key (B, S, K, H) and value
-    (B, S, K, Hv) (Hv = H without a value)."""
-    query = as_array("query", query, "an array (B, T, N, H)")
-    key = as_array("key", key, "an array (B, S, K, H)")
-    expect_shape("query", query.shape, "B T N H", (None,) * 4)
-    B, T, N, H = query.shape
-    expect_shape("key", key.shape, "B S K H", (B, None, None, H))
-    _, S, K, _ = key.shape
-    Hv = H
-    if value is not None:
-        value = as_array("value", value, "an array (B, S, K, Hv)")
-        expect_shape("value", value.shape, "B S K Hv", (B, S, K, None))
-        Hv = value.shape[3]
-    if K == 0 or N % K != 0:
-        raise ValueError(
-            f"the number of query heads N={N} must be a multiple of the number of key/value "
-            f"heads K={K} (query shape (B, T, N, H) = {query.shape}, key shape "
-            f"(B, S, K, H) = {key.shape})"
-        )
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x is not None and not (name != "query" and is_quantized(x)):  # scales: make
-            expect_floating(name, jnp.result_type(x))
-    return B, T, S, N, K, H, Hv
-
-
-def _as_rank4(x):
-    return jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
-
-
-def _check_mask(mask, scores):
-    if mask is None:
-        return None
-    mask = as_array("mask", mask, "a boolean array broadcastable to (B, N, T, S)")
-    expect_bool("mask", mask.dtype)
-    expect_broadcastable("mask", mask.shape, SCORE_AXES, scores)
-    return _as_rank4(mask)
-
-
-def _check_bias(bias, scores):
-    if bias is None:
-        return None
-    bias = as_array("bias", bias, "a float array broadcastable to (B, N, T, S)")
-    expect_floating("bias", bias.dtype)
-    expect_broadcastable("bias", bias.shape, SCORE_AXES, scores)
-    return _as_rank4(bias)
-
-
-def check_lengths(kv_lengths, B: int, most: int):
-    """``kv_lengths`` as an int array (B,) of values in [0, ``most``] (S, or the whole
-    sequence of a ring) when concrete; a traced one's rows outside it are made NaN
-    (:meth:`Rules.broken_rows`)."""
-    if kv_lengths is None:
-        return None
-    kv_lengths = as_array("kv_lengths", kv_lengths, "an int array (B,)")
-    expect_integer("kv_lengths", kv_lengths.dtype)
-    expect_shape("kv_lengths", kv_lengths.shape, "B", (B,))
-    lengths_within("kv_lengths", kv_lengths, most)
-    return kv_lengths
-
-
-def _check_segments(q_ids, kv_ids, B: int, T: int, S: int):
-    if (q_ids is None) != (kv_ids is None):
-        raise ValueError(
-            "q_segment_ids and kv_segment_ids go together: pass both (for self-attention "
-            "over packed sequences, the same ids twice) or neither"
-        )
-    if q_ids is None:
-        return None, None
-    q_ids = as_array("q_segment_ids", q_ids, "an int array (B, T)")
-    kv_ids = as_array("kv_segment_ids", kv_ids, "an int array (B, S)")
-    expect_integer("q_segment_ids", q_ids.dtype)
-    expect_integer("kv_segment_ids", kv_ids.dtype)
-    expect_shape("q_segment_ids", q_ids.shape, "B T", (B, T))
-    expect_shape("kv_segment_ids", kv_ids.shape, "B S", (B, S))
-    return q_ids, kv_ids
-
-
-def _split_scale(scale, H: int):
-    """(fixed, traced): a checked scale (``check_scale`` upstream) as a Python number
-    or as an array; the default ``1 / sqrt(H)`` when None."""
-    if scale is None:
-        if H == 0:
-            raise ValueError(
-                "the head width H is 0, so the default scale 1 / sqrt(H) does not exist: "
-                "pass scale= (or heads of width >= 1)"
-            )
-        return 1.0 / math.sqrt(H), None
-    if isinstance(scale, (int, float, np.floating, np.integer)):
-        return scale, None
-    return None, scale
-
-
-def _check_q_offset(q_offset, B: int, T: int, S: int, is_causal: bool, window, indexed: bool):
-    """The offset of a call: an int, an int array () or (B,), or None."""
-    if not is_causal and window is None and not indexed and q_offset is not None:
-        raise ValueError(
-            "q_offset only applies to causal or windowed attention, or to the positions "
-            "mask_fn and score_fn see; pass is_causal=True, a window, mask_fn or score_fn"
-        )
-    if is_causal or window is not None:
-        what = "is_causal=True" if is_causal else f"window={window}"
-    elif q_offset is not None:  # positions for mask_fn and score_fn only: 0 by default
-        what = "mask_fn or score_fn"
-    else:
-        return None
-    if q_offset is None:
-        if T != S:
-            raise ValueError(
-                f"{what} with T={T} queries and S={S} keys needs q_offset, the "
-                f"position of the first query: q_offset=0 aligns the queries top-left "
-                f"(query i sits at key position i, as jax.nn and PyTorch's is_causal), "
-                f"q_offset=S-T={S - T} aligns them bottom-right (the last query sits at the "
-                f"last key, as FlashAttention and decoding with a KV cache)"
-            )
-        return 0
-    kind = "an int or an int array"
-    if isinstance(q_offset, bool):
-        raise TypeError(f"q_offset must be {kind}, got bool {q_offset!r}")
-    if isinstance(q_offset, int):
-        return q_offset
-    q_offset = as_array("q_offset", q_offset, kind)
-    expect_integer("q_offset", q_offset.dtype)
-    if q_offset.ndim != 0:
-        expect_shape("q_offset", q_offset.shape, "B", (B,))
-    return q_offset
 
 
 def batched(query, key, value, **rules):
@@ -611,8 +314,7 @@ def batched(query, key, value, **rules):
                 )
             shapes[name] = x[None]
     rules = dict(rules)
-    ranks = (("kv_lengths", 0), ("q_segment_ids", 1), ("kv_segment_ids", 1),
-             ("key_scales", 2), ("value_scales", 2))  # fmt: skip
+    ranks = [(name, rank) for rule in TABLE for name, rank in rule.ranks.items()]
     for name, rank in ranks:
         if rules.get(name) is not None:
             x = as_array(name, rules[name], "an array")

@@ -4,6 +4,7 @@ token, a speculative chunk), in one call (docs/decoding.md, "Paged caches")."""
 
 import jax.numpy as jnp
 
+from .._base.rule_table import PAGED_KEYWORDS
 from .._base.rules import Rules
 from .._base.validate import check_scale
 from .api import attend
@@ -96,11 +97,10 @@ def paged_attention(
       >>> out.shape
       (4, 2, 8)
     """
+    given = locals()
+    rules = {name: given[name] for name in PAGED_KEYWORDS} | dict(scale=check_scale(scale))
     rules = Rules.make_paged(
-        query, key_pages, value_pages, page_table, kv_lengths, query_starts,
-        scale=check_scale(scale), is_causal=is_causal, window=window,
-        logit_soft_cap=logit_soft_cap, sinks=sinks, mask_fn=mask_fn, score_fn=score_fn,
-        return_residual=return_residual, key_scales=key_scales, value_scales=value_scales,
-    )  # fmt: skip
+        query, key_pages, value_pages, page_table, kv_lengths, query_starts, **rules
+    )
     query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
     return attend(query, key_pages, value_pages, rules, implementation=implementation)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from .._base.rule_table import ARRAY_KEYWORDS
 from .._base.rules import Rules
 from .._base.zigzag import to_zigzag
 from .._core.api import dot_product_attention
@@ -116,7 +117,7 @@ def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_arg
         )
     _axis_size(cfg.sequence_axis, "sequence_axis")
     seq = PartitionSpec(None, cfg.sequence_axis, cfg.head_axis, None)
-    array_names = ("q_segment_ids", "kv_segment_ids", "sinks")
+    array_names = [name for name in ARRAY_KEYWORDS if mask_args.get(name) is not None]
     arrays = Rules.make(q, k, v, **{name: mask_args.get(name) for name in array_names})
     specs = arrays.partition_specs(sequence=cfg.sequence_axis, heads=cfg.head_axis)
 
@@ -124,12 +125,12 @@ def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_arg
         mask_fn, score_fn = mask_args.get("mask_fn"), mask_args.get("score_fn")
         if cfg.head_axis is not None:
             mask_fn, score_fn = _global_heads(mask_fn, score_fn, cfg.head_axis, q.shape[2])
+        given = {name: getattr(arrays, name) for name in array_names}
         return ring_attention(
             q, k, v, axis_name=cfg.sequence_axis, is_causal=True,
-            q_segment_ids=arrays.q_segment_ids, kv_segment_ids=arrays.kv_segment_ids,
             window=mask_args.get("window"), logit_soft_cap=mask_args.get("logit_soft_cap"),
             scale=mask_args.get("scale"), layout=cfg.sequence_layout, mask_fn=mask_fn,
-            score_fn=score_fn, sinks=arrays.sinks,
+            score_fn=score_fn, **given,
         )  # fmt: skip
 
     in_specs = (seq, seq, seq, specs)

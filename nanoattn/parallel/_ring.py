@@ -37,6 +37,7 @@ from .._base.block_mask import BlockMask
 from .._base.mask_fn import check_mask_fn, check_score_fn, closure_converted
 from .._base.numerics import softmax_dtype
 from .._base.quantized import is_quantized
+from .._base.rule_table import ARRAY_KEYWORDS
 from .._base.rules import ARGUMENTS, Rules, check_lengths, check_sinks, poison_rows
 from .._base.shard_map import sum_to_varying, varying_like
 from .._base.validate import check_scale, check_tiles, expect_shape
@@ -417,7 +418,7 @@ def _on_mesh(mesh, axis_name, query, key, value, arguments: dict, placement: dic
     expect_shape("query", jnp.shape(query), "B T N H", (None,) * 4)
     zigzag.check_divisible(jnp.shape(query)[1], P, placement["layout"])
     seq = PartitionSpec(None, axis_name)
-    array_names = ("kv_lengths", "q_segment_ids", "kv_segment_ids", "sinks")
+    array_names = [name for name in ARRAY_KEYWORDS if arguments.get(name) is not None]
     arrays = Rules.make(query, key, value, **{name: arguments[name] for name in array_names})
     # mask_fn and score_fn checked here, outside shard_map, where they can be evaluated
     # (elementwise); inside it, under its trace, values made at trace time are traced.
