@@ -3,8 +3,10 @@ small tiles (every rule alone and together, rows that see nothing, grouped and
 multi-query heads, NaN where nothing looks, vmap, bfloat16), then lengths and offsets
 across block edges, bias shapes, dtypes, tiles and plans, memory, inside
 ``jax.shard_map``, and the corners that mutation testing and the differential fuzzer
-found. The kernel's block schedule (nanoattn/_backends/flash/schedule.py) is tested in
-test_schedule.py; the rules' semantics in tests/core/.
+found; last, the block step both the blockwise and the paged kernel take
+(nanoattn/_backends/flash/step.py), on one head's blocks. The kernel's block schedule
+(nanoattn/_backends/flash/schedule.py) is tested in test_schedule.py; the rules'
+semantics in tests/core/.
 """
 
 import jax
@@ -14,7 +16,9 @@ import pytest
 
 import nanoattn
 from nanoattn import dot_product_attention
+from nanoattn._backends.flash import step
 from nanoattn._backends.flash.kernel import flash_attention
+from nanoattn._base.numerics import large_negative, zero_unseen_keys
 from nanoattn._base.rules import Rules
 
 from _backend_base import BackendTestBase
@@ -533,3 +537,85 @@ def test_flash_blocks_wholly_inside_a_wide_window_at_small_tiles():
     )
     verdict = check(call, backends=("flash",))
     assert not verdict.failures, verdict.failures
+
+
+# The block step (flash/step.py) on one head: queries (q, H), keys (k, H), values
+# (k, Hv), scores (q, k).
+ONE_HEAD = step.Layout(
+    scores="qH,kH->qk",
+    values="qk,kH->qH",
+    d_weights="qH,kH->qk",
+    d_queries="qk,kH->qH",
+    d_keys="qk,qH->kH",
+    d_values="qk,qH->kH",
+)
+
+
+def _np_block_attention(q, k, v, allowed, cap):
+    """Float64 output (q, Hv) and log-sum-exp (q,) of soft-capped logits q k^T over the
+    allowed cells; zeros and -inf for a row that sees nothing."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    s = q @ k.T
+    s = cap * np.tanh(s / cap)
+    s = np.where(allowed, s, -np.inf)
+    top = np.max(s, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0)
+    e = np.where(allowed, np.exp(s - top), 0)
+    total = e.sum(-1, keepdims=True)
+    weights = e / np.where(total > 0, total, 1)  # zeros in a row that sees nothing
+    out = weights @ np.where(allowed.any(0)[:, None], v, 0)  # keys nobody sees: zeros
+    with np.errstate(divide="ignore"):
+        lse = (top + np.log(total))[:, 0]
+    return out, lse
+
+
+def test_the_step_folds_key_blocks_into_the_softmax_of_all_keys():
+    # 5 queries, 13 keys in blocks of 4, 4, 4 and 1, soft-capped; row 3 sees nothing, and
+    # key 6, which nobody sees, holds NaN: zeroed, it reaches no row.
+    q, k, v = randn(1, 5, 3), randn(2, 13, 3), randn(3, 13, 7)
+    v[6] = np.nan
+    allowed = np.random.default_rng(4).random((5, 13)) < 0.6
+    allowed[:, 6], allowed[3] = False, False
+    cap = 2.5
+    m, l, o = jnp.full(5, large_negative(jnp.float32)), jnp.zeros(5), jnp.zeros((5, 7))
+    for lo, hi in [(0, 4), (4, 8), (8, 12), (12, 13)]:
+        block = allowed[:, lo:hi]
+        ks = zero_unseen_keys(jnp.asarray(k[lo:hi]), block.T, (1,))  # (k, q): a key's queries
+        vs = zero_unseen_keys(jnp.asarray(v[lo:hi]), block.T, (1,))
+        s = step.scores(ONE_HEAD, jnp.asarray(q), ks, block, soft_cap=cap).logits
+        m, l, o = step.forward_step(ONE_HEAD, (m, l, o), s, vs, block)
+    seen = l != 0
+    denominator, lse = step.finish(m, l, seen)
+    want_out, want_lse = _np_block_attention(q, k, v, allowed, cap)
+    np.testing.assert_array_equal(seen, [True, True, True, False, True])
+    np.testing.assert_allclose(o / denominator[:, None], want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-5)
+    assert lse[3] == 0 and not np.any(o[3])  # the caller marks -inf
+
+
+def test_the_step_backward_gives_a_blocks_gradients_through_score_fn_and_the_cap():
+    # One block holding every key: its gradients are the whole call's, against jax's own
+    # differentiation of the plain formula, for score_fn's array too.
+    q, k, v, d_out = randn(5, 5, 3), randn(6, 13, 3), randn(7, 13, 7), randn(8, 5, 7)
+    allowed = np.random.default_rng(9).random((5, 13)) < 0.6
+    allowed[:, 0] = True  # every row sees a key
+    c, cap = jnp.asarray([0.3, -0.2], jnp.float32), 2.5
+
+    def score(s, consts):
+        (c,) = consts
+        return s * (1 + c[0] * s) + c[1]
+
+    def attention(q, k, v, c):
+        s = score(q @ k.T, (c,))
+        s = jnp.where(allowed, cap * jnp.tanh(s / cap), -jnp.inf)
+        return jax.nn.softmax(s, axis=-1) @ v, jax.nn.logsumexp(s, axis=-1)
+
+    out, vjp = jax.vjp(lambda *a: attention(*a)[0], q, k, v, c)
+    lse = attention(q, k, v, c)[1]
+    want = vjp(jnp.asarray(d_out))
+    block = step.scores(ONE_HEAD, q, k, allowed, score=score, consts=(c,), soft_cap=cap,
+                        with_vjp=True)  # fmt: skip
+    delta = (d_out * out).sum(-1)
+    got = step.backward_step(ONE_HEAD, block, lse, delta, q, k, v, d_out, allowed)
+    for name, g, w in zip("qkvc", (got.query, got.key, got.value, got.consts[0]), want):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-5, err_msg=name)
