@@ -32,9 +32,10 @@ N, K, H = 6, 2, 8
 
 @functools.cache
 def _jitted(implementation, rules_key):
-    """The paged call and its VJP, jitted once per backend and rules."""
+    """The paged call and its VJP, jitted once per backend and rules: every backend that
+    serves a paged call gives gradients for the query, the pages and the sinks
+    (docs/conventions.md, "Paged attention")."""
     rules = dict(rules_key)
-    differentiable = implementation in ("xla", "flash", "native")
 
     def call(q, kp, vp, table, lengths, starts, sinks):
         extra = dict(rules)
@@ -51,8 +52,7 @@ def _jitted(implementation, rules_key):
             lambda q, kp, vp, sinks: call(q, kp, vp, table, lengths, starts, sinks),
             q, kp, vp, sinks,
         )  # fmt: skip
-        grads = vjp((d_out, jnp.zeros_like(lse))) if differentiable else None
-        return out, lse, grads
+        return out, lse, vjp((d_out, jnp.zeros_like(lse)))
 
     return forward_backward
 
@@ -160,15 +160,14 @@ def _check(layout, implementation, sinks=None, window=None, causal=True, cap=Non
             np.add.at(pool, pages, full.reshape(len(pages), layout.page_size, K, -1))
         if sinks is not None:
             dsinks += g[4]
-    if grads is not None:
-        for name, got, want in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
-            got = np.asarray(got)
-            readable = np.isfinite(want) if name == "dq" else slice(None)
-            np.testing.assert_allclose(
-                got[readable], want[readable], atol=1e-4, rtol=1e-4, err_msg=f"{name}"
-            )
-        if sinks is not None:
-            np.testing.assert_allclose(grads[3], dsinks, atol=1e-4, rtol=1e-4)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, (dq, dk, dv)):
+        got = np.asarray(got)
+        readable = np.isfinite(want) if name == "dq" else slice(None)
+        np.testing.assert_allclose(
+            got[readable], want[readable], atol=1e-4, rtol=1e-4, err_msg=f"{name}"
+        )
+    if sinks is not None:
+        np.testing.assert_allclose(grads[3], dsinks, atol=1e-4, rtol=1e-4)
 
 
 MIXED = dict(lengths=[37, 1, 13, 20, 0, 9], q_lens=[5, 1, 0, 4, 0, 9])
@@ -245,7 +244,7 @@ def test_a_row_that_attends_to_a_nan_key_is_nan():
     positions = layout.lengths[b] - len(rows) + np.arange(len(rows))
     heads = np.arange(N) // (N // K) == k
     names = paged_serving(*layout.arrays())
-    assert {"xla", "flash"} <= set(names)
+    assert len(names) >= 2  # the reference and a kernel at least
     for name in names:
         for window in (None, (1, 0)):  # (1, 0): the row at 36 no longer sees key 34
             rules = dict(window=window, return_residual=True, implementation=name)
@@ -263,8 +262,8 @@ def test_a_row_that_attends_to_a_nan_key_is_nan():
 
 
 def _paged_kernels():
-    """The registered backends other than the reference that serve a plain paged call
-    here (each example below runs one of them)."""
+    """The registered backends other than the reference ("xla", the contract's
+    definition) that serve a plain paged call here (each example below runs one)."""
     return [name for name in paged_serving(*Layout([3], [1], 2).arrays()) if name != "xla"]
 
 
@@ -327,7 +326,7 @@ def test_invalid_inputs_raise_when_concrete_and_poison_their_rows_under_jit(case
     changes, message, sequences = cases[case]
     names = ("query", "key_pages", "value_pages", "page_table", "kv_lengths", "query_starts")
     arrays = dict(zip(names, (jnp.asarray(x) for x in layout.arrays())))
-    good = nanoattn.paged_attention(**arrays, implementation="flash")
+    good = nanoattn.paged_attention(**arrays, implementation="xla")  # the reference
     arrays |= {k: jnp.asarray(v) for k, v in changes.items()}
     with pytest.raises(ValueError, match=message):
         nanoattn.paged_attention(**arrays)
@@ -366,11 +365,11 @@ def test_empty_sizes_raise_one_line(shapes, message):
 def test_a_call_with_no_query_token_is_empty_on_every_backend():
     pages, table = jnp.ones((3, 2, 1, 4)), jnp.zeros((1, 2), jnp.int32)
     lengths, starts = jnp.array([2]), jnp.array([0, 0])
-    for name in ["xla", *_paged_kernels()]:
-        out, lse = nanoattn.paged_attention(
-            jnp.ones((0, 2, 4)), pages, pages, table, lengths, starts, return_residual=True,
-            implementation=name,
-        )  # fmt: skip
+    arrays = (jnp.ones((0, 2, 4)), pages, pages, table, lengths, starts)
+    names = paged_serving(*arrays, return_residual=True)
+    assert len(names) >= 2  # the reference and a kernel at least
+    for name in names:
+        out, lse = nanoattn.paged_attention(*arrays, return_residual=True, implementation=name)
         assert out.shape == (0, 2, 4) and lse.shape == (0, 2), name
 
 
