@@ -2,6 +2,11 @@
 
 No test asserts a time: times are noisy. Memory comes from XLA's compiled
 memory analysis, which is deterministic.
+
+The bench compares named implementations (PEERS: nanoattn's backends by name beside the
+seed, flax, jax.nn and torch; "flash" is the report's subject, "flash vs <peer>"), so
+these tests name them as a user names them with --impls; which backends serve a call is
+asked of the registry (tests/_backends.py).
 """
 
 import json
@@ -14,6 +19,8 @@ import pytest
 import nanoattn
 from nanoattn.bench import _generation, _masks, _measure, _report, _run, _torch, _window
 from nanoattn.cli import main
+
+from _backends import refusal
 
 TINY = ["bench", "--lengths", "32,64", "--shapes", "2x8", "--tokens", "64", "--no-targets"]
 
@@ -591,17 +598,12 @@ def test_native_targets_are_issue_22s_with_issue_34s_short_lengths():
 # Masks as functions (issue #23): mask_fn, block sparsity, sinks and return_residual.
 
 
-def native_serves_mask_fn() -> bool:
-    """Whether implementation="native" takes a call with mask_fn now (it may, later)."""
-    q = jnp.zeros((1, 8, 2, 8))
-    try:
-        nanoattn.dot_product_attention(
-            q, q, q, mask_fn=lambda b, n, qp, kp: kp <= qp, implementation="native"
-        )
-    except ValueError as error:
-        assert "cannot serve this call" in str(error)
-        return False
-    return True
+def refuses_subject(case: str, backend: str, T: int, n_heads: int, head_dim: int) -> bool:
+    """Whether the registry's ``backend`` refuses the subject call of the masks part's
+    ``case`` (native refuses mask_fn now; it may serve it later)."""
+    subject, _, _ = _masks.calls(case, T, n_heads)
+    q = jnp.zeros((1, T, n_heads, head_dim))
+    return refusal(backend, q, q, q, **subject) is not None
 
 
 @pytest.mark.slow  # 8 s; the targets' comparisons and the block-sparse schedule stay
@@ -612,14 +614,15 @@ def test_measure_masks_rows_and_targets():
     rows = _masks.measure_masks(64, n_heads=2, head_dim=8, rounds=1, passes=(False,))
     rows.append(_masks.measure_pair("sinks", "xla", True, 64, n_heads=2, head_dim=8, rounds=1))
     assert [(r["case"], r["backend"], r["pass"]) for r in rows] == [
-        *((case, backend, "fwd") for case in _masks.CASES for backend in ("flash", "native")),
-        ("sinks", "xla", "fwd+bwd"),
+        *((case, backend, "fwd") for case in _masks.CASES for backend in _masks.BACKENDS),
+        ("sinks", "xla", "fwd+bwd"),  # the reference: every backend's sinks' yardstick
     ]
-    unserved = set() if native_serves_mask_fn() else {"documents", "block-sparse"}
     for row in rows:
-        if row["backend"] == "native" and row["case"] in unserved:
-            assert row["status"] == "native does not serve mask_fn", row
-            assert "mask_fn" in row["reason"] and "subject_median_ms" not in row
+        if refuses_subject(row["case"], row["backend"], 64, n_heads=2, head_dim=8):
+            what = _masks.SUBJECTS[row["case"]][2]
+            assert row["status"] == f"{row['backend']} does not serve {what}", row
+            assert "subject_median_ms" not in row
+            assert what != "mask_fn" or "mask_fn" in row["reason"]
             continue
         assert row["status"] == "ok", row
         for name in ("subject", "baseline"):

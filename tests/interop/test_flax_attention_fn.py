@@ -10,6 +10,7 @@ compile per program is much faster than eager dispatch, which compiles each oper
 
 import doctest
 import functools
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ from flax import nnx
 
 import nanoattn
 from nanoattn import flax_attention_fn
+from nanoattn._backends import registry
 from nanoattn._interop import flax_attention_fn as flax_attention_fn_module
 from nanoattn.bench import _flax_memory
 
@@ -265,6 +267,8 @@ def test_linen_layer_agrees_with_flax(case, params, served):
 def test_linen_partial_is_causal_equals_a_causal_mask(params, served):
     x = randn(25, *BATCH, T, D)
     mask = nn.make_causal_mask(jnp.ones((*BATCH, T)))
+    q = jnp.zeros((1, T, N, H))
+    names = serving(q, q, q, is_causal=True)  # the automatic choice, then each by name
 
     @jit
     def outputs(params, x, mask):
@@ -273,7 +277,7 @@ def test_linen_partial_is_causal_equals_a_causal_mask(params, served):
             linen_layer(
                 functools.partial(flax_attention_fn, is_causal=True, implementation=i)
             ).apply(params, x)
-            for i in (None, "flash")
+            for i in (None, *names)
         )
 
     want, *got = outputs(params, x, mask)
@@ -628,6 +632,10 @@ def test_other_unserved_calls_are_handed_over(handed_over):
 # --- errors ----------------------------------------------------------------------------
 
 q4, k4 = np.ones((2, T, N, H), np.float32), np.ones((2, S, N, H), np.float32)
+ONE_OF = "^implementation must be one of " + re.escape(", ".join(map(repr, registry.names())))
+# Any backend but the reference: only the reference computes the weights dropout and
+# sow_weights need.
+KERNEL = next(name for name in registry.names() if name != "xla")
 ERRORS = {
     "rank": (dict(query=q4[0]), r"the same rank, at least 3, is needed; got query \(5, 11, 4\)"),
     "batch": (dict(key=k4[:1], value=k4[:1]), r"the batch axes must match"),
@@ -639,13 +647,13 @@ ERRORS = {
     "bias": (dict(bias=np.ones((3, 1, 1, 1))), r"^bias must be broadcastable"),
     "no rng": (dict(dropout_rate=0.1), r"^dropout_rate=0.1 needs dropout_rng "),
     "rate": (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), r"^dropout_rate must be "),
-    "name": (dict(implementation="fast"), r"^implementation must be one of 'xla', 'flash', "),
+    "name": (dict(implementation="fast"), ONE_OF),
     "name, dropout": (dict(implementation="fast", dropout_rate=0.1, dropout_rng=jax.random.key(0)),
-                      r"^implementation must be one of 'xla', 'flash', "),
-    "flash dropout": (dict(implementation="flash", dropout_rate=0.1,
-                           dropout_rng=jax.random.key(0)), r"^implementation='flash' cannot "
-                      r"serve this call: dropout and sow_weights"),
-    "flash sow": (dict(implementation="flash", module=object()), r"^implementation='flash' "),
+                      ONE_OF),
+    "kernel dropout": (dict(implementation=KERNEL, dropout_rate=0.1,
+                            dropout_rng=jax.random.key(0)), rf"^implementation='{KERNEL}' cannot "
+                       r"serve this call: dropout and sow_weights"),
+    "kernel sow": (dict(implementation=KERNEL, module=object()), rf"^implementation='{KERNEL}' "),
 }  # fmt: skip
 
 

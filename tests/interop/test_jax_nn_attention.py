@@ -622,9 +622,9 @@ def test_no_key_at_all_and_no_query_at_all():
 
 
 def test_none_and_xla_take_nanoattns_automatic_choice(monkeypatch):
-    """On CPU at T = S = 64, float32 without a dense mask, the choice is the native
-    kernel for both names; with a mask, the reference (the flash kernel pays off from
-    T * S = 256 * 256). Traced only: the choice is made while tracing."""
+    """jax.nn's None and 'xla' both take the choice nanoattn's dispatcher makes for the
+    adapter's call (on CPU at T = S = 64, float32: the native kernel without a dense
+    mask, the reference with one). Traced only: the choice is made while tracing."""
     chosen = []
     original = dispatch.choose
 
@@ -637,8 +637,14 @@ def test_none_and_xla_take_nanoattns_automatic_choice(monkeypatch):
     for implementation in (None, "xla"):
         jax.eval_shape(functools.partial(jax_nn_attention, is_causal=True,
                                          implementation=implementation), q, q, q)  # fmt: skip
-    jax.eval_shape(functools.partial(jax_nn_attention, mask=np.ones((64, 64), bool)), q, q, q)
-    assert chosen == ["native", "native", "xla"]
+    mask = np.ones((64, 64), bool)
+    jax.eval_shape(functools.partial(jax_nn_attention, mask=mask), q, q, q)
+    x = jnp.zeros(q.shape, q.dtype)
+    auto, masked = (
+        original(None, Rules.make(x, x, x, **adapter_rules(arguments)), q.dtype, 0.0)
+        for arguments in (dict(is_causal=True), dict(mask=mask))
+    )
+    assert chosen == [auto, auto, masked] and auto != masked, chosen
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN may serve it on a GPU")
