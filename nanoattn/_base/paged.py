@@ -29,6 +29,32 @@ from .quantized import is_quantized
 from .validate import as_array, expect_floating, expect_integer, expect_shape
 
 
+class PagedCall(NamedTuple):
+    """The arrays of a paged call, checked (:func:`check_paged`), and its sizes.
+
+    Attributes:
+      query: (Tq, N, H); key_pages (P, page_size, K, H); value_pages (P, page_size,
+        K, Hv); page_table (B, M); kv_lengths (B,); query_starts (B + 1,).
+      Tq, N, H, Hv, P, page_size, K, B, M: the sizes.
+    """
+
+    query: jax.Array
+    key_pages: jax.Array
+    value_pages: jax.Array
+    page_table: jax.Array
+    kv_lengths: jax.Array
+    query_starts: jax.Array
+    Tq: int
+    N: int
+    H: int
+    Hv: int
+    P: int
+    page_size: int
+    K: int
+    B: int
+    M: int
+
+
 class TokenLayout(NamedTuple):
     """What the paged rules say about each query token (Tq,), traced or not.
 
@@ -55,9 +81,8 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
     M * page_size]) and the starts (non-decreasing, from 0, at most Tq).
 
     Returns:
-      ``(query, key_pages, value_pages, page_table, kv_lengths, query_starts)`` as
-      jax arrays, and the sizes ``(Tq, N, H, Hv, P, page_size, K, B, M)`` (Hv: the
-      values' head width).
+      a :class:`PagedCall`: the arrays as jax arrays, and the sizes (Hv: the values'
+      head width).
 
     Raises:
       ValueError: a shape problem, or an invalid value naming the argument and the row.
@@ -101,8 +126,9 @@ def check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_sta
     expect_integer("query_starts", query_starts.dtype)
     expect_shape("query_starts", query_starts.shape, "B+1", (B + 1,))
     check_paged_values(page_table, kv_lengths, query_starts, Tq, P, page_size)
-    arrays = (query, key_pages, value_pages, page_table, kv_lengths, query_starts)
-    return arrays, (Tq, N, H, value_pages.shape[3], P, page_size, K, B, M)
+    return PagedCall(query, key_pages, value_pages, page_table, kv_lengths, query_starts,
+                     Tq=Tq, N=N, H=H, Hv=value_pages.shape[3], P=P, page_size=page_size, K=K,
+                     B=B, M=M)  # fmt: skip
 
 
 def _concrete(*xs) -> bool:

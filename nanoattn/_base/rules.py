@@ -20,6 +20,7 @@ rank are read from there (docs/architecture.md, "How to add a rule").
 """
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,15 +90,15 @@ class _Rules:
         unknown = sorted(set(arguments) - set(PAGED_KEYWORDS))
         if unknown:
             raise TypeError(f"unknown arguments of a paged call {unknown}")
-        arrays, sizes = check_paged(
-            query, key_pages, value_pages, page_table, kv_lengths, query_starts
-        )
-        Tq, N, H, Hv, P, page_size, K, B, M = sizes
-        sizes = dict(B=B, T=Tq, S=M * page_size, N=N, K=K, H=H, Hv=Hv)
-        paged = dict(page_table=arrays[3], kv_lengths=arrays[4], query_starts=arrays[5],
-                     page_size=page_size, pool_pages=P)  # fmt: skip
+        c = check_paged(query, key_pages, value_pages, page_table, kv_lengths, query_starts)
+        sizes = dict(B=c.B, T=c.Tq, S=c.M * c.page_size, N=c.N, K=c.K, H=c.H, Hv=c.Hv)
+        paged = dict(
+            page_table=c.page_table, kv_lengths=c.kv_lengths, query_starts=c.query_starts,
+            page_size=c.page_size, pool_pages=c.P,
+        )  # fmt: skip
         given = dict.fromkeys(ARGUMENTS) | _DEFAULTS | dict(is_causal=True) | arguments
-        return cls._checked(Context(sizes, *arrays[:3], given, {}, paged))
+        context = Context(sizes, c.query, c.key_pages, c.value_pages, given, {}, paged)
+        return cls._checked(context)
 
     @classmethod
     def _checked(cls, context: Context) -> "Rules":
@@ -286,7 +287,18 @@ def poison_rows(result, broken):
     return jax.tree.map(poison, result)
 
 
-def batched(query, key, value, **rules):
+class Batched(NamedTuple):
+    """A call made batched (:func:`batched`): its arrays and rule keywords, and whether
+    it came unbatched (then the results lose the batch axis again)."""
+
+    query: Any
+    key: Any
+    value: Any
+    rules: dict
+    unbatched: bool
+
+
+def batched(query, key, value, **rules) -> Batched:
     """An unbatched call made batched, as ``jax.nn.dot_product_attention`` takes it:
     query (T, N, H) with key and value (S, K, H) become (1, T, N, H) and (1, S, K, H),
     ``kv_lengths`` () becomes (1,), segment ids (T,) and (S,) become (1, T) and
@@ -294,15 +306,15 @@ def batched(query, key, value, **rules):
     (N, T, S) needs nothing. A batched call (query of any other rank) is returned as it is.
 
     Returns:
-      ``(query, key, value, rules, unbatched)``; with ``unbatched``, the output
-      (B, T, N, H), the log-sum-exp (B, T, N) and the weights (B, N, T, S) have
-      the axis taken off again by the caller (``x[0]``).
+      a :class:`Batched`; with ``unbatched``, the output (B, T, N, H), the
+      log-sum-exp (B, T, N) and the weights (B, N, T, S) have the axis taken off
+      again by the caller (``x[0]``).
     """
     query = as_array("query", query, "an array (B, T, N, H) or (T, N, H)")
     if query.ndim not in (3, 4):
         raise ValueError(f"query must have shape (B, T, N, H) or (T, N, H), got {query.shape}")
     if query.ndim == 4:
-        return query, key, value, rules, False
+        return Batched(query, key, value, rules, False)
     shapes = {"key": key, "value": value}
     for name, x in shapes.items():
         if x is not None:
@@ -319,4 +331,4 @@ def batched(query, key, value, **rules):
         if rules.get(name) is not None:
             x = as_array(name, rules[name], "an array")
             rules[name] = x[None] if x.ndim == rank else x
-    return query[None], shapes["key"], shapes["value"], rules, True
+    return Batched(query[None], shapes["key"], shapes["value"], rules, True)

@@ -349,11 +349,11 @@ class _Call:
     def of(cls, query, key, value, arguments: dict) -> "_Call":
         """The call of ``query``, ``key``, ``value`` and the rule keywords ``arguments``."""
         arguments = dict(arguments, scale=check_scale(arguments.get("scale")))
-        query, key, value, arguments, unbatched = batched(query, key, value, **arguments)
-        rules = Rules.make(query, key, value, **arguments)
-        key = jnp.asarray(key)
-        value = None if value is None else jnp.asarray(value)
-        return cls(query, key, value, rules, unbatched)
+        call = batched(query, key, value, **arguments)
+        rules = Rules.make(call.query, call.key, call.value, **call.rules)
+        key = jnp.asarray(call.key)
+        value = None if call.value is None else jnp.asarray(call.value)
+        return cls(call.query, key, value, rules, call.unbatched)
 
     def unbatch(self, result):
         """The output (and log-sum-exp) without the batch axis an unbatched call gained."""

@@ -155,7 +155,7 @@ def _unjoined(kv, H: int):
 
 
 def _ring_backward(ring: Ring, residuals: RingResiduals, cotangents):
-    inputs, out, lse = residuals
+    inputs, out, lse = residuals.inputs, residuals.out, residuals.lse
     q, k, v, rules, kinds, consts = inputs
     r = jax.lax.axis_index(ring.axis_name)
     acc = lse.dtype
