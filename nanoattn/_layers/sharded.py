@@ -30,7 +30,6 @@ from .._base.rule_table import ARRAY_KEYWORDS
 from .._base.rules import Rules
 from .._base.zigzag import to_zigzag
 from .._core.api import dot_product_attention
-from ..parallel._ring import ring_attention
 
 PARAMETER_AXES = {
     "qkv": ("embed", "qkv"),
@@ -120,6 +119,10 @@ def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_arg
     array_names = [name for name in ARRAY_KEYWORDS if mask_args.get(name) is not None]
     arrays = Rules.make(q, k, v, **{name: mask_args.get(name) for name in array_names})
     specs = arrays.partition_specs(sequence=cfg.sequence_axis, heads=cfg.head_axis)
+
+    # From the public package, at call time: nanoattn.parallel re-exports this module's
+    # logical_rules, so an import at load time would be a cycle.
+    from ..parallel import ring_attention
 
     def ring(q, k, v, arrays: Rules):
         mask_fn, score_fn = mask_args.get("mask_fn"), mask_args.get("score_fn")
