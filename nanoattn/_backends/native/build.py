@@ -1,8 +1,8 @@
 """Building and loading the native kernel: one compiler call, cached on disk.
 
-The kernel (``attention.cc`` beside this file, with the headers beside it that it
-includes: ``simd.h``, ``gemm.h``, ``threads.h``, ``visibility.h``, ``paged.h``,
-``quantized.h``) is compiled on first
+The kernel (``attention.cc`` beside this file, the FFI handlers, with the headers
+beside it that it includes: ``forward.h``, ``backward.h`` and ``paged.h``, the passes,
+and their pieces) is compiled on first
 use, with the machine's own instruction set (``-march=native``), against the FFI
 headers of the installed jaxlib, into ``$NANOATTN_CACHE_DIR`` (default
 ``~/.cache/nanoattn``). The file name carries a hash of every input of the

@@ -24,6 +24,8 @@
 // page_size] and starts into [0, Tq], so that no input, however wrong, reads outside
 // the arrays (the caller also replaces bad ids and makes those rows NaN).
 //
+// The FFI handlers that check a call and run this pass are attention.cc's.
+//
 // Included by attention.cc only, in its one translation unit: the code sits in an
 // unnamed namespace there as here, so that every function keeps internal linkage.
 #pragma once
@@ -185,68 +187,85 @@ struct PagedScratch {
   }
 };
 
-// One task, queries of type Q, pools of type In (float32 and bfloat16 alike, or int8 and
-// float8 with their scales). Its heads kh0 .. kh1 - 1 sit side by side in every token
-// row of the pool, so a tile of keys is read as one run of memory per token.
-template <class Q, class In>
-void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const PagedTask& task,
-                float* out, float* lse) {
-  const int64_t b = task.b, G = p.G, Hp = p.Hp, H = p.H;
-  const int64_t heads = task.kh1 - task.kh0, rows = task.r1 - task.r0;
-  // each head's query vectors (row r, head g at r * G + g), padded to register tiles
-  const int64_t padded = (rows * G + kPagedBlock - 1) / kPagedBlock * kPagedBlock;
-  const int64_t vectors = heads * padded;
-  thread_local PagedScratch scratch;
-  scratch.fit(vectors, Hp, heads);
-  float *qs = scratch.q.data(), *s = scratch.s.data(), *o = scratch.o.data();
-  float *m = scratch.m.data(), *l = scratch.l.data();
-  // The rows' positions; the task's keys [lo, hi): every key some real row sees (the
-  // rows' bands are intervals of one width at consecutive positions: their union is
-  // one interval), so a key no row of the task sees is never read.
-  const int64_t length = p.length(b), q_len = p.end(b) - p.first(b);
-  const int64_t base = length - q_len + (task.r0 - p.first(b));  // position of row r0
+// What one task works on: its key/value heads and rows, each head's query vectors (row
+// r, head g at r * G + g) padded to register tiles, the position of its first row, the
+// keys [lo, hi) that its real rows see, and its scratch: the query vectors times the
+// scale, a tile's scores (kPagedKeys a vector), the outputs, maxima and sums.
+struct PagedWork {
+  int64_t heads, rows, padded, vectors;
+  int64_t base;    // the position of row r0
+  int64_t lo, hi;  // every key some real row of the task sees
+  float *qs, *s, *o, *m, *l;
+};
+
+// The rows' positions and the task's keys [lo, hi) into w: every key some real row sees
+// (the rows' bands are intervals of one width at consecutive positions: their union is
+// one interval), so that a key no row of the task sees is never read. False when no
+// row is real: the task has nothing to write.
+inline bool paged_keys(const Paged& p, const PagedTask& task, PagedWork& w) {
+  const int64_t b = task.b, length = p.length(b), q_len = p.end(b) - p.first(b);
+  w.base = length - q_len + (task.r0 - p.first(b));  // position of row r0
   int64_t top = -1, bottom = -1;
-  for (int64_t r = 0; r < rows; ++r)
-    if (p.real[task.r0 + r]) top = base + r, bottom = bottom < 0 ? base + r : bottom;
-  if (top < 0) return;  // no real row: nothing to write
-  int64_t lo = 0, hi = length;
-  if (p.right >= 0) hi = std::min(hi, top + p.right + 1);
-  if (p.left >= 0) lo = std::max<int64_t>(lo, bottom - p.left);
-  // Query vectors times the scale, head after head; padding vectors 0.
-  std::fill(qs, qs + vectors * Hp, 0.0f);
-  std::fill(o, o + vectors * Hp, 0.0f);
-  std::fill(m, m + vectors, -kInf);
-  std::fill(l, l + vectors, 0.0f);
-  for (int64_t hh = 0; hh < heads; ++hh)
-    for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < w.rows; ++r)
+    if (p.real[task.r0 + r]) top = w.base + r, bottom = bottom < 0 ? w.base + r : bottom;
+  if (top < 0) return false;
+  w.lo = 0, w.hi = length;
+  if (p.right >= 0) w.hi = std::min(w.hi, top + p.right + 1);
+  if (p.left >= 0) w.lo = std::max<int64_t>(w.lo, bottom - p.left);
+  return true;
+}
+
+// The query vectors times the scale, head after head (padding vectors 0), and the
+// online softmax's start: outputs 0, maxima -inf, sums 0.
+template <class Q>
+void paged_queries(const Paged& p, const Q* q, const PagedTask& task, const PagedWork& w) {
+  const int64_t G = p.G, Hp = p.Hp, H = p.H;
+  std::fill(w.qs, w.qs + w.vectors * Hp, 0.0f);
+  std::fill(w.o, w.o + w.vectors * Hp, 0.0f);
+  std::fill(w.m, w.m + w.vectors, -kInf);
+  std::fill(w.l, w.l + w.vectors, 0.0f);
+  for (int64_t hh = 0; hh < w.heads; ++hh)
+    for (int64_t r = 0; r < w.rows; ++r) {
       if (!p.real[task.r0 + r]) continue;
       const Q* src = q + ((task.r0 + r) * p.N + (task.kh0 + hh) * G) * H;
-      float* dst = qs + (hh * padded + r * G) * Hp;
+      float* dst = w.qs + (hh * w.padded + r * G) * Hp;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t h = 0; h < H; ++h) dst[g * Hp + h] = widen(src[g * H + h]) * p.scale;
     }
-  // The rows of the tile being read (head kh0's; head kh0 + hh's are hh * H further),
-  // and of the next one, whose lines are prefetched while this one is computed (its
-  // pages sit anywhere in the pool); with a quantized pool, the tiles' key and value
-  // scales too, [parity][keys, values][head][key] (0 past the tile's keys).
-  const In* rows_of[kPagedAhead + 1][2][kPagedKeys];  // [tile % 3][keys, values][key]
-  constexpr bool quantized = kQuantized<In>;
-  float* scales = scratch.scales.data();
-  auto scales_at = [&](int parity, int kind, int64_t hh) {
+}
+
+// Where a task's tiles of keys and values are: the rows of the tile being read (head
+// kh0's; head kh0 + hh's are hh * H further), and of the next ones, whose lines are
+// prefetched while it is computed (their pages sit anywhere in the pool); with a
+// quantized pool, the tiles' key and value scales too, [parity][keys, values][head][key]
+// (0 past a tile's keys). A tile's parity is its index % (kPagedAhead + 1).
+template <class In>
+struct PagedTiles {
+  const Paged& p;
+  const PagedTask& task;
+  const In *kp, *vp;  // the pools
+  int64_t heads, hi;  // the task's heads and the end of its keys
+  float* scales;      // (kPagedAhead + 1, 2, heads, kPagedKeys)
+  const In* rows_of[kPagedAhead + 1][2][kPagedKeys];  // [parity][keys, values][key]
+
+  float* scales_at(int parity, int kind, int64_t hh) const {
     return scales + ((parity * 2 + kind) * heads + hh) * kPagedKeys;
-  };  // parity: the tile's index % (kPagedAhead + 1)
-  const int32_t* pages = p.table + b * p.M;
-  const int64_t run_bytes = heads * H * static_cast<int64_t>(sizeof(In));
-  auto locate = [&](int64_t j0, int parity, bool prefetch) {
+  }
+
+  // The tile of keys from j0 as `parity`, its lines prefetched if `prefetch`.
+  void locate(int64_t j0, int parity, bool prefetch) {
+    constexpr bool quantized = kQuantized<In>;
     const In** keys = rows_of[parity][0];
     const In** values = rows_of[parity][1];
+    const int32_t* pages = p.table + task.b * p.M;
+    const int64_t run_bytes = heads * p.H * static_cast<int64_t>(sizeof(In));
     const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
       const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
       const int64_t token = (page * p.page_size + slot) * p.K + task.kh0;
-      keys[c] = kp + token * H;
-      values[c] = vp + token * H;
+      keys[c] = kp + token * p.H;
+      values[c] = vp + token * p.H;
       if constexpr (quantized)
         for (int64_t hh = 0; hh < heads; ++hh) {
           scales_at(parity, 0, hh)[c] = p.key_scales[token + hh];
@@ -263,90 +282,105 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
       for (int64_t hh = 0; hh < heads; ++hh)
         for (int64_t c = n; c < kPagedKeys; ++c)
           scales_at(parity, 0, hh)[c] = scales_at(parity, 1, hh)[c] = 0;
-  };
-  vi column;
-  for (int c = 0; c < VW; ++c) column[c] = c;
-  for (int a = 0; a < kPagedAhead; ++a)
-    if (lo + a * kPagedKeys < hi) locate(lo + a * kPagedKeys, a, a > 0);
-  for (int64_t j0 = lo, tile = 0; j0 < hi; j0 += kPagedKeys, ++tile) {
-    const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
-    const int parity = tile % (kPagedAhead + 1);
-    if (j0 + kPagedAhead * kPagedKeys < hi)
-      locate(j0 + kPagedAhead * kPagedKeys, (tile + kPagedAhead) % (kPagedAhead + 1), true);
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      const int64_t shift_h = hh * H;  // head kh0 + hh within the token rows
-      const In* krow[kPagedKeys];
-      const In* vrow[kPagedKeys];
-      for (int64_t c = 0; c < n; ++c)
-        krow[c] = rows_of[parity][0][c] + shift_h, vrow[c] = rows_of[parity][1][c] + shift_h;
-      const float* kscale = quantized ? scales_at(parity, 0, hh) : nullptr;
-      const float* vscale = scales_at(parity, 1, hh);
-      float* qh = qs + hh * padded * Hp;
-      float* oh = o + hh * padded * Hp;
-      for (int64_t i = 0; i < padded; i += kPagedBlock)
-        paged_dots(qh + i * Hp, Hp, H, krow, n, kscale, s + i * kPagedKeys);
-      for (int64_t i = 0; i < padded; ++i) {
-        float* row = s + i * kPagedKeys;
-        const int64_t r = i / G, v = hh * padded + i;
-        if (r >= rows || !p.real[task.r0 + r]) {  // a padding vector or a row not written
-          std::fill(row, row + kPagedKeys, 0.0f);
-          continue;
-        }
-        if (p.soft_cap > 0)
-          for (int64_t c = 0; c < n; ++c) row[c] = p.soft_cap * std::tanh(row[c] / p.soft_cap);
-        // The row's keys [first, last] among the tile's columns; the others -inf.
-        const int64_t pos = base + r;
-        const int64_t first = p.left >= 0 ? pos - p.left : 0;
-        const int64_t last = std::min(p.right >= 0 ? pos + p.right : hi - 1, j0 + n - 1);
-        const vi from = splat_int(static_cast<int32_t>(std::clamp<int64_t>(first - j0, 0, n)));
-        const vi to = splat_int(static_cast<int32_t>(std::clamp<int64_t>(last - j0, -1, n)));
-        vi col = column;
-        vf mx = splat(-kInf);
-        for (int c = 0; c < kPagedKeys; c += VW, col += VW) {
-          const vf x = (col < from) | (col > to) ? splat(-kInf) : load(row + c);
-          store(row + c, x);
-          mx = nan_max(x, mx);
-        }
-        // The online softmax, as the dense kernel's: maxima keep a NaN, and a row that
-        // sees nothing yet keeps m = -inf and weights 0.
-        const float m_new = nan_max(m[v], hmax(mx));
-        if (m_new == -kInf) {
-          std::fill(row, row + kPagedKeys, 0.0f);
-          continue;
-        }
-        const float alpha = std::exp(m[v] - m_new);  // 0 when m was -inf
-        vf sum = vf{};
-        const vf shift = splat(m_new);
-        for (int c = 0; c < kPagedKeys; c += VW) {
-          const vf e = vexp(load(row + c) - shift);
-          sum += e;
-          // the weights of quantized values times their scales (the sum is the
-          // weights'); a weight of 0 stays 0: a key outside this row's band is never read
-          store(row + c, quantized ? (e != 0 ? e * load(vscale + c) : vf{}) : e);
-        }
-        l[v] = l[v] * alpha + hsum(sum);
-        m[v] = m_new;
-        if (alpha != 1.0f) {
-          float* orow = o + v * Hp;
-          const vf a = splat(alpha);
-          for (int64_t h = 0; h < Hp; h += VW) store(orow + h, load(orow + h) * a);
-        }
-      }
-      for (int64_t i = 0; i < padded; i += kPagedBlock)
-        paged_values(s + i * kPagedKeys, vrow, n, Hp, H, oh + i * Hp);
-    }
   }
-  for (int64_t hh = 0; hh < heads; ++hh)
-    for (int64_t r = 0; r < rows; ++r) {
+};
+
+// Query vector v's scores `row` against the tile of keys [j0, j0 + n), in place, its
+// row at position `pos`: the soft cap, the row's band (its keys [first, last] among the
+// tile's columns; the others -inf), then the online softmax, as the dense kernel's:
+// maxima keep a NaN, and a row that sees nothing yet keeps m = -inf and weights 0. The
+// weights of quantized values are times their scales `vscale`.
+template <class In>
+void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t pos, int64_t j0,
+                   int64_t n, const float* vscale, float* row) {
+  constexpr bool quantized = kQuantized<In>;
+  if (p.soft_cap > 0)
+    for (int64_t c = 0; c < n; ++c) row[c] = p.soft_cap * std::tanh(row[c] / p.soft_cap);
+  const int64_t first = p.left >= 0 ? pos - p.left : 0;
+  const int64_t last = std::min(p.right >= 0 ? pos + p.right : w.hi - 1, j0 + n - 1);
+  const vi from = splat_int(static_cast<int32_t>(std::clamp<int64_t>(first - j0, 0, n)));
+  const vi to = splat_int(static_cast<int32_t>(std::clamp<int64_t>(last - j0, -1, n)));
+  vi col;
+  for (int c = 0; c < VW; ++c) col[c] = c;
+  vf mx = splat(-kInf);
+  for (int c = 0; c < kPagedKeys; c += VW, col += VW) {
+    const vf x = (col < from) | (col > to) ? splat(-kInf) : load(row + c);
+    store(row + c, x);
+    mx = nan_max(x, mx);
+  }
+  const float m_new = nan_max(w.m[v], hmax(mx));
+  if (m_new == -kInf) {
+    std::fill(row, row + kPagedKeys, 0.0f);
+    return;
+  }
+  const float alpha = std::exp(w.m[v] - m_new);  // 0 when m was -inf
+  vf sum = vf{};
+  const vf shift = splat(m_new);
+  for (int c = 0; c < kPagedKeys; c += VW) {
+    const vf e = vexp(load(row + c) - shift);
+    sum += e;
+    // the weights of quantized values times their scales (the sum is the
+    // weights'); a weight of 0 stays 0: a key outside this row's band is never read
+    store(row + c, quantized ? (e != 0 ? e * load(vscale + c) : vf{}) : e);
+  }
+  w.l[v] = w.l[v] * alpha + hsum(sum);
+  w.m[v] = m_new;
+  if (alpha != 1.0f) {
+    float* orow = w.o + v * p.Hp;
+    const vf a = splat(alpha);
+    for (int64_t h = 0; h < p.Hp; h += VW) store(orow + h, load(orow + h) * a);
+  }
+}
+
+// Head kh0 + hh of the task against the tile of keys [j0, j0 + n) at `parity`: every
+// query vector's scores, their online softmax, then the values.
+template <class In>
+void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
+                const PagedTiles<In>& tiles, int64_t hh, int parity, int64_t j0, int64_t n) {
+  constexpr bool quantized = kQuantized<In>;
+  const int64_t G = p.G, Hp = p.Hp, H = p.H, padded = w.padded;
+  const int64_t shift_h = hh * H;  // head kh0 + hh within the token rows
+  const In* krow[kPagedKeys];
+  const In* vrow[kPagedKeys];
+  for (int64_t c = 0; c < n; ++c) {
+    krow[c] = tiles.rows_of[parity][0][c] + shift_h;
+    vrow[c] = tiles.rows_of[parity][1][c] + shift_h;
+  }
+  const float* kscale = quantized ? tiles.scales_at(parity, 0, hh) : nullptr;
+  const float* vscale = tiles.scales_at(parity, 1, hh);
+  float* qh = w.qs + hh * padded * Hp;
+  float* oh = w.o + hh * padded * Hp;
+  for (int64_t i = 0; i < padded; i += kPagedBlock)
+    paged_dots(qh + i * Hp, Hp, H, krow, n, kscale, w.s + i * kPagedKeys);
+  for (int64_t i = 0; i < padded; ++i) {
+    float* row = w.s + i * kPagedKeys;
+    const int64_t r = i / G;
+    if (r >= w.rows || !p.real[task.r0 + r]) {  // a padding vector or a row not written
+      std::fill(row, row + kPagedKeys, 0.0f);
+      continue;
+    }
+    paged_softmax<In>(p, w, hh * padded + i, w.base + r, j0, n, vscale, row);
+  }
+  for (int64_t i = 0; i < padded; i += kPagedBlock)
+    paged_values(w.s + i * kPagedKeys, vrow, n, Hp, H, oh + i * Hp);
+}
+
+// The task's real rows' outputs o / l and log-sum-exp m + log l, or zeros and -inf for
+// a row that saw nothing.
+inline void paged_finish(const Paged& p, const PagedTask& task, const PagedWork& w, float* out,
+                         float* lse) {
+  const int64_t G = p.G, Hp = p.Hp, H = p.H;
+  for (int64_t hh = 0; hh < w.heads; ++hh)
+    for (int64_t r = 0; r < w.rows; ++r) {
       const int64_t t = task.r0 + r;
       if (!p.real[t]) continue;
       for (int64_t g = 0; g < G; ++g) {
-        const int64_t v = hh * padded + r * G + g, head = (task.kh0 + hh) * G + g;
+        const int64_t v = hh * w.padded + r * G + g, head = (task.kh0 + hh) * G + g;
         float* dst = out + (t * p.N + head) * H;
-        if (l[v] != 0) {  // l >= 1 for a row that sees a key; NaN from NaN or inf content
-          const float inv = 1.0f / l[v];
-          for (int64_t h = 0; h < H; ++h) dst[h] = o[v * Hp + h] * inv;
-          lse[t * p.N + head] = m[v] + std::log(l[v]);
+        if (w.l[v] != 0) {  // l >= 1 for a row that sees a key; NaN from NaN or inf content
+          const float inv = 1.0f / w.l[v];
+          for (int64_t h = 0; h < H; ++h) dst[h] = w.o[v * Hp + h] * inv;
+          lse[t * p.N + head] = w.m[v] + std::log(w.l[v]);
         } else {
           std::fill(dst, dst + H, 0.0f);
           lse[t * p.N + head] = -kInf;  // the log-sum-exp of no logit
@@ -355,38 +389,34 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
     }
 }
 
-// A paged call's sizes and run-time inputs, checked against each other, into p.
-template <class QBuf, class PoolBuf>
-xla::ffi::Error paged_problem(const QBuf& q, const PoolBuf& key_pages, const PoolBuf& value_pages,
-                              const xla::ffi::Buffer<xla::ffi::S32>& table,
-                              const xla::ffi::Buffer<xla::ffi::S32>& kv_lengths,
-                              const xla::ffi::Buffer<xla::ffi::S32>& starts,
-                              const xla::ffi::Buffer<xla::ffi::U8>& real, float scale,
-                              float soft_cap, int64_t left, int64_t right, Paged& p) {
-  const auto qd = q.dimensions(), kd = key_pages.dimensions(), vd = value_pages.dimensions();
-  const auto td = table.dimensions();
-  auto bad = [](const char* what) {
-    return xla::ffi::Error::InvalidArgument(std::string("nanoattn native paged: ") + what);
-  };
-  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2)
-    return bad("q needs (Tq, N, H), the pages (P, page_size, K, H), the table (B, M)");
-  for (size_t a = 0; a < 4; ++a)
-    if (kd[a] != vd[a]) return bad("key and value pages differ");
-  p.Tq = qd[0], p.N = qd[1], p.H = qd[2];
-  p.P = kd[0], p.page_size = kd[1], p.K = kd[2];
-  p.B = td[0], p.M = td[1];
-  if (kd[3] != p.H || p.K == 0 || p.N % p.K || p.page_size == 0)
-    return bad("bad head counts, widths or page size");
-  if (static_cast<int64_t>(kv_lengths.element_count()) != p.B ||
-      static_cast<int64_t>(starts.element_count()) != p.B + 1 ||
-      static_cast<int64_t>(real.element_count()) != p.Tq)
-    return bad("kv_lengths need (B,), starts (B + 1,) and real (Tq,)");
-  p.G = p.N / p.K;
-  p.Hp = (p.H + VW - 1) / VW * VW;
-  p.scale = scale, p.soft_cap = soft_cap, p.left = left, p.right = right;
-  p.table = table.typed_data(), p.kv_lengths = kv_lengths.typed_data();
-  p.starts = starts.typed_data(), p.real = real.typed_data();
-  return xla::ffi::Error::Success();
+// One task, queries of type Q, pools of type In (float32 and bfloat16 alike, or int8 and
+// float8 with their scales). Its heads kh0 .. kh1 - 1 sit side by side in every token
+// row of the pool, so a tile of keys is read as one run of memory per token; the tiles
+// kPagedAhead ahead of the one computed are located and fetched.
+template <class Q, class In>
+void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const PagedTask& task,
+                float* out, float* lse) {
+  PagedWork w;
+  w.heads = task.kh1 - task.kh0, w.rows = task.r1 - task.r0;
+  w.padded = (w.rows * p.G + kPagedBlock - 1) / kPagedBlock * kPagedBlock;
+  w.vectors = w.heads * w.padded;
+  thread_local PagedScratch scratch;
+  scratch.fit(w.vectors, p.Hp, w.heads);
+  w.qs = scratch.q.data(), w.s = scratch.s.data(), w.o = scratch.o.data();
+  w.m = scratch.m.data(), w.l = scratch.l.data();
+  if (!paged_keys(p, task, w)) return;  // no real row: nothing to write
+  paged_queries(p, q, task, w);
+  PagedTiles<In> tiles{p, task, kp, vp, w.heads, w.hi, scratch.scales.data(), {}};
+  for (int a = 0; a < kPagedAhead; ++a)
+    if (w.lo + a * kPagedKeys < w.hi) tiles.locate(w.lo + a * kPagedKeys, a, a > 0);
+  for (int64_t j0 = w.lo, tile = 0; j0 < w.hi; j0 += kPagedKeys, ++tile) {
+    const int64_t n = std::min<int64_t>(kPagedKeys, w.hi - j0);
+    const int parity = tile % (kPagedAhead + 1);
+    if (j0 + kPagedAhead * kPagedKeys < w.hi)
+      tiles.locate(j0 + kPagedAhead * kPagedKeys, (tile + kPagedAhead) % (kPagedAhead + 1), true);
+    for (int64_t hh = 0; hh < w.heads; ++hh) paged_tile(p, task, w, tiles, hh, parity, j0, n);
+  }
+  paged_finish(p, task, w, out, lse);
 }
 
 // The paged pass of a checked problem: queries of type Q, pools of type In.
@@ -429,55 +459,6 @@ xla::ffi::Error paged_run(xla::ffi::ThreadPool& pool, const Paged& p, const Q* q
   parallel_for(pool, threads, static_cast<int64_t>(tasks.size()),
                [&](int64_t t, int) { paged_task(p, qp, kp, vp, tasks[order[t]], o, l); });
   return xla::ffi::Error::Success();
-}
-
-// The paged forward pass for inputs of type DT (F32 or BF16); out and lse float32.
-template <xla::ffi::DataType DT>
-xla::ffi::Error PagedForward(xla::ffi::ThreadPool pool, xla::ffi::Buffer<DT> q,
-                             xla::ffi::Buffer<DT> key_pages, xla::ffi::Buffer<DT> value_pages,
-                             xla::ffi::Buffer<xla::ffi::S32> table,
-                             xla::ffi::Buffer<xla::ffi::S32> kv_lengths,
-                             xla::ffi::Buffer<xla::ffi::S32> starts,
-                             xla::ffi::Buffer<xla::ffi::U8> real, float scale, float soft_cap,
-                             int64_t left, int64_t right, xla::ffi::ResultBuffer<xla::ffi::F32> out,
-                             xla::ffi::ResultBuffer<xla::ffi::F32> lse) {
-  Paged p;
-  xla::ffi::Error err = paged_problem(q, key_pages, value_pages, table, kv_lengths, starts, real,
-                                      scale, soft_cap, left, right, p);
-  if (err.failure()) return err;
-  return paged_run(pool, p, q.typed_data(), key_pages.typed_data(), value_pages.typed_data(),
-                   out->typed_data(), lse->typed_data());
-}
-
-// The paged forward pass over quantized pools (int8 or float8_e4m3fn, both the same) with
-// their scales (P, page_size, K); the queries float32, out and lse float32.
-xla::ffi::Error PagedForwardQuantized(
-    xla::ffi::ThreadPool pool, xla::ffi::Buffer<xla::ffi::F32> q, xla::ffi::AnyBuffer key_pages,
-    xla::ffi::AnyBuffer value_pages, xla::ffi::Buffer<xla::ffi::F32> key_scales,
-    xla::ffi::Buffer<xla::ffi::F32> value_scales, xla::ffi::Buffer<xla::ffi::S32> table,
-    xla::ffi::Buffer<xla::ffi::S32> kv_lengths, xla::ffi::Buffer<xla::ffi::S32> starts,
-    xla::ffi::Buffer<xla::ffi::U8> real, float scale, float soft_cap, int64_t left, int64_t right,
-    xla::ffi::ResultBuffer<xla::ffi::F32> out, xla::ffi::ResultBuffer<xla::ffi::F32> lse) {
-  Paged p;
-  xla::ffi::Error err = paged_problem(q, key_pages, value_pages, table, kv_lengths, starts, real,
-                                      scale, soft_cap, left, right, p);
-  if (err.failure()) return err;
-  const size_t tokens = static_cast<size_t>(p.P * p.page_size * p.K);
-  if (key_pages.element_type() != value_pages.element_type() ||
-      key_scales.element_count() != tokens || value_scales.element_count() != tokens)
-    return xla::ffi::Error::InvalidArgument(
-        "nanoattn native paged: quantized pages need one type and scales (P, page_size, K)");
-  p.key_scales = key_scales.typed_data(), p.value_scales = value_scales.typed_data();
-  bool served = with_storage(key_pages.element_type(), [&](auto stored) {
-    using In = std::remove_const_t<std::remove_pointer_t<decltype(stored)>>;
-    err = paged_run(pool, p, q.typed_data(), static_cast<const In*>(key_pages.untyped_data()),
-                    static_cast<const In*>(value_pages.untyped_data()), out->typed_data(),
-                    lse->typed_data());
-  });
-  if (!served)
-    return xla::ffi::Error::InvalidArgument(
-        "nanoattn native paged: quantized pages must be int8 or float8_e4m3fn");
-  return err;
 }
 
 }  // namespace

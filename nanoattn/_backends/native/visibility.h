@@ -1,8 +1,8 @@
 // The problem and who sees what: the blocks (BQ x BK, NANOATTN_BQ and NANOATTN_BK),
 // the Problem of a call, a mask_fn's classified blocks and their bits, each batch
 // row's Geometry (the keys each query sees, the queries and keys that see or are seen
-// at all, each block's range of segment ids), and how a block of queries meets a block
-// of keys.
+// at all, each block's range of segment ids), computed for every row of a call on the
+// thread pool (all_geometry), and how a block of queries meets a block of keys.
 //
 // Included by attention.cc only, in its one translation unit: the code sits in an
 // unnamed namespace there as here, so that every function keeps internal linkage.
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "threads.h"
 
 namespace {
 
@@ -253,6 +254,36 @@ void fn_sight(const Problem& p, Geometry& g, int64_t b, int64_t n0, int64_t n1, 
       }
     }
   }
+}
+
+// Every batch row's Geometry, on the pool: the positional rules and segments, then,
+// with a mask_fn, who sees what by its blocks too.
+std::vector<Geometry> all_geometry(xla::ffi::ThreadPool& pool, int threads, const Problem& p) {
+  std::vector<Geometry> geo(p.B);
+  parallel_for(pool, threads, p.B, [&](int64_t b, int) {
+    geo[b] = geometry(p, b);
+    if (p.fn.kind) {
+      geo[b].fn_q_sees.assign(p.N * p.T, 0);
+      geo[b].fn_k_seen.assign(p.K * p.S, 0);
+    }
+  });
+  if (!p.fn.kind) return geo;
+  // A mask the same for every head: its sight once per batch row, copied to every head.
+  const bool per_head = p.fn.xN > 1;
+  parallel_for(pool, threads, per_head ? p.B * p.K : p.B, [&](int64_t t, int) {
+    if (per_head) {
+      const int64_t b = t / p.K, kh = t % p.K;
+      fn_sight(p, geo[b], b, kh * p.G, (kh + 1) * p.G, kh);
+      return;
+    }
+    Geometry& g = geo[t];
+    fn_sight(p, g, t, 0, 1, 0);
+    for (int64_t n = 1; n < p.N; ++n)
+      std::copy(g.fn_q_sees.begin(), g.fn_q_sees.begin() + p.T, g.fn_q_sees.begin() + n * p.T);
+    for (int64_t kh = 1; kh < p.K; ++kh)
+      std::copy(g.fn_k_seen.begin(), g.fn_k_seen.begin() + p.S, g.fn_k_seen.begin() + kh * p.S);
+  });
+  return geo;
 }
 
 }  // namespace
