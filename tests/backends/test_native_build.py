@@ -225,3 +225,125 @@ def test_the_first_build_says_so_and_how_long_it_took(fake_cxx, capsys):
     assert re.fullmatch(r"nanoattn: built the native CPU kernel in \d+\.\d s", lines[1])
     native_build._build(cxx)  # in the cache: nothing to say
     assert compiles() == 1 and capsys.readouterr().err == ""
+
+
+# Every C++ function of the kernel, at namespace or class scope, fits in this many code
+# lines (from its template or type to its closing brace, neither blank nor only a
+# comment, as tests/test_architecture.py counts Python's): a longer one is split into
+# named steps (docs/architecture.md, the native rows).
+LONGEST_FUNCTION = 80
+NATIVE = pathlib.Path(native_build.__file__).parent
+
+
+def blank_comments(text: str) -> str:
+    """`text` with its comments and string and character literals blanked, lines kept."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("//", i):
+            end = text.find("\n", i)
+            end = len(text) if end < 0 else end
+        elif text.startswith("/*", i):
+            end = text.find("*/", i + 2) + 2
+        elif text[i] in "\"'":
+            end = i + 1
+            while text[end] != text[i]:
+                end += 2 if text[end] == "\\" else 1
+            end += 1
+        else:
+            out.append(text[i])
+            i += 1
+            continue
+        out.append(re.sub(r"[^\n]", " ", text[i:end]))
+        i = end
+    return "".join(out)
+
+
+def function_lengths(text: str) -> dict[str, int]:
+    """Each function's name (at namespace or class scope, with its first line) and its
+    code lines, from that line to its closing brace. A brace after ``namespace``,
+    ``struct``, ``class``, ``enum`` or ``extern`` opens a scope searched further; one
+    after ``)`` (then ``const`` and the like, or a constructor's initializers) a
+    function's body; any other (an initializer) is skipped. Preprocessor lines take no
+    part in the braces."""
+    code = blank_comments(text)
+    lines = code.split("\n")
+    flat, continued = [], False
+    for line in lines:
+        directive = continued or line.lstrip().startswith("#")
+        continued = directive and line.rstrip().endswith("\\")
+        flat.append(" " * len(line) if directive else line)
+    flat = "\n".join(flat)
+
+    def closing(at: int) -> int:
+        depth = 0
+        for j in range(at, len(flat)):
+            depth += {"{": 1, "}": -1}.get(flat[j], 0)
+            if depth == 0:
+                return j
+        raise AssertionError(f"unbalanced braces from offset {at}")
+
+    lengths, head, i = {}, 0, 0
+    while i < len(flat):
+        if flat[i] in ";}":
+            head = i + 1
+        elif flat[i] == "{":
+            words = " ".join(flat[head:i].split())
+            if re.search(r"\b(namespace|struct|class|union|enum|extern)\b[^()]*$", words):
+                head = i + 1  # a scope: its declarations in turn
+            else:
+                end = closing(i)
+                if re.search(r"\)(\s*(const|noexcept|override|final))*$|\)\s*:.*\)$", words):
+                    name = re.findall(r"[~\w<>]+(?=\s*\()", words)[0]
+                    lead = len(flat[head:i]) - len(flat[head:i].lstrip())
+                    first = flat.count("\n", 0, head + lead)  # its template or type
+                    last = flat.count("\n", 0, end)
+                    code = [line for line in lines[first : last + 1] if line.strip()]
+                    lengths[f"{name} (line {first + 1})"] = len(code)
+                i = head = end + 1
+                continue
+        i += 1
+    return lengths
+
+
+def test_the_scanner_finds_functions_and_counts_their_code_lines():
+    text = """namespace {
+struct Box {
+  int at(int i) const { return i; }  // one line: 0 between the braces
+  Box(int n) : n(n), m(n) {
+    n += 1;
+  }
+  int n, m;
+};
+int table[] = {1, 2, 3};
+template <class T>
+T f(T x,
+    T y) {
+  // a comment, then a blank line
+
+  const char* s = "{ not a brace";
+  if (x) {
+    y = '}';
+  }
+#if defined(A)
+  return x;
+#else
+  return y;
+#endif
+}
+}  // namespace
+"""
+    # f: its template and directives are code lines, its comment and blank line are not
+    assert function_lengths(text) == {"at (line 3)": 1, "Box (line 4)": 3, "f (line 10)": 13}
+
+
+def test_no_native_function_is_longer_than_a_screen():
+    sources = sorted([*NATIVE.glob("*.h"), *NATIVE.glob("*.cc")])
+    assert native_build.SOURCE in sources and len(sources) > 5, sources
+    lengths = {
+        f"{path.name}: {name}": n
+        for path in sources
+        for name, n in function_lengths(path.read_text()).items()
+    }
+    assert len(lengths) > 50, sorted(lengths)  # the scanner found the functions
+    longer = {name: n for name, n in lengths.items() if n > LONGEST_FUNCTION}
+    assert not longer, f"over {LONGEST_FUNCTION} code lines: {longer}"
