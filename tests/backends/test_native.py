@@ -287,7 +287,7 @@ def fwd_bwd_temp_bytes(T):
 
 def test_memory_is_linear_in_sequence_length():
     # XLA's buffers around the kernel (the kernel's own scratch, by construction in
-    # attention.cc, is O(T + S) too: the packed keys and values, or queries and output
+    # pack.h, is O(T + S) too: the packed keys and values, or queries and output
     # cotangents, one per call, per-block buffers, and one dq accumulator per worker).
     at_8k, at_16k = fwd_bwd_temp_bytes(8192), fwd_bwd_temp_bytes(16384)
     assert at_16k <= 32 * 2**20, at_16k
@@ -324,8 +324,8 @@ SHORT_CASES = {  # rules of the short calls below, each against float64
 @pytest.mark.parametrize("case", SHORT_CASES)
 def test_short_calls_run_by_group_or_by_block_alike(case, monkeypatch):
     # A short call with B x K >= 4 x threads runs one task per (b, key/value head):
-    # the group's tiles packed by the task, its dQ summed by it alone (attention.cc,
-    # forward_run and Backward). B x K = 6: grouped with one thread, by blocks with two.
+    # the group's tiles packed by the task, its dQ summed by it alone (forward.h's
+    # forward_run, backward.h's backward_run). B x K = 6: grouped with one thread, by blocks with two.
     # The forward is the same arithmetic both ways (the same bits); the gradients sum
     # dQ in another order, each close to float64.
     B, T, S, N, K, H = 3, 70, 150, 6, 2, 5
@@ -349,7 +349,7 @@ GROUP_CASES = {  # rules under which the query blocks of one task see different 
 @pytest.mark.parametrize("case", GROUP_CASES)
 def test_blocks_run_in_groups_or_alone_alike(case, monkeypatch):
     # A forward task runs up to eight query blocks of one (b, n) and reads each key block
-    # once for all of them (attention.cc, forward_task); a backward task up to four key
+    # once for all of them (forward.h); a backward task up to four key
     # blocks of one (b, key/value head), each query block once for all of them. The
     # groups halve until there are eight tasks per thread. 17 query blocks x 3 heads:
     # groups of 8 (8, 8, 1) with one thread (9 tasks), of 2 with two (27); 18 key blocks:

@@ -1,6 +1,6 @@
 """The native kernel's block classification under windows, offsets and key lengths.
 
-attention.cc classifies each (query block, key block) as skipped, wholly visible or
+The kernel (visibility.h) classifies each (query block, key block) as skipped, wholly visible or
 partial, with blocks of BQ = BK = 64 (``NANOATTN_BQ``, ``NANOATTN_BK``) in all three
 passes that use it: the transposed forward (T >= VW, the vector width: 16 floats with
 AVX-512, 8 with AVX2), the rows forward of a decode step (T < VW) and the backward.

@@ -4,7 +4,7 @@ decode step, T < 16) and the backward; masks ANDed with the kernel's own rules; 
 static BlockMask reused and coarsened; masks of traced arrays (their bits computed at
 run time); vmap; masked content never read; what the backend serves and refuses.
 
-attention.cc takes a mask_fn as its 64 x 64 blocks' kinds (empty, partial, full) and
+The kernel takes a mask_fn as its 64 x 64 blocks' kinds (empty, partial, full) and
 the bits of the partial ones (nanoattn/_backends/native/kernel.py). Each mask is written
 twice,
 as a ``mask_fn`` of jax index arrays and as a numpy literal, so that the library never

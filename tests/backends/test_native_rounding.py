@@ -1,5 +1,5 @@
 """bfloat16 rounding of the native kernel's results: round to nearest, ties to even,
-as ``jnp.astype`` rounds (attention.cc widens bfloat16 to float32 as it packs and
+as ``jnp.astype`` rounds (pack.h widens bfloat16 to float32 as it packs and
 narrows each result once, simd.h's ``narrow``).
 
 One query row per cotangent sees one key (q = 0, so each weight is 1): dv is the sum
