@@ -325,7 +325,8 @@ SHORT_CASES = {  # rules of the short calls below, each against float64
 def test_short_calls_run_by_group_or_by_block_alike(case, monkeypatch):
     # A short call with B x K >= 4 x threads runs one task per (b, key/value head):
     # the group's tiles packed by the task, its dQ summed by it alone (forward.h's
-    # forward_run, backward.h's backward_run). B x K = 6: grouped with one thread, by blocks with two.
+    # forward_run, backward.h's backward_run). B x K = 6: grouped with one thread, by
+    # blocks with two.
     # The forward is the same arithmetic both ways (the same bits); the gradients sum
     # dQ in another order, each close to float64.
     B, T, S, N, K, H = 3, 70, 150, 6, 2, 5
