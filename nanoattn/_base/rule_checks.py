@@ -103,22 +103,16 @@ def as_rank4(x):
     return jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
 
 
-def check_mask(mask, scores):
-    if mask is None:
+def check_scores_array(name: str, x, scores):
+    """A dense ``mask`` (boolean) or ``bias`` (floating) broadcastable to the scores
+    (B, N, T, S), as rank 4; None when not given."""
+    if x is None:
         return None
-    mask = as_array("mask", mask, "a boolean array broadcastable to (B, N, T, S)")
-    expect_bool("mask", mask.dtype)
-    expect_broadcastable("mask", mask.shape, SCORE_AXES, scores)
-    return as_rank4(mask)
-
-
-def check_bias(bias, scores):
-    if bias is None:
-        return None
-    bias = as_array("bias", bias, "a float array broadcastable to (B, N, T, S)")
-    expect_floating("bias", bias.dtype)
-    expect_broadcastable("bias", bias.shape, SCORE_AXES, scores)
-    return as_rank4(bias)
+    kind, expect_dtype = ("boolean", expect_bool) if name == "mask" else ("float", expect_floating)
+    x = as_array(name, x, f"a {kind} array broadcastable to (B, N, T, S)")
+    expect_dtype(name, x.dtype)
+    expect_broadcastable(name, x.shape, SCORE_AXES, scores)
+    return as_rank4(x)
 
 
 def check_lengths(kv_lengths, B: int, most: int):

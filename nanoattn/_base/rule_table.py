@@ -9,10 +9,8 @@ whether a call uses it, the rank of each keyword's unbatched form, and whether a
 call (``nanoattn.paged_attention``) takes it. ``Rules.make``, ``Rules.make_paged``,
 ``Rules.arguments``, ``Rules.active``, ``Rules.partition_specs``, ``batched``, the
 ring and the sharded layer all read :data:`TABLE`; adding a rule is one entry here,
-its meaning in the reference kernel and its test (docs/architecture.md).
-
-Axis letters (docs/conventions.md): B batch, T query time, S key time, N query heads,
-K key/value heads, H head width, Hv the values' head width.
+its meaning in the reference kernel and its test (docs/architecture.md). The axis
+letters are those of :mod:`.rule_checks`.
 """
 
 import dataclasses
@@ -23,10 +21,9 @@ from .block_mask import BlockMask
 from .mask_fn import check_mask_fn, check_score_fn
 from .quantized import check_kv_scales
 from .rule_checks import (
-    check_bias,
     check_lengths,
-    check_mask,
     check_q_offset,
+    check_scores_array,
     check_segments,
     check_sinks,
     check_soft_cap,
@@ -204,14 +201,14 @@ TABLE: tuple[Rule, ...] = (
     Rule(
         "mask", "a dense mask", ("mask",),
         (Field("mask", "boolean, rank 4, broadcastable to (B, N, T, S), or None.", spec=UNSPLIT),),
-        _one("mask", lambda x, c: check_mask(x, _scores(c))),
+        _one("mask", lambda x, c: check_scores_array("mask", x, _scores(c))),
         used=lambda r: r.mask is not None,
     ),
     Rule(
         "bias", "a bias", ("bias",),
         (Field("bias", "floating, rank 4, broadcastable to (B, N, T, S), or None.",
                spec=UNSPLIT),),
-        _one("bias", lambda x, c: check_bias(x, _scores(c))),
+        _one("bias", lambda x, c: check_scores_array("bias", x, _scores(c))),
         used=lambda r: r.bias is not None,
     ),
     Rule(

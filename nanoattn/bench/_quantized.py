@@ -38,6 +38,7 @@ from .._layers.caches.kv_cache import cache_bytes
 from .._layers.config import AttentionConfig
 from .._layers.linen.attention import CausalSelfAttention
 from ._bandwidth import bandwidth_target
+from ._markdown import table
 from ._masks import refusal_of_first_call
 from ._measure import pair_target, time_interleaved
 
@@ -206,22 +207,19 @@ def quantized_markdown(cache: dict | None, rows: list[dict], status) -> list[str
         for dtype, size in sizes.items():
             lines.append(f"| {dtype} | {size} | {sizes[STORAGE] / size:.3f}x |")
     if rows:
-        lines += [
-            "",
-            f"| decode: int8 pages against {BASELINE} | int8 ms | {BASELINE} ms | "
-            f"{BASELINE} / int8 | int8 MiB read | int8 GB/s | of read bandwidth |",
-            "|" + " --- |" * 7,
-        ]
-        for r in rows:
-            head = f"| {r['impl']} |"
-            if r["status"] != "ok":
-                lines.append(f"{head} {status(r)} | | | | | |")
-                continue
+
+        def cells(r):
             fraction = r.get("fraction")
-            lines.append(
-                f"{head} {r[f'{STORAGE}_median_ms']:.2f} ({r[f'{STORAGE}_min_ms']:.2f}) | "
-                f"{r[f'{BASELINE}_median_ms']:.2f} ({r[f'{BASELINE}_min_ms']:.2f}) | "
-                f"{r['speedup']:.2f}x | {r['read_bytes'] / 2**20:.1f} | {r['gb_per_s']:.1f} | "
-                f"{'' if fraction is None else f'{fraction:.0%}'} |"
-            )
+            return [
+                f"{r[f'{STORAGE}_median_ms']:.2f} ({r[f'{STORAGE}_min_ms']:.2f})",
+                f"{r[f'{BASELINE}_median_ms']:.2f} ({r[f'{BASELINE}_min_ms']:.2f})",
+                f"{r['speedup']:.2f}x", f"{r['read_bytes'] / 2**20:.1f}", f"{r['gb_per_s']:.1f}",
+                "" if fraction is None else f"{fraction:.0%}",
+            ]  # fmt: skip
+
+        lines += ["", *table(
+            f"| decode: int8 pages against {BASELINE} | int8 ms | {BASELINE} ms | "
+            f"{BASELINE} / int8 | int8 MiB read | int8 GB/s | of read bandwidth |", 7, rows,
+            lambda r: f"| {r['impl']} |", cells, status,
+        )]  # fmt: skip
     return lines

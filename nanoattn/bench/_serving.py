@@ -45,6 +45,7 @@ from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
 from . import _quantized
 from ._bandwidth import bandwidth_target, measure_read
+from ._markdown import table
 from ._masks import refusal_of_first_call
 from ._measure import pair_target, time_interleaved
 
@@ -299,38 +300,32 @@ def serving_markdown(result: dict | None) -> list[str]:
             result.get("cache_bytes"), result.get("quantized", []), _status
         ),
         "",
-        "| decode | dtype | paged ms | full cache ms | full / paged | pages held GB/s "
-        "| of read bandwidth |",
-        "|" + " --- |" * 7,
     ]
-    for r in result["rows"]:
-        if r["case"] != "decode":
-            continue
-        head = f"| {r['impl']} | {r['dtype']} |"
-        if r["status"] != "ok":
-            lines.append(f"{head} {_status(r)} | | | | |")
-            continue
+
+    def label(r):
+        return f"| {r['impl']} | {r['dtype']} |"
+
+    def decode(r):
         fraction = r.get("fraction_of_bandwidth")
-        lines.append(
-            f"{head} {r['paged_median_ms']:.2f} ({r['paged_min_ms']:.2f}) | "
-            f"{r['full_median_ms']:.2f} ({r['full_min_ms']:.2f}) | {r['full_vs_paged']:.2f}x | "
-            f"{r['paged_gb_per_s']:.1f} | {'' if fraction is None else f'{fraction:.0%}'} |"
-        )
-    lines += [
-        "",
+        return [
+            f"{r['paged_median_ms']:.2f} ({r['paged_min_ms']:.2f})",
+            f"{r['full_median_ms']:.2f} ({r['full_min_ms']:.2f})", f"{r['full_vs_paged']:.2f}x",
+            f"{r['paged_gb_per_s']:.1f}", "" if fraction is None else f"{fraction:.0%}",
+        ]  # fmt: skip
+
+    def mixed(r):
+        return [
+            f"{r['mixed_median_ms']:.2f} ({r['mixed_min_ms']:.2f})",
+            f"{r['alone_median_ms']:.2f} ({r['alone_min_ms']:.2f})", f"{r['mixed_vs_alone']:.2f}x",
+        ]  # fmt: skip
+
+    rows = {case: [r for r in result["rows"] if r["case"] == case] for case in ("decode", "mixed")}
+    lines += table(
+        "| decode | dtype | paged ms | full cache ms | full / paged | pages held GB/s "
+        "| of read bandwidth |", 7, rows["decode"], label, decode, _status,
+    )  # fmt: skip
+    lines += ["", *table(
         f"| mixed: {s['prefill']}-token chunk + {s['batch'] - 1} decodes | dtype | mixed ms "
-        "| chunk alone ms | mixed / alone |",
-        "|" + " --- |" * 5,
-    ]
-    for r in result["rows"]:
-        if r["case"] != "mixed":
-            continue
-        head = f"| {r['impl']} | {r['dtype']} |"
-        if r["status"] != "ok":
-            lines.append(f"{head} {_status(r)} | | |")
-            continue
-        lines.append(
-            f"{head} {r['mixed_median_ms']:.2f} ({r['mixed_min_ms']:.2f}) | "
-            f"{r['alone_median_ms']:.2f} ({r['alone_min_ms']:.2f}) | {r['mixed_vs_alone']:.2f}x |"
-        )
+        "| chunk alone ms | mixed / alone |", 5, rows["mixed"], label, mixed, _status,
+    )]  # fmt: skip
     return lines

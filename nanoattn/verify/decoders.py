@@ -214,25 +214,7 @@ def _linen(module: nn.Module, variables: dict, capacity: int | None):
     def init(batch: int, max_len: int):
         return _Fresh(batch, max_len)
 
-    @jit
-    def decode(cache, chunk, lengths):
-        y, state = module.apply(
-            {**variables, "cache": cache},
-            chunk,
-            deterministic=True,
-            decode=True,
-            lengths=lengths,
-            mutable=["cache"],
-        )
-        return state["cache"], y
-
-    empty = _linen_cache(module, deterministic=True, decode=True)
-
-    def step(state, chunk, lengths):
-        if isinstance(state, _Fresh):
-            state = empty(state, chunk)
-        return decode(state, chunk, lengths)
-
+    step = _linen_step(module, variables, "lengths")
     rewind = jit(_linen_rewind)
     return Decoder(full, init, step, rewind=rewind, **_bounds(module, capacity))
 
@@ -251,29 +233,34 @@ def _page_size(module, capacity) -> int | None:
 
 def _linen_paged(module: nn.Module, variables, full, page_size: int) -> PagedDecoder:
     """The :class:`PagedDecoder` of a linen module with a paged cache."""
-    empty = _linen_cache(module, deterministic=True, decode=True)
 
     def init(pages: int):
         return _Fresh(1, pages * page_size)  # the pool is made at the first chunk
 
+    step = _linen_step(module, variables, "pages")
+    return PagedDecoder(full, init, step, page_size=page_size)
+
+
+def _linen_step(module: nn.Module, variables, argument: str):
+    """``step(state, chunk, arg)``: one jitted decoding step of a linen module whose
+    ``arg`` is its ``argument=`` (``lengths``, or ``pages`` for a paged cache); a fresh
+    state's cache is made at the first chunk."""
+    empty = _linen_cache(module, deterministic=True, decode=True)
+
     @jit
-    def decode(cache, chunk, batch):
+    def decode(cache, chunk, arg):
         y, state = module.apply(
-            {**variables, "cache": cache},
-            chunk,
-            deterministic=True,
-            decode=True,
-            pages=batch,
-            mutable=["cache"],
-        )
+            {**variables, "cache": cache}, chunk, deterministic=True, decode=True,
+            mutable=["cache"], **{argument: arg},
+        )  # fmt: skip
         return state["cache"], y
 
-    def step(state, chunk, batch):
+    def step(state, chunk, arg):
         if isinstance(state, _Fresh):
             state = empty(state, chunk)
-        return decode(state, chunk, batch)
+        return decode(state, chunk, arg)
 
-    return PagedDecoder(full, init, step, page_size=page_size)
+    return step
 
 
 def _linen_rewind(cache, n):
@@ -337,22 +324,7 @@ def _nnx_decoder(module: _nnx.Module, capacity: int | None) -> Decoder | PagedDe
     page_size = _page_size(module, capacity)
     if page_size is not None:
         return _nnx_paged(graphdef, state, full, page_size)
-
-    def init(batch: int, max_len: int):
-        copy = _nnx.merge(graphdef, state)
-        copy.init_cache(batch, max_len)
-        return _nnx.split(copy)
-
-    @functools.partial(jit, static_argnums=0)
-    def decode(graph, cache_state, chunk, lengths):
-        copy = _nnx.merge(graph, cache_state)
-        y = copy(chunk, decode=True, lengths=lengths, deterministic=True)
-        return _nnx.split(copy)[1], y
-
-    def step(decoder_state, chunk, lengths):
-        graph, cache_state = decoder_state
-        cache_state, y = decode(graph, cache_state, chunk, lengths)
-        return (graph, cache_state), y
+    init, step = _nnx_steps(graphdef, state, "lengths")
 
     @functools.partial(jit, static_argnums=0)
     def take_back(graph, cache_state, n):
@@ -372,24 +344,33 @@ def _nnx_decoder(module: _nnx.Module, capacity: int | None) -> Decoder | PagedDe
 
 def _nnx_paged(graphdef, state, full, page_size: int) -> PagedDecoder:
     """The :class:`PagedDecoder` of an NNX module with a paged cache."""
+    init, step = _nnx_steps(graphdef, state, "pages")
+    return PagedDecoder(full, lambda pages: init(1, pages * page_size), step, page_size=page_size)
 
-    def init(pages: int):
+
+def _nnx_steps(graphdef, state, argument: str):
+    """``(init(batch, capacity), step(decoder_state, chunk, arg))`` of an NNX module: a
+    copy of it with a fresh cache of ``capacity`` slots, and one jitted decoding step
+    whose ``arg`` is the module's ``argument=`` (``lengths``, or ``pages`` for a paged
+    cache)."""
+
+    def init(batch: int, capacity: int):
         copy = _nnx.merge(graphdef, state)
-        copy.init_cache(1, pages * page_size)
+        copy.init_cache(batch, capacity)
         return _nnx.split(copy)
 
     @functools.partial(jit, static_argnums=0)
-    def decode(graph, cache_state, chunk, batch):
+    def decode(graph, cache_state, chunk, arg):
         copy = _nnx.merge(graph, cache_state)
-        y = copy(chunk, decode=True, pages=batch, deterministic=True)
+        y = copy(chunk, decode=True, deterministic=True, **{argument: arg})
         return _nnx.split(copy)[1], y
 
-    def step(decoder_state, chunk, batch):
+    def step(decoder_state, chunk, arg):
         graph, cache_state = decoder_state
-        cache_state, y = decode(graph, cache_state, chunk, batch)
+        cache_state, y = decode(graph, cache_state, chunk, arg)
         return (graph, cache_state), y
 
-    return PagedDecoder(full, init, step, page_size=page_size)
+    return init, step
 
 
 def flax_linen(module: nn.Module, variables):

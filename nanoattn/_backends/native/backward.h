@@ -269,22 +269,17 @@ void backward_by_groups(xla::ffi::ThreadPool& pool, int threads, const Problem& 
 inline int64_t key_group_cost(const Problem& p, const std::vector<Geometry>& geo, int64_t group,
                               int64_t n_groups, int64_t t) {
   const int64_t kg = t % n_groups, kh = (t / n_groups) % p.K, b = t / (n_groups * p.K);
-  int64_t cost = 0;
-  for (int64_t kb = kg * group; kb < std::min((kg + 1) * group, p.n_k()); ++kb) {
-    const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
-    auto [first, last] = query_blocks(p, geo[b], j0, j1);
-    if (!p.fn.kind && !p.q_seg) {
-      cost += last - first + 1;
-      continue;
-    }
+  auto range = [&](int64_t kb) {
+    const int64_t j0 = kb * BK;
+    return query_blocks(p, geo[b], j0, std::min(j0 + BK, p.S));
+  };
+  auto seen = [&](int64_t kb, int64_t qb) {
+    int64_t heads = 0;
     for (int64_t n = kh * p.G; n < (kh + 1) * p.G; ++n)
-      for (int64_t qb = first; qb <= last; ++qb) {
-        const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
-        cost += combine(classify(p, geo[b], i0, i1, j0, j1), fn_block(p, b, n, qb, kb)) !=
-                Block::kSkip;
-      }
-  }
-  return cost;
+      heads += pair_seen(p, geo[b], b, n, qb, kb);
+    return heads;
+  };
+  return task_cost(p, kg, group, p.n_k(), range, seen);
 }
 
 // The other calls: queries (times scale) and output cotangents packed once for the

@@ -362,21 +362,12 @@ void forward_by_groups(xla::ffi::ThreadPool& pool, int threads, const Problem& p
 inline int64_t query_group_cost(const Problem& p, const std::vector<Geometry>& geo,
                                 int64_t group, int64_t n_groups, int64_t t) {
   const int64_t qg = t % n_groups, n = (t / n_groups) % p.N, b = t / (n_groups * p.N);
-  int64_t cost = 0;
-  for (int64_t qb = qg * group; qb < std::min((qg + 1) * group, p.n_q()); ++qb) {
-    const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
-    auto [first, last] = key_blocks(p, geo[b], i0, i1);
-    if (!p.fn.kind && !p.q_seg) {
-      cost += last - first + 1;
-      continue;
-    }
-    for (int64_t kb = first; kb <= last; ++kb) {
-      const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
-      cost += combine(classify(p, geo[b], i0, i1, j0, j1), fn_block(p, b, n, qb, kb)) !=
-              Block::kSkip;
-    }
-  }
-  return cost;
+  auto range = [&](int64_t qb) {
+    const int64_t i0 = qb * BQ;
+    return key_blocks(p, geo[b], i0, std::min(i0 + BQ, p.T));
+  };
+  auto seen = [&](int64_t qb, int64_t kb) { return pair_seen(p, geo[b], b, n, qb, kb); };
+  return task_cost(p, qg, group, p.n_q(), range, seen);
 }
 
 // The other calls: key and value tiles packed once for the whole call, then tasks of

@@ -218,6 +218,33 @@ inline Block combine(Block kind, const FnBlock& fn) {
   return fn.kind == kFnPartial ? Block::kPartial : kind;
 }
 
+// Whether head n of batch row b sees any cell of block pair (qb, kb), by every rule.
+inline bool pair_seen(const Problem& p, const Geometry& g, int64_t b, int64_t n, int64_t qb,
+                      int64_t kb) {
+  const int64_t i0 = qb * BQ, i1 = std::min(i0 + BQ, p.T);
+  const int64_t j0 = kb * BK, j1 = std::min(j0 + BK, p.S);
+  return combine(classify(p, g, i0, i1, j0, j1), fn_block(p, b, n, qb, kb)) != Block::kSkip;
+}
+
+// The cost of a task of blocks [g * group, (g + 1) * group) along one axis (of
+// `n_blocks`): for each block x, the blocks of the other axis `range(x)` = [first, last]
+// that it may see, each counted by `seen(x, y)` (how many heads see the pair) where a
+// mask_fn or segment ids may skip some, all of them otherwise.
+template <class Range, class Seen>
+inline int64_t task_cost(const Problem& p, int64_t g, int64_t group, int64_t n_blocks,
+                         Range range, Seen seen) {
+  int64_t cost = 0;
+  for (int64_t x = g * group; x < std::min((g + 1) * group, n_blocks); ++x) {
+    auto [first, last] = range(x);
+    if (!p.fn.kind && !p.q_seg) {
+      cost += last - first + 1;
+      continue;
+    }
+    for (int64_t y = first; y <= last; ++y) cost += seen(x, y);
+  }
+  return cost;
+}
+
 // Bit c of row r of a partial block's rows layout.
 inline bool bit(const uint8_t* rows, int64_t r, int64_t c) {
   return rows[r * (BK / 8) + c / 8] >> (c % 8) & 1;

@@ -121,23 +121,8 @@ class _Attention(nnx.Module):
 class CausalSelfAttention(_Attention):
     r"""Causal self-attention with grouped-query heads, RoPE, a sliding window,
     soft-capping, QK norm and a KV cache: the NNX twin of
-    ``nanoattn.linen.CausalSelfAttention`` (same math, same parameters).
-
-    .. math::
-
-       y = \mathrm{out}\Big(\mathrm{concat}_n\, \mathrm{softmax}_{j \in \mathrm{allowed}(i)}
-           \big(c \tanh(s\, q_{in} \cdot k_{j,n/G} / c)\big)\, v_{j,n/G}\Big)
-
-    with ``[q | k | v] = qkv(x)`` (columns [Q (N*H) | K (K*H) | V (K*H)]), ``q, k``
-    RMS-normalised (``qk_norm``: per head, or per projection) and then rotated by
-    RoPE at their positions (``rope_base``, with ``rope_scaling``, ``rotary_dim``
-    and ``rope_layout``), ``s = scale`` (``1 / sqrt(H)`` by default), query head n
-    reading key/value head ``n // G``, and ``c = logit_soft_cap`` (no tanh when
-    None). Query i may see key j iff ``j <= i``, ``i - left <= j <= i + right``
-    (``window``), the ``mask`` and the call's ``mask_fn`` allow it and, when
-    packing, both have the same segment id. With ``sinks`` the softmax's denominator
-    also holds ``exp(sinks[n])`` for head n (no value is attended for it), and a
-    call's ``score_fn`` modifies the scaled logits before the soft-cap.
+    ``nanoattn.linen.CausalSelfAttention`` (same math, same parameters: its docstring
+    has the formula and every rule of which key a query may see).
 
     Parameters (``nnx.Param``), named and shaped as the linen module's, so
     ``from_linen``/``to_linen`` convert them::

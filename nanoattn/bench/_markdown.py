@@ -1,0 +1,17 @@
+"""The markdown tables of the bench's parts: one row per measured item, or its status
+where it was not measured."""
+
+
+def table(header: str, columns: int, rows, label, cells, status) -> list[str]:
+    """The lines of a markdown table of ``columns`` columns: ``header`` (its first
+    line) and the rule under it, then a line per row: ``label(row)`` (its first cells,
+    as ``"| a | b |"``), then ``cells(row)`` (the other cells) when the row was measured
+    (status ``"ok"``), else ``status(row)`` and empty cells."""
+    lines = [header, "|" + " --- |" * columns]
+    for r in rows:
+        head = label(r)
+        if r["status"] != "ok":
+            lines.append(f"{head} {status(r)} |" + " |" * (columns - head.count("|")))
+        else:
+            lines.append(f"{head} " + " | ".join(cells(r)) + " |")
+    return lines
