@@ -25,10 +25,11 @@ pytestmark = pytest.mark.skipif(
 N, K, H = 8, 2, 20  # G = 4; H = 20: whole vectors and a tail on AVX2 and AVX-512
 
 
-def _pool(lengths, q_lens, page_size, seed, M=None, garbage=True):
-    """A paged batch: pages in shuffled physical order, NaN in every slot no sequence
-    holds, and (``garbage``) stale ids in every entry of the table past the held pages
-    (negative, past the pool, and pages of other sequences)."""
+def _pool(lengths, q_lens, page_size, seed, M=None, garbage=True, kv_heads=K):
+    """A paged batch of ``kv_heads`` key/value heads: pages in shuffled physical order,
+    NaN in every slot no sequence holds, and (``garbage``) stale ids in every entry of
+    the table past the held pages (negative, past the pool, and pages of other
+    sequences)."""
     rng = np.random.default_rng(seed)
     held = [-(-n // page_size) for n in lengths]
     M = max(held) + 1 if M is None else M
@@ -41,7 +42,8 @@ def _pool(lengths, q_lens, page_size, seed, M=None, garbage=True):
         table[b, :count] = order[used : used + count]
         table[b, count:] = rng.choice(stale, M - count) if garbage else 0
         used += count
-    kp, vp = randn(seed + 1, P, page_size, K, H), randn(seed + 2, P, page_size, K, H)
+    kp = randn(seed + 1, P, page_size, kv_heads, H)
+    vp = randn(seed + 2, P, page_size, kv_heads, H)
     readable = np.zeros((P, page_size), bool)
     for b, n in enumerate(lengths):
         for j in range(held[b]):
@@ -55,14 +57,14 @@ def _pool(lengths, q_lens, page_size, seed, M=None, garbage=True):
 def _truth(arrays, window=None):
     """The float64 output and log-sum-exp of each sequence alone."""
     q, kp, vp, table, lengths, starts = arrays
-    page_size = kp.shape[1]
+    page_size, kv_heads = kp.shape[1], kp.shape[2]
     out, lse = np.zeros(q.shape), np.full(q.shape[:2], -np.inf)
     for b, n in enumerate(lengths):
         rows = slice(starts[b], starts[b + 1])
         q_len = starts[b + 1] - starts[b]
         pages = table[b, : -(-n // page_size)]
-        keys = kp[pages].reshape(-1, K, H)[:n][None]
-        values = vp[pages].reshape(-1, K, H)[:n][None]
+        keys = kp[pages].reshape(-1, kv_heads, H)[:n][None]
+        values = vp[pages].reshape(-1, kv_heads, H)[:n][None]
         positions = n - q_len + np.arange(q_len)[:, None]
         j = np.arange(n)[None]
         allowed = j <= positions
@@ -170,3 +172,101 @@ def test_a_paged_mask_fn_is_refused_in_one_line_and_served_automatically():
     chosen = nanoattn.paged_attention(*arrays, mask_fn=mask_fn)  # by another backend
     want = nanoattn.paged_attention(*arrays, mask_fn=mask_fn, implementation="xla")
     np.testing.assert_allclose(chosen, want, atol=2e-5, rtol=2e-5)
+
+
+# --- split-key decode: a sequence's keys cut into pieces across threads -------------------
+
+SPLIT_LENGTHS = [1, 512, 513, 2049, 3000]  # one key, one piece, one piece and a key, long
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3", "4"])
+def test_split_key_decode_equals_float64_on_every_thread_count(threads, monkeypatch):
+    """Decode tokens (and a two-token chunk) of sequences of 1, 512, 513, 2049 and 3000
+    keys, MQA (K = 1 of N = 8: one task a sequence, nothing to share but its keys), pages
+    of 16 holding NaN past each sequence: on 1 to 4 threads (twice the cores), split or
+    not, each row equals its sequence alone in float64, with a window ending inside a
+    piece too, and runs again bitwise the same on the same thread count."""
+    monkeypatch.setenv("NANOATTN_NUM_THREADS", threads)
+    arrays = _pool(SPLIT_LENGTHS, [1, 1, 1, 2, 1], 16, seed=29, kv_heads=1)
+    end = arrays[-1][-1]
+    for window in (None, 700):
+        rules = {} if window is None else dict(window=(window, 0))
+        out, lse = _native(arrays, **rules)
+        want, want_lse = _truth(arrays, window)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"{window}")
+        np.testing.assert_allclose(lse[:end], want_lse[:end], atol=2e-5, rtol=2e-5)
+        again = _native(arrays, **rules)
+        np.testing.assert_array_equal(out, again[0])
+
+
+def test_a_split_piece_that_sees_nan_makes_its_row_nan_and_no_other(monkeypatch):
+    """NaN in one key of a long sequence, read by the later of its pieces: its row's
+    output is NaN on two threads (the pieces merged), the other sequences' rows are not."""
+    monkeypatch.setenv("NANOATTN_NUM_THREADS", "2")
+    arrays = list(_pool([3000, 700], [1, 1], 16, seed=31, kv_heads=1))
+    q, kp, vp, table, lengths, starts = arrays
+    kp = kp.copy()
+    page, slot = table[0, 2500 // 16], 2500 % 16
+    kp[page, slot] = np.nan
+    out, _ = _native((q, kp, vp, table, lengths, starts))
+    assert np.isnan(np.asarray(out[0])).all()
+    assert np.isfinite(np.asarray(out[1])).all()
+
+
+def test_a_full_cache_decodes_in_place_as_the_pages_do():
+    """A dense decoding step (T = 2 at per-row offsets, key lengths) on native reads the
+    cache in place by the paged pass: equal to float64, to the same keys as pages, and
+    its gradients to the reference's; NaN past each row's length never read."""
+    from nanoattn._backends.native.kernel import decodes_in_place
+
+    B, T, S = 3, 2, 600
+    lengths = np.array([7, 600, 431])
+    q, k, v = randn(41, B, T, N, H), randn(42, B, S, K, H), randn(43, B, S, K, H)
+    for b, n in enumerate(lengths):
+        k[b, n:], v[b, n:] = np.nan, np.inf
+    rules = dict(is_causal=True, q_offset=lengths - T, kv_lengths=lengths)
+    spec = nanoattn._base.rules.Rules.make(q, k, v, **rules)
+    assert decodes_in_place(spec)
+
+    def call(impl, q, k, v):
+        return nanoattn.dot_product_attention(q, k, v, implementation=impl, **rules)
+
+    out = call("native", q, k, v)
+    for b, n in enumerate(lengths):
+        allowed = np.arange(n)[None] <= (n - T + np.arange(T))[:, None]
+        want = np_attention(q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], allowed)[0]
+        np.testing.assert_allclose(out[b], want, atol=2e-5, rtol=2e-5)
+    pages = _native((q.reshape(B * T, N, H), k, v, np.arange(B, dtype=np.int32)[:, None],
+                     lengths.astype(np.int32), np.arange(B + 1, dtype=np.int32) * T))[0]
+    np.testing.assert_array_equal(out.reshape(B * T, N, H), pages[: B * T])
+    clean = [np.nan_to_num(x, nan=0.0, posinf=0.0) for x in (k, v)]
+    # queries at offsets of their own, not at the end of their keys: causality alone
+    # (no key lengths) bounds what each row reads
+    offsets = dict(is_causal=True, q_offset=np.array([3, 100, 250]))
+    got = nanoattn.dot_product_attention(q, *clean, implementation="native", **offsets)
+    want = nanoattn.dot_product_attention(q, *clean, implementation="xla", **offsets)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    grads = [jax.grad(lambda *a, i=impl: (call(i, *a) ** 2).sum(), argnums=(0, 1, 2))(
+        jnp.asarray(q), *map(jnp.asarray, clean)) for impl in ("native", "xla")]  # fmt: skip
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_values_of_their_own_width_are_read_in_place():
+    """Value pages of width Hv = 11 (H = 20): native's paged pass reads them as they are,
+    and a dense call pads the narrower width; both equal the reference."""
+    arrays = _pool([70, 1, 33], [41, 1, 1], 16, seed=37)
+    q, kp, _, table, lengths, starts = arrays
+    vp = randn(38, kp.shape[0], 16, K, 11)
+    want = nanoattn.paged_attention(q, kp, vp, table, lengths, starts, implementation="xla")
+    got = nanoattn.paged_attention(
+        *(jnp.asarray(x) for x in (q, kp, vp)), table, lengths, starts, implementation="native"
+    )
+    end = starts[-1]
+    np.testing.assert_allclose(got[:end], want[:end], atol=2e-5, rtol=2e-5)
+    qd, kd, vd = randn(39, 2, 3, N, H), randn(40, 2, 9, K, H), randn(41, 2, 9, K, 11)
+    for T in (3, 20):  # a decoding step read in place, and the dense pass
+        qd = randn(39, 2, T, N, H)
+        want = nanoattn.dot_product_attention(qd, kd, vd, implementation="xla")
+        got = nanoattn.dot_product_attention(qd, kd, vd, implementation="native")
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

@@ -84,22 +84,26 @@ def test_blocks_of_queries_read_quantized_keys_like_a_decode_step(implementation
 
 def test_native_reads_the_stored_int8_keys_without_a_float_copy():
     """The native kernel takes the int8 arrays themselves: its call's operands are int8
-    and nothing converts the cache to float before it (dense and paged)."""
+    and nothing converts the cache to float before it (dense, a dense decoding step
+    read in place by the paged pass, and paged)."""
     q = jnp.asarray(randn(0, B, T, N, H))
+    long_q = jnp.asarray(randn(0, B, 17, N, H))  # more rows than a decoding step (16)
     (kq, ks), (vq, vs) = _quantized(1, "int8"), _quantized(2, "int8")
-    rules = dict(is_causal=True, q_offset=OFFSET, key_scales=ks, value_scales=vs)
-    require("native", q, kq, vq, **rules)
+    rules = dict(is_causal=True, key_scales=ks, value_scales=vs)
+    require("native", q, kq, vq, q_offset=OFFSET, **rules)
     table, lengths, starts = np.array([[0, 1, 2, 3]], np.int32), np.array([11]), np.array([0, 5])
     pages = [nanoattn.quantize_kv(randn(seed, 4, 3, K, H)) for seed in (3, 4)]
-    calls = {
-        "nanoattn_forward_quantized": lambda q: nanoattn.dot_product_attention(
-            q, kq, vq, **rules, implementation="native"),
-        "nanoattn_paged_forward_quantized": lambda q: nanoattn.paged_attention(
-            q[0], pages[0][0], pages[1][0], table, lengths, starts, key_scales=pages[0][1],
-            value_scales=pages[1][1], implementation="native"),
-    }  # fmt: skip
-    for target, call in calls.items():
-        text = jax.jit(call).lower(q).as_text()
+    calls = [
+        ("nanoattn_forward_quantized", long_q, lambda q: nanoattn.dot_product_attention(
+            q, kq, vq, q_offset=0, **rules, implementation="native")),
+        ("nanoattn_paged_forward_quantized", q, lambda q: nanoattn.dot_product_attention(
+            q, kq, vq, q_offset=OFFSET, **rules, implementation="native")),
+        ("nanoattn_paged_forward_quantized", q[0], lambda q: nanoattn.paged_attention(
+            q, pages[0][0], pages[1][0], table, lengths, starts, key_scales=pages[0][1],
+            value_scales=pages[1][1], implementation="native")),
+    ]  # fmt: skip
+    for target, x, call in calls:
+        text = jax.jit(call).lower(x).as_text()
         line = next(x for x in text.splitlines() if target in x)
         assert line.count("xi8>") >= 2, line  # keys and values as stored
         assert "xi8>) -> tensor" not in text.replace(line, ""), "a convert of the cache"

@@ -223,7 +223,8 @@ ffi::Error paged_problem(const QBuf& q, const PoolBuf& key_pages, const PoolBuf&
                          const ffi::Buffer<ffi::S32>& table,
                          const ffi::Buffer<ffi::S32>& kv_lengths,
                          const ffi::Buffer<ffi::S32>& starts, const ffi::Buffer<ffi::U8>& real,
-                         float scale, float soft_cap, int64_t left, int64_t right, Paged& p) {
+                         const ffi::Buffer<ffi::S32>& offsets, float scale, float soft_cap,
+                         int64_t left, int64_t right, Paged& p) {
   const auto qd = q.dimensions(), kd = key_pages.dimensions(), vd = value_pages.dimensions();
   const auto td = table.dimensions();
   auto bad = [](const char* what) {
@@ -231,9 +232,9 @@ ffi::Error paged_problem(const QBuf& q, const PoolBuf& key_pages, const PoolBuf&
   };
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2)
     return bad("q needs (Tq, N, H), the pages (P, page_size, K, H), the table (B, M)");
-  for (size_t a = 0; a < 4; ++a)
+  for (size_t a = 0; a < 3; ++a)
     if (kd[a] != vd[a]) return bad("key and value pages differ");
-  p.Tq = qd[0], p.N = qd[1], p.H = qd[2];
+  p.Tq = qd[0], p.N = qd[1], p.H = qd[2], p.Hv = vd[3];
   p.P = kd[0], p.page_size = kd[1], p.K = kd[2];
   p.B = td[0], p.M = td[1];
   if (kd[3] != p.H || p.K == 0 || p.N % p.K || p.page_size == 0)
@@ -242,8 +243,12 @@ ffi::Error paged_problem(const QBuf& q, const PoolBuf& key_pages, const PoolBuf&
       static_cast<int64_t>(starts.element_count()) != p.B + 1 ||
       static_cast<int64_t>(real.element_count()) != p.Tq)
     return bad("kv_lengths need (B,), starts (B + 1,) and real (Tq,)");
+  const int64_t given = static_cast<int64_t>(offsets.element_count());
+  if (given != 0 && given != p.B) return bad("offsets need (B,) or nothing");
+  p.offsets = given ? offsets.typed_data() : nullptr;
   p.G = p.N / p.K;
   p.Hp = (p.H + VW - 1) / VW * VW;
+  p.Hvp = (p.Hv + VW - 1) / VW * VW;
   p.scale = scale, p.soft_cap = soft_cap, p.left = left, p.right = right;
   p.table = table.typed_data(), p.kv_lengths = kv_lengths.typed_data();
   p.starts = starts.typed_data(), p.real = real.typed_data();
@@ -256,12 +261,12 @@ template <ffi::DataType DT>
 ffi::Error PagedForward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> key_pages,
                         ffi::Buffer<DT> value_pages, ffi::Buffer<ffi::S32> table,
                         ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> starts,
-                        ffi::Buffer<ffi::U8> real, float scale, float soft_cap, int64_t left,
-                        int64_t right, ffi::ResultBuffer<ffi::F32> out,
-                        ffi::ResultBuffer<ffi::F32> lse) {
+                        ffi::Buffer<ffi::U8> real, ffi::Buffer<ffi::S32> offsets, float scale,
+                        float soft_cap, int64_t left, int64_t right,
+                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   Paged p;
   ffi::Error err = paged_problem(q, key_pages, value_pages, table, kv_lengths, starts, real,
-                                 scale, soft_cap, left, right, p);
+                                 offsets, scale, soft_cap, left, right, p);
   if (err.failure()) return err;
   return paged_run(pool, p, q.typed_data(), key_pages.typed_data(), value_pages.typed_data(),
                    out->typed_data(), lse->typed_data());
@@ -274,14 +279,15 @@ ffi::Error PagedForwardQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                  ffi::Buffer<ffi::F32> key_scales,
                                  ffi::Buffer<ffi::F32> value_scales, ffi::Buffer<ffi::S32> table,
                                  ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> starts,
-                                 ffi::Buffer<ffi::U8> real, float scale, float soft_cap,
-                                 int64_t left, int64_t right, ffi::ResultBuffer<ffi::F32> out,
+                                 ffi::Buffer<ffi::U8> real, ffi::Buffer<ffi::S32> offsets,
+                                 float scale, float soft_cap, int64_t left, int64_t right,
+                                 ffi::ResultBuffer<ffi::F32> out,
                                  ffi::ResultBuffer<ffi::F32> lse) {
   Paged p;
   ffi::Error err = paged_problem(q, key_pages, value_pages, table, kv_lengths, starts, real,
-                                 scale, soft_cap, left, right, p);
+                                 offsets, scale, soft_cap, left, right, p);
   if (err.failure()) return err;
-  const size_t tokens = static_cast<size_t>(p.P * p.page_size * p.K);
+  const size_t tokens = static_cast<size_t>(p.P * p.page_size * p.K);  // scales a pool
   if (key_pages.element_type() != value_pages.element_type() ||
       key_scales.element_count() != tokens || value_scales.element_count() != tokens)
     return ffi::Error::InvalidArgument(
@@ -316,7 +322,8 @@ ffi::Error PagedForwardQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   .Arg<ffi::Buffer<ffi::S32>>()     /* page_table */                                  \
       .Arg<ffi::Buffer<ffi::S32>>() /* kv_lengths */                                  \
       .Arg<ffi::Buffer<ffi::S32>>() /* query_starts */                                \
-      .Arg<ffi::Buffer<ffi::U8>>()  /* real rows */
+      .Arg<ffi::Buffer<ffi::U8>>()  /* real rows */                                   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* offsets (B,) or (0,) */
 #define NANOATTN_RULES \
   .Attr<float>("scale").Attr<float>("soft_cap").Attr<int64_t>("left").Attr<int64_t>("right")
 #define NANOATTN_FORWARD_OUTPUTS \

@@ -3,7 +3,9 @@ float32 or bfloat16, no dense mask, bias, ``score_fn`` or dropout, a Python numb
 ``scale``; ``mask_fn`` served from its block classification and the bits of its partial
 blocks (a traced one while those bits stay small); built on the first call it may serve.
 Paged calls (``nanoattn.paged_attention``) by its paged forward pass (:mod:`.paged`),
-every rule above but ``mask_fn``. Quantized keys and values (int8, float8_e4m3fn with
+every rule above but ``mask_fn``. Values of a width Hv of their own (multi-head latent
+attention): read as they are by the paged pass; a dense call pads the narrower width
+with zeros. Quantized keys and values (int8, float8_e4m3fn with
 their scales) dense and paged, read and scaled as the blocks are packed or loaded (the
 query widened to float32); no gradients through them."""
 
@@ -30,7 +32,7 @@ class Native:
     priority = 2
     serves = frozenset(
         {"is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap", "mask_fn", "sinks",
-         "page_table", "kv_scales"}
+         "page_table", "kv_scales", "value_width"}
     )  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
@@ -57,10 +59,26 @@ class Native:
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
                  tiles=None):  # fmt: skip
-        return _run(native_attention, query, key, value, rules)
+        if rules.Hv == rules.H:
+            return _run(native_attention, query, key, value, rules)
+        # values of a width of their own: the narrower of the two widths padded with
+        # zeros (a query and key padded dot the same; a value padded adds zero columns),
+        # the output cut back to Hv.
+        width = max(rules.H, rules.Hv)
+        query, key, value = (_padded(x, width) for x in (query, key, value))
+        result = _run(native_attention, query, key, value, rules.replace(H=width, Hv=width))
+        if rules.return_residual:
+            return result[0][..., : rules.Hv], result[1]
+        return result[..., : rules.Hv]
 
     def paged(self, query, key_pages, value_pages, rules):
         return _run(native_paged_attention, query, key_pages, value_pages, rules)
+
+
+def _padded(x, width: int):
+    """``x`` (..., H) with zero columns up to ``width``."""
+    pad = width - x.shape[-1]
+    return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
 def _run(attention, query, key, value, rules):

@@ -43,6 +43,11 @@ TRACED_BITS_LIMIT = 16 * 2**20
 # traced, and become a constant of the compiled program, up to this many bytes (1,024 a
 # block); more are computed at run time, in every call.
 CONSTANT_BITS_LIMIT = 8 * 2**20
+# A dense call of at most this many queries per row and no segment ids or mask_fn (a
+# decoding step over a full cache) is served by the paged pass, each row of the cache a
+# page read in place (:func:`_decode`): no key block is packed, and only the keys each
+# row may see are read.
+DECODE_ROWS = 16
 
 
 def native_attention(query, key, value, rules: Rules):
@@ -63,9 +68,94 @@ def native_attention(query, key, value, rules: Rules):
       sees no key (the convention of the flash kernel and of ``jax.nn``'s
       residuals). Quantized keys: differentiating raises NO_QUANTIZED_GRADIENTS.
     """
+    if decodes_in_place(rules):
+        return _decode(query, key, value, rules)
     if rules.key_scales is not None:
         return _attend_quantized(*_quantized_operands(query, key, value, rules))
     return _attend(*_operands(query, key, value, rules))
+
+
+def decodes_in_place(rules: Rules) -> bool:
+    """Whether a dense call is served by the paged pass over its cache in place: 1 to
+    DECODE_ROWS queries a row, at least one key, no segment ids and no mask_fn."""
+    decode = 1 <= rules.T <= DECODE_ROWS and rules.S >= 1
+    return decode and rules.q_segment_ids is None and rules.mask_fn is None
+
+
+def _decode(query, key, value, rules: Rules):
+    """A dense decoding call by the paged pass (paged.h): row b of the cache (S, K, H) is
+    page b of a pool of B pages of S slots, read in place up to ``kv_lengths[b]`` (or
+    S) and within the band of its queries, which sit at ``q_offset`` + t. The gradients
+    (float keys and values) are the dense backward pass's, from the same output and
+    log-sum-exp."""
+    B, T, N, _ = query.shape
+    offsets, lengths = _rows(rules)[:2]
+    if rules.key_scales is not None:
+        operands = (query.astype(_F32), key, value, rules.key_scales.astype(_F32),
+                    rules.value_scales.astype(_F32))  # fmt: skip
+        return _decode_quantized(operands, offsets, lengths, static_rules(rules))
+    key, value = key.astype(query.dtype), value.astype(query.dtype)
+    return _decoded(query, key, value, _rows(rules), static_rules(rules))
+
+
+def _decode_forward(operands, offsets, lengths, attributes):
+    """(out (B, T, N, Hv), lse (B, T, N)), float32: the paged pass over the dense cache;
+    ``operands``: q (B, T, N, H), k, v (B, S, K, H|Hv), and the scales (B, S, K) of
+    quantized keys and values."""
+    q = operands[0]
+    B, T, N, _ = q.shape
+    Hv = operands[2].shape[-1]
+    quantized = len(operands) == 5
+    target = "nanoattn_paged_forward" + (
+        "_quantized" if quantized else TARGET_SUFFIX[q.dtype]
+    )
+    call = jax.ffi.ffi_call(
+        target,
+        (jax.ShapeDtypeStruct((B * T, N, Hv), _F32), jax.ShapeDtypeStruct((B * T, N), _F32)),
+        vmap_method="sequential",
+    )
+    table = jnp.arange(B, dtype=jnp.int32)[:, None]  # row b: page b, one page of S slots
+    starts = jnp.arange(B + 1, dtype=jnp.int32) * T
+    real = jnp.ones((B * T,), jnp.uint8)
+    out, lse = call(
+        q.reshape(B * T, N, -1), *operands[1:], table, lengths.astype(jnp.int32), starts, real,
+        offsets.astype(jnp.int32), **_attributes(attributes),
+    )  # fmt: skip
+    return out.reshape(B, T, N, Hv), lse.reshape(B, T, N)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _decoded(q, k, v, rows, attributes):
+    return _decode_forward((q, k, v), rows[0], rows[1], attributes)
+
+
+def _decoded_fwd(q, k, v, rows, attributes):
+    out, lse = _decode_forward((q, k, v), rows[0], rows[1], attributes)
+    return (out, lse), (q, k, v, out, lse, rows)
+
+
+def _decoded_bwd(attributes, residuals, cotangents):
+    dq, dk, dv = _attend_bwd(attributes, residuals, cotangents)[:3]
+    return dq, dk, dv, (None,) * len(residuals[-1])
+
+
+_decoded.defvjp(_decoded_fwd, _decoded_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _decode_quantized(operands, offsets, lengths, attributes):
+    return _decode_forward(operands, offsets, lengths, attributes)
+
+
+def _decode_quantized_fwd(operands, offsets, lengths, attributes):
+    return _decode_quantized(operands, offsets, lengths, attributes), None
+
+
+def _decode_quantized_bwd(attributes, residuals, cotangents):
+    raise ValueError(NO_QUANTIZED_GRADIENTS)
+
+
+_decode_quantized.defvjp(_decode_quantized_fwd, _decode_quantized_bwd)
 
 
 @functools.cache

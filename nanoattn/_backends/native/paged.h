@@ -51,15 +51,19 @@ constexpr int kPagedAhead = 2;     // tiles whose lines are fetched ahead of the
 static_assert(kPagedKeys % VW == 0 && kPagedKeys % 2 == 0, "tiles must hold whole vectors");
 static_assert(kPagedBlock == 4, "paged_dots sums 4 query vectors x 2 keys at once (hsum8)");
 
-// A paged call: sizes, rules and the run-time inputs.
+// A paged call: sizes, rules and the run-time inputs. Hv (padded: Hvp) is the values'
+// width, H's unless the values have a width of their own (multi-head latent attention).
 struct Paged {
-  int64_t Tq, N, K, G, H, Hp, P, page_size, B, M;
+  int64_t Tq, N, K, G, H, Hp, Hv, Hvp, P, page_size, B, M;
   float scale, soft_cap;  // soft_cap 0: none
   int64_t left, right;    // the band, -1: unbounded
   const int32_t* table;   // (B, M)
   const int32_t* kv_lengths;  // (B,)
   const int32_t* starts;  // (B + 1,)
   const uint8_t* real;    // (Tq,)
+  // the position of each sequence's first query (B,); null: its last q_len positions,
+  // kv_lengths[b] - q_len (a dense cache read in place gives its rows' offsets)
+  const int32_t* offsets = nullptr;
   // quantized pools' scales (P, page_size, K), float32; null for float pools
   const float* key_scales = nullptr;
   const float* value_scales = nullptr;
@@ -73,9 +77,12 @@ struct Paged {
   int64_t rows_per_task() const { return std::max<int64_t>(1, kPagedVectors / G); }
 };
 
-// One task: sequence b, key/value heads [kh0, kh1), rows [r0, r1) of the query.
+// One task: sequence b, key/value heads [kh0, kh1), rows [r0, r1) of the query, and the
+// piece [lo, hi) of the keys it reads (all of them unless the task is split: then its
+// running maxima, sums and outputs go to `slot` of the call's pieces, merged after).
 struct PagedTask {
   int64_t b, kh0, kh1, r0, r1;
+  int64_t lo = 0, hi = INT64_MAX, slot = -1;
 };
 
 // VW elements from p as float32: bfloat16 widened in registers (a shift into the high
@@ -177,9 +184,10 @@ void paged_values(const float* p, const In* const* vrow, int64_t n, int64_t Hp, 
 // A task's scratch, kept per thread from call to call (grown to the largest need).
 struct PagedScratch {
   std::vector<float> q, s, o, m, l, scales;
-  void fit(int64_t vectors, int64_t Hp, int64_t heads) {
+  void fit(int64_t vectors, int64_t Hp, int64_t Hvp, int64_t heads) {
     const size_t n = static_cast<size_t>(vectors);
-    if (q.size() < n * Hp) q.resize(n * Hp), o.resize(n * Hp);
+    if (q.size() < n * Hp) q.resize(n * Hp);
+    if (o.size() < n * Hvp) o.resize(n * Hvp);
     if (s.size() < n * kPagedKeys) s.resize(n * kPagedKeys);
     if (m.size() < n) m.resize(n), l.resize(n);
     const size_t tiles = kPagedAhead + 1;  // [tile % tiles][keys, values][head][key]
@@ -204,12 +212,13 @@ struct PagedWork {
 // row is real: the task has nothing to write.
 inline bool paged_keys(const Paged& p, const PagedTask& task, PagedWork& w) {
   const int64_t b = task.b, length = p.length(b), q_len = p.end(b) - p.first(b);
-  w.base = length - q_len + (task.r0 - p.first(b));  // position of row r0
+  const int64_t start = p.offsets ? p.offsets[b] : length - q_len;  // position of row 0
+  w.base = start + (task.r0 - p.first(b));  // position of row r0
   int64_t top = -1, bottom = -1;
   for (int64_t r = 0; r < w.rows; ++r)
     if (p.real[task.r0 + r]) top = w.base + r, bottom = bottom < 0 ? w.base + r : bottom;
   if (top < 0) return false;
-  w.lo = 0, w.hi = length;
+  w.lo = std::max<int64_t>(0, task.lo), w.hi = std::min(length, task.hi);
   if (p.right >= 0) w.hi = std::min(w.hi, top + p.right + 1);
   if (p.left >= 0) w.lo = std::max<int64_t>(w.lo, bottom - p.left);
   return true;
@@ -221,7 +230,7 @@ template <class Q>
 void paged_queries(const Paged& p, const Q* q, const PagedTask& task, const PagedWork& w) {
   const int64_t G = p.G, Hp = p.Hp, H = p.H;
   std::fill(w.qs, w.qs + w.vectors * Hp, 0.0f);
-  std::fill(w.o, w.o + w.vectors * Hp, 0.0f);
+  std::fill(w.o, w.o + w.vectors * p.Hvp, 0.0f);
   std::fill(w.m, w.m + w.vectors, -kInf);
   std::fill(w.l, w.l + w.vectors, 0.0f);
   for (int64_t hh = 0; hh < w.heads; ++hh)
@@ -258,24 +267,26 @@ struct PagedTiles {
     const In** keys = rows_of[parity][0];
     const In** values = rows_of[parity][1];
     const int32_t* pages = p.table + task.b * p.M;
-    const int64_t run_bytes = heads * p.H * static_cast<int64_t>(sizeof(In));
+    const int64_t key_bytes = heads * p.H * static_cast<int64_t>(sizeof(In));
+    const int64_t value_bytes = heads * p.Hv * static_cast<int64_t>(sizeof(In));
     const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
       const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
       const int64_t token = (page * p.page_size + slot) * p.K + task.kh0;
       keys[c] = kp + token * p.H;
-      values[c] = vp + token * p.H;
+      values[c] = vp + token * p.Hv;
       if constexpr (quantized)
         for (int64_t hh = 0; hh < heads; ++hh) {
           scales_at(parity, 0, hh)[c] = p.key_scales[token + hh];
           scales_at(parity, 1, hh)[c] = p.value_scales[token + hh];
         }
-      if (prefetch)
-        for (int64_t byte = 0; byte < run_bytes; byte += 64) {
+      if (prefetch) {
+        for (int64_t byte = 0; byte < key_bytes; byte += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(keys[c]) + byte);
+        for (int64_t byte = 0; byte < value_bytes; byte += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(values[c]) + byte);
-        }
+      }
       if (++slot == p.page_size) slot = 0, ++entry;
     }
     if constexpr (quantized)
@@ -326,9 +337,9 @@ void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t pos, i
   w.l[v] = w.l[v] * alpha + hsum(sum);
   w.m[v] = m_new;
   if (alpha != 1.0f) {
-    float* orow = w.o + v * p.Hp;
+    float* orow = w.o + v * p.Hvp;
     const vf a = splat(alpha);
-    for (int64_t h = 0; h < p.Hp; h += VW) store(orow + h, load(orow + h) * a);
+    for (int64_t h = 0; h < p.Hvp; h += VW) store(orow + h, load(orow + h) * a);
   }
 }
 
@@ -338,18 +349,17 @@ template <class In>
 void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
                 const PagedTiles<In>& tiles, int64_t hh, int parity, int64_t j0, int64_t n) {
   constexpr bool quantized = kQuantized<In>;
-  const int64_t G = p.G, Hp = p.Hp, H = p.H, padded = w.padded;
-  const int64_t shift_h = hh * H;  // head kh0 + hh within the token rows
+  const int64_t G = p.G, Hp = p.Hp, H = p.H, Hvp = p.Hvp, padded = w.padded;
   const In* krow[kPagedKeys];
   const In* vrow[kPagedKeys];
-  for (int64_t c = 0; c < n; ++c) {
-    krow[c] = tiles.rows_of[parity][0][c] + shift_h;
-    vrow[c] = tiles.rows_of[parity][1][c] + shift_h;
+  for (int64_t c = 0; c < n; ++c) {  // head kh0 + hh within the token rows
+    krow[c] = tiles.rows_of[parity][0][c] + hh * H;
+    vrow[c] = tiles.rows_of[parity][1][c] + hh * p.Hv;
   }
   const float* kscale = quantized ? tiles.scales_at(parity, 0, hh) : nullptr;
   const float* vscale = tiles.scales_at(parity, 1, hh);
   float* qh = w.qs + hh * padded * Hp;
-  float* oh = w.o + hh * padded * Hp;
+  float* oh = w.o + hh * padded * Hvp;
   for (int64_t i = 0; i < padded; i += kPagedBlock)
     paged_dots(qh + i * Hp, Hp, H, krow, n, kscale, w.s + i * kPagedKeys);
   for (int64_t i = 0; i < padded; ++i) {
@@ -362,29 +372,51 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
     paged_softmax<In>(p, w, hh * padded + i, w.base + r, j0, n, vscale, row);
   }
   for (int64_t i = 0; i < padded; i += kPagedBlock)
-    paged_values(w.s + i * kPagedKeys, vrow, n, Hp, H, oh + i * Hp);
+    paged_values(w.s + i * kPagedKeys, vrow, n, Hvp, p.Hv, oh + i * Hvp);
 }
 
-// The task's real rows' outputs o / l and log-sum-exp m + log l, or zeros and -inf for
-// a row that saw nothing.
-inline void paged_finish(const Paged& p, const PagedTask& task, const PagedWork& w, float* out,
-                         float* lse) {
-  const int64_t G = p.G, Hp = p.Hp, H = p.H;
+// Query head `head` of row t's output o / l and log-sum-exp m + log l, or zeros and -inf
+// for a row that saw nothing (o is Hvp wide).
+inline void paged_output(const Paged& p, int64_t t, int64_t head, float m, float l,
+                         const float* o, float* out, float* lse) {
+  float* dst = out + (t * p.N + head) * p.Hv;
+  if (l != 0) {  // l >= 1 for a row that sees a key; NaN from NaN or inf content
+    const float inv = 1.0f / l;
+    for (int64_t h = 0; h < p.Hv; ++h) dst[h] = o[h] * inv;
+    lse[t * p.N + head] = m + std::log(l);
+  } else {
+    std::fill(dst, dst + p.Hv, 0.0f);
+    lse[t * p.N + head] = -kInf;  // the log-sum-exp of no logit
+  }
+}
+
+// The pieces of split tasks: per slot, each query vector's running maximum, sum and
+// output (Hvp), as the piece left them; `at[slot]` is where a slot starts.
+struct PagedPieces {
+  int64_t stride = 0;  // floats a query vector: 2 + Hvp
+  std::vector<int64_t> at;
+  std::vector<float> data;
+  float* vector(int64_t slot, int64_t v) { return data.data() + at[slot] + v * stride; }
+};
+
+// The task's real rows' outputs (paged_output), or, for a piece of a split task, its
+// maxima, sums and outputs into its slot of `pieces`.
+inline void paged_finish(const Paged& p, const PagedTask& task, const PagedWork& w,
+                         PagedPieces& pieces, float* out, float* lse) {
+  const int64_t G = p.G, Hvp = p.Hvp;
   for (int64_t hh = 0; hh < w.heads; ++hh)
     for (int64_t r = 0; r < w.rows; ++r) {
       const int64_t t = task.r0 + r;
       if (!p.real[t]) continue;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t v = hh * w.padded + r * G + g, head = (task.kh0 + hh) * G + g;
-        float* dst = out + (t * p.N + head) * H;
-        if (w.l[v] != 0) {  // l >= 1 for a row that sees a key; NaN from NaN or inf content
-          const float inv = 1.0f / w.l[v];
-          for (int64_t h = 0; h < H; ++h) dst[h] = w.o[v * Hp + h] * inv;
-          lse[t * p.N + head] = w.m[v] + std::log(w.l[v]);
-        } else {
-          std::fill(dst, dst + H, 0.0f);
-          lse[t * p.N + head] = -kInf;  // the log-sum-exp of no logit
+        if (task.slot < 0) {
+          paged_output(p, t, head, w.m[v], w.l[v], w.o + v * Hvp, out, lse);
+          continue;
         }
+        float* dst = pieces.vector(task.slot, v);
+        dst[0] = w.m[v], dst[1] = w.l[v];
+        std::copy(w.o + v * Hvp, w.o + (v + 1) * Hvp, dst + 2);
       }
     }
 }
@@ -395,13 +427,13 @@ inline void paged_finish(const Paged& p, const PagedTask& task, const PagedWork&
 // kPagedAhead ahead of the one computed are located and fetched.
 template <class Q, class In>
 void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const PagedTask& task,
-                float* out, float* lse) {
+                PagedPieces& pieces, float* out, float* lse) {
   PagedWork w;
   w.heads = task.kh1 - task.kh0, w.rows = task.r1 - task.r0;
   w.padded = (w.rows * p.G + kPagedBlock - 1) / kPagedBlock * kPagedBlock;
   w.vectors = w.heads * w.padded;
   thread_local PagedScratch scratch;
-  scratch.fit(w.vectors, p.Hp, w.heads);
+  scratch.fit(w.vectors, p.Hp, p.Hvp, w.heads);
   w.qs = scratch.q.data(), w.s = scratch.s.data(), w.o = scratch.o.data();
   w.m = scratch.m.data(), w.l = scratch.l.data();
   if (!paged_keys(p, task, w)) return;  // no real row: nothing to write
@@ -416,23 +448,24 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
       tiles.locate(j0 + kPagedAhead * kPagedKeys, (tile + kPagedAhead) % (kPagedAhead + 1), true);
     for (int64_t hh = 0; hh < w.heads; ++hh) paged_tile(p, task, w, tiles, hh, parity, j0, n);
   }
-  paged_finish(p, task, w, out, lse);
+  paged_finish(p, task, w, pieces, out, lse);
 }
 
-// The paged pass of a checked problem: queries of type Q, pools of type In.
-template <class Q, class In>
-xla::ffi::Error paged_run(xla::ffi::ThreadPool& pool, const Paged& p, const Q* qp, const In* kp,
-                          const In* vp, float* o, float* l) {
-  // Rows no task writes (padding, broken): zeros and -inf.
-  for (int64_t t = 0; t < p.Tq; ++t) {
-    if (p.real[t]) continue;
-    std::fill(o + t * p.N * p.H, o + (t + 1) * p.N * p.H, 0.0f);
-    std::fill(l + t * p.N, l + (t + 1) * p.N, -kInf);
-  }
-  // Tasks of up to kPagedVectors query vectors: rows of one head, or, for a few rows (a
-  // decode step), the rows of several heads side by side, as many as keep 4 tasks a
-  // thread (their keys are then one run of memory per token, not one row per head).
-  const int threads = max_threads(pool);
+// The keys [lo, hi) task's rows may see at most (its sequence's, narrowed by the band
+// of its first and last rows), the size a scheduler weighs it by.
+inline std::pair<int64_t, int64_t> task_keys(const Paged& p, const PagedTask& task) {
+  const int64_t b = task.b, length = p.length(b), q_len = p.end(b) - p.first(b);
+  const int64_t start = (p.offsets ? p.offsets[b] : length - q_len) + task.r0 - p.first(b);
+  int64_t lo = 0, hi = length;
+  if (p.right >= 0) hi = std::clamp<int64_t>(start + (task.r1 - task.r0 - 1) + p.right + 1, 0, hi);
+  if (p.left >= 0) lo = std::clamp<int64_t>(start - p.left, 0, hi);
+  return {lo, hi};
+}
+
+// The tasks of a call: rows of one head each, or, for a few rows (a decode step), the
+// rows of several heads side by side, as many as keep 4 tasks a thread (their keys are
+// then one run of memory per token, not one row per head).
+inline std::vector<PagedTask> paged_tasks(const Paged& p, int threads) {
   int64_t row_sets = 0;
   const int64_t step = p.rows_per_task();
   for (int64_t b = 0; b < p.B; ++b) row_sets += (p.end(b) - p.first(b) + step - 1) / step;
@@ -449,15 +482,121 @@ xla::ffi::Error paged_run(xla::ffi::ThreadPool& pool, const Paged& p, const Q* q
       const int64_t heads = r1 - r0 == 1 ? together : 1;  // several heads: one row
       for (int64_t kh = 0; kh < p.K; kh += heads) tasks.push_back({b, kh, kh + heads, r0, r1});
     }
+  return tasks;
+}
+
+constexpr int64_t kPiecesPerThread = 4;   // split the keys into about this many a thread
+constexpr int64_t kLeastPieceKeys = 512;  // a piece reads at least this many keys
+
+// Split-key decode: with several threads, a task that reads more than its share of the
+// call's keys (the whole call's key rows read, rows x heads x keys, over threads x
+// kPiecesPerThread) is cut along its keys into near-equal pieces of whole tiles (at least
+// kLeastPieceKeys each), each piece's maxima, sums and outputs kept in a slot of `pieces`
+// and merged after (paged_merge). The pieces depend on the sizes and the thread count
+// only: the same call on the same thread count sums in the same order.
+inline std::vector<PagedTask> split_tasks(const Paged& p, const std::vector<PagedTask>& tasks,
+                                          int threads, PagedPieces& pieces,
+                                          std::vector<std::pair<int64_t, int64_t>>& groups) {
+  if (threads < 2) return tasks;
+  int64_t total = 0;
+  std::vector<int64_t> costs(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    auto [lo, hi] = task_keys(p, tasks[t]);
+    costs[t] = (tasks[t].r1 - tasks[t].r0) * (tasks[t].kh1 - tasks[t].kh0) * (hi - lo);
+    total += costs[t];
+  }
+  const int64_t share = std::max<int64_t>(1, total / (threads * kPiecesPerThread));
+  std::vector<PagedTask> out;
+  pieces.stride = 2 + p.Hvp;
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const PagedTask& task = tasks[t];
+    auto [lo, hi] = task_keys(p, task);
+    const int64_t tiles = (hi - lo + kPagedKeys - 1) / kPagedKeys;
+    int64_t count = std::min((costs[t] + share - 1) / share, (hi - lo) / kLeastPieceKeys);
+    count = std::min(count, tiles);
+    if (count < 2) {
+      out.push_back(task);
+      continue;
+    }
+    const int64_t padded = ((task.r1 - task.r0) * p.G + kPagedBlock - 1) / kPagedBlock * kPagedBlock;
+    const int64_t vectors = (task.kh1 - task.kh0) * padded;
+    groups.push_back({static_cast<int64_t>(out.size()), count});
+    for (int64_t i = 0; i < count; ++i) {
+      PagedTask piece = task;
+      piece.lo = lo + tiles * i / count * kPagedKeys;
+      piece.hi = i + 1 < count ? lo + tiles * (i + 1) / count * kPagedKeys : hi;
+      piece.slot = static_cast<int64_t>(pieces.at.size());
+      pieces.at.push_back(static_cast<int64_t>(pieces.data.size()));
+      pieces.data.resize(pieces.data.size() + vectors * pieces.stride);
+      out.push_back(piece);
+    }
+  }
+  return out;
+}
+
+// The pieces of one split task merged by their log-sum-exps, exactly: maxima M = max m,
+// sums L = sum l exp(m - M), outputs O = sum o exp(m - M), in the pieces' order; then
+// each real row's output O / L and log-sum-exp M + log L (paged_output). A NaN maximum
+// (NaN content) makes the row NaN; a piece that saw nothing (m = -inf) adds nothing.
+inline void paged_merge(const Paged& p, const std::vector<PagedTask>& tasks, int64_t first,
+                        int64_t count, PagedPieces& pieces, float* out, float* lse) {
+  const PagedTask& task = tasks[first];
+  const int64_t G = p.G, Hvp = p.Hvp, rows = task.r1 - task.r0;
+  const int64_t padded = (rows * G + kPagedBlock - 1) / kPagedBlock * kPagedBlock;
+  std::vector<float> o(Hvp);
+  for (int64_t hh = 0; hh < task.kh1 - task.kh0; ++hh)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = task.r0 + r;
+      if (!p.real[t]) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t v = hh * padded + r * G + g;
+        float m = -kInf;
+        for (int64_t i = 0; i < count; ++i)
+          m = nan_max(pieces.vector(tasks[first + i].slot, v)[0], m);
+        float l = 0;
+        std::fill(o.begin(), o.end(), 0.0f);
+        if (m != -kInf)
+          for (int64_t i = 0; i < count; ++i) {
+            const float* piece = pieces.vector(tasks[first + i].slot, v);
+            const float a = piece[0] == -kInf ? 0.0f : std::exp(piece[0] - m);
+            l += piece[1] * a;
+            for (int64_t h = 0; h < Hvp; ++h) o[h] += piece[2 + h] * a;
+          }
+        paged_output(p, t, (task.kh0 + hh) * G + g, m, l, o.data(), out, lse);
+      }
+    }
+}
+
+// The paged pass of a checked problem: queries of type Q, pools of type In.
+template <class Q, class In>
+xla::ffi::Error paged_run(xla::ffi::ThreadPool& pool, const Paged& p, const Q* qp, const In* kp,
+                          const In* vp, float* o, float* l) {
+  // Rows no task writes (padding, broken): zeros and -inf.
+  for (int64_t t = 0; t < p.Tq; ++t) {
+    if (p.real[t]) continue;
+    std::fill(o + t * p.N * p.Hv, o + (t + 1) * p.N * p.Hv, 0.0f);
+    std::fill(l + t * p.N, l + (t + 1) * p.N, -kInf);
+  }
+  const int threads = max_threads(pool);
+  PagedPieces pieces;
+  std::vector<std::pair<int64_t, int64_t>> groups;  // split tasks: (first piece, count)
+  const std::vector<PagedTask> tasks = split_tasks(p, paged_tasks(p, threads), threads,
+                                                   pieces, groups);
   if (tasks.empty()) return xla::ffi::Error::Success();
   // The longest first: a prefill chunk's tasks start before the decode tokens'.
   const std::vector<int64_t> order =
       costliest_first(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
         const PagedTask& task = tasks[t];
-        return (task.r1 - task.r0) * (task.kh1 - task.kh0) * (p.length(task.b) + 1);
+        auto [lo, hi] = task_keys(p, task);
+        return (task.r1 - task.r0) * (task.kh1 - task.kh0) *
+               (std::min(hi, task.hi) - std::max(lo, task.lo) + 1);
       });
-  parallel_for(pool, threads, static_cast<int64_t>(tasks.size()),
-               [&](int64_t t, int) { paged_task(p, qp, kp, vp, tasks[order[t]], o, l); });
+  parallel_for(pool, threads, static_cast<int64_t>(tasks.size()), [&](int64_t t, int) {
+    paged_task(p, qp, kp, vp, tasks[order[t]], pieces, o, l);
+  });
+  parallel_for(pool, threads, static_cast<int64_t>(groups.size()), [&](int64_t g, int) {
+    paged_merge(p, tasks, groups[g].first, groups[g].second, pieces, o, l);
+  });
   return xla::ffi::Error::Success();
 }
 

@@ -3,14 +3,17 @@ pass in C++ (``paged.h``: keys and values read from the pool through the page ta
 no gathered copy), the backward pass the flash kernel's (:func:`~nanoattn._backends.
 flash.paged.paged_gradients`, which walks the same pages) under a ``custom_vjp``.
 
-The C++ side takes the query (Tq, N, H), the pools (P, page_size, K, H), all float32 or
-all bfloat16 (one FFI target per type), or a float32 query over int8 or float8_e4m3fn
+The C++ side takes the query (Tq, N, H), the pools (P, page_size, K, H) and (P,
+page_size, K, Hv) (values of a width of their own: multi-head latent attention), all
+float32 or all bfloat16 (one FFI target per type), or a float32 query over int8 or float8_e4m3fn
 pools with their float32 scales (P, page_size, K) (a target of its own, read and scaled
 in registers), the safe page table (B, M') (every id in the
 pool: :func:`~nanoattn._backends.flash.paged.paged_inputs`), the key lengths (B,), the
-query starts (B + 1,), the real rows (Tq,) as uint8, and the rules as attributes:
+query starts (B + 1,), the real rows (Tq,) as uint8, each sequence's first query
+position (B,) or nothing (its last q_len positions: a paged call's; a dense cache read
+in place gives its rows' offsets), and the rules as attributes:
 ``scale``, ``soft_cap`` (0: none) and the band ``left``/``right`` (-1: unbounded). It
-returns the output (Tq, N, H) and the log-sum-exp (Tq, N), float32 (the backward pass
+returns the output (Tq, N, Hv) and the log-sum-exp (Tq, N), float32 (the backward pass
 needs the unrounded output), zeros and ``-inf`` for a row that is not real or sees
 no key. Axis letters: Tq query tokens, B sequences, P pages, N query heads, K
 key/value heads, H head width.
@@ -52,6 +55,7 @@ def _forward(attributes, inputs: PagedInputs):
     """(out (Tq, N, H), lse (Tq, N)), float32, by the C++ pass."""
     q = inputs.query
     Tq, N, _ = q.shape
+    Hv = inputs.value_pages.shape[-1]
     pools = (inputs.key_pages, inputs.value_pages)
     if inputs.key_scales is None:
         target = "nanoattn_paged_forward" + TARGET_SUFFIX[q.dtype]
@@ -60,14 +64,15 @@ def _forward(attributes, inputs: PagedInputs):
         pools += (inputs.key_scales.astype(_F32), inputs.value_scales.astype(_F32))
     call = jax.ffi.ffi_call(
         target,
-        (jax.ShapeDtypeStruct(q.shape, _F32), jax.ShapeDtypeStruct((Tq, N), _F32)),
+        (jax.ShapeDtypeStruct((Tq, N, Hv), _F32), jax.ShapeDtypeStruct((Tq, N), _F32)),
         vmap_method="sequential",
     )
     scale, soft_cap, left, right = attributes
     return call(
         q, *pools, inputs.table.astype(jnp.int32),
         inputs.kv_lengths.astype(jnp.int32), inputs.starts.astype(jnp.int32),
-        inputs.real.astype(jnp.uint8), scale=np.float32(scale), soft_cap=np.float32(soft_cap),
+        inputs.real.astype(jnp.uint8), jnp.zeros((0,), jnp.int32), scale=np.float32(scale),
+        soft_cap=np.float32(soft_cap),
         left=np.int64(left), right=np.int64(right),
     )  # fmt: skip
 
