@@ -236,8 +236,16 @@ def test_a_full_cache_decodes_in_place_as_the_pages_do():
         allowed = np.arange(n)[None] <= (n - T + np.arange(T))[:, None]
         want = np_attention(q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], allowed)[0]
         np.testing.assert_allclose(out[b], want, atol=2e-5, rtol=2e-5)
-    pages = _native((q.reshape(B * T, N, H), k, v, np.arange(B, dtype=np.int32)[:, None],
-                     lengths.astype(np.int32), np.arange(B + 1, dtype=np.int32) * T))[0]
+    pages = _native(
+        (
+            q.reshape(B * T, N, H),
+            k,
+            v,
+            np.arange(B, dtype=np.int32)[:, None],
+            lengths.astype(np.int32),
+            np.arange(B + 1, dtype=np.int32) * T,
+        )
+    )[0]
     np.testing.assert_array_equal(out.reshape(B * T, N, H), pages[: B * T])
     clean = [np.nan_to_num(x, nan=0.0, posinf=0.0) for x in (k, v)]
     # queries at offsets of their own, not at the end of their keys: causality alone

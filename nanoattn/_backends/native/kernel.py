@@ -88,7 +88,6 @@ def _decode(query, key, value, rules: Rules):
     S) and within the band of its queries, which sit at ``q_offset`` + t. The gradients
     (float keys and values) are the dense backward pass's, from the same output and
     log-sum-exp."""
-    B, T, N, _ = query.shape
     offsets, lengths = _rows(rules)[:2]
     if rules.key_scales is not None:
         operands = (query.astype(_F32), key, value, rules.key_scales.astype(_F32),
@@ -106,9 +105,7 @@ def _decode_forward(operands, offsets, lengths, attributes):
     B, T, N, _ = q.shape
     Hv = operands[2].shape[-1]
     quantized = len(operands) == 5
-    target = "nanoattn_paged_forward" + (
-        "_quantized" if quantized else TARGET_SUFFIX[q.dtype]
-    )
+    target = "nanoattn_paged_forward" + ("_quantized" if quantized else TARGET_SUFFIX[q.dtype])
     call = jax.ffi.ffi_call(
         target,
         (jax.ShapeDtypeStruct((B * T, N, Hv), _F32), jax.ShapeDtypeStruct((B * T, N), _F32)),
