@@ -33,7 +33,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -497,7 +499,8 @@ constexpr int64_t kLeastPieceKeys = 512;  // a piece reads at least this many ke
 inline std::vector<PagedTask> split_tasks(const Paged& p, const std::vector<PagedTask>& tasks,
                                           int threads, PagedPieces& pieces,
                                           std::vector<std::pair<int64_t, int64_t>>& groups) {
-  if (threads < 2) return tasks;
+  const char* off = std::getenv("NANOATTN_SPLIT_KEYS");  // "0": never split (the bench's
+  if (threads < 2 || (off && std::string(off) == "0")) return tasks;  // unsplit baseline)
   int64_t total = 0;
   std::vector<int64_t> costs(tasks.size());
   for (size_t t = 0; t < tasks.size(); ++t) {
