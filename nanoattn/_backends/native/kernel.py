@@ -103,22 +103,84 @@ def _decode_forward(operands, offsets, lengths, attributes):
     quantized keys and values."""
     q = operands[0]
     B, T, N, _ = q.shape
-    Hv = operands[2].shape[-1]
-    quantized = len(operands) == 5
-    target = "nanoattn_paged_forward" + ("_quantized" if quantized else TARGET_SUFFIX[q.dtype])
-    call = jax.ffi.ffi_call(
-        target,
-        (jax.ShapeDtypeStruct((B * T, N, Hv), _F32), jax.ShapeDtypeStruct((B * T, N), _F32)),
-        vmap_method="sequential",
-    )
     table = jnp.arange(B, dtype=jnp.int32)[:, None]  # row b: page b, one page of S slots
     starts = jnp.arange(B + 1, dtype=jnp.int32) * T
     real = jnp.ones((B * T,), jnp.uint8)
-    out, lse = call(
-        q.reshape(B * T, N, -1), *operands[1:], table, lengths.astype(jnp.int32), starts, real,
-        offsets.astype(jnp.int32), **_attributes(attributes),
-    )  # fmt: skip
-    return out.reshape(B, T, N, Hv), lse.reshape(B, T, N)
+    out, lse = paged_forward_call(
+        q.reshape(B * T, N, -1), operands[1:], table, lengths, starts, real, offsets, attributes
+    )
+    return out.reshape(B, T, N, -1), lse.reshape(B, T, N)
+
+
+def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attributes):
+    """The paged pass (paged.h) by FFI: q (Tq, N, H) float32 or bfloat16 (float32 over
+    quantized pools), ``pools`` (key pages (P, page_size, K, H), value pages (P,
+    page_size, K, Hv), and for quantized pools their scales (P, page_size, K)), the page
+    table (B, M), key lengths (B,), query starts (B + 1,), real rows (Tq,), first query
+    positions (B,) or (0,), and the static rules. Returns (out (Tq, N, Hv), lse (Tq,
+    N)), float32.
+
+    Partitioned over heads by XLA (``custom_partitioning``): with the query's heads and
+    the pools' key/value heads split over a mesh axis, each device runs the pass on its
+    own heads (page table, lengths and starts replicated) and no key or value moves
+    between devices; an axis whose size does not divide K is refused in one line."""
+    quantized = len(pools) == 4
+    table, lengths, starts, offsets = (
+        x.astype(jnp.int32) for x in (table, lengths, starts, offsets)
+    )
+    N, K = q.shape[1], pools[0].shape[2]
+    call = _partitioned(quantized, N // K, attributes)
+    return call(q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets)
+
+
+def _local_call(quantized: bool, attributes, q, *operands):
+    """The FFI call on the arrays as they are (one device's, when partitioned)."""
+    target = "nanoattn_paged_forward" + ("_quantized" if quantized else TARGET_SUFFIX[q.dtype])
+    Tq, N, _ = q.shape
+    Hv = operands[1].shape[-1]
+    call = jax.ffi.ffi_call(
+        target,
+        (jax.ShapeDtypeStruct((Tq, N, Hv), _F32), jax.ShapeDtypeStruct((Tq, N), _F32)),
+        vmap_method="sequential",
+    )
+    return call(q, *operands, **_attributes(attributes))
+
+
+@functools.cache
+def _partitioned(quantized: bool, G: int, attributes):
+    """:func:`_local_call` under ``custom_partitioning``: the query's heads (K groups of
+    G) and the pools' K split alike; every other operand replicated."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    local = functools.partial(_local_call, quantized, attributes)
+    fn = custom_partitioning(local)
+    pools = "p s k h, p s k v" + (", p s k, p s k" if quantized else "")
+    rule = f"t (k g) h, {pools}, b m, b, c, t, o -> t (k g) v, t (k g)"
+
+    def partition(mesh, arg_shapes, result_shape):
+        shardings = tuple(a.sharding for a in arg_shapes)
+        _check_heads(mesh, shardings[1], arg_shapes[1].shape[2])
+        return mesh, local, tuple(r.sharding for r in result_shape), shardings
+
+    fn.def_partition(partition=partition, sharding_rule=rule, g=G)
+    return fn
+
+
+def _check_heads(mesh, pool_sharding, K: int) -> None:
+    """Raises ValueError when the pool's key/value heads are split over mesh axes whose
+    size does not divide K."""
+    spec = getattr(pool_sharding, "spec", None)
+    axes = spec[2] if spec is not None and len(spec) > 2 else None
+    if axes is None:
+        return
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    if K % size:
+        name = axes[0] if len(axes) == 1 else axes
+        raise ValueError(
+            f"the pool's K={K} key/value heads cannot be split over the mesh axis {name!r} "
+            f"of size {size}; shard the heads over an axis whose size divides K"
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -23,11 +23,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..._base.rules import Rules
 from ..flash.paged import PagedInputs, PagedPlan, paged_gradients, paged_inputs
-from .kernel import TARGET_SUFFIX, static_rules
+from .kernel import paged_forward_call, static_rules
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -52,28 +51,15 @@ def native_paged_attention(query, key_pages, value_pages, rules: Rules):
 
 
 def _forward(attributes, inputs: PagedInputs):
-    """(out (Tq, N, H), lse (Tq, N)), float32, by the C++ pass."""
+    """(out (Tq, N, Hv), lse (Tq, N)), float32, by the C++ pass."""
     q = inputs.query
-    Tq, N, _ = q.shape
-    Hv = inputs.value_pages.shape[-1]
     pools = (inputs.key_pages, inputs.value_pages)
-    if inputs.key_scales is None:
-        target = "nanoattn_paged_forward" + TARGET_SUFFIX[q.dtype]
-    else:  # float32 queries; the pools as stored, then their scales
-        target, q = "nanoattn_paged_forward_quantized", q.astype(_F32)
+    if inputs.key_scales is not None:  # float32 queries; the pools as stored, their scales
+        q = q.astype(_F32)
         pools += (inputs.key_scales.astype(_F32), inputs.value_scales.astype(_F32))
-    call = jax.ffi.ffi_call(
-        target,
-        (jax.ShapeDtypeStruct((Tq, N, Hv), _F32), jax.ShapeDtypeStruct((Tq, N), _F32)),
-        vmap_method="sequential",
-    )
-    scale, soft_cap, left, right = attributes
-    return call(
-        q, *pools, inputs.table.astype(jnp.int32),
-        inputs.kv_lengths.astype(jnp.int32), inputs.starts.astype(jnp.int32),
-        inputs.real.astype(jnp.uint8), jnp.zeros((0,), jnp.int32), scale=np.float32(scale),
-        soft_cap=np.float32(soft_cap),
-        left=np.int64(left), right=np.int64(right),
+    return paged_forward_call(
+        q, pools, inputs.table, inputs.kv_lengths, inputs.starts, inputs.real,
+        jnp.zeros((0,), jnp.int32), attributes,
     )  # fmt: skip
 
 
