@@ -10,6 +10,14 @@ included, so its ``q_len = query_starts[b+1] - query_starts[b]`` queries are its
 positions ``kv_lengths[b] - q_len + i``. Entries of the page table past the pages a
 sequence holds are never read, whatever they hold.
 
+An entry :data:`RETURNED` (-1) among the pages a sequence holds is a page it gave back
+to the pool (a windowed layer's page that no query of the sequence can read any more,
+docs/decoding.md, "Windowed layers in a paged pool"): it is no error, and no kernel
+reads a page for it. Its keys and values read as NaN: a query that can see one of its
+positions (inside its window, or a sink token) gets NaN, and no other row changes
+(:func:`returned_reads` says which rows; the reference and the flash kernel substitute
+NaN for its keys, and a row of a band-only call that reaches one gets a NaN query).
+
 What cannot be checked under ``jit`` (a page id outside the pool, lengths outside
 [q_len, max_pages * page_size]) makes the rows of the sequences concerned NaN
 (:func:`token_layout`'s ``broken``); query starts that are no layout (not from 0,
@@ -27,6 +35,8 @@ import numpy as np
 
 from .quantized import is_quantized
 from .validate import as_array, expect_floating, expect_integer, expect_shape
+
+RETURNED = -1  # the page-table entry of a page its sequence gave back to the pool
 
 
 class PagedCall(NamedTuple):
@@ -169,13 +179,14 @@ def check_paged_values(page_table, kv_lengths, query_starts, Tq: int, P: int, pa
     if _concrete(page_table, kv_lengths):
         table, lengths = np.asarray(page_table), np.asarray(kv_lengths)
         held = np.arange(M)[None] < -(-lengths[:, None] // page_size)  # (B, M)
-        bad = np.argwhere(held & ((table < 0) | (table >= P)))
+        bad = np.argwhere(held & ((table < 0) | (table >= P)) & (table != RETURNED))
         if bad.size:
             b, j = (int(i) for i in bad[0])
             raise ValueError(
                 f"page_table[{b}, {j}]={int(table[b, j])} is not a page of the pool "
-                f"(P={P}); sequence {b} holds {int(lengths[b])} keys, so its first "
-                f"{-(-int(lengths[b]) // page_size)} entries are read"
+                f"(P={P}) nor {RETURNED} (a page given back); sequence {b} holds "
+                f"{int(lengths[b])} keys, so its first {-(-int(lengths[b]) // page_size)} "
+                f"entries are read"
             )
 
 
@@ -187,8 +198,9 @@ def held_pages(kv_lengths, page_size: int, M: int):
 
 def safe_page_table(page_table, kv_lengths, page_size: int, P: int):
     """The page table with every entry a sequence does not hold, and every id outside
-    [0, P), replaced by page 0: what a kernel may read without ever leaving the pool
-    (the rows that would read a bad page are NaN, :func:`token_layout`)."""
+    [0, P) (:data:`RETURNED` included), replaced by page 0: what a kernel may read
+    without ever leaving the pool (the rows that would read a bad page are NaN,
+    :func:`token_layout`; those that would read a returned one, :func:`returned_reads`)."""
     held = held_pages(kv_lengths, page_size, page_table.shape[1])
     inside = (page_table >= 0) & (page_table < P)
     return jnp.where(held & inside, page_table, 0).astype(jnp.int32)
@@ -198,7 +210,8 @@ def token_layout(page_table, kv_lengths, query_starts, Tq: int, P: int, page_siz
     """The :class:`TokenLayout` of a paged call's Tq query rows (traced or not).
 
     A sequence is broken when its lengths are outside [q_len, M * page_size] or a page
-    it holds is outside the pool; every row it covers is then broken. Query starts that
+    it holds is outside the pool (not :data:`RETURNED`); every row it covers is then
+    broken. Query starts that
     are not a layout (not starting at 0, decreasing, or past Tq) break every row of the
     call: no row's sequence can be told from them. Rows at or past ``query_starts[B]``
     are padding."""
@@ -206,7 +219,8 @@ def token_layout(page_table, kv_lengths, query_starts, Tq: int, P: int, page_siz
     starts = query_starts.astype(jnp.int32)
     q_lens = starts[1:] - starts[:-1]  # (B,)
     held = held_pages(kv_lengths, page_size, M)
-    bad_page = (held & ((page_table < 0) | (page_table >= P))).any(axis=1)
+    outside = (page_table < 0) | (page_table >= P)
+    bad_page = (held & outside & (page_table != RETURNED)).any(axis=1)
     bad_length = (kv_lengths < q_lens) | (kv_lengths > M * page_size)
     bad_starts = (starts[0] != 0) | (q_lens < 0).any() | (starts[-1] > Tq)  # ()
     sequence_broken = bad_length | bad_page | bad_starts  # (B,)
@@ -221,3 +235,48 @@ def token_layout(page_table, kv_lengths, query_starts, Tq: int, P: int, page_siz
     position = jnp.where(real, position, 0).astype(jnp.int32)
     sequence = jnp.where(real, sequence, 0)
     return TokenLayout(sequence, position, real, broken, sequence_broken)
+
+
+def returned_entries(page_table, kv_lengths, page_size: int):
+    """(B, M) bool: the entries a sequence holds that are :data:`RETURNED`."""
+    return held_pages(kv_lengths, page_size, page_table.shape[1]) & (page_table == RETURNED)
+
+
+def returned_reads(page_table, kv_lengths, layout: TokenLayout, page_size: int, band,
+                   sink_tokens: int = 0):  # fmt: skip
+    """(Tq, M) bool, traced or not: whether query row t can see a key of its sequence's
+    entry j, and that entry is :data:`RETURNED`. A row sees the keys its sequence holds
+    inside its ``band`` ``(left, right)`` (either None: unbounded; a causal call's
+    right is 0; None: every key) and, with ``sink_tokens`` S0, the first S0 positions
+    up to its right bound. Exact for a call whose rules are a band (and sink tokens);
+    a ``mask_fn`` may hide more."""
+    M = page_table.shape[1]
+    returned = returned_entries(page_table, kv_lengths, page_size)[layout.sequence]  # (Tq, M)
+    first = (jnp.arange(M) * page_size)[None]  # (1, M): each entry's first position
+    q = layout.position[:, None]  # (Tq, 1)
+    seen = first < kv_lengths[layout.sequence][:, None]
+    left, right = (None, None) if band is None else band
+    if right is not None:
+        seen = seen & (first <= q + right)
+    if left is not None:
+        seen = seen & ((first + page_size - 1 >= q - left) | (first < sink_tokens))
+    return layout.real[:, None] & returned & seen
+
+
+def check_returned(page_table, kv_lengths, query_starts, Tq: int, P: int, page_size: int,
+                   band, sink_tokens: int, hint: str) -> None:  # fmt: skip
+    """Raises ValueError, when concrete, for a :data:`RETURNED` entry some query of the
+    call can see (:func:`returned_reads`), naming the entry, the query and ``hint``."""
+    if not _concrete(page_table, kv_lengths, query_starts):
+        return
+    layout = token_layout(page_table, kv_lengths, query_starts, Tq, P, page_size)
+    cells = np.asarray(returned_reads(page_table, kv_lengths, layout, page_size, band,
+                                      sink_tokens))  # fmt: skip
+    if cells.any():
+        t, j = (int(i) for i in np.argwhere(cells)[0])
+        b, q = int(layout.sequence[t]), int(layout.position[t])
+        raise ValueError(
+            f"page_table[{b}, {j}]={RETURNED} is a page sequence {b} gave back, but its "
+            f"query at position {q} sees its keys {j * page_size}..{(j + 1) * page_size - 1} "
+            f"(window {band}, {sink_tokens} sink tokens); {hint}"
+        )

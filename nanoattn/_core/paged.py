@@ -57,7 +57,11 @@ def paged_attention(
       key_pages, value_pages: (P, page_size, K, H), the pool.
       page_table: int (B, M): sequence b's j-th page. Entries past the
         ``ceil(kv_lengths[b] / page_size)`` a sequence holds are never read,
-        whatever they hold.
+        whatever they hold. An entry -1 among them is a page the sequence gave
+        back (a windowed layer's, docs/decoding.md): no page is read for it, and
+        its keys and values read as NaN, so a query that sees one of its
+        positions is NaN and a query that sees none is exactly as if the
+        sequence held the page (docs/conventions.md, "Paged attention").
       kv_lengths: int (B,): the keys sequence b holds, this call's included.
       query_starts: int (B + 1,), non-decreasing from 0 (FlashAttention's
         ``cu_seqlens_q``).
@@ -80,9 +84,10 @@ def paged_attention(
 
     Raises:
       ValueError: a shape problem; and, when concrete, a page id outside [0, P)
-        among the pages a sequence holds, ``kv_lengths[b]`` above ``M * page_size``
-        or below sequence b's q_len, or ``query_starts`` that do not start at 0,
-        decrease or pass Tq, naming the argument and the row. Under ``jit``, where
+        and other than -1 among the pages a sequence holds, ``kv_lengths[b]``
+        above ``M * page_size`` or below sequence b's q_len, or ``query_starts``
+        that do not start at 0, decrease or pass Tq, naming the argument and the
+        row. Under ``jit``, where
         they cannot be checked, a bad page id or length makes the rows of its
         sequence NaN and no other row changes, and query starts that are no layout
         make every row NaN; no page outside the pool is ever read.

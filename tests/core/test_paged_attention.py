@@ -261,6 +261,92 @@ def test_a_row_that_attends_to_a_nan_key_is_nan():
                 np.testing.assert_array_equal(x[~sees], w[~sees], err_msg=where)
 
 
+class GivenBack(Layout):
+    """A :class:`Layout` whose sequences gave back (page-table entry -1) every page that
+    no query of theirs sees under ``window=(left, 0)`` past the first ``sinks`` keys (a
+    sequence with no query: every page), those pages' content NaN in the call's pool;
+    the reference (``sequence``) reads the table and the pool before, whose pages no
+    query sees."""
+
+    def __init__(self, *args, left: int, sinks: int = 0, **options):
+        super().__init__(*args, **options)
+        ps, self.kept = self.page_size, (self.table.copy(), self.kp.copy(), self.vp.copy())
+        for b, (length, q_len) in enumerate(zip(self.lengths, self.q_lens)):
+            end = max(0, length - q_len - left) // ps if q_len else -(-length // ps)
+            for j in range(-(-sinks // ps) if q_len else 0, end):
+                self.kp[self.table[b, j]] = self.vp[self.table[b, j]] = np.nan
+                self.table[b, j] = -1
+        self.given_back = int((self.table == -1).sum())
+
+    def sequence(self, b):
+        given, (self.table, self.kp, self.vp) = (self.table, self.kp, self.vp), self.kept
+        try:
+            return super().sequence(b)
+        finally:
+            self.table, self.kp, self.vp = given
+
+
+GIVEN_BACK = dict(lengths=[37, 1, 13, 30, 0, 19], q_lens=[5, 1, 0, 4, 0, 9])
+
+
+@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("page_size", [1, 5])
+def test_a_page_given_back_is_never_read_where_no_query_sees_it(name, page_size):
+    """Entries -1 (pages a windowed layer gave back, NaN in the pages they were) wholly
+    before every query's window: outputs, log-sum-exp and gradients of the call on
+    the table without them, on every backend; no page is read for them."""
+    layout = GivenBack(**GIVEN_BACK, page_size=page_size, seed=17, left=6)
+    assert layout.given_back >= 4
+    _check(layout, name, window=(6, 0))
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_a_page_given_back_past_sink_tokens_is_never_read(name):
+    """The sink tokens' page stays, the pages between them and the window are given
+    back: a mask_fn that keeps the window and the first 3 keys (a layer's sink tokens)
+    never reads them (native does not serve mask_fn: skipped with its reason)."""
+    left, sinks = 6, 3
+
+    def window_or_sink(b, n, q, k):
+        return (q - k <= left) | (k < sinks)
+
+    layout = GivenBack(**GIVEN_BACK, page_size=5, seed=19, left=left, sinks=sinks)
+    assert layout.given_back >= 3 and (layout.table[:, 0] != -1)[layout.q_lens > 0].all()
+    _check(layout, name, mask=window_or_sink, np_mask=window_or_sink)
+
+
+def test_a_page_given_back_that_a_query_sees_makes_that_query_nan():
+    """An entry -1 inside a query's window reads as NaN keys (no page is read for it):
+    the rows that see one of its positions are NaN on every backend, eager and under
+    jit; every other sequence's rows are as in the call on the table without it (a
+    row of the same sequence that does not see it may share a kernel's block with
+    one that does: docs/conventions.md, "Masked content is never read")."""
+    layout = Layout(**GIVEN_BACK, page_size=5, seed=23)
+    layout.kp[0], layout.vp[0] = randn(29, 5, K, H), randn(31, 5, K, H)  # finite: a page 0
+    table = layout.table.copy()  # read in place of the one given back would not be NaN
+    b = 0  # 37 keys, queries at 32..36: with window (31, 0) all but the query at 36 see
+    table[b, 0] = -1  # keys 0..4, given back
+    rows = np.arange(layout.starts[b], layout.starts[b + 1])
+    others = np.ones(layout.q.shape[0], bool)
+    others[rows] = False
+    window = dict(window=(31, 0))  # a band (every backend), then the same as a mask_fn
+    as_mask = dict(mask_fn=lambda b, n, q, k: q - k <= 31)
+    calls = [(name, rules) for rules in (window, as_mask)
+             for name in paged_serving(*layout.arrays(), **rules)]  # fmt: skip
+    assert len(calls) >= 4
+    for name, rules in calls:
+        call = functools.partial(nanoattn.paged_attention, **rules, implementation=name)
+        good = np.asarray(call(*(jnp.asarray(x) for x in layout.arrays())))
+        arrays = [jnp.asarray(x) for x in layout.arrays()]
+        arrays[3] = jnp.asarray(table)
+        for run in (call, jax.jit(call)):
+            out = np.asarray(run(*arrays))
+            assert np.isnan(out[rows[:4]]).all(), name  # positions 32..35 see key <= 4
+            np.testing.assert_array_equal(out[others], good[others], err_msg=name)
+            if name == "xla":  # the reference: each row alone
+                np.testing.assert_array_equal(out[rows[4]], good[rows[4]])
+
+
 def _paged_kernels():
     """The registered backends other than the reference ("xla", the contract's
     definition) that serve a plain paged call here (each example below runs one)."""
@@ -289,7 +375,8 @@ def _bad_calls():
     bad_table = table.copy()
     bad_table[3, 1] = 99  # a page sequence 3 holds, outside the pool
     partial = table.copy()
-    partial[2, 2] = -1  # sequence 2's last page, partial (13 keys in pages of 5)
+    partial[2, 2] = -2  # sequence 2's last page, partial (13 keys in pages of 5); -1 is
+    # a page given back, served (test_a_page_given_back_...)
     long = lengths.copy()
     long[1] = table.shape[1] * 5 + 1
     short = lengths.copy()
@@ -305,7 +392,7 @@ def _bad_calls():
 
     return layout, {
         "page id": (dict(page_table=bad_table), r"page_table\[3, 1\]=99 is not a page", [3]),
-        "partial last page": (dict(page_table=partial), r"page_table\[2, 2\]=-1 is not", [2]),
+        "partial last page": (dict(page_table=partial), r"page_table\[2, 2\]=-2 is not", [2]),
         "lengths above": (dict(kv_lengths=long), r"kv_lengths\[1\]=", [1]),
         "lengths below": (dict(kv_lengths=short), r"kv_lengths\[5\]=8", [5]),
         "decreasing starts": (

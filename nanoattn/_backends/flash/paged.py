@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from ..._base.mask_fn import closure_converted, evaluate_mask, evaluate_score
 from ..._base.numerics import large_negative, softmax_dtype, zero_unseen_keys
-from ..._base.paged import safe_page_table
+from ..._base.paged import returned_entries, returned_reads, safe_page_table
 from ..._base.quantized import NO_QUANTIZED_GRADIENTS, dequantize
 from ..._base.rules import Rules
 from .step import Layout, Scores, backward_step, finish, forward_step, scores
@@ -91,8 +91,10 @@ class PagedPlan:
 class PagedInputs:
     """The arrays of a paged call (a pytree): query (Tq, N, H), the pools (P,
     page_size, K, H), the safe page table (B, M'), the key lengths (B,), the query
-    starts (B + 1,), the rows that are real (Tq,), score_fn's arrays, and the
-    scales (P, page_size, K) of quantized pools (None for float ones)."""
+    starts (B + 1,), the rows that are real (Tq,), score_fn's arrays, the
+    scales (P, page_size, K) of quantized pools (None for float ones), and the entries
+    (B, M') a sequence gave back (``RETURNED``, page 0 in the safe table; None in
+    gradients)."""
 
     query: jax.Array
     key_pages: jax.Array
@@ -104,6 +106,7 @@ class PagedInputs:
     consts: tuple = ()
     key_scales: jax.Array | None = None
     value_scales: jax.Array | None = None
+    returned: jax.Array | None = None
 
 
 def plan_of(rules: Rules, key_pages, dtype) -> tuple[PagedPlan, tuple]:
@@ -129,18 +132,28 @@ def plan_of(rules: Rules, key_pages, dtype) -> tuple[PagedPlan, tuple]:
 
 def paged_inputs(query, key_pages, value_pages, rules: Rules) -> tuple[PagedPlan, PagedInputs]:
     """The plan and the inputs of a paged call: the page table made safe (every id in
-    the pool, page 0 where a sequence holds nothing) and padded to whole key blocks
-    (page 0 past M), the rows that are real, score_fn's arrays. The native kernel's
-    forward pass takes them too, and its backward pass is :func:`paged_gradients`."""
+    the pool, page 0 where a sequence holds nothing or gave a page back) and padded to
+    whole key blocks (page 0 past M), the entries given back, the rows that are real,
+    score_fn's arrays. The native kernel's forward pass takes them too, and its
+    backward pass is :func:`paged_gradients`. A call without ``mask_fn`` (its rules a
+    band: what native serves) gets a NaN query in each row whose band reaches a page
+    given back, which no kernel reads: the row is NaN, as the reference's."""
     acc = softmax_dtype(query.dtype, key_pages.dtype, value_pages.dtype)
     plan, consts = plan_of(rules, key_pages, acc)
     table = safe_page_table(rules.page_table, rules.kv_lengths, rules.page_size, rules.pool_pages)
     width = plan.n_key_blocks * plan.pages_per_block
     table = jnp.pad(table, ((0, 0), (0, width - plan.M)))  # whole key blocks: page 0 past M
+    returned = returned_entries(rules.page_table, rules.kv_lengths, rules.page_size)
+    returned = jnp.pad(returned, ((0, 0), (0, width - plan.M)))
+    layout = rules.layout()
+    if rules.mask_fn is None:
+        reads = returned_reads(rules.page_table, rules.kv_lengths, layout, rules.page_size,
+                               rules.band).any(axis=1)  # fmt: skip
+        query = jnp.where(reads[:, None, None], jnp.nan, query)
     inputs = PagedInputs(
         query, key_pages, value_pages, table, rules.kv_lengths.astype(jnp.int32),
-        rules.query_starts.astype(jnp.int32), rules.layout().real, consts,
-        rules.key_scales, rules.value_scales,
+        rules.query_starts.astype(jnp.int32), layout.real, consts,
+        rules.key_scales, rules.value_scales, returned,
     )  # fmt: skip
     return plan, inputs
 
@@ -206,15 +219,17 @@ def _key_blocks(plan: PagedPlan, positions, real, length):
 def _block(plan: PagedPlan, inputs: PagedInputs, b, j, acc):
     """Key block j of sequence b: keys (k, K, H) in ``acc`` (dequantized), values
     (k, K, Hv) in ``acc`` as stored (not scaled: :func:`_value_weights` folds their
-    scales into the weights), their positions (k,), and the pages they came from
-    (pages_per_block,)."""
-    pages = jax.lax.dynamic_slice_in_dim(
-        inputs.table[b], j * plan.pages_per_block, plan.pages_per_block
-    )
+    scales into the weights), NaN for a page the sequence gave back, their positions
+    (k,), and the pages they came from (pages_per_block,)."""
+    first = j * plan.pages_per_block
+    pages = jax.lax.dynamic_slice_in_dim(inputs.table[b], first, plan.pages_per_block)
     keys = _read_pages(
         inputs.key_pages, inputs.key_scales, pages, (plan.block_k, plan.K, plan.H), acc
     )
     values = inputs.value_pages[pages].reshape(plan.block_k, plan.K, plan.Hv).astype(acc)
+    returned = jax.lax.dynamic_slice_in_dim(inputs.returned[b], first, plan.pages_per_block)
+    returned = jnp.repeat(returned, plan.page_size)[:, None, None]  # (k, 1, 1)
+    keys, values = jnp.where(returned, jnp.nan, keys), jnp.where(returned, jnp.nan, values)
     positions = j * plan.block_k + jnp.arange(plan.block_k, dtype=jnp.int32)
     return keys, values, positions, pages
 

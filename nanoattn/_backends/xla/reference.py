@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from ..._base.mask_fn import evaluate_mask, evaluate_score, grid
 from ..._base.masks import band_mask, combine_masks, lengths_to_valid, segment_mask
 from ..._base.numerics import masked_softmax, soft_cap, softmax_dtype, zero_unseen_keys
-from ..._base.paged import safe_page_table
+from ..._base.paged import returned_entries, safe_page_table
 from ..._base.rules import Rules
 from ..._base.trace import record
 
@@ -139,7 +139,9 @@ def paged_attend(query, key_pages, value_pages, rules: Rules, *, return_residual
     """A paged call (``nanoattn.paged_attention``) by the reference: each query row gets
     its sequence's pages gathered into keys and values (T, S, K, H), as one batch row
     of one query at its position, so every rule means what it means in :func:`attend`
-    (``mask_fn`` and ``score_fn`` see the row's sequence as ``b``).
+    (``mask_fn`` and ``score_fn`` see the row's sequence as ``b``). A page the sequence
+    gave back (an entry ``RETURNED``) gathers as NaN keys and values: a row that sees
+    one of its positions is NaN, and a row that does not never reads them.
 
     Args:
       query: (T, N, H), token-major; key_pages (P, page_size, K, H), value_pages
@@ -156,6 +158,10 @@ def paged_attend(query, key_pages, value_pages, rules: Rules, *, return_residual
     pages = table[layout.sequence]  # (T, M): each row's sequence's pages
     keys = key_pages[pages].reshape(T, S, rules.K, rules.H)  # (T, S, K, H)
     values = value_pages[pages].reshape(T, S, rules.K, rules.Hv)  # (T, S, K, Hv)
+    returned = returned_entries(rules.page_table, rules.kv_lengths, rules.page_size)
+    returned = jnp.repeat(returned[layout.sequence], rules.page_size, axis=1)  # (T, S)
+    keys = jnp.where(returned[..., None, None], jnp.nan, keys)
+    values = jnp.where(returned[..., None, None], jnp.nan, values)
     lengths = jnp.where(layout.real, rules.kv_lengths[layout.sequence], 0)  # padding: no key
     sequence = layout.sequence
     mask_fn = score_fn = None

@@ -9,8 +9,11 @@ Tq, D)): prefill chunks, decode tokens and speculative chunks mixed. Its
 ``q_len`` new tokens are its last positions ``kv_lengths[b] - q_len + i``, written
 at slot ``p % page_size`` of page ``page_table[b, p // page_size]``, after the
 step's copy-on-write copies (``copies``: a page a fork shares is copied before it is
-written). The attention is ``nanoattn.paged_attention`` over the pool, so a step
-reads only the pages each sequence holds. Positions live on the host with the
+written). An entry -1 (``RETURNED``) is a page a windowed sequence gave back: this
+layer refuses it where its window or sink tokens see it (concrete; its sequence's
+rows NaN and unwritten under ``jit``), and no kernel reads it elsewhere. The
+attention is ``nanoattn.paged_attention`` over the pool, so a step reads only the
+pages each sequence holds. Positions live on the host with the
 allocator: the cache itself is the pool (``KVCache.key`` and ``value`` (P,
 page_size, K, H); ``position`` and ``last`` are empty), and a rewind is the
 allocator's. Axis letters: Tq tokens of a step, B sequences of a step's batch
@@ -24,7 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._base.paged import check_paged_values, held_pages, safe_page_table, token_layout
+from ..._base.paged import (
+    check_paged_values,
+    check_returned,
+    held_pages,
+    returned_reads,
+    safe_page_table,
+    token_layout,
+)
 from ..._base.validate import as_array, expect_integer, expect_shape
 from .. import positional
 from . import quantized
@@ -151,10 +161,15 @@ class PagedCache(CachePolicy):
         copies = _ints("copies", pages.copies, "C 2", (None, 2))
         check_paged_values(table, lengths, starts, Tq, P, self.page_size)
         check_copies(copies, P)
+        band, sinks = self.band, self.sink_tokens
+        check_returned(table, lengths, starts, Tq, P, self.page_size, band, sinks, _RETURNED_HINT)
         layout = token_layout(table, lengths, starts, Tq, P, self.page_size)
-        # A sequence holding a page that a bad copy was to fill (only under jit): NaN.
-        spoilt = copy_spoils(copies, table, lengths, P, self.page_size)[layout.sequence]
-        spoilt = spoilt & layout.real
+        # A sequence holding a page that a bad copy was to fill, or one whose queries
+        # see a page it gave back (only under jit): NaN, and never written.
+        spoilt = copy_spoils(copies, table, lengths, P, self.page_size)
+        reads = returned_reads(table, lengths, layout, self.page_size, band, sinks).any(axis=1)
+        spoilt = spoilt | jnp.zeros(B, bool).at[layout.sequence].max(reads)
+        spoilt = spoilt[layout.sequence] & layout.real
         pages = PagedBatch(table, lengths, starts, copies, self.page_size, P)
         return StepLayout(
             layout.position[None], (layout.real & ~spoilt)[None],
@@ -177,7 +192,9 @@ class PagedCache(CachePolicy):
         table = safe_page_table(pages.page_table, pages.kv_lengths, ps, P)
         position = layout.positions[0]
         page = table[sequence, position // ps]
-        page = jnp.where(layout.real[0], page, P)  # padding and broken tokens: dropped
+        # padding and broken tokens (a token whose own page was given back among them:
+        # its query sees it) are dropped
+        page = jnp.where(layout.real[0], page, P)
         slot = position % ps
 
         def write(pool, new):
@@ -205,6 +222,12 @@ class PagedCache(CachePolicy):
         keys, values, scales = quantized.read(cache, cache.key, cache.value, q.dtype)
         return paged(q, keys, values, layout.pages, **rules, **scales)
 
+    @property
+    def band(self) -> tuple:
+        """The keys a query at position q may see, ``(left, right)`` from q: causal, and
+        the window's left side (None without a window); the sink tokens besides."""
+        return (None if self.window is None else self.window[0], 0)
+
     def advance(self, cache: KVCache, layout: StepLayout) -> KVCache:
         """The pool as written: positions live on the host (the allocator)."""
         return cache
@@ -219,6 +242,13 @@ class PagedCache(CachePolicy):
     def poison(self, cache: KVCache, bad) -> KVCache:
         """The pool as it is: a paged step's broken tokens are never written."""
         return cache
+
+
+_RETURNED_HINT = (
+    "a layer reads every page in its window and its sink tokens: give it the batch of a "
+    "PageAllocator made with its window and sink_tokens (a global layer: one without "
+    "a window)"
+)
 
 
 def _ints(name: str, x, axes: str, dims):
@@ -266,7 +296,8 @@ def copy_spoils(copies, page_table, kv_lengths, P: int, page_size: int):
     tokens are NaN under ``jit``, and never written)."""
     faulty = copy_faults(copies, P).any(axis=1)
     target = copies[:, 1]
-    lost = jnp.where(faulty & (target >= 0) & (target < P), target, -1)  # (C,)
+    lost = faulty & (target >= 0) & (target < P)  # (C,): a page of the pool left unfilled
     held = held_pages(kv_lengths, page_size, page_table.shape[1])  # (B, M)
-    hits = (page_table[:, :, None] == lost[None, None, :]) & held[..., None]  # (B, M, C)
+    hits = (page_table[:, :, None] == target[None, None, :]) & held[..., None]  # (B, M, C)
+    hits = hits & lost[None, None, :]  # (never an entry RETURNED, -1: no page)
     return hits.any(axis=(1, 2))
