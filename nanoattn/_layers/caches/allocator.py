@@ -6,14 +6,27 @@ when a sequence is freed or rewound, lets a sequence fork another (sharing its p
 with reference counts, and copying a shared page before it is written: copy-on-write),
 and makes the arrays a jitted decoding step needs (:meth:`PageAllocator.batch`: a
 :class:`~nanoattn._layers.caches.paged.PagedBatch` of static shapes, so that admitting
-and retiring sequences never recompiles). One allocator serves every layer of a
-model: their pools have the same pages, and the page table is shared.
+and retiring sequences never recompiles). One allocator serves every layer of a kind:
+their pools have the same pages, and the page table is shared.
 
 A step is two calls around the model's: ``batch = alloc.batch(rows, tokens)``, which
 changes nothing (a failed step is retried by calling it again, and any number of models
 may run the same batch), then ``alloc.confirm(batch)`` once the step has run: its
 tokens are written and its copies done. What may happen between two steps, and why
 the rest is refused, is docs/decoding.md's table ("Between two steps").
+
+Two options change what it keeps (docs/decoding.md, "Prefix caching" and "Windowed
+layers in a paged pool"):
+
+* ``prefix_cache=True``: a full page a step has written, whose token ids the caller
+  gave, is registered under its chained key (:mod:`.prefix_cache`); ``allocate`` with
+  the ids of a new sequence shares the registered pages of its longest cached prefix,
+  and a freed page that holds one waits in an LRU of reusable pages until the pool
+  needs it.
+* ``window=(W - 1, 0)`` (and ``sink_tokens``), a windowed layer's: every page wholly
+  outside the window of every query the sequence may still make (a rewind's
+  included) and past the sink tokens goes back to the pool as the sequence grows,
+  its page-table entry :data:`RETURNED` (-1), which the kernels never read.
 """
 
 import dataclasses
@@ -21,7 +34,10 @@ import numbers
 
 import numpy as np
 
+from ..._base.paged import RETURNED
+from ..._base.rules import normalize_window
 from .paged import PagedBatch
+from .prefix_cache import ROOT, PrefixIndex, PrefixStats, as_namespace, token_ids
 
 
 class PoolExhausted(ValueError):
@@ -30,10 +46,16 @@ class PoolExhausted(ValueError):
 
 @dataclasses.dataclass
 class _Sequence:
-    pages: list[int]
+    pages: list[int]  # its page-table entries (RETURNED for a page it gave back)
     length: int  # tokens held
     written: int = 0  # tokens a confirmed step has written (the first `written` held)
     last: int = 0  # tokens the last extension brought (what rewind may take back)
+    # With a prefix cache: the ids of its first tokens (all of them while every call
+    # gave them), its namespace, and the chained keys of its first full written pages.
+    ids: list[int] = dataclasses.field(default_factory=list)
+    namespace: bytes = b""
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    returned: int = 0  # with a window: its entries before this one past the sinks' are returned
 
 
 def _count(name: str, value, least: int) -> int:
@@ -58,10 +80,20 @@ class PageAllocator:
       seed: None to hand out pages lowest first; an int to hand them out in a shuffled
         order (what a long-running server's pool looks like: tests and
         ``verify.check_decoding`` use it).
+      prefix_cache: share the pages of cached prefixes: :meth:`allocate` with the new
+        sequence's token ids returns how many leading tokens are cached already
+        (docs/decoding.md, "Prefix caching").
+      window: None, or the window of the layers this allocator serves, as their
+        ``AttentionConfig(window=)`` (``(W - 1, 0)``: a query sees W keys): pages
+        no query of a sequence can read any more go back to the pool, their entries
+        :data:`RETURNED` (docs/decoding.md, "Windowed layers in a paged pool").
+      sink_tokens: S0, with a window: the first S0 positions stay visible to every
+        query, and the pages that hold them stay.
 
     Example:
       >>> alloc = PageAllocator(pages=8, page_size=4, max_sequences=2, max_pages=4)
-      >>> alloc.allocate("a", 6)  # a prompt of 6 tokens: 2 pages
+      >>> alloc.allocate("a", 6)  # a prompt of 6 tokens: 2 pages, none cached
+      0
       >>> batch = alloc.batch([("a", 6)], tokens=8)  # the step that writes them
       >>> # ... run the model's step on batch, then:
       >>> alloc.confirm(batch)
@@ -73,7 +105,8 @@ class PageAllocator:
     """
 
     def __init__(self, pages: int, page_size: int, *, max_sequences: int, max_pages: int,
-                 max_copies: int | None = None, seed: int | None = None):  # fmt: skip
+                 max_copies: int | None = None, seed: int | None = None,
+                 prefix_cache: bool = False, window=None, sink_tokens: int = 0):  # fmt: skip
         self.pages = _count("pages", pages, 1)
         self.page_size = _count("page_size", page_size, 1)
         self.max_sequences = _count("max_sequences", max_sequences, 1)
@@ -81,6 +114,8 @@ class PageAllocator:
         if max_copies is None:
             max_copies = self.max_sequences
         self.max_copies = _count("max_copies", max_copies, 0)
+        self.window, self.sink_tokens = _window_options(window, sink_tokens, prefix_cache)
+        self._cache = PrefixIndex() if prefix_cache else None
         order = list(range(self.pages))
         if seed is not None:
             seed = _count("seed", seed, 0)
@@ -96,13 +131,20 @@ class PageAllocator:
     # --- what the host asks -------------------------------------------------------
 
     @property
+    def prefix_cache(self) -> bool:
+        """Whether this allocator caches prefixes."""
+        return self._cache is not None
+
+    @property
     def free_pages(self) -> int:
-        """The pages no sequence holds."""
-        return len(self._free)
+        """The pages no sequence holds (with a prefix cache, the reusable pages that
+        hold a cached prefix too: they are handed out when no other page is free)."""
+        return len(self._free) + (self._cache.reusable if self._cache else 0)
 
     def free_page_ids(self) -> list[int]:
-        """The pages no sequence holds, the next one handed out last."""
-        return list(self._free)
+        """The pages no sequence holds: the reusable ones (a prefix cache's, the most
+        recently freed first) before the free ones, the next one handed out last."""
+        return (self._cache.reusable_ids() if self._cache else []) + list(self._free)
 
     def length(self, seq_id) -> int:
         """The tokens sequence ``seq_id`` holds."""
@@ -120,7 +162,9 @@ class PageAllocator:
         return self._get(seq_id).last
 
     def pages_of(self, seq_id) -> list[int]:
-        """The pages sequence ``seq_id`` holds, in order."""
+        """The page-table entries of sequence ``seq_id``, in order: one per page of
+        tokens it holds, :data:`RETURNED` (-1) for a page a windowed allocator took
+        back."""
         return list(self._get(seq_id).pages)
 
     def sequences(self) -> list:
@@ -141,49 +185,94 @@ class PageAllocator:
         """The copy-on-write copies ``(source, target)`` the next step carries."""
         return list(self._copies)
 
+    def stats(self) -> PrefixStats:
+        """What the prefix cache has done: tokens hit and missed by :meth:`allocate`,
+        pages cached (and of those, reusable), evictions (all 0 without one)."""
+        return self._cache.stats() if self._cache else PrefixStats()
+
+    def cached_tokens(self, page: int) -> tuple | None:
+        """The token ids a registered page holds (a prefix cache's), or None."""
+        self.refs(page)  # checks the id
+        return self._cache.tokens_of(page) if self._cache else None
+
     # --- what changes it ----------------------------------------------------------
 
-    def allocate(self, seq_id, n_tokens: int = 0) -> None:
-        """A new sequence, with room for its first ``n_tokens`` tokens (it then holds
-        ``n_tokens``, unwritten: its next step brings them).
+    def allocate(self, seq_id, n_tokens: int = 0, *, tokens=None, namespace=None) -> int:
+        """A new sequence holding its first ``n_tokens`` tokens: returns how many
+        leading ones are cached already (0 without a prefix cache or ``tokens``).
+
+        With a prefix cache and ``tokens`` (the n_tokens ids), the sequence shares the
+        registered pages of its longest cached prefix under ``namespace`` (whole
+        pages, and at least one token is left to compute, so that its step has a
+        query): those ``cached`` tokens count as written, and its next step brings
+        the other ``n_tokens - cached`` (its ``q_len``; :meth:`unwritten`). New pages
+        for the rest; they are unwritten until a step brings them.
+
+        Args:
+          seq_id: any hashable id not held yet.
+          n_tokens: the tokens it holds.
+          tokens: None, or the ids of those tokens (ints): with a prefix cache, what
+            its pages are looked up and, once written, registered by.
+          namespace: None, a str, bytes or an int: what else changes the keys and
+            values a token gives (the model, an adapter, a tenant). Two namespaces
+            never share a page.
 
         Raises:
-          ValueError: ``seq_id`` is already held, or ``n_tokens`` is negative or more
-            than ``max_pages * page_size``.
+          ValueError: ``seq_id`` is already held, ``n_tokens`` is negative or more
+            than ``max_pages * page_size``, or ``tokens`` are not its n_tokens ids.
           PoolExhausted: too few free pages (nothing is allocated).
         """
         self._idle("allocate")
         if seq_id in self._sequences:
             raise ValueError(f"allocate: sequence {seq_id!r} is already allocated; free it first")
-        self._sequences[seq_id] = _Sequence([], 0)
-        try:
-            self.extend(seq_id, n_tokens)
-        except ValueError:
-            del self._sequences[seq_id]
-            raise
+        n_tokens = _count("n_tokens", n_tokens, 0)
+        ids = None if tokens is None else token_ids("tokens", tokens, n_tokens)
+        space = as_namespace(namespace)
+        self._check_length(seq_id, n_tokens)
+        pages, keys = [], []
+        if self._cache is not None and ids is not None:
+            most = max(n_tokens - 1, 0) // self.page_size  # at least one token to compute
+            pages, keys = self._cache.match(ids, space, most, self.page_size)
+        reused = sum(self._cache.is_reusable(p) for p in pages) if pages else 0
+        needed = -(-n_tokens // self.page_size) - len(pages)
+        self._check_room(seq_id, needed, self.free_pages - reused)
+        for page in pages:  # the cached prefix: shared
+            self._cache.unpark(page)
+            self._refs[page] += 1
+        cached = len(pages) * self.page_size
+        sequence = _Sequence(list(pages), cached, cached, namespace=space, keys=keys)
+        sequence.ids = [] if self._cache is None or ids is None else list(ids[:cached])
+        self._sequences[seq_id] = sequence
+        self._grow(sequence, n_tokens - cached, None if ids is None else ids[cached:])
+        sequence.last = n_tokens
+        if self._cache is not None and ids is not None:
+            self._cache.hit_tokens += cached
+            self._cache.miss_tokens += n_tokens - cached
+        return cached
 
-    def extend(self, seq_id, n_tokens: int) -> None:
+    def extend(self, seq_id, n_tokens: int, *, tokens=None) -> None:
         """Room for ``n_tokens`` more tokens of sequence ``seq_id`` (it then holds
         them, unwritten: its next step brings them): new pages as needed, and a copy of
-        its last page first when that page is shared (a fork) and the new tokens go
-        into it, so that no other sequence's tokens ever change. The copy is carried by
-        the next step, before its writes.
+        its last page first when that page is shared (a fork, a cached prefix) and the
+        new tokens go into it, so that no other sequence's tokens ever change. The copy
+        is carried by the next step, before its writes. ``tokens``: the new tokens' ids,
+        with a prefix cache what makes its completed pages cacheable (without them, no
+        page from here on is registered). With a window, the pages no query of the
+        sequence can read any more (a rewind now takes back at most these n tokens) go
+        back to the pool first.
 
         Raises:
-          ValueError: ``n_tokens`` negative, past ``max_pages * page_size`` tokens, or
-            a copy past the ``max_copies`` one step carries.
+          ValueError: ``n_tokens`` negative, past ``max_pages * page_size`` tokens,
+            ``tokens`` not its n_tokens ids, or a copy past the ``max_copies`` one step
+            carries.
           PoolExhausted: too few free pages (nothing is changed).
         """
         self._idle("extend")
         sequence = self._get(seq_id)
         n_tokens = _count("n_tokens", n_tokens, 0)
+        ids = None if tokens is None else token_ids("tokens", tokens, n_tokens)
         ps = self.page_size
-        new_length = sequence.length + n_tokens
-        if new_length > self.max_pages * ps:
-            raise ValueError(
-                f"extend: sequence {seq_id!r} would hold {new_length} tokens, more than "
-                f"max_pages * page_size = {self.max_pages} * {ps} = {self.max_pages * ps}"
-            )
+        self._check_length(seq_id, sequence.length + n_tokens)
         shared = bool(n_tokens and sequence.length % ps and self._refs[sequence.pages[-1]] > 1)
         if shared and len(self._copies) >= self.max_copies:
             raise ValueError(
@@ -191,22 +280,13 @@ class PageAllocator:
                 f"{len(self._copies)} copy-on-write copies pending are max_copies="
                 f"{self.max_copies}; run a step (it carries them) first"
             )
-        needed = -(-new_length // ps) - len(sequence.pages) + shared
-        if needed > len(self._free):
-            raise PoolExhausted(
-                f"the pool of {self.pages} pages is exhausted: sequence {seq_id!r} needs "
-                f"{needed} more page(s) and {len(self._free)} are free; free finished "
-                f"sequences, or make a larger pool"
-            )
-        if shared:  # copy-on-write of the shared partial last page
-            source = sequence.pages[-1]
-            target = self._take()
-            self._copies.append((self._source(source), target))
-            self._release(source)
-            sequence.pages[-1] = target
-        while len(sequence.pages) < -(-new_length // ps):
-            sequence.pages.append(self._take())
-        sequence.length, sequence.last = new_length, n_tokens
+        gone = self._out_of_window(sequence, min(sequence.written, sequence.length))
+        needed = -(-(sequence.length + n_tokens) // ps) - len(sequence.pages) + shared
+        freed = sum(self._refs[sequence.pages[j]] == 1 for j in gone)
+        self._check_room(seq_id, needed, self.free_pages + freed)
+        self._give_back(sequence, gone)
+        self._grow(sequence, n_tokens, ids)
+        sequence.last = n_tokens
 
     def fork(self, parent, child) -> None:
         """A new sequence ``child`` holding what ``parent`` holds (its prompt, say),
@@ -228,15 +308,21 @@ class PageAllocator:
                 f"step has written yet; run a step (and confirm it) first"
             )
         for page in source.pages:
-            self._refs[page] += 1
-        self._sequences[child] = _Sequence(list(source.pages), source.length, source.length)
+            if page != RETURNED:
+                self._refs[page] += 1
+        sequence = dataclasses.replace(
+            source, pages=list(source.pages), last=0, ids=list(source.ids), keys=list(source.keys)
+        )
+        self._sequences[child] = sequence
+        self._give_back(sequence, self._out_of_window(sequence, sequence.length))
 
     def rewind(self, seq_id, n: int) -> None:
         """Takes back the last ``n`` tokens of sequence ``seq_id`` (speculative
         decoding): 0 <= n <= what its last extension brought, written or not. Whole
         pages past its new length are returned to the pool; the tokens past it are
         never read, and the next extension writes over them (copying first if the page
-        is shared)."""
+        is shared). A windowed allocator never needs a page it gave back: it keeps every
+        page the queries after a rewind may read."""
         self._idle("rewind")
         sequence = self._get(seq_id)
         integral = isinstance(n, numbers.Integral) and not isinstance(n, bool)
@@ -248,18 +334,19 @@ class PageAllocator:
         sequence.length -= int(n)
         sequence.last -= int(n)
         sequence.written = min(sequence.written, sequence.length)
+        del sequence.ids[sequence.length :]
+        del sequence.keys[len(sequence.ids) // self.page_size :]
         keep = -(-sequence.length // self.page_size)
-        for page in sequence.pages[keep:]:
-            self._release(page)
+        self._release(sequence.pages[keep:])
         del sequence.pages[keep:]
 
     def free(self, seq_id) -> None:
         """Sequence ``seq_id`` is finished: its pages go back to the pool (a page
-        another sequence still shares stays held)."""
+        another sequence still shares stays held; with a prefix cache, a page that
+        holds a cached prefix stays cached, reusable)."""
         self._idle("free")
         sequence = self._get(seq_id)
-        for page in sequence.pages:
-            self._release(page)
+        self._release(sequence.pages)
         del self._sequences[seq_id]
 
     # --- what a step takes --------------------------------------------------------
@@ -269,10 +356,11 @@ class PageAllocator:
         q_len)``, the sequences of the step in the order of their tokens in x, each at
         most once, ``q_len`` the tokens it holds that no confirmed step has written
         (:meth:`unwritten`: what :meth:`allocate` and :meth:`extend` gave it since its
-        last step); ``tokens`` the step's Tq (x (1, Tq, D); tokens past the rows' are
-        padding). The step carries every pending copy-on-write copy, before its writes.
-        Once the step has run, :meth:`confirm` the batch; until then nothing else may
-        change the allocator (a batch made again replaces this one: a retried step).
+        last step, less a cached prefix); ``tokens`` the step's Tq (x (1, Tq, D);
+        tokens past the rows' are padding). The step carries every pending
+        copy-on-write copy, before its writes. Once the step has run, :meth:`confirm`
+        the batch; until then nothing else may change the allocator (a batch made again
+        replaces this one: a retried step).
 
         Raises:
           ValueError: more rows than ``max_sequences``, a sequence twice, a q_len other
@@ -327,7 +415,9 @@ class PageAllocator:
 
     def confirm(self, batch: PagedBatch) -> None:
         """The step of ``batch`` (the last :meth:`batch` made) has run: its rows'
-        tokens are written and its copies done.
+        tokens are written and its copies done. With a prefix cache, the full pages it
+        completed whose token ids are known are registered now; with a window, the
+        pages its rows' queries left behind go back to the pool.
 
         Raises:
           ValueError: ``batch`` is not the last one made, or it was confirmed already.
@@ -340,6 +430,9 @@ class PageAllocator:
         for seq_id, _ in self._outstanding[1]:
             sequence = self._sequences[seq_id]
             sequence.written = sequence.length
+            self._register(sequence)
+            first_query = sequence.length - sequence.last  # the earliest after a rewind
+            self._give_back(sequence, self._out_of_window(sequence, first_query))
         self._copies = []
         self._outstanding = None
 
@@ -358,6 +451,80 @@ class PageAllocator:
             raise KeyError(f"no sequence {seq_id!r} is allocated")
         return self._sequences[seq_id]
 
+    def _check_length(self, seq_id, length: int) -> None:
+        ps = self.page_size
+        if length > self.max_pages * ps:
+            raise ValueError(
+                f"extend: sequence {seq_id!r} would hold {length} tokens, more than "
+                f"max_pages * page_size = {self.max_pages} * {ps} = {self.max_pages * ps}"
+            )
+
+    def _check_room(self, seq_id, needed: int, available: int) -> None:
+        if needed > available:
+            raise PoolExhausted(
+                f"the pool of {self.pages} pages is exhausted: sequence {seq_id!r} needs "
+                f"{needed} more page(s) and {available} are free; free finished "
+                f"sequences, or make a larger pool"
+            )
+
+    def _grow(self, sequence: _Sequence, n_tokens: int, ids) -> None:
+        """``n_tokens`` more tokens of ``sequence``, their room checked: the copy of a
+        shared partial last page, then new pages; the ids tracked with a prefix cache."""
+        ps = self.page_size
+        new_length = sequence.length + n_tokens
+        if n_tokens and sequence.length % ps:
+            page = sequence.pages[-1]
+            if self._refs[page] > 1:  # copy-on-write of the shared partial last page
+                target = self._take()
+                self._copies.append((self._source(page), target))
+                self._release([page])
+                sequence.pages[-1] = target
+            elif self._cache is not None:  # written in place: a cached page must agree
+                slot, held = sequence.length % ps, self._cache.tokens_of(page)
+                same = ids is not None and held is not None
+                if not (same and tuple(ids[: ps - slot]) == held[slot : slot + n_tokens]):
+                    self._cache.forget(page)
+        while len(sequence.pages) < -(-new_length // ps):
+            sequence.pages.append(self._take())
+        if self._cache is not None and ids is not None and len(sequence.ids) == sequence.length:
+            sequence.ids += ids
+        sequence.length = new_length
+
+    def _register(self, sequence: _Sequence) -> None:
+        """Registers the full pages of ``sequence`` a step has written whose ids are
+        known (a prefix cache's): each under the key chained from the one before."""
+        if self._cache is None:
+            return
+        ps = self.page_size
+        while len(sequence.keys) < min(sequence.written, len(sequence.ids)) // ps:
+            j = len(sequence.keys)
+            parent = sequence.keys[-1] if sequence.keys else ROOT
+            chunk = tuple(sequence.ids[j * ps : (j + 1) * ps])
+            key = self._cache.key(parent, chunk, sequence.namespace)
+            sequence.keys.append(key)
+            if sequence.pages[j] != RETURNED:
+                self._cache.register(sequence.pages[j], key, parent, chunk, sequence.namespace)
+
+    def _out_of_window(self, sequence: _Sequence, first_query: int) -> list[int]:
+        """The page-table entries of ``sequence`` (with a window) that no query from
+        position ``first_query`` on can read: wholly before ``first_query - left``, past
+        the pages of the sink tokens, and not returned yet."""
+        if self.window is None:
+            return []
+        ps, left = self.page_size, self.window[0]
+        first = max(sequence.returned, -(-self.sink_tokens // ps))
+        end = min(max(0, first_query - left) // ps, len(sequence.pages))
+        return list(range(first, end))
+
+    def _give_back(self, sequence: _Sequence, entries: list[int]) -> None:
+        """Returns the pages of ``entries`` to the pool, their entries RETURNED."""
+        if not entries:
+            return
+        self._release([sequence.pages[j] for j in entries])
+        for j in entries:
+            sequence.pages[j] = RETURNED
+        sequence.returned = entries[-1] + 1
+
     def _source(self, page: int) -> int:
         """Where ``page``'s content is before the next step: the source of the pending
         copy into it, if any (the step reads every copy's source before writing)."""
@@ -367,16 +534,47 @@ class PageAllocator:
         return page
 
     def _take(self) -> int:
-        page = self._free.pop()
+        page = self._free.pop() if self._free else self._cache.evict()
         self._refs[page] = 1
         return page
 
-    def _release(self, page: int) -> None:
-        self._refs[page] -= 1
-        if self._refs[page] == 0:
-            self._free.append(page)
-            # A copy into a page nobody holds is dropped: the page may be a new copy's.
-            self._copies = [c for c in self._copies if c[1] != page]
+    def _release(self, pages: list[int]) -> None:
+        """One holder fewer for each of ``pages`` (in a sequence's order); a page nobody
+        holds is free, or with a prefix cache reusable if it is registered (the last of
+        ``pages`` parked first: the least recently used, so a prefix's tail goes first)."""
+        parked = []
+        for page in pages:
+            if page == RETURNED:
+                continue
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if self._cache is not None and self._cache.tokens_of(page) is not None:
+                    parked.append(page)
+                else:
+                    self._free.append(page)
+                # A copy into a page nobody holds is dropped: the page may be a new copy's.
+                self._copies = [c for c in self._copies if c[1] != page]
+        for page in reversed(parked):
+            self._cache.park(page)
+
+
+def _window_options(window, sink_tokens, prefix_cache) -> tuple:
+    """``(window, sink_tokens)`` checked: a window as the layers' ``(left, right)``."""
+    window = normalize_window(window)
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, numbers.Integral):
+        raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+    if sink_tokens < 0 or (sink_tokens and window is None):
+        raise ValueError(
+            f"sink_tokens must be >= 0 and needs a window (the layers' sink tokens), got "
+            f"sink_tokens={sink_tokens!r} with window={window}"
+        )
+    if window is not None and prefix_cache:
+        raise ValueError(
+            "prefix_cache=True with a window is not served: a windowed allocator gives "
+            "back the pages of a prefix as its sequence grows; cache prefixes in the "
+            "global layers' allocator"
+        )
+    return window, int(sink_tokens)
 
 
 def _same(a: PagedBatch, b: PagedBatch) -> bool:
