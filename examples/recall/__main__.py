@@ -174,7 +174,7 @@ def _run_option(parser):
 
 def _parser() -> tuple[argparse.ArgumentParser, dict]:
     """The parser and its subcommands' parsers, by name."""
-    from . import data, model, train
+    from . import data, engine, model, train
 
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -257,36 +257,42 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument(
         "--target",
         type=non_negative_float,
-        default=2.0,
+        default=engine.TARGET,
         metavar="RATIO",
-        help="continuous batching's tokens/s over static batching's, at least (2); 0: not judged",
+        help=f"continuous batching's tokens/s over static batching's, at least "
+        f"({engine.TARGET:g}); 0: not judged",
     )
-    p.add_argument("--requests", type=positive_int, default=96, help="requests (96)")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed (0)")
+    load, sizes = engine.WORKLOAD, engine.SERVE
+    p.add_argument("--requests", type=positive_int, default=load["requests"],
+                   help=f"requests ({load['requests']})")  # fmt: skip
+    p.add_argument("--seed", type=non_negative_int, default=load["seed"],
+                   help=f"workload seed ({load['seed']})")  # fmt: skip
     p.add_argument(
         "--prompt-lengths",
         type=_range,
-        default=(16, 384),
+        default=load["prompt_lengths"],
         metavar="LO,HI",
-        help="prompt lengths, drawn uniformly (16,384)",
+        help="prompt lengths, drawn uniformly ({},{})".format(*load["prompt_lengths"]),
     )
     p.add_argument(
         "--new-tokens",
         type=_range,
-        default=(1, 128),
+        default=load["new_tokens"],
         metavar="LO,HI",
-        help="tokens to generate per request, drawn uniformly (1,128)",
+        help="tokens to generate per request, drawn uniformly ({},{})".format(*load["new_tokens"]),
     )
-    p.add_argument("--pages", type=positive_int, default=512, help="pages of the pool (512)")
-    p.add_argument("--page-size", type=positive_int, default=16, help="tokens a page holds (16)")
-    p.add_argument(
-        "--max-sequences", type=positive_int, default=32, help="requests in flight at most (32)"
-    )
+    p.add_argument("--pages", type=positive_int, default=sizes.pages,
+                   help=f"pages of the pool ({sizes.pages})")  # fmt: skip
+    p.add_argument("--page-size", type=positive_int, default=sizes.page_size,
+                   help=f"tokens a page holds ({sizes.page_size})")  # fmt: skip
+    p.add_argument("--max-sequences", type=positive_int, default=sizes.max_sequences,
+                   help=f"requests in flight at most ({sizes.max_sequences})")  # fmt: skip
     p.add_argument(
         "--step-tokens",
         type=positive_int,
-        default=128,
-        help="tokens of a step, decode tokens and prompt chunks (128)",
+        default=sizes.step_tokens,
+        help=f"tokens of a step, decode tokens and prompt chunks ({sizes.step_tokens}; "
+        "a step of fewer runs at a smaller size: up to 3 halvings, at least 8)",
     )
     p.add_argument(
         "--check",

@@ -8,8 +8,11 @@ A request is a prompt and the number of tokens to generate greedily after it.
   admitted as soon as a row of the step and the pages it will need are free (its
   sequence is allocated then), each step extends the sequences it feeds, and a
   finished request frees its pages at once for the next. Each step is ONE jitted
-  call of static shape (x (1, Tq)): the next token of every decoding request and
-  chunks of the prompts of newly admitted ones, mixed, through ``pages=``.
+  call (x (1, Tq), Tq the smallest of a few static sizes, :func:`step_sizes`, that
+  holds its tokens): the next token of every decoding request and chunks of the
+  prompts of newly admitted ones, mixed, through ``pages=``. The host never waits for
+  a step: it composes and dispatches the next while the device runs this one, and
+  fetches the tokens at the end.
 * :class:`Static` (static batching): the requests in arrival order, ``batch`` at a
   time, each batch prefilled in one call and decoded until its longest request ends,
   through a full cache of ``capacity`` tokens per row (the longest prompt and the
@@ -40,7 +43,8 @@ from . import data, generate
 from .model import Decoder
 
 # Issue #33's target: continuous batching at least this many times the tokens/s of
-# static batching in the same cache memory (``python -m examples.recall serve`` judges it).
+# static batching in the same cache memory (``python -m examples.recall serve`` judges it;
+# ``nanoattn bench --only engine`` judges issue #47's, 5x, on a randomly initialised model).
 TARGET = 2.0
 
 
@@ -150,6 +154,13 @@ class EngineConfig:
         return -(-tokens // self.page_size)
 
 
+# What ``python -m examples.recall serve`` serves by default, and ``nanoattn bench
+# --only engine`` too: the engine's sizes, and the workload's (``workload(seed, task,
+# requests, prompt_lengths, new_tokens)``).
+SERVE = EngineConfig(pages=512, page_size=16, max_sequences=32, step_tokens=128)
+WORKLOAD = dict(seed=0, requests=96, prompt_lengths=(16, 384), new_tokens=(1, 128))
+
+
 @dataclasses.dataclass
 class Served:
     """What a run produced: each request's tokens, by id, and how long it took."""
@@ -170,40 +181,74 @@ class Served:
 
 @dataclasses.dataclass
 class _Live:
-    """A request in flight: the tokens its cache holds and those generated so far."""
+    """A request in flight: the tokens its cache holds, how many it has generated, and
+    its row in the last step that took it (where that step's token for it is)."""
 
     request: Request
     held: int = 0
-    generated: list = dataclasses.field(default_factory=list)
+    generated: int = 0
+    row: int = -1
 
     @property
     def prefilling(self) -> bool:
         return self.held < len(self.request.prompt)
 
 
+def step_sizes(config: EngineConfig, least: int = 8, most: int = 4) -> tuple[int, ...]:
+    """The token counts Tq the engine compiles its step for, smallest first:
+    ``step_tokens`` halved up to ``most - 1`` times while at least ``least``. A step
+    runs at the smallest that holds its tokens, so that a step of a few decode tokens
+    does not compute a full step of padding."""
+    sizes = {config.step_tokens}
+    for k in range(1, most):
+        size = -(-config.step_tokens // 2**k)
+        if size >= least:
+            sizes.add(size)
+    return tuple(sorted(sizes))
+
+
 class Engine:
     """Continuous batching of ``model`` (the trained decoder) over a paged KV cache of
-    ``config``'s pool; ``self.run(requests)`` serves them (see the module)."""
+    ``config``'s pool; ``self.run(requests)`` serves them (see the module).
+
+    The host never waits for a step: a decoding request's next input is the token the
+    step before made for it, which stays on the device (the step gathers it by row), so
+    the host composes and dispatches step after step while the device runs them, and
+    fetches every generated token once, at the end (as :class:`Static` does). What
+    the host does per step is the allocator's bookkeeping and a few small arrays; the
+    step's operands are flat lists of arrays (rebuilding the model's state as nnx
+    pytrees at every call cost more host time than that), the parameters not donated
+    and the cache donated."""
 
     def __init__(self, model: Decoder, config: EngineConfig, max_len: int):
         self.config = config
         self.max_pages = config.pages_for(max_len)  # the page table's width M
+        self.sizes = step_sizes(config)
         paged = Decoder(model.config, page_size=config.page_size, rngs=nnx.Rngs(0))
         nnx.update(paged, nnx.state(model, nnx.Param))
         paged.eval()
         paged.init_cache(1, config.cache_tokens)
-        graphdef, state = nnx.split(paged)
-        # A buffer of its own for every leaf (the parameters are the model's own arrays,
-        # and the step donates the state, updating the pools in place), on the device the
-        # step's outputs are on (else the second call compiles again).
+        graphdef, params, cache = nnx.split(paged, nnx.Param, ...)
+        params, params_def = jax.tree.flatten(params)
+        cache, cache_def = jax.tree.flatten(cache)
+        # On the device the step's outputs are on (else the second call compiles again);
+        # the cache a buffer of its own for every leaf, as the step donates it (updating
+        # the pools in place).
         device = jax.devices()[0]
-        self.state = jax.tree.map(lambda a: jax.device_put(jnp.copy(a), device), state)
+        self.params = [jax.device_put(a, device) for a in params]
+        self.cache = [jax.device_put(jnp.copy(a), device) for a in cache]
+        self._none = jax.device_put(np.zeros(config.max_sequences, np.int32), device)
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        def step(state, tokens, pages, last):  # tokens (Tq,), last (B,)
-            model = nnx.merge(graphdef, state)
-            logits = model(tokens[None], decode=True, pages=pages)  # (1, Tq, V)
-            return nnx.state(model), jnp.argmax(logits[0, last], -1).astype(jnp.int32)  # (B,)
+        @functools.partial(jax.jit, donate_argnums=1)
+        def step(params, cache, previous, tokens, source, pages, last):
+            # tokens, source (Tq,): a token, or (source >= 0) the token `previous` (B,)
+            # holds at that row; last (B,): each row's last token in x
+            x = jnp.where(source >= 0, previous[jnp.maximum(source, 0)], tokens)  # (Tq,)
+            model = nnx.merge(graphdef, jax.tree.unflatten(params_def, params),
+                              jax.tree.unflatten(cache_def, cache))  # fmt: skip
+            logits = model(x[None], decode=True, pages=pages)  # (1, Tq, V)
+            _, _, cache = nnx.split(model, nnx.Param, ...)
+            return jax.tree.leaves(cache), jnp.argmax(logits[0, last], -1).astype(jnp.int32)
 
         self.step = step
 
@@ -214,21 +259,30 @@ class Engine:
         )
 
     def warm_up(self) -> tuple[str, ...]:
-        """Compiles the step (one call with no tokens: nothing is written). Returns the
-        backends nanoattn took for its attention calls, distinct, in order of use."""
-        c = self.config
-        batch = self._allocator().batch([], tokens=c.step_tokens)
-        tokens = np.full(c.step_tokens, data.PAD, np.int32)
+        """Compiles the step at each of its sizes (calls with no tokens: nothing is
+        written). Returns the backends nanoattn took for its attention calls, distinct,
+        in order of use."""
+        c, alloc = self.config, self._allocator()
         with recording_backends() as chosen:
-            self.state, out = self.step(
-                self.state, tokens, batch, np.zeros(c.max_sequences, np.int32)
-            )
+            for size in self.sizes:
+                batch = alloc.batch([], tokens=size)
+                tokens = np.full(size, data.PAD, np.int32)
+                self.cache, out = self.step(
+                    self.params, self.cache, self._none, tokens, np.full(size, -1, np.int32),
+                    batch, np.zeros(c.max_sequences, np.int32),
+                )  # fmt: skip
+                alloc.confirm(batch)
         out.block_until_ready()
         return tuple(dict.fromkeys(chosen))
 
+    def compiled(self) -> int:
+        """The programs the step has compiled: one per step size after
+        :meth:`warm_up`, and no more after any run."""
+        return self.step._cache_size()
+
     def run(self, requests, progress=None) -> Served:
         """Serves ``requests`` in order of arrival; ``progress(n)`` is called with the
-        tokens each step generated."""
+        tokens each step generates, as the step is dispatched."""
         c = self.config
         for r in requests:
             if c.pages_for(r.need) > min(c.pages, self.max_pages):
@@ -237,21 +291,25 @@ class Engine:
                     f"({c.pages} pages) or the engine's max_len ({self.max_pages} pages) hold"
                 )
         self.allocator = alloc = self._allocator()  # every page free again at the end
-        waiting, running, outputs = collections.deque(requests), {}, {}
-        steps = mixed = 0
+        waiting, running = collections.deque(requests), {}
+        made = []  # each step's tokens (B,), on the device, and who took which
+        previous, steps, mixed = self._none, 0, 0
         start = time.perf_counter()
         while waiting or running:
             self._admit(alloc, waiting, running)
             rows, fed = self._compose(running)
             mixed += 0 < sum(not live.prefilling for live in rows) < len(rows)
             for live, tokens in zip(rows, fed):
-                alloc.extend(live.request.id, len(tokens))
-                live.held += len(tokens)
-            next_tokens = self._step(alloc, rows, fed)
+                brought = 1 if tokens is None else len(tokens)
+                alloc.extend(live.request.id, brought)
+                live.held += brought
+            previous = self._step(alloc, rows, fed, previous)
             steps += 1
-            made = self._retire(alloc, rows, next_tokens, running, outputs)
+            takers = self._retire(alloc, rows, running)
+            made.append((previous, takers))
             if progress:
-                progress(made)
+                progress(len(takers))
+        outputs = self._outputs(requests, made)
         return Served(outputs, time.perf_counter() - start, steps, mixed)
 
     def _admit(self, alloc, waiting, running) -> None:
@@ -269,52 +327,73 @@ class Engine:
             reserved += need
 
     def _compose(self, running) -> tuple[list, list]:
-        """One mixed step's rows and their tokens: the next token of every decoding
-        request, then chunks of the prompts being prefilled, up to ``step_tokens``."""
+        """One mixed step's rows and the tokens each brings: every decoding request
+        first (None: its one token is the one the step before made for it), then chunks
+        of the prompts being prefilled, up to ``step_tokens`` tokens in all."""
         budget, rows, fed = self.config.step_tokens, [], []
         for live in running.values():
             if not live.prefilling:
                 rows.append(live)
-                fed.append([live.generated[-1]])
+                fed.append(None)
                 budget -= 1
         for live in running.values():
             if live.prefilling and budget:
                 chunk = live.request.prompt[live.held : live.held + budget]
                 rows.append(live)
-                fed.append(list(chunk))
+                fed.append(chunk)
                 budget -= len(chunk)
         return rows, fed
 
-    def _step(self, alloc, rows, fed) -> np.ndarray:
-        """The jitted call on the rows' tokens, token-major and padded: (B,) the greedy
-        token after each row's last one."""
+    def _step(self, alloc, rows, fed, previous) -> jax.Array:
+        """Dispatches the jitted call on the rows' tokens, token-major and padded to the
+        smallest step size that holds them; returns its (B,) greedy tokens, the one
+        after each row's last token (on the device, not waited for)."""
         c = self.config
-        batch = alloc.batch(
-            [(live.request.id, len(t)) for live, t in zip(rows, fed)], tokens=c.step_tokens
-        )
-        x = np.full(c.step_tokens, data.PAD, np.int32)
-        flat = [t for tokens in fed for t in tokens]
-        x[: len(flat)] = flat
+        brought = [1 if tokens is None else len(tokens) for tokens in fed]
+        size = next(s for s in self.sizes if s >= sum(brought))
+        batch = alloc.batch([(live.request.id, n) for live, n in zip(rows, brought)], tokens=size)
+        tokens = np.full(size, data.PAD, np.int32)
+        source = np.full(size, -1, np.int32)  # >= 0: the row of `previous` to take
         last = np.zeros(c.max_sequences, np.int32)
-        last[: len(rows)] = np.asarray(batch.query_starts[1 : len(rows) + 1]) - 1
-        self.state, next_tokens = self.step(self.state, x, batch, last)
+        at = 0
+        for b, (live, chunk) in enumerate(zip(rows, fed)):
+            if chunk is None:
+                source[at] = live.row
+                at += 1
+            else:
+                tokens[at : at + len(chunk)] = chunk
+                at += len(chunk)
+            last[b], live.row = at - 1, b
+        self.cache, next_tokens = self.step(self.params, self.cache, previous, tokens, source,
+                                            batch, last)  # fmt: skip
         alloc.confirm(batch)
-        return np.asarray(next_tokens)
+        return next_tokens
 
-    def _retire(self, alloc, rows, next_tokens, running, outputs) -> int:
-        """Each row whose prompt is all in takes its token; a request with all its
-        tokens frees its pages. Returns the tokens generated."""
-        made = 0
+    def _retire(self, alloc, rows, running) -> list:
+        """Each row whose prompt is all in takes a token (this step's at its row); a
+        request with all its tokens frees its pages. Returns (request id, row) of each
+        row that took one."""
+        takers = []
         for b, live in enumerate(rows):
             if live.prefilling:
                 continue  # its prompt is not all in yet: this logit predicts nothing new
-            live.generated.append(int(next_tokens[b]))
-            made += 1
-            if len(live.generated) == live.request.new_tokens:
+            takers.append((live.request.id, b))
+            live.generated += 1
+            if live.generated == live.request.new_tokens:
                 alloc.free(live.request.id)
-                outputs[live.request.id] = live.generated
                 del running[live.request.id]
-        return made
+        return takers
+
+    @staticmethod
+    def _outputs(requests, made) -> dict:
+        """Every request's tokens, by id, from each step's tokens (fetched at once:
+        the host waits for the device here only) and who took which."""
+        outputs = {r.id: [] for r in requests}
+        values = jax.device_get([tokens for tokens, _ in made])
+        for row_tokens, (_, takers) in zip(values, made):
+            for request_id, b in takers:
+                outputs[request_id].append(int(row_tokens[b]))
+        return outputs
 
 
 class Static:
