@@ -135,13 +135,21 @@ def attend(
     return (out, *extras) if extras else out
 
 
+# The reference's paged call works through its query rows in chunks whose gathered keys
+# and values take at most about this many bytes.
+PAGED_CHUNK_BYTES = 64 * 2**20
+
+
 def paged_attend(query, key_pages, value_pages, rules: Rules, *, return_residual: bool = False):
-    """A paged call (``nanoattn.paged_attention``) by the reference: each query row gets
-    its sequence's pages gathered into keys and values (T, S, K, H), as one batch row
-    of one query at its position, so every rule means what it means in :func:`attend`
-    (``mask_fn`` and ``score_fn`` see the row's sequence as ``b``). A page the sequence
-    gave back (an entry ``RETURNED``) gathers as NaN keys and values: a row that sees
-    one of its positions is NaN, and a row that does not never reads them.
+    """A paged call (``nanoattn.paged_attention``) by the reference: each sequence's
+    pages are gathered once into keys and values (B, S, K, H), then the query rows, a
+    chunk at a time, attend as batch rows of one query at their positions over their
+    sequences' keys, so every rule means what it means in :func:`attend` (``mask_fn`` and
+    ``score_fn`` see the row's sequence as ``b``). A page the sequence gave back (an
+    entry ``RETURNED``) gathers as NaN keys and values: a row that sees one of its
+    positions is NaN, and a row that does not never reads them. Memory: the gathered
+    sequences and one chunk's rows (:data:`PAGED_CHUNK_BYTES`), never a copy of a
+    sequence's keys per query row.
 
     Args:
       query: (T, N, H), token-major; key_pages (P, page_size, K, H), value_pages
@@ -152,18 +160,46 @@ def paged_attend(query, key_pages, value_pages, rules: Rules, *, return_residual
       (T, N, Hv) in the query's dtype (zeros for padding rows), and with
       ``return_residual`` the log-sum-exp (T, N).
     """
-    T, S = rules.T, rules.S
+    B, T, S = rules.B, rules.T, rules.S
     layout = rules.layout()
     table = safe_page_table(rules.page_table, rules.kv_lengths, rules.page_size, rules.pool_pages)
-    pages = table[layout.sequence]  # (T, M): each row's sequence's pages
-    keys = key_pages[pages].reshape(T, S, rules.K, rules.H)  # (T, S, K, H)
-    values = value_pages[pages].reshape(T, S, rules.K, rules.Hv)  # (T, S, K, Hv)
+    keys = key_pages[table].reshape(B, S, rules.K, rules.H)  # each sequence's, once
+    values = value_pages[table].reshape(B, S, rules.K, rules.Hv)
     returned = returned_entries(rules.page_table, rules.kv_lengths, rules.page_size)
-    returned = jnp.repeat(returned[layout.sequence], rules.page_size, axis=1)  # (T, S)
-    keys = jnp.where(returned[..., None, None], jnp.nan, keys)
-    values = jnp.where(returned[..., None, None], jnp.nan, values)
+    returned = jnp.repeat(returned, rules.page_size, axis=1)[..., None, None]  # (B, S, 1, 1)
+    keys, values = (jnp.where(returned, jnp.nan, x) for x in (keys, values))
     lengths = jnp.where(layout.real, rules.kv_lengths[layout.sequence], 0)  # padding: no key
-    sequence = layout.sequence
+    row_bytes = S * rules.K * (rules.H + rules.Hv) * keys.dtype.itemsize
+    C = max(1, min(T, PAGED_CHUNK_BYTES // max(row_bytes, 1)))  # rows a chunk
+    n_chunks = -(-T // C)
+    pad = n_chunks * C - T
+
+    def padded(x, fill):
+        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+
+    rows = dict(
+        query=padded(query, 0), sequence=padded(layout.sequence, 0),
+        position=padded(layout.position, 0), lengths=padded(lengths, 0),
+    )  # fmt: skip
+    chunks = {name: x.reshape(n_chunks, C, *x.shape[1:]) for name, x in rows.items()}
+
+    def chunk(part):
+        sequence = part["sequence"]
+        row_rules = _row_rules(rules, C, sequence, part["position"], part["lengths"])
+        return attend(
+            part["query"][:, None], keys[sequence], values[sequence], row_rules,
+            dropout_rate=0.0, dropout_rng=None, return_residual=return_residual,
+        )  # fmt: skip
+
+    result = jax.lax.map(chunk, chunks)  # (n_chunks, C, 1, ...)
+    result = jax.tree.map(lambda x: x.reshape(n_chunks * C, *x.shape[3:])[:T], result)
+    return result
+
+
+def _row_rules(rules: Rules, C: int, sequence, position, lengths) -> Rules:
+    """The rules of C query rows as batch rows of one query each, at ``position`` over
+    the keys of their sequences ``sequence`` (held up to ``lengths``): ``mask_fn`` and
+    ``score_fn`` see each row's sequence as its ``b``."""
     mask_fn = score_fn = None
     if rules.mask_fn is not None:
 
@@ -175,15 +211,7 @@ def paged_attend(query, key_pages, value_pages, rules: Rules, *, return_residual
         def score_fn(s, b, n, q, k):
             return rules.score_fn(s, sequence[b], n, q, k)
 
-    rows = rules.replace(
-        B=T, T=1, page_table=None, query_starts=None, page_size=None, pool_pages=None,
-        q_offset=layout.position, kv_lengths=lengths, mask_fn=mask_fn, score_fn=score_fn,
+    return rules.replace(
+        B=C, T=1, page_table=None, query_starts=None, page_size=None, pool_pages=None,
+        q_offset=position, kv_lengths=lengths, mask_fn=mask_fn, score_fn=score_fn,
     )  # fmt: skip
-    result = attend(
-        query[:, None], keys, values, rows, dropout_rate=0.0, dropout_rng=None,
-        return_residual=return_residual,
-    )  # fmt: skip
-    if not return_residual:
-        return result[:, 0]
-    out, lse = result
-    return out[:, 0], lse[:, 0]
