@@ -72,7 +72,8 @@ def paged_attention(
         :func:`nanoattn.dot_product_attention`.
       key_scales, value_scales: float (P, page_size, K), the scales of quantized
         pages (int8 or float8_e4m3fn; :func:`nanoattn.quantize_kv`), both or neither;
-        served by ``"xla"`` and ``"flash"`` (dequantized per page block).
+        served by ``"xla"``, ``"flash"`` (dequantized per page block) and
+        ``"native"`` (widened in registers).
       implementation: ``"xla"`` (gathers each sequence's pages once: the reference),
         ``"flash"`` (blockwise over the pages each sequence holds), ``"native"``
         (the C++ CPU kernel, reading the pool through the page table), or None for
