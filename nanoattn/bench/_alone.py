@@ -56,19 +56,33 @@ def measure_alone(name: str, B: int, T: int, N: int, H: int, backward: bool, dty
     """``name`` timed in a fresh process of its own (:func:`measure_here` there); it has
     exited, its threads with it, when this returns."""
     spec = dict(name=name, B=B, T=T, N=N, H=H, backward=backward, dtype=dtype, rounds=rounds)
+    return run_alone("nanoattn.bench._alone", spec, what=name)
+
+
+def run_alone(module: str, spec: dict, *, what: str, env: dict | None = None,
+              paths=(), timeout: float = TIMEOUT_S) -> dict:  # fmt: skip
+    """``python -m module JSON`` (``spec`` as JSON) in a fresh process of its own, with
+    ``env`` added to this process's environment and ``paths`` (and where this nanoattn
+    lives) before ``PYTHONPATH``: the last line of its output that is a JSON object.
+    The process has exited, its threads with it, when this returns.
+
+    Raises:
+      RuntimeError: the process failed or printed no JSON object (``what`` and the last
+        line of its errors say which and why).
+    """
     root = str(pathlib.Path(__file__).resolve().parents[2])  # where this nanoattn lives
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [*map(str, paths), root, os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, "-m", "nanoattn.bench._alone", json.dumps(spec)],
-        env={**os.environ, "PYTHONPATH": path},
+        [sys.executable, "-m", module, json.dumps(spec)],
+        env={**os.environ, **(env or {}), "PYTHONPATH": path},
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
+        timeout=timeout,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"{name} alone: {tail[:200]}")
+        raise RuntimeError(f"{what} alone: {tail[:200]}")
     return json.loads(lines[-1])
 
 

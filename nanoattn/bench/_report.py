@@ -3,6 +3,8 @@
 import json
 import pathlib
 
+from ._decode_report import decode_markdown
+from ._engine import engine_markdown
 from ._masks import masks_markdown
 from ._native import native_markdown
 from ._serving import serving_markdown
@@ -34,6 +36,8 @@ def markdown(results: dict) -> str:
     lines += native_markdown(results.get("native") or [], m.get("native_isa"))
     lines += masks_markdown(results.get("masks") or [])
     lines += serving_markdown(results.get("serving"))
+    lines += decode_markdown(results.get("decode"))
+    lines += engine_markdown(results.get("engine"))
     lines += targets_markdown(results["targets"])
     notes = sorted(
         {

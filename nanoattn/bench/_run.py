@@ -8,7 +8,20 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from . import _generation, _latent, _masks, _native, _serving, _targets, _torch, _window
+from . import (
+    _decode,
+    _decode_cases,
+    _decode_report,
+    _engine,
+    _generation,
+    _latent,
+    _masks,
+    _native,
+    _serving,
+    _targets,
+    _torch,
+    _window,
+)
 from ._cell import measure_cell
 from ._measure import matmul_peak_gflops
 from ._peers import PEERS
@@ -52,6 +65,11 @@ class BenchConfig:
         bytes per token per dtype, a mixed prefill-and-decode call,
         :mod:`nanoattn.bench._serving`): "full" at the issue's sizes (judged),
         "quick" at small ones (reported, not judged), "" to skip it.
+      engine: the recall example's engine against static batching (tokens/s,
+        :mod:`nanoattn.bench._engine`): "full", "quick" or "", as ``serving``.
+      decode: the decode sweep (every paged implementation and the peers, each alone,
+        against the read bandwidth; split-key decode against the unsplit kernel,
+        :mod:`nanoattn.bench._decode`): "full", "quick" or "", as ``serving``.
     """
 
     lengths: tuple[int, ...] = FULL_LENGTHS
@@ -68,6 +86,8 @@ class BenchConfig:
     masks_length: int = 0
     latent_context: int = 0
     serving: str = ""
+    engine: str = ""
+    decode: str = ""
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -159,8 +179,9 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
 
     ``progress(part, done, total, label)`` (e.g. :class:`nanoattn.bench._progress.ItemLines`)
     is called before each measured item of each part ("peak", "grid", "targets",
-    "generation", "window", "native", "masks", "serving"), ``done`` of the part's
-    ``total`` items being finished, and once with ``done == total`` when the part ends.
+    "generation", "window", "native", "masks", "serving", "decode", "engine"), ``done``
+    of the part's ``total`` items being finished, and once with ``done == total`` when
+    the part ends.
     Items skipped without being measured (torch missing, scores over ``max_score_gib``)
     are neither reported nor counted; a part with nothing left to measure is reported once, with
     ``total == 0`` and why in ``label``.
@@ -282,6 +303,26 @@ def _serving_part(config: BenchConfig, report, peak: float, no_torch):
     return serving, _serving.serving_targets(serving)
 
 
+def _engine_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.engine:
+        return None, []
+    shape = {"full": _engine.FULL, "quick": _engine.QUICK}[config.engine]
+    relay = _Relay(report, "engine", "")
+    engine = _engine.measure_engine(shape, relay)
+    relay.end()
+    return engine, _engine.engine_targets(engine)
+
+
+def _decode_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.decode:
+        return None, []
+    sweep = {"full": _decode_cases.FULL, "quick": _decode_cases.QUICK}[config.decode]
+    relay = _Relay(report, "decode", "")
+    decode = _decode.measure_decode(sweep, relay)
+    relay.end()
+    return decode, _decode_report.decode_targets(decode)
+
+
 # The parts after the grid and the kernel's targets, in the order they run and report.
 PARTS = {
     "generation": _generation_part,
@@ -290,4 +331,6 @@ PARTS = {
     "masks": _masks_part,
     "latent": _latent_part,
     "serving": _serving_part,
+    "decode": _decode_part,
+    "engine": _engine_part,
 }
