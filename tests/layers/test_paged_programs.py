@@ -13,6 +13,17 @@ parent's tokens are written, chains of copies in one step (fork, extend, rewind,
 extend), copies whose target is freed while pending and handed to another copy. The
 fast suite's programs must reach each of those orders (:data:`ORDERS`); ``make
 test-all`` runs a longer profile.
+
+Two more kinds of server (:data:`KINDS`; a sequence's inputs are token ids, each
+token's input ``EMBED[id]``). A prefix cache (``prefix_cache=True``): moves allocate
+prompts that share a prefix with an earlier prompt under one of two namespaces, free
+them, hit them again and evict them under pressure; each hit must be whole pages, leave
+a token to compute and be a prefix some step wrote under its namespace, and the
+tokens after it give the full forward. A windowed layer with a sink token and its
+windowed allocator: after every call each sequence's entries are -1 exactly where no
+query it may still make reads (the model's ``min(fed, length - last extension)``),
+and pages given back are taken by other sequences while their owner goes on. Their
+orders are :data:`KIND_ORDERS`.
 """
 
 import collections
@@ -36,6 +47,8 @@ ROWS = 4  # sequences a step serves (max_sequences)
 TQ = 11  # the tokens of a step
 # page size -> (pages of the pool, pages per sequence): sequences of at most 12-16 tokens
 POOLS = {1: (26, 12), 3: (11, 4), 16: (5, 1)}
+# a windowed layer's: sequences of up to 24 tokens in fewer pages than they span
+WINDOW_POOLS = {1: (22, 24), 3: (9, 8)}
 # The orders the fast programs must reach, and a line saying each.
 ORDERS = {
     "copy": "a write into a shared partial page (copy-on-write)",
@@ -47,13 +60,34 @@ ORDERS = {
     "refusal": "an allocator call refused, nothing changed",
 }
 FAST_PROGRAMS, LONG_PROGRAMS, MOVES = 10, 100, 36
+V = 23  # token ids
+EMBED = np.random.default_rng(5).standard_normal((V, D)).astype(np.float32)
+LEFT, SINKS = 3, 1  # the windowed kind's window=(LEFT, 0) (W = 4) and sink tokens
+WINDOWED = dict(window=(LEFT, 0), sink_tokens=SINKS)
+# kind -> (the layer's options, the allocator's)
+KINDS = {"plain": ({}, {}), "prefix": ({}, dict(prefix_cache=True)), "window": (WINDOWED, WINDOWED)}
+NAMESPACES = ("tenant-a", "tenant-b")
+KIND_ORDERS = {
+    "prefix": {
+        "hit": "an allocate that found its prompt's first pages cached",
+        "reusable hit": "a hit on a cached page no sequence held (a freed prompt's)",
+        "eviction": "a cached page handed out again under pressure",
+        "namespace miss": "a prompt written only under the other namespace: no hit",
+        "rewritten": "a cached page rewound into and written again, then its old prompt",
+    },
+    "window": {
+        "given back": "a page no query of its sequence reads any more given back (-1)",
+        "given back reused": "a page given back taken by another sequence, its owner alive",
+    },
+}
 
 
 @functools.cache
-def _layer(page_size: int, framework: str):
+def _layer(page_size: int, framework: str, kind: str = "plain"):
     """(step(pool, x, batch) -> (y, pool), full(x) -> y, the pool full of NaN)."""
-    pages = POOLS[page_size][0]
-    cfg = AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0, page_size=page_size)
+    pages = (WINDOW_POOLS if kind == "window" else POOLS)[page_size][0]
+    cfg = AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0, page_size=page_size,
+                          **KINDS[kind][0])  # fmt: skip
     layer = CausalSelfAttention(cfg)
     shapes = jax.eval_shape(
         functools.partial(layer.init, decode=True),
@@ -91,23 +125,30 @@ def _layer(page_size: int, framework: str):
 
 
 class Server:
-    """The allocator and the layer's pool, and the model: each sequence's inputs and
-    how many a step has fed. Counts the orders it meets (:data:`ORDERS`)."""
+    """The allocator and the layer's pool, and the model: each sequence's token ids
+    and how many a step has fed. Counts the orders it meets (:data:`ORDERS`,
+    :data:`KIND_ORDERS`)."""
 
-    def __init__(self, page_size: int, framework: str, seed: int):
-        pages, max_pages = POOLS[page_size]
-        self.step_fn, self.full, self.pool = _layer(page_size, framework)
-        self.page_size, self.length = page_size, max_pages * page_size
+    def __init__(self, page_size: int, framework: str, seed: int, kind: str = "plain"):
+        pages, max_pages = (WINDOW_POOLS if kind == "window" else POOLS)[page_size]
+        self.step_fn, self.full, self.pool = _layer(page_size, framework, kind)
+        self.page_size, self.length, self.kind = page_size, max_pages * page_size, kind
         self.alloc = PageAllocator(pages, page_size, max_sequences=ROWS, max_pages=max_pages,
-                                   max_copies=ROWS, seed=seed)  # fmt: skip
+                                   max_copies=ROWS, seed=seed, **KINDS[kind][1])  # fmt: skip
         self.rng = np.random.default_rng(seed)
-        self.inputs: dict = {}  # seq -> list of (D,) inputs it holds
-        self.fed: dict = {}  # seq -> how many of them a step has fed
+        self.inputs: dict = {}  # seq -> the token ids it holds
+        self.fed: dict = {}  # seq -> how many of them a step has fed (or a hit cached)
         self.last: dict = {}  # seq -> the inputs its last extension brought
+        self.space: dict = {}  # seq -> its namespace
+        self.prompts: list = []  # each sequence allocated (its ids as they grow): shared
+        self.written: set = set()  # (namespace, ids of a page-aligned prefix a step wrote)
+        self.entries: dict = {}  # seq -> its page-table entries after the last call
+        self.given_back: dict = {}  # page -> (its owner, the sequences holding it then)
         self.orders = collections.Counter()
         self.freed_since_step: set = set()
         self.dropped_targets: set = set()
         self.names = 0
+        self.result = None
 
     # --- the allocator's calls, each against the model -----------------------------
 
@@ -115,14 +156,15 @@ class Server:
         """What the allocator says, to check that a refusal changed nothing."""
         a = self.alloc
         held = {s: (a.length(s), a.unwritten(s), a.pages_of(s)) for s in a.sequences()}
-        return held, a.free_page_ids(), a.pending_copies()
+        return held, a.free_page_ids(), a.pending_copies(), a.stats()
 
-    def _call(self, method, *args) -> bool:
+    def _call(self, method, *args, **options) -> bool:
         before = self._view()
         copies = set(self.alloc.pending_copies())
         free = set(self.alloc.free_page_ids())
+        evictions = self.alloc.stats().evictions
         try:
-            getattr(self.alloc, method)(*args)
+            self.result = getattr(self.alloc, method)(*args, **options)
         except ValueError as e:
             assert self._view() == before, f"{method}{args} refused ({e}) but changed the allocator"
             self.orders["refusal"] += 1
@@ -142,33 +184,61 @@ class Server:
         if taken & self.freed_since_step:
             self.orders["page reused"] += 1
         self.freed_since_step |= released
+        self.orders["eviction"] += self.alloc.stats().evictions > evictions
+        self.reusable_before = free
         return True
 
     def _new(self) -> str:
         self.names += 1
         return f"s{self.names}"
 
-    def _tokens(self, n: int) -> list:
-        return list(self.rng.standard_normal((n, D)).astype(np.float32))
+    def _ids(self, n: int) -> list:
+        return [int(t) for t in self.rng.integers(0, V, n)]
 
-    def allocate(self, n: int):
+    def allocate(self, n: int, ids=None, space=None):
         if len(self.inputs) >= MAX_LIVE:
             return None
-        seq = self._new()
-        if self._call("allocate", seq, n):
-            self.inputs[seq], self.fed[seq], self.last[seq] = self._tokens(n), 0, n
-            return seq
-        return None
+        seq, ids = self._new(), self._ids(n) if ids is None else list(ids)
+        space = space or NAMESPACES[int(self.rng.integers(0, 2))]
+        if not self._call("allocate", seq, len(ids), tokens=ids, namespace=space):
+            return None
+        cached = self.result
+        self.inputs[seq], self.fed[seq], self.last[seq], self.space[seq] = (
+            ids,
+            cached,
+            len(ids),
+            space,
+        )
+        self.prompts.append((space, ids))
+        if self.kind == "prefix":
+            self._check_hit(seq, cached)
+        else:
+            assert cached == 0, f"{seq}: a hit without a prefix cache"
+        return seq
+
+    def _check_hit(self, seq, cached: int) -> None:
+        """A hit is whole pages, leaves a token to compute, and is a prefix a step wrote
+        under the sequence's namespace; a longer prefix written under the other one only
+        is a namespace miss."""
+        ps, ids, space = self.page_size, self.inputs[seq], self.space[seq]
+        assert cached % ps == 0 and cached <= max(len(ids) - 1, 0), (seq, cached)
+        assert cached == 0 or (space, tuple(ids[:cached])) in self.written, (seq, cached)
+        self.orders["hit"] += cached > 0
+        reusable = set(self.alloc.pages_of(seq)[: cached // ps]) & self.reusable_before
+        self.orders["reusable hit"] += bool(reusable)
+        other = NAMESPACES[1 - NAMESPACES.index(space)]
+        self.orders["namespace miss"] += cached == 0 and (other, tuple(ids[:ps])) in self.written
 
     def extend(self, seq, n: int) -> bool:
         pages_before = self.alloc.pages_of(seq)
         copies_before = set(self.alloc.pending_copies())
-        if not self._call("extend", seq, n):
+        ids = self._ids(n)
+        if not self._call("extend", seq, n, tokens=ids):
             return False
         for source, _ in set(self.alloc.pending_copies()) - copies_before:
             if source != pages_before[-1]:  # resolved through a pending copy
                 self.orders["chained copy"] += 1
-        self.inputs[seq] += self._tokens(n)
+        self.inputs[seq] += ids
         self.last[seq] = n
         return True
 
@@ -179,6 +249,7 @@ class Server:
         if self._call("fork", parent, child):
             self.inputs[child] = list(self.inputs[parent])
             self.fed[child], self.last[child] = len(self.inputs[parent]), 0
+            self.space[child] = self.space[parent]
             return child
         return None
 
@@ -192,15 +263,43 @@ class Server:
 
     def free(self, seq) -> None:
         if self._call("free", seq):
-            for table in (self.inputs, self.fed, self.last):
+            for table in (self.inputs, self.fed, self.last, self.space):
                 del table[seq]
+
+    def check_window(self) -> None:
+        """With a window, after every call: each sequence's entries are -1 exactly where
+        no query it may still make reads, past the sink token's page; a page given back
+        and then held by a sequence that did not hold it then is counted."""
+        if self.kind != "window":
+            return
+        ps = self.page_size
+        for seq in self.inputs:
+            first = min(self.fed[seq], len(self.inputs[seq]) - self.last[seq])
+            entries = self.alloc.pages_of(seq)
+            want = [j for j in range(len(entries)) if j >= -(-SINKS // ps)
+                    and (j + 1) * ps <= first - LEFT]  # fmt: skip
+            assert [j for j, p in enumerate(entries) if p == -1] == want, (seq, entries, first)
+            for j, page in enumerate(self.entries.get(seq, [])[: len(entries)]):
+                if page != -1 and entries[j] == -1:
+                    holders = {s for s in self.inputs if page in self.alloc.pages_of(s)}
+                    self.given_back[page] = (seq, holders)
+                    self.orders["given back"] += 1
+            self.entries[seq] = entries
+        for page, (owner, holders) in list(self.given_back.items()):
+            takers = {s for s in self.inputs if page in self.alloc.pages_of(s)} - holders
+            if owner not in self.inputs or takers:
+                self.orders["given back reused"] += bool(takers and owner in self.inputs)
+                del self.given_back[page]
 
     # --- a step, and its check ------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self, first=None) -> None:
         """Feeds every sequence's unfed inputs that fit in one step, in a random order
-        of rows, and checks each output against its sequence's full forward."""
+        of rows (``first``'s first), and checks each output against its sequence's full
+        forward."""
         order = list(self.rng.permutation(list(self.inputs)))
+        if first in self.inputs:
+            order = [first] + [s for s in order if s != first]
         rows, budget = [], TQ
         for seq in order:
             n = len(self.inputs[seq]) - self.fed[seq]
@@ -212,12 +311,12 @@ class Server:
             assert self.alloc.unwritten(seq) == len(self.inputs[seq]) - self.fed[seq], seq
         batch = self.alloc.batch(rows, TQ)
         x = [self.inputs[s][self.fed[s] :] for s, _ in rows]
-        x = np.stack([t for part in x for t in part] + self._tokens(budget))[None]
+        x = EMBED[[t for part in x for t in part] + self._ids(budget)][None]
         y, self.pool = self.step_fn(self.pool, jnp.asarray(x), batch)
         self.alloc.confirm(batch)
         y, at = np.asarray(y[0]), 0
         for seq, n in rows:
-            held = np.stack(self.inputs[seq] + self._tokens(self.length - len(self.inputs[seq])))
+            held = EMBED[self.inputs[seq] + self._ids(self.length - len(self.inputs[seq]))]
             want = np.asarray(self.full(jnp.asarray(held)[None]))[0]
             got, start = y[at : at + n], self.fed[seq]
             np.testing.assert_allclose(
@@ -226,8 +325,12 @@ class Server:
             )  # fmt: skip
             at += n
             self.fed[seq] += n
+            ids, ps = self.inputs[seq], self.page_size
+            for p in range(ps, self.fed[seq] + 1, ps):
+                self.written.add((self.space[seq], tuple(ids[:p])))
         assert (y[at:] == 0).all(), "padding rows must be zeros"
         self.freed_since_step, self.dropped_targets = set(), set()
+        self.check_window()
 
     # --- the moves of a program -----------------------------------------------------
 
@@ -236,12 +339,20 @@ class Server:
         return self.rng.choice(pool) if pool else None
 
     def move(self) -> None:
-        r, kind = self.rng, self.rng.choice(
-            ["allocate", "extend", "fork", "rewind", "free", "step", "chain", "early fork",
-             "reuse"],
-            p=[0.12, 0.14, 0.1, 0.08, 0.06, 0.24, 0.1, 0.08, 0.08],
-        )  # fmt: skip
-        seq = self.some()
+        kinds = ["allocate", "extend", "fork", "rewind", "free", "step", "chain", "early fork",
+                 "reuse"]  # fmt: skip
+        p = [0.12, 0.14, 0.1, 0.08, 0.06, 0.24, 0.1, 0.08, 0.08]
+        if self.kind == "prefix":  # prompts that share prefixes, and pressure
+            kinds = [*kinds, "shared prompt", "pressure", "rewrite"]
+            p = [x * 0.6 for x in p] + [0.2, 0.1, 0.1]
+        if self.kind == "window":  # sequences that grow past the window
+            kinds, p = [*kinds, "grow"], [x * 0.75 for x in p] + [0.25]
+        kind = self.rng.choice(kinds, p=p)
+        self._move(kind)
+        self.check_window()
+
+    def _move(self, kind) -> None:
+        r, seq = self.rng, self.some()
         if kind == "allocate" or seq is None:
             self.allocate(int(r.integers(0, 7)))
         elif kind == "extend":
@@ -267,6 +378,34 @@ class Server:
                 child = self.fork(parent)
                 if child:
                     self.extend(child, 1)
+        elif kind == "shared prompt":  # an earlier prompt's prefix, then ids of its own
+            space, ids = self.prompts[int(r.integers(0, len(self.prompts)))]
+            ids = ids[: int(r.integers(0, len(ids) + 1))] + self._ids(int(r.integers(0, 4)))
+            if r.random() < 0.5:  # a finished one makes room, its pages cached
+                self.free(seq)
+            self.allocate(len(ids), ids, space if r.random() < 0.8 else None)
+        elif kind == "grow":  # a few steps of one or two tokens: past the window
+            for _ in range(3):
+                if seq not in self.inputs or not self.extend(seq, int(r.integers(1, 3))):
+                    break
+                self.step()
+        elif kind == "rewrite":  # a cached page rewound into, written again, its old prompt
+            ps = self.page_size
+            into = [s for s in self.inputs if self.fed[s] == len(self.inputs[s])
+                    and (len(self.inputs[s]) - self.last[s]) // ps < len(self.inputs[s]) // ps
+                    and (len(self.inputs[s]) - self.last[s]) % ps]  # fmt: skip
+            if not into:
+                return
+            seq = into[int(r.integers(0, len(into)))]
+            old, space, back = list(self.inputs[seq]), self.space[seq], self.last[seq]
+            if self.rewind(seq, back) and self.extend(seq, back):
+                self.step(first=seq)
+                self.free(seq)  # makes room; its pages stay cached
+                again = self.allocate(len(old) + 1, [*old, 0], space)
+                self.orders["rewritten"] += again is not None
+        elif kind == "pressure":  # a long prompt, written (evictions), then an old one
+            self.step(first=self.allocate(int(r.integers(TQ // 2, TQ + 1))))
+            self._move("shared prompt")
         else:  # a pending copy's target freed, then another copy in the same window
             parent = self.some(written=True)
             child = parent and self.fork(parent)
@@ -277,10 +416,10 @@ class Server:
                     self.extend(other, int(r.integers(1, 3)))
 
 
-def _run(page_size: int, framework: str, programs: int, first_seed: int = 0):
+def _run(page_size: int, framework: str, programs: int, first_seed: int = 0, kind="plain"):
     orders = collections.Counter()
     for seed in range(first_seed, first_seed + programs):
-        server = Server(page_size, framework, seed)
+        server = Server(page_size, framework, seed, kind)
         for _ in range(MOVES):
             server.move()
         server.step()  # every unfed token checked
@@ -297,7 +436,24 @@ def test_random_programs_give_each_sequence_its_full_forward(page_size, framewor
         assert not missed, f"the programs never reached: {missed} ({dict(orders)})"
 
 
+@pytest.mark.parametrize("kind", ["prefix", "window"])
+@pytest.mark.parametrize("page_size", [1, 3])
+def test_random_programs_of_a_prefix_cache_and_a_windowed_layer(kind, page_size):
+    """The same programs with prompts that share prefixes (hits, reusable hits,
+    evictions, namespaces), or over a windowed layer and allocator (pages given back
+    and reused): every token against its full forward, every hit and every entry -1
+    against the model."""
+    orders = _run(page_size, "linen", FAST_PROGRAMS, kind=kind)
+    if page_size == 1:  # a page of one token: a rewind never lands inside one
+        orders["rewritten"] += 1
+    missed = [KIND_ORDERS[kind][o] for o in KIND_ORDERS[kind] if not orders[o]]
+    assert not missed, f"the programs never reached: {missed} ({dict(orders)})"
+
+
 @pytest.mark.slow  # the same programs, ten times as many: the fast test above covers each order
-@pytest.mark.parametrize("page_size", sorted(POOLS))
-def test_a_long_profile_of_random_programs(page_size):
-    _run(page_size, "linen", LONG_PROGRAMS, first_seed=FAST_PROGRAMS)
+@pytest.mark.parametrize(
+    "page_size, kind", [(ps, k) for k in sorted(KINDS) for ps in sorted(POOLS)
+                        if k != "window" or ps in WINDOW_POOLS]
+)  # fmt: skip
+def test_a_long_profile_of_random_programs(page_size, kind):
+    _run(page_size, "linen", LONG_PROGRAMS, first_seed=FAST_PROGRAMS, kind=kind)

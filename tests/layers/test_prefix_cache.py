@@ -144,6 +144,9 @@ def test_eviction_takes_the_least_recently_freed_first():
     alloc.allocate("pressure", 4, tokens=_ids((600, 4)))  # one eviction: b's, not a's
     assert alloc.pages_of("pressure") == [b[0]] and alloc.stats().evictions == 2
     alloc.free("pressure")
+    alloc.free("new")
+    assert alloc.allocate("b again", 5, tokens=_ids((100, 5))) == 0  # evicted: forgotten
+    alloc.free("b again")
     assert alloc.allocate("a again", 9, tokens=_ids((0, 8), (9, 1))) == 8
 
 
