@@ -56,7 +56,8 @@ PEERS = {"onnxruntime": _onnx, "ejkernel": _ejkernel}
 PEER_SPEEDUP = {"onnxruntime": 2.0, "ejkernel": 5.0}  # nanoattn's step faster, at least
 SPLIT_SPEEDUP = 1.8  # split-key decode against the unsplit kernel, at least
 SPLIT_THREADS = "2"
-SPLIT = {"split": {}, "unsplit": {"NANOATTN_SPLIT_KEYS": "0"}}  # the environment of each
+SPLIT = {"split": {"NANOATTN_SPLIT_KEYS": "1"}, "unsplit": {"NANOATTN_SPLIT_KEYS": "0"}}
+ENVIRONMENT = ("NANOATTN_NUM_THREADS", "NANOATTN_SPLIT_KEYS")  # recorded in each row
 MAX_RUNS, BUDGET_S = 50, 1.0  # a step timed at least `rounds` times, more within the budget
 __all__ = ["FULL", "QUICK"]
 
@@ -137,7 +138,8 @@ def measure_here(spec: dict) -> dict:
     cases = sweep.cases() if spec["cases"] == "main" else sweep.split_cases()
     rows = [measure_one(spec["impl"], case, dtype, sweep)
             for case in cases for dtype in sweep.dtypes]  # fmt: skip
-    return {"rows": rows, "pid": os.getpid()}
+    env = {name: os.environ.get(name) for name in ENVIRONMENT}
+    return {"rows": [r | {"env": env} for r in rows], "pid": os.getpid()}
 
 
 def paged_refusal(name: str) -> str | None:
@@ -177,7 +179,8 @@ def _rows_of(sweep: Sweep, label: str, spec: dict, env: dict) -> list[dict]:
     status = _without_process(sweep, spec)
     if status is None:
         try:
-            return run_alone("nanoattn.bench._decode", spec, what=label, env=env)["rows"]
+            got = run_alone("nanoattn.bench._decode", spec, what=label, env=env)
+            return [r | {"pid": got["pid"]} for r in got["rows"]]
         except Exception as e:  # reported in the table, not fatal to the rest of the bench
             status = f"error: {describe(e)[:200]}"
     return [_row(spec["impl"], case, dtype) | {"status": status}

@@ -57,6 +57,7 @@ WINDOW = 1024  # the windowed layer's W
 ROLLING_CHUNK = 64  # the rolling cache's chunk limit, C - W - sinks (its prefill chunk)
 SINK_TOKENS = 4
 DRAFT = 4  # draft tokens a speculative step verifies in one chunk
+FLAX_SPEEDUP = 1.5  # nanoattn's cached step against flax's, at least (issue #47; 1.0 before)
 
 
 def round_order() -> list[str]:
@@ -412,7 +413,8 @@ def long_targets(rolling: dict, speculative: dict) -> list[dict]:
 
 def generation_targets(rows: list[dict]) -> list[dict]:
     """The targets at context 4096: the cache >= 10x faster per token than
-    recomputing, nanoattn's step at least as fast as flax's, and the prefill at most
+    recomputing, nanoattn's step at least FLAX_SPEEDUP x faster than flax's (its full
+    cache read in place by the native kernel's decoding pass), and the prefill at most
     1.1x a forward of the same length; then those of
     :func:`long_targets` where the row has them."""
     out = []
@@ -436,14 +438,15 @@ def generation_targets(rows: list[dict]) -> list[dict]:
                 "passed": row["recompute_vs_cached"] >= 10 if ok else None,
             },
             {
-                "target": f"generation C={C}: nanoattn step at least as fast as flax's",
+                "target": f"generation C={C}: nanoattn step >= {FLAX_SPEEDUP}x faster than "
+                "flax's decode=True step",
                 "measured": (
                     f"flax {row['flax_median_ms']:.2f} ms/token, {cached}: flax takes {flax} "
                     "nanoattn's time"
                     if ok
                     else row["status"]
                 ),
-                "passed": row["flax_vs_cached"] >= 1.0 if ok else None,
+                "passed": row["flax_vs_cached"] >= FLAX_SPEEDUP if ok else None,
             },
         ]
         out.append(

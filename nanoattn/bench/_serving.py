@@ -15,21 +15,22 @@ their refusal):
   below over int8 pages against bfloat16 pages (:mod:`nanoattn.bench._quantized`).
 * ``decode``: one query token per sequence through ``paged_attention``; the bytes of
   the pages the sequences hold (keys and values), read once, divided by the call's
-  time, as a fraction of the read bandwidth (target >= 50%). Then the same batch
+  time, as a fraction of the read bandwidth (target >= 60%). Then the same batch
   through a full cache of capacity 8192 (``dot_product_attention`` with
   ``kv_lengths`` over (16, 8192, 8, 128) keys and values, the same implementation):
-  the paged call at least 2x faster. The two are timed in turn.
+  the dense step within 1.1x of the paged one (a decoding step over a full cache reads
+  only the keys its rows hold, as the paged one does). The two are timed in turn.
 * ``mixed``: one call with a 512-token prefill chunk (sequence 0, 512 keys) and one
-  decode token of each of the 15 others, against the prefill chunk alone: at most
-  1.2x its time. The two are timed in turn.
+  decode token of each of the 15 others, against the prefill chunk alone and the 15
+  decode tokens alone (two calls): at most 1.1x their sum (issue #47; the bound was
+  1.2x the chunk alone). The three are timed in turn.
 
 Every pair is called once first (compiling it, and finding whether the implementation
 serves it), then timed round after round (:func:`time_interleaved`), each
 implementation alone. The targets are judged at :data:`FULL` only; ``--quick``
 (:data:`QUICK`) runs the same code at small sizes. The engine's target (continuous
-batching at least 2x the tokens/s of static batching in the same cache memory) is
-measured by ``python -m examples.recall serve``, which prints the ratio: the bench
-does not import the examples.
+batching at least 5x the tokens/s of static batching in the same cache memory) is the
+engine part's (:mod:`nanoattn.bench._engine`).
 """
 
 import dataclasses
@@ -52,8 +53,8 @@ from ._measure import pair_target, time_interleaved
 DTYPES = ("bfloat16", "float32")
 PAGE_SIZE = 16
 ROUNDS = 5
-FULL_SPEEDUP = 2.0  # the paged decode against the full cache, at least
-MIXED_BOUND = 1.2  # the mixed call against the prefill chunk alone, at most
+DENSE_BOUND = 1.1  # the full cache's decode step against the paged one, at most
+MIXED_BOUND = 1.1  # the mixed call against the prefill chunk alone + the decodes alone, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +154,11 @@ def _calls(case: str, shape: Shape, data: Pool, implementation: str) -> dict:
     q_mixed = jnp.concatenate([data.chunk, data.query[1:]])  # (prefill + B - 1, N, H)
     starts = np.concatenate([[0], shape.prefill + np.arange(B)]).astype(np.int32)
     alone = np.array([0, shape.prefill], np.int32)
+    decodes = np.arange(B, dtype=np.int32)  # one query each of the B - 1 others
     return {
         "mixed": lambda: paged(q_mixed, kp, vp, table, lengths, starts),
         "alone": lambda: paged(data.chunk, kp, vp, table[:1], lengths[:1], alone),
+        "decodes": lambda: paged(data.query[1:], kp, vp, table[1:], lengths[1:], decodes),
     }
 
 
@@ -189,7 +192,8 @@ def measure_case(case: str, implementation: str, dtype: str, shape: Shape = FULL
         row["paged_gb_per_s"] = data.held_bytes / (row["paged_median_ms"] / 1e3) / 1e9
         row["full_vs_paged"] = row["full_median_ms"] / row["paged_median_ms"]
     else:
-        row["mixed_vs_alone"] = row["mixed_median_ms"] / row["alone_median_ms"]
+        row["parts_median_ms"] = row["alone_median_ms"] + row["decodes_median_ms"]
+        row["mixed_vs_parts"] = row["mixed_median_ms"] / row["parts_median_ms"]
     return row
 
 
@@ -235,13 +239,10 @@ def measure_serving(shape: Shape = FULL, report=None, **options) -> dict:
     }  # fmt: skip
 
 
-ENGINE_TARGET = "engine: continuous batching >= 2x the tokens/s of static batching, same memory"
-
-
 def serving_targets(result: dict) -> list[dict]:
     """The targets, judged at :data:`FULL` only (None where a row has no measure), and
-    the engine's and the quantized cache's accuracy, which ``python -m examples.recall
-    serve`` and ``quantized`` measure."""
+    the quantized cache's accuracy, which ``python -m examples.recall quantized``
+    measures."""
     if result["shape"] != dataclasses.asdict(FULL):
         return []
     read = result["bandwidth"]
@@ -251,20 +252,17 @@ def serving_targets(result: dict) -> list[dict]:
         if row["case"] == "decode":
             held = f"{row.get('held_bytes', 0) / 2**20:.0f} MiB"  # held where measured
             out.append(bandwidth_target(f"{what}: pages held", held, "paged", row, read))
-            target = (f"{what}: paged step >= {FULL_SPEEDUP:.0f}x faster than a full cache "
-                      f"of {FULL.longest}")  # fmt: skip
+            target = (f"{what}: a full cache of {FULL.longest} (kv_lengths) within "
+                      f"{DENSE_BOUND}x the paged step on the same keys")  # fmt: skip
             out.append(pair_target(target, row, "full", "paged", "full_vs_paged",
-                                   lambda ratio: ratio >= FULL_SPEEDUP))  # fmt: skip
+                                   lambda ratio: ratio <= DENSE_BOUND))  # fmt: skip
         else:
-            target = (f"{what}: a {FULL.prefill}-token prefill chunk + {FULL.batch - 1} decode "
-                      f"tokens <= {MIXED_BOUND}x the chunk alone")  # fmt: skip
-            out.append(pair_target(target, row, "mixed", "alone", "mixed_vs_alone",
+            target = (
+                f"{what}: a {FULL.prefill}-token prefill chunk + {FULL.batch - 1} decode "
+                f"tokens <= {MIXED_BOUND}x (the chunk alone + the decodes alone)"
+            )
+            out.append(pair_target(target, row, "mixed", "parts", "mixed_vs_parts",
                                    lambda ratio: ratio <= MIXED_BOUND))  # fmt: skip
-    out.append({
-        "target": ENGINE_TARGET,
-        "measured": "not measured by the bench: `python -m examples.recall serve` prints it",
-        "passed": None,
-    })  # fmt: skip
     return out
 
 
@@ -316,7 +314,9 @@ def serving_markdown(result: dict | None) -> list[str]:
     def mixed(r):
         return [
             f"{r['mixed_median_ms']:.2f} ({r['mixed_min_ms']:.2f})",
-            f"{r['alone_median_ms']:.2f} ({r['alone_min_ms']:.2f})", f"{r['mixed_vs_alone']:.2f}x",
+            f"{r['alone_median_ms']:.2f} ({r['alone_min_ms']:.2f})",
+            f"{r['decodes_median_ms']:.2f} ({r['decodes_min_ms']:.2f})",
+            f"{r['mixed_vs_parts']:.2f}x",
         ]  # fmt: skip
 
     rows = {case: [r for r in result["rows"] if r["case"] == case] for case in ("decode", "mixed")}
@@ -326,6 +326,7 @@ def serving_markdown(result: dict | None) -> list[str]:
     )  # fmt: skip
     lines += ["", *table(
         f"| mixed: {s['prefill']}-token chunk + {s['batch'] - 1} decodes | dtype | mixed ms "
-        "| chunk alone ms | mixed / alone |", 5, rows["mixed"], label, mixed, _status,
+        "| chunk alone ms | decodes alone ms | mixed / (chunk + decodes) |", 6, rows["mixed"],
+        label, mixed, _status,
     )]  # fmt: skip
     return lines

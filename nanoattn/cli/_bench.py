@@ -39,7 +39,9 @@ def add_parser(commands) -> None:
         "sliding-window benchmark (causal window=(512, 0) against full causal, fwd+bwd), "
         "the native kernel against torch, and masks as functions (mask_fn against segment "
         "ids and against full causal, sinks and return_residual against the call without "
-        "them, on flash and native). "
+        "them, on flash and native), serving over a paged cache, the decode sweep against "
+        "ONNX Runtime and ejkernel (when installed), multi-head latent attention and the "
+        "recall example's serving engine (--only lists the parts). "
         "Writes results.json, results.md and results.png (with matplotlib) to --out. "
         "Progress goes to stderr, a line per measured item: its part, the time elapsed in "
         "that part and an estimate of what is left.",
@@ -59,7 +61,8 @@ def _add_scope(bench) -> None:
         help=f"a short run: T in {','.join(map(str, QUICK_LENGTHS))}, the seed's "
         "head shape, generation at context 1024 (reported, not judged), no targets; "
         f"with --only masks, the masks part at T={MASKS_QUICK_LENGTH} (reported, not judged); "
-        "with --only serving, the serving part at small sizes (reported, not judged)",
+        "with --only serving, decode or engine, that part at small sizes (reported, not "
+        "judged)",
     )
     bench.add_argument(
         "--only",
@@ -85,8 +88,18 @@ def _add_scope(bench) -> None:
         "implementation that serves a page table, against the memory read bandwidth and a "
         "full cache of 8192; the same step over int8 pages against bfloat16 ones and the "
         "cache's bytes per token per dtype; and one 512-token prefill chunk with 15 decode "
-        "tokens against the chunk alone, judged; --quick --only serving: small sizes, not "
-        "judged). "
+        "tokens against the chunk alone and the decodes alone, judged; --quick --only "
+        "serving: small sizes, not judged). "
+        "decode: one decoding step over a paged cache, llama.cpp's FLASH_ATTN_EXT grid (keys "
+        "4096/8192/16384, widths 64/128, 8 key/value heads, GQA 1 and 4, B=1), the same at "
+        "32768 keys and the serving batch, float32/bfloat16/int8, on every implementation "
+        "that serves a page table and on ONNX Runtime's GroupQueryAttention and ejkernel's "
+        "ragged paged attention when installed, each alone in a process of its own: "
+        "microseconds and GB/s against the read bandwidth; split-key decode against "
+        "NANOATTN_SPLIT_KEYS=0 on MQA and MLA at 32768 keys, judged. "
+        "engine: the recall example's continuous batching against static batching in the "
+        "same cache memory, a randomly initialised model, each alone: tokens/s, judged "
+        "(needs the repository: run from its root). "
         "Example: --only generation,window",
     )
 
@@ -165,7 +178,8 @@ def _add_judging_and_output(bench) -> None:
     )
 
 
-PARTS = ("grid", "targets", "generation", "window", "native", "masks", "serving", "latent")
+PARTS = ("grid", "targets", "generation", "window", "native", "masks", "serving", "latent",
+         "decode", "engine")  # fmt: skip
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -208,6 +222,7 @@ def config_from_args(args) -> BenchConfig:
         raise UsageError(f"--masks-length must be >= 1, got {args.masks_length}")
     masks_length = args.masks_length or (MASKS_QUICK_LENGTH if args.quick else MASKS_LENGTH)
     parts = args.only or (("grid", "generation") if args.quick else PARTS)
+    size = "quick" if args.quick else "full"  # of the serving, decode and engine parts
     if args.no_targets or (args.only is None and args.dtype != "float32"):
         parts = tuple(p for p in parts if p == "grid")
     return BenchConfig(
@@ -224,7 +239,9 @@ def config_from_args(args) -> BenchConfig:
         native_lengths=(tuple(args.lengths or NATIVE_LENGTHS) if "native" in parts else ()),
         masks_length=masks_length if "masks" in parts else 0,
         latent_context=LATENT_CONTEXT if "latent" in parts else 0,
-        serving=("quick" if args.quick else "full") if "serving" in parts else "",
+        serving=size if "serving" in parts else "",
+        decode=size if "decode" in parts else "",
+        engine=size if "engine" in parts else "",
     )
 
 
