@@ -143,19 +143,27 @@ class Inputs:
         return out[0], out[1]
 
 
+def page_table(lengths: np.ndarray, page_size: int) -> tuple[np.ndarray, int]:
+    """The page table (B, M) of sequences of ``lengths`` keys in pages of ``page_size``,
+    each sequence's pages drawn in turn from one shuffled pool (a fixed seed), M the
+    most pages one holds; and P, the pages held (the pool's size)."""
+    held = -(-lengths // page_size)  # (B,) pages each sequence holds
+    order = np.random.default_rng(0).permutation(int(held.sum())).astype(np.int32)
+    table = np.zeros((len(lengths), int(held.max())), np.int32)
+    starts = np.concatenate([[0], np.cumsum(held)])
+    for b in range(len(lengths)):
+        table[b, : held[b]] = order[starts[b] : starts[b + 1]]
+    return table, int(held.sum())
+
+
 @functools.lru_cache(maxsize=1)  # one case's arrays at a time: hundreds of MiB at full size
 def inputs(case: Case, dtype: str, page_size: int) -> Inputs:
     """The inputs of ``case`` in ``dtype`` (see the module), from a fixed seed."""
     lengths = np.asarray(case.lengths, np.int32)
-    held = -(-lengths // page_size)  # (B,) pages each sequence holds
-    order = np.random.default_rng(0).permutation(int(held.sum())).astype(np.int32)
-    table = np.zeros((case.batch, int(held.max())), np.int32)
-    starts = np.concatenate([[0], np.cumsum(held)])
-    for b in range(case.batch):
-        table[b, : held[b]] = order[starts[b] : starts[b + 1]]
+    table, pages = page_table(lengths, page_size)
     keys = jax.random.split(jax.random.key(0), 3)
     stored = jnp.bfloat16 if dtype == QUANTIZED else jnp.dtype(dtype)
-    shape = (int(held.sum()), page_size, case.kv_heads)
+    shape = (pages, page_size, case.kv_heads)
     key_pages = jax.random.normal(keys[0], (*shape, case.head_dim), stored)
     if case.value_dim is None:
         value_pages = jax.random.normal(keys[1], (*shape, case.head_dim), stored)

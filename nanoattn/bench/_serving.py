@@ -46,6 +46,7 @@ from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
 from . import _quantized
 from ._bandwidth import bandwidth_target, measure_read
+from ._decode_cases import page_table
 from ._markdown import table
 from ._masks import refusal_of_first_call
 from ._measure import pair_target, time_interleaved
@@ -108,15 +109,9 @@ def pool(shape: Shape, dtype: str) -> Pool:
     pool, its keys and values random (the full cache holds the same in its rows)."""
     ps, K, H = shape.page_size, shape.kv_heads, shape.head_dim
     lengths = shape.lengths()
-    held = -(-lengths // ps)  # (B,) pages each sequence holds
-    order = np.random.default_rng(0).permutation(int(held.sum())).astype(np.int32)
-    table = np.zeros((shape.batch, -(-shape.longest // ps)), np.int32)
-    starts = np.concatenate([[0], np.cumsum(held)])
-    for b in range(shape.batch):
-        table[b, : held[b]] = order[starts[b] : starts[b + 1]]
+    table, P = page_table(lengths, ps)  # (B, M): M pages hold the longest
     keys = jax.random.split(jax.random.key(0), 4)
     dt = jnp.dtype(dtype)
-    P = int(held.sum())
     key_pages = jax.random.normal(keys[0], (P, ps, K, H), dt)
     value_pages = jax.random.normal(keys[1], (P, ps, K, H), dt)
 
