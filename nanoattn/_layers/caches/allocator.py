@@ -127,6 +127,7 @@ class PageAllocator:
         # that a step carries them all at once, reading the pool as it was before it.
         self._copies: list[tuple[int, int]] = []
         self._outstanding = None  # (the batch made and not confirmed, its rows)
+        self._parked: list[int] = []  # cached pages released, to be parked (_release_all)
 
     # --- what the host asks -------------------------------------------------------
 
@@ -337,7 +338,7 @@ class PageAllocator:
         del sequence.ids[sequence.length :]
         del sequence.keys[len(sequence.ids) // self.page_size :]
         keep = -(-sequence.length // self.page_size)
-        self._release(sequence.pages[keep:])
+        self._release_all(sequence.pages[keep:])
         del sequence.pages[keep:]
 
     def free(self, seq_id) -> None:
@@ -346,7 +347,7 @@ class PageAllocator:
         holds a cached prefix stays cached, reusable)."""
         self._idle("free")
         sequence = self._get(seq_id)
-        self._release(sequence.pages)
+        self._release_all(sequence.pages)
         del self._sequences[seq_id]
 
     # --- what a step takes --------------------------------------------------------
@@ -477,7 +478,7 @@ class PageAllocator:
             if self._refs[page] > 1:  # copy-on-write of the shared partial last page
                 target = self._take()
                 self._copies.append((self._source(page), target))
-                self._release([page])
+                self._release_all([page])
                 sequence.pages[-1] = target
             elif self._cache is not None:  # written in place: a cached page must agree
                 slot, held = sequence.length % ps, self._cache.tokens_of(page)
@@ -520,7 +521,7 @@ class PageAllocator:
         """Returns the pages of ``entries`` to the pool, their entries RETURNED."""
         if not entries:
             return
-        self._release([sequence.pages[j] for j in entries])
+        self._release_all([sequence.pages[j] for j in entries])
         for j in entries:
             sequence.pages[j] = RETURNED
         sequence.returned = entries[-1] + 1
@@ -538,24 +539,30 @@ class PageAllocator:
         self._refs[page] = 1
         return page
 
-    def _release(self, pages: list[int]) -> None:
-        """One holder fewer for each of ``pages`` (in a sequence's order); a page nobody
-        holds is free, or with a prefix cache reusable if it is registered (the last of
-        ``pages`` parked first: the least recently used, so a prefix's tail goes first)."""
-        parked = []
+    def _release(self, page: int) -> None:
+        """One holder fewer for ``page``; a page nobody holds is free (with a prefix
+        cache, one that holds a cached prefix waits in ``self._parked`` to be parked as
+        reusable by :meth:`_release_all`), and a pending copy into it is dropped."""
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            if self._cache is not None and self._cache.tokens_of(page) is not None:
+                self._parked.append(page)
+            else:
+                self._free.append(page)
+            # A copy into a page nobody holds is dropped: the page may be a new copy's.
+            self._copies = [c for c in self._copies if c[1] != page]
+
+    def _release_all(self, pages: list[int]) -> None:
+        """:meth:`_release` of each of a sequence's ``pages`` (entries RETURNED
+        skipped); the cached ones are parked last first: the least recently used, so a
+        prefix's tail is evicted before its head."""
+        self._parked = []
         for page in pages:
-            if page == RETURNED:
-                continue
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                if self._cache is not None and self._cache.tokens_of(page) is not None:
-                    parked.append(page)
-                else:
-                    self._free.append(page)
-                # A copy into a page nobody holds is dropped: the page may be a new copy's.
-                self._copies = [c for c in self._copies if c[1] != page]
-        for page in reversed(parked):
+            if page != RETURNED:
+                self._release(page)
+        for page in reversed(self._parked):
             self._cache.park(page)
+        self._parked = []
 
 
 def _window_options(window, sink_tokens, prefix_cache) -> tuple:
