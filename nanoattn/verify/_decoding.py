@@ -48,8 +48,10 @@ from ._inputs import Inputs, as_features
 from ._leaks import Leaks, per_feature, positive_control
 from ._paged_decoding import as_rows, check_forks
 from ._paged_programs import check_programs
+from ._prefix_check import check_prefix_cache
 from ._quantization import check_quantization
 from ._report import CheckResult, Report
+from ._window_check import check_window_pages
 
 DEFAULT_SEQ_LEN = 13
 CAPACITY_SLACK = 3  # init(batch, seq_len + 3): unwritten slots that no output may read
@@ -223,6 +225,16 @@ def check_decoding(
       chains of forks, rewinds then forks, frees with copies pending) and steps of
       every held sequence's unwritten tokens: each token equals the full forward of
       its own sequence (the allocator may refuse a call; no token may be wrong);
+      with ``prefix_cache``, prompts that share prefixes and evictions under pressure;
+    * prefix cache, for a :class:`PagedDecoder` with ``prefix_cache``: hits of whole
+      written pages (none before the step that writes them), none across two
+      namespaces, evictions under pressure and a prompt fed again after them, every
+      computed token equal to its sequence's full forward
+      (:mod:`nanoattn.verify._prefix_check`);
+    * window pages, for a :class:`PagedDecoder` with a ``window``: a sequence that
+      gives pages back while poison sequences take them and write NaN into them,
+      holding at most ceil((W - 1 + q_len) / page_size) + 1 pages besides its sink
+      tokens', equal to its full forward (:mod:`nanoattn.verify._window_check`);
     * quantization error, with ``float_cache`` (a decoder whose cache is quantized:
       int8, float8; :mod:`nanoattn.verify.decoders` gives nanoattn's layers with
       ``kv_cache_dtype`` theirs): every chunking of the cache equivalence check decoded
@@ -455,6 +467,20 @@ def _programs(decoder: Subject, run: _Run) -> CheckResult | None:
     return check_programs(decoder.paged, run.inputs, run.T, run.tol, make_rows)
 
 
+def _prefix_cache(decoder: Subject, run: _Run) -> CheckResult | None:
+    if decoder.paged is None or not decoder.paged.prefix_cache:
+        return None
+    make_rows = as_rows(decoder.paged, run.inputs)[0]
+    return check_prefix_cache(decoder.paged, run.inputs, run.tol, make_rows)
+
+
+def _window_pages(decoder: Subject, run: _Run) -> CheckResult | None:
+    if decoder.paged is None or decoder.paged.window is None:
+        return None
+    make_rows = as_rows(decoder.paged, run.inputs)[0]
+    return check_window_pages(decoder.paged, run.inputs, run.tol, make_rows)
+
+
 # The checks, in the order of the report; each returns None where it does not apply.
 CHECKS = (
     _equivalence,  # every chunking against the full forward
@@ -465,6 +491,8 @@ CHECKS = (
     _rewinds,  # with a rewind (always for a PagedDecoder)
     _forks,  # a PagedDecoder's
     _programs,  # a PagedDecoder's
+    _prefix_cache,  # a PagedDecoder's with prefix_cache
+    _window_pages,  # a PagedDecoder's with a window
 )
 
 

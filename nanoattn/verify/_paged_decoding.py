@@ -20,13 +20,17 @@ allocator's. Before the first call the pool is filled by poison sequences (NaN a
 huge inputs, or random token ids), which are then freed: the pages every row gets
 hold stale keys, NaN and inf, and are handed out in a shuffled order. Entries of
 the page table past the pages a row holds are random pages of the pool: a step
-must never read them.
+must never read them. A decoder with a ``window`` (a windowed layer's) is driven
+through an allocator with that window: every check then runs with the pages its
+queries no longer read given back (entries -1), and one with ``prefix_cache``
+through an allocator with a prefix cache.
 """
 
 import dataclasses
 
 import numpy as np
 
+from .._base.rules import normalize_window
 from .._layers.caches.allocator import PageAllocator
 from ._inputs import Inputs, _int_at_least, as_features
 from ._leaks import Leaks, per_feature
@@ -63,6 +67,12 @@ class PagedDecoder:
         :class:`~nanoattn.PageAllocator` the checks drive the decoder through
         (default ``nanoattn.PageAllocator``): a server's own allocator is checked
         with its decoder the same way.
+      window, sink_tokens: a windowed decoder's ``window=(W - 1, 0)`` and sink tokens
+        (the adapters take them from the layer's config): its allocator gives back
+        the pages no query reads any more, and the window pages check runs.
+      prefix_cache: drive it through an allocator with a prefix cache
+        (``prefix_cache=True``): the prefix cache check runs, and the programs
+        allocate prompts that share prefixes.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -87,6 +97,9 @@ class PagedDecoder:
     float_cache: "PagedDecoder | None" = None
     reference: object = None
     allocator: object = PageAllocator
+    window: tuple | None = None
+    sink_tokens: int = 0
+    prefix_cache: bool = False
 
     def __post_init__(self):
         for name in ("full", "init", "step"):
@@ -105,12 +118,34 @@ class PagedDecoder:
         _int_at_least("page_size", self.page_size, 1)
         _int_at_least("slack", self.slack, 0)
         _int_at_least("seed", self.seed, 0)
+        _int_at_least("sink_tokens", self.sink_tokens, 0)
+        object.__setattr__(self, "window", normalize_window(self.window))
+        if self.sink_tokens and self.window is None:
+            raise ValueError(f"sink_tokens={self.sink_tokens} needs a window")
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+
+    def allocator_options(self) -> dict:
+        """The keywords its allocator takes beyond the sizes: the window and sink tokens,
+        and the prefix cache, where set (an allocator without them still serves a
+        decoder that sets none)."""
+        options = {}
+        if self.window is not None:
+            options |= dict(window=self.window, sink_tokens=self.sink_tokens)
+        if self.prefix_cache:
+            options["prefix_cache"] = True
+        return options
 
     def describe(self) -> str:
         """What the decoding check's detail says of the pool."""
+        window = "" if self.window is None else (
+            f", the pages outside window={self.window} and past {self.sink_tokens} sink "
+            "tokens given back as the rows grow"
+        )  # fmt: skip
+        cache = ", with a prefix cache" if self.prefix_cache else ""
         return (
             f"through pages of {self.page_size} tokens handed out in a shuffled order, "
-            "reused after poison sequences were freed"
+            f"reused after poison sequences were freed{window}{cache}"
         )
 
 
@@ -124,8 +159,9 @@ class _Rows:
         self.max_pages = -(-max_len // ps)  # M
         self.pages = batch * self.max_pages + decoder.slack  # P
         self.alloc = decoder.allocator(
-            self.pages, ps, max_sequences=batch, max_pages=self.max_pages, seed=decoder.seed
-        )
+            self.pages, ps, max_sequences=batch, max_pages=self.max_pages, seed=decoder.seed,
+            **decoder.allocator_options(),
+        )  # fmt: skip
         self.state = decoder.init(self.pages)
         self.rng = np.random.default_rng(decoder.seed)
         self.ids: list | None = None
@@ -301,3 +337,23 @@ def check_forks(decoder: PagedDecoder, inputs: Inputs, T: int, batch: int, tol: 
         f"(per call {schedule}), reproduce the full forward of each row's {T} tokens",
         first="first divergence",
     )
+
+
+VOCAB = 31  # the distinct tokens of the prefix cache's programs and check
+
+
+class Vocabulary:
+    """Token ids and the inputs they stand for (``VOCAB`` random inputs drawn once, or
+    random token ids for a decoder on tokens): the same ids are the same inputs, which
+    is what a prefix cache keys its pages by."""
+
+    def __init__(self, inputs: Inputs, rng):
+        self.rows, self.rng = inputs.random(rng, 1, VOCAB)[0], rng
+
+    def draw(self, n: int) -> list[int]:
+        """n random token ids."""
+        return [int(t) for t in self.rng.integers(0, VOCAB, n)]
+
+    def __call__(self, ids) -> np.ndarray:
+        """The inputs of ``ids``: (n, D) or (n,)."""
+        return self.rows[np.asarray(ids, int)]

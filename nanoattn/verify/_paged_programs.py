@@ -10,7 +10,11 @@ before and after the parent's step, chains of forks (fork, extend, rewind, fork,
 extend: a copy whose source is another pending copy's target), frees with copies
 pending (of the copy's target, or of its source, whose page another copy then
 takes). The allocator may refuse a call (a ValueError that changes nothing); no
-token may be wrong. A step brings every held sequence's unwritten tokens that fit
+token may be wrong. A decoder with ``prefix_cache`` gets token ids (a
+:class:`~._paged_decoding.Vocabulary`'s) and two more moves: a prompt that shares a
+prefix of an earlier one under one of two namespaces (a finished sequence freed first
+now and then: its pages stay cached), and a prompt of fresh tokens fed at once
+(pressure: cached pages evicted). A step brings every held sequence's unwritten tokens that fit
 in :data:`STEP_TOKENS`, in a random order of rows, the padding past them poison.
 """
 
@@ -20,6 +24,7 @@ import numpy as np
 
 from ._inputs import Inputs, as_features
 from ._leaks import Leaks, per_feature
+from ._paged_decoding import Vocabulary
 from ._report import CheckResult
 
 PROGRAMS = 3  # seeded programs per check
@@ -31,6 +36,8 @@ TRACE = 14  # the last moves a failure's sentence shows
 # The orders a check reports it met (counted from the allocator's public views).
 ORDERS = ("copies", "chained copies", "copies dropped", "copies into a freed page",
           "copies from a freed page", "refused")  # fmt: skip
+PREFIX_ORDERS = ("prefix hits", "evictions")  # with a prefix cache
+NAMESPACES = ("tenant-a", "tenant-b")
 
 
 class _Program:
@@ -52,15 +59,29 @@ class _Program:
         self.freed: set = set()  # pages freed since the last step
         self.names = 0
         self.width = rows.max_pages * self.alloc.page_size  # the full forward's length
+        self.prefix = rows.decoder.prefix_cache
+        self.vocab = Vocabulary(inputs, self.rng) if self.prefix else None
+        self.ids: dict = {}  # seq -> its token ids (with a prefix cache)
+        self.space: dict = {}  # seq -> its namespace (with a prefix cache)
+        self.prompts: list = []  # (namespace, ids) of each prompt allocated
+        self.result = None
 
     def _tokens(self, n: int) -> list:
         return list(self.inputs.random(self.rng, 1, n)[0])
 
-    def _call(self, text: str, method: str, *args) -> bool:
+    def _draw(self, n: int, ids=None):
+        """n new inputs and their token ids (None without a prefix cache)."""
+        if not self.prefix:
+            return self._tokens(n), None
+        ids = self.vocab.draw(n) if ids is None else list(ids)
+        return list(self.vocab(ids)), ids
+
+    def _call(self, text: str, method: str, *args, **options) -> bool:
         copies = self.alloc.pending_copies()
         last = {s: self.alloc.pages_of(s)[-1:] for s in self.alloc.sequences()}
+        evictions = self.alloc.stats().evictions if self.prefix else 0
         try:
-            getattr(self.alloc, method)(*args)
+            self.result = getattr(self.alloc, method)(*args, **options)
         except ValueError as error:  # refused: the allocator is unchanged
             self.moves.append(f"{text} (refused: {str(error).split(';')[0]})")
             self.orders["refused"] += 1
@@ -76,22 +97,39 @@ class _Program:
         self.orders["copies from a freed page"] += bool(freed & {s for s, _ in after})
         self.freed |= freed
         self.unheld = set(self.alloc.free_page_ids())
+        if self.prefix:
+            self.orders["evictions"] += self.alloc.stats().evictions - evictions
         return True
 
-    def allocate(self, n: int):
+    def allocate(self, n: int, ids=None, space=None):
         if len(self.held) >= HELD:
             return None
         self.names += 1
         seq = f"s{self.names}"
-        if self._call(f"allocate {seq} {n}", "allocate", seq, n):
-            self.held[seq], self.fed[seq], self.last[seq] = self._tokens(n), 0, n
+        tokens, ids = self._draw(n, ids)
+        options = {}
+        if self.prefix:
+            space = space or NAMESPACES[int(self.rng.integers(0, 2))]
+            options = dict(tokens=ids, namespace=space)
+        if self._call(f"allocate {seq} {n}", "allocate", seq, n, **options):
+            cached = self.result or 0  # a prefix cache's hit: those count as fed
+            self.held[seq], self.fed[seq], self.last[seq] = tokens, cached, n
+            if self.prefix:
+                self.ids[seq], self.space[seq] = ids, space
+                self.prompts.append((space, ids))
+                self.orders["prefix hits"] += cached > 0
+                self.moves[-1] += f" ({cached} cached)"
             return seq
         return None
 
     def extend(self, seq, n: int) -> bool:
-        if self._call(f"extend {seq} {n}", "extend", seq, n):
-            self.held[seq] += self._tokens(n)
+        tokens, ids = self._draw(n)
+        options = {} if ids is None else dict(tokens=ids)
+        if self._call(f"extend {seq} {n}", "extend", seq, n, **options):
+            self.held[seq] += tokens
             self.last[seq] = n
+            if ids is not None:
+                self.ids[seq] += ids
             return True
         return False
 
@@ -106,12 +144,16 @@ class _Program:
         if self._call(f"fork {parent} {child}", "fork", parent, child):
             self.held[child] = list(self.held[parent])
             self.fed[child], self.last[child] = len(self.held[parent]), 0
+            if self.prefix:
+                self.ids[child], self.space[child] = list(self.ids[parent]), self.space[parent]
             return child
         return None
 
     def rewind(self, seq, n: int) -> bool:
         if self._call(f"rewind {seq} {n}", "rewind", seq, n):
             del self.held[seq][len(self.held[seq]) - n :]
+            if self.prefix:
+                del self.ids[seq][len(self.held[seq]) :]
             self.fed[seq] = min(self.fed[seq], len(self.held[seq]))
             self.last[seq] -= n
             return True
@@ -119,8 +161,8 @@ class _Program:
 
     def free(self, seq) -> None:
         if seq is not None and self._call(f"free {seq}", "free", seq):
-            for table in (self.held, self.fed, self.last):
-                del table[seq]
+            for table in (self.held, self.fed, self.last, self.ids, self.space):
+                table.pop(seq, None)
 
     def step(self) -> None:
         """One step of the decoder over the sequences whose unwritten tokens fit, each
@@ -174,13 +216,35 @@ class _Program:
         pool = partial if written and partial else pool
         return self.rng.choice(pool).item() if pool else None
 
+    def _make_room(self) -> None:
+        """Frees sequences (those a step has fed first: their pages stay cached) until
+        two more may be held."""
+        while len(self.held) > HELD - 2:
+            done = [s for s in self.held if self.fed[s] == len(self.held[s])]
+            self.free(self.rng.choice(done or list(self.held)).item())
+
     def move(self) -> None:
         r = self.rng
         kinds = ["allocate", "extend", "fork", "rewind", "free", "step", "chain", "early fork",
                  "free target", "free source"]  # fmt: skip
-        kind = r.choice(kinds, p=[0.12, 0.14, 0.08, 0.06, 0.04, 0.2, 0.1, 0.08, 0.09, 0.09])
+        p = [0.12, 0.14, 0.08, 0.06, 0.04, 0.2, 0.1, 0.08, 0.09, 0.09]
+        if self.prefix:  # prompts that share prefixes, and pressure
+            kinds, p = [*kinds, "shared prompt", "pressure"], [x * 0.7 for x in p] + [0.2, 0.1]
+        kind = r.choice(kinds, p=p)
         seq = self.some()
-        if kind == "allocate" or seq is None:
+        if kind == "shared prompt" and self.prompts:  # an earlier prompt's prefix, then its own
+            space, ids = self.prompts[int(r.integers(0, len(self.prompts)))]
+            ids = ids[: int(r.integers(0, len(ids) + 1))] + self.vocab.draw(int(r.integers(0, 3)))
+            self._make_room()
+            if len(ids) <= self.width - 3:
+                self.allocate(len(ids), ids, space if r.random() < 0.8 else None)
+        elif kind == "pressure":  # a long prompt of fresh tokens, fed: cached pages evicted
+            self._make_room()
+            grown = self.allocate(STEP_TOKENS - 1)
+            self.step()
+            if grown in self.held and self.extend(grown, min(STEP_TOKENS, self.width - 10)):
+                self.step()
+        elif kind == "allocate" or seq is None:
             self.allocate(int(r.integers(0, 8)))
         elif kind == "extend":
             self.extend(seq, int(r.integers(0, 5)))
@@ -236,7 +300,8 @@ def check_programs(decoder, inputs: Inputs, T: int, tol: float, make_rows,
         program.step()
         tokens, steps = tokens + program.tokens, steps + program.steps
         orders += program.orders
-    met = ", ".join(f"{orders[o]} {o}" for o in ORDERS)
+    names = ORDERS + (PREFIX_ORDERS if decoder.prefix_cache else ())
+    met = ", ".join(f"{orders[o]} {o}" for o in names)
     result = leaks.result(
         "programs",
         f"{programs} random programs of {moves} moves (allocate, extend, forks before and "
@@ -245,5 +310,5 @@ def check_programs(decoder, inputs: Inputs, T: int, tol: float, make_rows,
         f"{STEP_TOKENS} reproduce the full forward of their own sequences (met: {met})",
         first="first divergence",
     )
-    result.data["orders"] = {o: orders[o] for o in ORDERS}
+    result.data["orders"] = {o: orders[o] for o in names}
     return result

@@ -172,7 +172,8 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder 
     ``max_chunk = C - W - S0``, so the check decodes far past C. With a paged-cache
     config (``module.config.page_size``) it is a :class:`~nanoattn.verify.PagedDecoder`:
     ``init(pages)`` an empty pool of that many pages, ``step`` the same apply with
-    ``pages=batch`` in place of ``lengths``.
+    ``pages=batch`` in place of ``lengths``, and the config's ``window`` and
+    ``sink_tokens`` (its allocator gives back the pages outside them).
 
     Args:
       module: the linen module.
@@ -238,7 +239,17 @@ def _linen_paged(module: nn.Module, variables, full, page_size: int) -> PagedDec
         return _Fresh(1, pages * page_size)  # the pool is made at the first chunk
 
     step = _linen_step(module, variables, "pages")
-    return PagedDecoder(full, init, step, page_size=page_size)
+    return PagedDecoder(full, init, step, page_size=page_size, **_window_of(module))
+
+
+def _window_of(module) -> dict:
+    """A paged layer's ``window`` and ``sink_tokens`` (its config's), which its
+    allocator keeps: the pages outside them go back to the pool."""
+    config = getattr(module, "config", None)
+    window = getattr(config, "window", None)
+    if window is None:
+        return {}
+    return dict(window=window, sink_tokens=getattr(config, "sink_tokens", 0))
 
 
 def _linen_step(module: nn.Module, variables, argument: str):
@@ -283,7 +294,8 @@ def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedD
     :func:`linen`: ``capacity`` C (default W + S0 + 4), ``max_chunk = C - W - S0``.
     A paged-cache config (``page_size``) gives a :class:`~nanoattn.verify.PagedDecoder`:
     ``init(pages)`` calls ``init_cache(1, pages * page_size)``, ``step`` calls
-    ``module(chunk, decode=True, pages=batch, deterministic=True)``.
+    ``module(chunk, decode=True, pages=batch, deterministic=True)``, with the config's
+    ``window`` and ``sink_tokens``.
 
     Example:
       >>> from flax import nnx
@@ -323,7 +335,7 @@ def _nnx_decoder(module: _nnx.Module, capacity: int | None) -> Decoder | PagedDe
 
     page_size = _page_size(module, capacity)
     if page_size is not None:
-        return _nnx_paged(graphdef, state, full, page_size)
+        return _nnx_paged(graphdef, state, full, page_size, _window_of(module))
     init, step = _nnx_steps(graphdef, state, "lengths")
 
     @functools.partial(jit, static_argnums=0)
@@ -342,10 +354,13 @@ def _nnx_decoder(module: _nnx.Module, capacity: int | None) -> Decoder | PagedDe
     )
 
 
-def _nnx_paged(graphdef, state, full, page_size: int) -> PagedDecoder:
-    """The :class:`PagedDecoder` of an NNX module with a paged cache."""
+def _nnx_paged(graphdef, state, full, page_size: int, window: dict) -> PagedDecoder:
+    """The :class:`PagedDecoder` of an NNX module with a paged cache (``window``: its
+    window and sink tokens, :func:`_window_of`)."""
     init, step = _nnx_steps(graphdef, state, "pages")
-    return PagedDecoder(full, lambda pages: init(1, pages * page_size), step, page_size=page_size)
+    return PagedDecoder(
+        full, lambda pages: init(1, pages * page_size), step, page_size=page_size, **window
+    )
 
 
 def _nnx_steps(graphdef, state, argument: str):

@@ -1,7 +1,10 @@
 """check_decoding on paged decoders (nanoattn.verify.PagedDecoder): the planted paged
 bugs of tests/_verify_decoders.py, each caught by the checks that must catch it; the
 forks check; no false alarm on nanoattn's linen and NNX paged layers; the adapters, the
-row protocol's pool (shuffled, poisoned, reused) and `nanoattn verify --decode`.
+row protocol's pool (shuffled, poisoned, reused) and `nanoattn verify --decode`; a
+prefix-cached decoder (hits, namespaces, evictions, a page reused after its eviction)
+and a windowed one (pages given back and reused while a sequence goes on), each with
+the allocator bugs that their checks must catch.
 
 The planted bugs share one compiled step per token count (a traced switch); every
 report is computed once.
@@ -10,6 +13,7 @@ report is computed once.
 import dataclasses
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +21,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nanoattn import PagedBatch
+from nanoattn import PageAllocator, PagedBatch
 from nanoattn import nnx as nanoattn_nnx
+from nanoattn._layers.caches.prefix_cache import PrefixIndex
 from nanoattn.cli import main
 from nanoattn.linen import AttentionConfig, CausalSelfAttention, LatentAttention, LatentConfig
 from nanoattn.verify import Decoder, PagedDecoder, Report, check_decoding, decoders
 from nanoattn.verify._inputs import Inputs
 from nanoattn.verify._paged_decoding import as_rows, fork_point, fork_schedule
+from nanoattn.verify._prefix_check import check_prefix_cache
+from nanoattn.verify._window_check import check_window_pages
 
 import _verify_decoders
 from _layer_configs import random_params
@@ -228,7 +235,9 @@ def test_no_false_alarm_on_nanoattn_paged_layers(framework, name):
     assert decoder.page_size == PAGED_CONFIGS[name]["page_size"]
     report = check_decoding(decoder, d_model=D)
     assert report.passed, report
-    assert [c.name for c in report.checks] == CHECKS
+    windowed = PAGED_CONFIGS[name].get("window") is not None
+    assert [c.name for c in report.checks] == CHECKS + ["window pages"] * windowed
+    assert decoder.window == PAGED_CONFIGS[name].get("window")
 
 
 def test_no_false_alarm_on_a_quantized_pool_and_the_latent_layers_pool():
@@ -267,3 +276,151 @@ def test_cli_decode_runs_a_paged_decoder(capsys):
     first = capsys.readouterr().out.splitlines()[0]
     assert code == 0
     assert first.endswith("--decode (d_model 12, batch 2, length 13, pages of 3)")
+
+
+# A prefix-cached decoder (PagedDecoder(prefix_cache=True)) and a windowed one (the
+# adapters give a paged layer's window and sink tokens): their checks, and the
+# allocator bugs each must catch, planted into nanoattn's PageAllocator (they reach into
+# its private state, where such bugs live).
+
+
+class SharedNamespaces(PageAllocator):
+    """Every namespace's prompts share one cache."""
+
+    def allocate(self, seq_id, n_tokens=0, *, tokens=None, namespace=None):
+        return super().allocate(seq_id, n_tokens, tokens=tokens)
+
+
+class CachedBeforeWritten(PageAllocator):
+    """A full page is cached when allocated, before a step has written it."""
+
+    def allocate(self, seq_id, n_tokens=0, **options):
+        cached = super().allocate(seq_id, n_tokens, **options)
+        sequence = self._sequences[seq_id]
+        written, sequence.written = sequence.written, sequence.length
+        self._register(sequence)
+        sequence.written = written
+        return cached
+
+
+class _Unforgetting(PrefixIndex):
+    def evict(self):
+        page = next(iter(self._reusable))
+        self._reusable.pop(page)  # handed out, but its key still points at it
+        self.evictions += 1
+        return page
+
+
+class EvictedStillCached(PageAllocator):
+    """An evicted page is handed out and written, and its old prefix still hits it."""
+
+    def __init__(self, *args, **options):
+        super().__init__(*args, **options)
+        if self._cache is not None:
+            self._cache = _Unforgetting()
+
+
+class NeverEvicts(PageAllocator):
+    """Cached pages no sequence holds are not counted free: the pool runs out."""
+
+    @property
+    def free_pages(self):
+        return len(self._free)
+
+
+class GivesBackEarly(PageAllocator):
+    """Pages go back as if no rewind could take the last extension back."""
+
+    def _out_of_window(self, sequence, first_query):
+        return super()._out_of_window(sequence, sequence.length)
+
+
+class KeepsItsWindow(PageAllocator):
+    """A windowed allocator that never gives a page back."""
+
+    def _out_of_window(self, sequence, first_query):
+        return []
+
+
+PREFIX_BUGS = {
+    SharedNamespaces: r"^namespace 'tenant-b' was served 6 tokens cached under 'tenant-a'",
+    CachedBeforeWritten: r"^a prompt allocated before the step that writes its prefix hit 6",
+    EvictedStillCached: r"^first divergence: position .* of sequence 'A again'",
+    NeverEvicts: r"prompts of fresh tokens were refused \(the pool of 15 pages is exhausted",
+}
+
+
+def _prefix_decoder(allocator=PageAllocator):
+    return dataclasses.replace(
+        _paged_layer("linen", "rope"), prefix_cache=True, allocator=allocator
+    )
+
+
+def test_a_prefix_cached_decoder_passes_with_hits_namespaces_and_evictions():
+    """Every check through a prefix-cached allocator; the prefix cache check's hit of two
+    pages, no hit under the other namespace, evictions and pages written again after
+    them; the programs' hits and evictions."""
+    report = check_decoding(_prefix_decoder(), d_model=D)
+    assert report.passed, report
+    assert [c.name for c in report.checks] == [*CHECKS, "prefix cache"]
+    checks = by_name(report)
+    prefix = checks["prefix cache"].data
+    assert prefix["hit"] == 6 and prefix["other_namespace"] == 0
+    assert prefix["evictions"] > 0 and prefix["reused"] > 0
+    orders = checks["programs"].data["orders"]
+    assert orders["prefix hits"] > 0 and orders["evictions"] > 0, orders
+    assert "with a prefix cache" in checks["cache equivalence"].detail
+
+
+@pytest.mark.parametrize("bug", list(PREFIX_BUGS), ids=lambda b: b.__name__)
+def test_the_prefix_cache_check_catches_a_broken_cache(bug):
+    decoder = _prefix_decoder(bug)
+    inputs = Inputs(d_model=D)
+    result = check_prefix_cache(decoder, inputs, 1e-4, as_rows(decoder, inputs)[0])
+    assert not result.passed and re.search(PREFIX_BUGS[bug], result.detail), result.detail
+
+
+def test_a_windowed_decoder_gives_pages_back_that_poison_sequences_reuse():
+    decoder = _paged_layer("linen", "window_cap_norm")
+    inputs = Inputs(d_model=D)
+    result = check_window_pages(decoder, inputs, 1e-4, as_rows(decoder, inputs)[0])
+    assert result.passed, result
+    assert result.data["given_back"] >= 3 and result.data["reused"] >= 1
+    assert result.data["most_held"] <= -(-5 // 5) + 1  # ceil(W / page_size) + 1, W = 5
+
+
+WINDOW_BUGS = {
+    GivesBackEarly: r"^first divergence: position \d+ of the windowed sequence",
+    KeepsItsWindow: r"^after a step of 1 tokens at length \d+ the sequence holds 3 pages, more",
+}
+
+
+@pytest.mark.parametrize("bug", list(WINDOW_BUGS), ids=lambda b: b.__name__)
+def test_the_window_check_catches_pages_given_back_wrong(bug):
+    decoder = dataclasses.replace(_paged_layer("linen", "window_cap_norm"), allocator=bug)
+    inputs = Inputs(d_model=D)
+    result = check_window_pages(decoder, inputs, 1e-4, as_rows(decoder, inputs)[0])
+    assert not result.passed and re.search(WINDOW_BUGS[bug], result.detail), result.detail
+
+
+def test_a_layer_that_reads_the_pages_given_back_fails_the_window_check():
+    """A layer of window (7, 0) driven with the allocator of window (4, 0): the pages
+    it gives back are pages the layer still reads (its rows NaN under jit)."""
+    config = dict(PAGED_CONFIGS["window_cap_norm"], window=(7, 0))
+    layer = CausalSelfAttention(AttentionConfig(D, N, **config))
+    shapes = jax.eval_shape(functools.partial(layer.init, deterministic=True),
+                            jax.random.key(0), jnp.zeros((1, 2, D)))  # fmt: skip
+    wider = decoders.linen(layer, random_params(shapes["params"], 5))
+    decoder = dataclasses.replace(wider, window=(4, 0))
+    inputs = Inputs(d_model=D)
+    result = check_window_pages(decoder, inputs, 1e-4, as_rows(decoder, inputs)[0])
+    assert not result.passed and "differs from its full forward by inf" in result.detail
+
+
+def test_a_paged_decoder_refuses_bad_window_and_cache_options():
+    decoder = _verify_decoders.paged()
+    with pytest.raises(ValueError, match=r"sink_tokens=2 needs a window"):
+        dataclasses.replace(decoder, sink_tokens=2)
+    with pytest.raises(ValueError, match=r"prefix_cache must be True or False, got 1"):
+        dataclasses.replace(decoder, prefix_cache=1)
+    assert dataclasses.replace(decoder, window=3).window == (3, 3)
