@@ -7,7 +7,9 @@ the call (tests/_backends.py), outputs, log-sum-exp and gradients (query, pages,
 sinks) on those that differentiate; pages in shuffled physical order, page sizes 1,
 16 and a prime, sequences with no query, NaN and inf in every page and slot a
 sequence must not read, and invalid page tables, lengths and starts: one-line errors
-when concrete, NaN in the rows concerned (and no other row changed) under jit.
+when concrete, NaN in the rows concerned (and no other row changed) under jit. Entries
+-1 (pages a windowed sequence gave back): exact where no query sees them (a window, or
+sink tokens a mask_fn keeps), NaN for a query that does, on every backend.
 """
 
 import functools
