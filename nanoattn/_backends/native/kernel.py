@@ -129,8 +129,32 @@ def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attribut
         x.astype(jnp.int32) for x in (table, lengths, starts, offsets)
     )
     N, K = q.shape[1], pools[0].shape[2]
-    call = _partitioned(quantized, N // K, attributes)
+    call = _batchable(quantized, N // K, attributes)
     return call(q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets)
+
+
+@functools.cache
+def _batchable(quantized: bool, G: int, attributes):
+    """:func:`_partitioned` under ``vmap`` too: a batch of calls runs one after another
+    (``custom_partitioning`` has no batching rule of its own)."""
+    from jax.custom_batching import custom_vmap
+
+    partitioned = _partitioned(quantized, G, attributes)
+    local = functools.partial(_local_call, quantized, attributes)
+
+    @custom_vmap
+    def call(*operands):
+        return partitioned(*operands)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *operands):
+        operands = [
+            x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip(operands, in_batched, strict=True)
+        ]
+        return jax.lax.map(lambda ops: local(*ops), operands), (True, True)
+
+    return call
 
 
 def _local_call(quantized: bool, attributes, q, *operands):

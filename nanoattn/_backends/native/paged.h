@@ -216,10 +216,11 @@ inline bool paged_keys(const Paged& p, const PagedTask& task, PagedWork& w) {
   const int64_t b = task.b, length = p.length(b), q_len = p.end(b) - p.first(b);
   const int64_t start = p.offsets ? p.offsets[b] : length - q_len;  // position of row 0
   w.base = start + (task.r0 - p.first(b));  // position of row r0
-  int64_t top = -1, bottom = -1;
+  int64_t top = 0, bottom = 0;  // the last and first real rows' positions (any sign:
+  bool any = false;              // a dense row's queries may sit before its keys)
   for (int64_t r = 0; r < w.rows; ++r)
-    if (p.real[task.r0 + r]) top = w.base + r, bottom = bottom < 0 ? w.base + r : bottom;
-  if (top < 0) return false;
+    if (p.real[task.r0 + r]) top = w.base + r, bottom = any ? bottom : w.base + r, any = true;
+  if (!any) return false;
   w.lo = std::max<int64_t>(0, task.lo), w.hi = std::min(length, task.hi);
   if (p.right >= 0) w.hi = std::min(w.hi, top + p.right + 1);
   if (p.left >= 0) w.lo = std::max<int64_t>(w.lo, bottom - p.left);
