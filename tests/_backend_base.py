@@ -104,6 +104,25 @@ class Call:
         }
 
 
+# A tree of the T queries (each row of the batch alike): every token's parent an earlier
+# token or -1 (the last committed key, at OFFSET - 1), several children per node.
+TREE = np.array([[-1, 0, 0, 1, 1, 2, 3, 3, 4, -1, 9, 9, 10, 11, 12, 5, 6, 7, 8]] * 2, np.int32)
+
+
+def _np_tree(parents):
+    """Literal tree rule (B, 1, T, S): the keys before the chunk (slots < OFFSET), and in
+    the chunk (slots OFFSET + j) exactly each token's ancestors and itself."""
+    allowed = np.zeros((parents.shape[0], 1, T, S), bool)
+    allowed[..., :OFFSET] = True
+    for b in range(parents.shape[0]):
+        for i in range(T):
+            j = i
+            while j >= 0:
+                allowed[b, 0, i, OFFSET + j] = True
+                j = parents[b, j]
+    return allowed
+
+
 def _documents():
     ids = np.arange(S) // 7  # documents of 7 tokens, their edges inside blocks
 
@@ -187,6 +206,11 @@ def _calls() -> list[Call]:
             dict(is_causal=True, q_offset=OFFSET, kv_lengths=lengths),
             causal & np_lengths(lengths, S),
             value_width=HV,
+        ),
+        Call(
+            "a token tree",  # speculative decoding: the T queries a tree of drafts
+            dict(is_causal=True, q_offset=OFFSET, tree_parents=TREE),
+            _np_tree(TREE),
         ),
         Call(
             "rows that see no key",

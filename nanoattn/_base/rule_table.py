@@ -30,6 +30,7 @@ from .rule_checks import (
     normalize_window,
     split_scale,
 )
+from .tree import check_paged_tree, check_tree
 from .validate import expect_flag
 
 # Partition specs name the roles of an array's axes: "sequence" for T or S (split over
@@ -179,6 +180,12 @@ def _scale(c: Context) -> dict:
     return dict(fixed_scale=fixed, traced_scale=traced)
 
 
+def _paged_tree(c: Context) -> dict:
+    parents = check_tree(c.given["tree_parents"], (c.sizes["T"],), "Tq")
+    check_paged_tree(parents, c.paged["query_starts"])
+    return dict(tree_parents=parents)
+
+
 def _paged_arrays(c: Context) -> dict:
     if c.paged is None:
         return dict(page_table=None, query_starts=None, page_size=None, pool_pages=None)
@@ -320,6 +327,15 @@ TABLE: tuple[Rule, ...] = (
         ),
         _kv_scales, used=lambda r: r.key_scales is not None, paged=True,
         ranks=dict(key_scales=2, value_scales=2),
+    ),
+    Rule(
+        "tree", "tree_parents", ("tree_parents",),
+        (Field("tree_parents", "int32 (B, T) (a paged call's (Tq,)): each query token's parent "
+               "within its chunk, -1 for a root (:mod:`.tree`), or None.", spec=UNSPLIT),),
+        lambda c: dict(tree_parents=check_tree(c.given["tree_parents"], (c.sizes["B"],
+                       c.sizes["T"]), "B T")),
+        used=lambda r: r.tree_parents is not None, ranks=dict(tree_parents=1), paged=True,
+        paged_check=_paged_tree,
     ),
     Rule(
         "value_width", "a value head width Hv other than H", (), (),

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from . import tree
 from .paged import check_paged, token_layout
 from .rule_checks import check_lengths as check_lengths
 from .rule_checks import check_sinks as check_sinks
@@ -148,11 +149,16 @@ class _Rules:
         (default S), which cannot be checked under ``jit`` (a concrete one raised in
         :meth:`make`): their outputs must be NaN (:func:`poison_rows`); None without
         key lengths."""
+        trees = tree.broken_rows(self)  # an invalid tree (traced): its rows
         if self.paged:  # a paged call's broken rows are query tokens (T,)
-            return self.layout().broken
-        if self.kv_lengths is None:
-            return None
-        return lengths_outside(self.kv_lengths, self.S if most is None else most)
+            broken = self.layout().broken
+        elif self.kv_lengths is None:
+            broken = None
+        else:
+            broken = lengths_outside(self.kv_lengths, self.S if most is None else most)
+        if trees is None:
+            return broken
+        return trees if broken is None else broken | trees
 
     def replace(self, **changes) -> "Rules":
         """These rules with ``changes`` (field names, or ``q_offset``: an int, an int

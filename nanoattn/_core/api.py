@@ -43,6 +43,7 @@ def dot_product_attention(
     return_residual: bool = False,
     key_scales=None,
     value_scales=None,
+    tree_parents=None,
     implementation: Implementation | None = None,
 ):
     r"""Multi-head scaled dot-product attention.
@@ -134,6 +135,13 @@ def dot_product_attention(
         Served by ``"xla"`` (dequantized first) and ``"flash"`` (per key block);
         gradients through ``"flash"`` raise (the reference differentiates the query
         and the scales).
+      tree_parents: optional int (B, T): speculative decoding with a token tree: each
+        query token's parent within the call's chunk of queries (-1: the last committed
+        token, at ``q_offset - 1``). Token i sits at position ``q_offset + depth(i)``
+        (its key in slot ``q_offset + i``); inside the chunk it sees exactly its
+        ancestors and itself, before it what the other rules say at those positions
+        (docs/conventions.md, "Token trees"). A parent at or after its child raises
+        ValueError when concrete; under ``jit`` that row is NaN.
       implementation: ``"xla"`` (the reference: full score tensor, every
         feature), ``"flash"`` (blockwise kernel, O(T) memory, no dropout),
         ``"native"`` (C++ CPU kernel, float32, O(T) memory, no dense mask,
@@ -180,6 +188,7 @@ def attention_weights(
     mask_fn=None,
     score_fn=None,
     sinks=None,
+    tree_parents=None,
 ):
     r"""The normalised attention weights of :func:`dot_product_attention`.
 
@@ -233,6 +242,7 @@ def flash_attention(
     score_fn=None,
     sinks=None,
     return_residual: bool = False,
+    tree_parents=None,
     forward_tiles: tuple[int, int, int] | None = None,
     backward_tiles: tuple[int, int, int] | None = None,
 ):

@@ -28,6 +28,7 @@ def paged_attention(
     return_residual: bool = False,
     key_scales=None,
     value_scales=None,
+    tree_parents=None,
     implementation=None,
 ):
     r"""Attention of B sequences over a paged KV cache, their queries token-major.
@@ -74,6 +75,12 @@ def paged_attention(
         pages (int8 or float8_e4m3fn; :func:`nanoattn.quantize_kv`), both or neither;
         served by ``"xla"``, ``"flash"`` (dequantized per page block) and
         ``"native"`` (widened in registers).
+      tree_parents: optional int (Tq,): a token tree per sequence (speculative
+        decoding): each row's parent as an index within its own sequence's rows (-1:
+        the sequence's last committed token). Row i of sequence b sits at position
+        ``kv_lengths[b] - q_len + depth(i)`` (its key in its slot); inside its chunk it
+        sees exactly its ancestors and itself (docs/conventions.md, "Token trees").
+        Served by ``"xla"`` and ``"flash"``.
       implementation: ``"xla"`` (gathers each sequence's pages once: the reference),
         ``"flash"`` (blockwise over the pages each sequence holds), ``"native"``
         (the C++ CPU kernel, reading the pool through the page table), or None for

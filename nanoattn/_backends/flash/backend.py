@@ -4,6 +4,7 @@ kernel's static plan)."""
 
 import jax
 
+from ..._base.tree import tree_as_mask
 from ..interface import NO_DROPOUT
 from . import kernel as flash_kernel
 from .paged import paged_flash_attention
@@ -21,7 +22,7 @@ class Flash:
     priority = 1
     serves = frozenset({
         "mask", "bias", "is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap",
-        "mask_fn", "score_fn", "sinks", "page_table", "kv_scales", "value_width",
+        "mask_fn", "score_fn", "sinks", "page_table", "kv_scales", "value_width", "tree",
     })  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
@@ -41,11 +42,12 @@ class Flash:
                  tiles=None):  # fmt: skip
         forward_tiles, backward_tiles = (None, None) if tiles is None else tiles
         return flash_kernel.flash_attention(
-            query, key, value, rules, forward_tiles=forward_tiles, backward_tiles=backward_tiles
-        )
+            query, key, value, tree_as_mask(rules), forward_tiles=forward_tiles,
+            backward_tiles=backward_tiles,
+        )  # fmt: skip
 
     def paged(self, query, key_pages, value_pages, rules):
-        return paged_flash_attention(query, key_pages, value_pages, rules)
+        return paged_flash_attention(query, key_pages, value_pages, tree_as_mask(rules))
 
 
 BACKEND = Flash()

@@ -12,6 +12,7 @@ query widened to float32); no gradients through them."""
 import jax
 import jax.numpy as jnp
 
+from ..._base.tree import tree_as_mask
 from ..interface import NO_DROPOUT, unserved
 from .build import load
 from .kernel import mask_fn_unsupported, native_attention
@@ -32,7 +33,7 @@ class Native:
     priority = 2
     serves = frozenset(
         {"is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap", "mask_fn", "sinks",
-         "page_table", "kv_scales", "value_width"}
+         "page_table", "kv_scales", "value_width", "tree"}
     )  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
@@ -46,12 +47,14 @@ class Native:
             return reason
         if rules.paged and rules.mask_fn is not None:
             return "a paged call's mask_fn is served by 'xla' and 'flash' only"
+        if rules.paged and rules.tree_parents is not None:
+            return "a paged call's tree_parents is served by 'xla' and 'flash' only"
         if not rules.static_scale:
             return "it needs a Python number for scale, not a traced array"
         _, reason = load()  # this builds the kernel on first use
         if reason is not None:
             return f"the kernel is not available: {reason}"
-        return mask_fn_unsupported(rules)  # last: it needs the built kernel's blocks
+        return mask_fn_unsupported(tree_as_mask(rules))  # last: the built kernel's blocks
 
     def pays_off(self, rules, dtype) -> bool:
         least = CPU_MIN_CELLS_BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else CPU_MIN_CELLS
@@ -59,6 +62,7 @@ class Native:
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
                  tiles=None):  # fmt: skip
+        rules = tree_as_mask(rules)  # a token tree: its positions and ancestry as mask_fn
         if rules.Hv == rules.H:
             return _run(native_attention, query, key, value, rules)
         # values of a width of their own: the narrower of the two widths padded with

@@ -4,6 +4,7 @@ other backend is tested against."""
 
 from ..._base.numerics import softmax_dtype
 from ..._base.quantized import dequantized_call
+from ..._base.tree import tree_as_mask
 from ..interface import EVERY_RULE
 from . import reference
 
@@ -25,6 +26,7 @@ class Xla:
                  tiles=None):  # fmt: skip
         # quantized keys and values: dequantized first, the arithmetic kernels match
         key, value, rules = dequantized_call(key, value, rules, softmax_dtype(query.dtype))
+        rules = tree_as_mask(rules)  # a token tree: its positions and ancestry as mask_fn
         return reference.attend(
             query, key, value, rules, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             return_residual=rules.return_residual,
@@ -34,13 +36,14 @@ class Xla:
         key_pages, value_pages, rules = dequantized_call(
             key_pages, value_pages, rules, softmax_dtype(query.dtype)
         )
+        rules = tree_as_mask(rules)
         return reference.paged_attend(
             query, key_pages, value_pages, rules, return_residual=rules.return_residual
         )
 
     def weights(self, query, key, rules):
         """The normalised weights (B, N, T, S) (``nanoattn.attention_weights``)."""
-        return reference.weights(query, key, rules)
+        return reference.weights(query, key, tree_as_mask(rules))
 
 
 BACKEND = Xla()
