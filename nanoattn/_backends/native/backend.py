@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from ..._base.tree import tree_as_mask
 from ..interface import NO_DROPOUT, unserved
 from .build import load
-from .kernel import mask_fn_unsupported, native_attention
+from .kernel import decodes_in_place, mask_fn_unsupported, native_attention
 from .paged import native_paged_attention
 
 # Where it can serve the call, from this many score cells per batch row and head
@@ -57,8 +57,12 @@ class Native:
         return mask_fn_unsupported(tree_as_mask(rules))  # last: the built kernel's blocks
 
     def pays_off(self, rules, dtype) -> bool:
+        if jax.default_backend() != "cpu":
+            return False
+        if rules.paged or decodes_in_place(rules):  # the paged pass: no packing to repay
+            return True
         least = CPU_MIN_CELLS_BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else CPU_MIN_CELLS
-        return jax.default_backend() == "cpu" and rules.T * rules.S >= least
+        return rules.T * rules.S >= least
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
                  tiles=None):  # fmt: skip

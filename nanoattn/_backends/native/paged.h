@@ -113,17 +113,27 @@ inline vf load_wide(const In* p, int64_t count) {
   return load(part);
 }
 
+// VW elements of a row at p as float32: whole vectors (kWhole: the row's width a
+// multiple of VW) or up to `count` of them (the rest 0, never read past the row).
+template <bool kWhole, class In>
+inline vf row_vector(const In* p, int64_t count) {
+  if constexpr (kWhole) return load_wide(p);
+  return load_wide(p, count);
+}
+
 // s[i * kPagedKeys + c] = q_i . k_c for kPagedBlock query vectors (rows of q, Hp wide,
 // zero past H) and the keys c < n (rows of H elements at krow[c]), times the key's scale
-// kscale[c] where the keys are quantized (null: none).
-template <class In>
+// kscale[c] where the keys are quantized (null: none). kWhole: H a multiple of VW (no
+// tail: the loads need no count, and the accumulators stay in registers).
+template <bool kWhole, class In>
 void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, int64_t n,
                 const float* kscale, float* s) {
   int64_t c = 0;
   for (; c + 2 <= n; c += 2) {
     vf acc[kPagedBlock][2] = {};
     for (int64_t h = 0; h < Hp; h += VW) {
-      const vf k0 = load_wide(krow[c] + h, H - h), k1 = load_wide(krow[c + 1] + h, H - h);
+      const vf k0 = row_vector<kWhole>(krow[c] + h, H - h);
+      const vf k1 = row_vector<kWhole>(krow[c + 1] + h, H - h);
       for (int i = 0; i < kPagedBlock; ++i) {
         const vf x = load(q + i * Hp + h);
         acc[i][0] += x * k0;
@@ -143,7 +153,7 @@ void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, in
   for (; c < n; ++c) {
     vf acc[kPagedBlock] = {};
     for (int64_t h = 0; h < Hp; h += VW) {
-      const vf k0 = load_wide(krow[c] + h, H - h);
+      const vf k0 = row_vector<kWhole>(krow[c] + h, H - h);
       for (int i = 0; i < kPagedBlock; ++i) acc[i] += load(q + i * Hp + h) * k0;
     }
     const float s0 = kscale ? kscale[c] : 1.0f;
@@ -152,8 +162,9 @@ void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, in
 }
 
 // o[i] += sum_c p[i, c] v_c for kPagedBlock query vectors (o rows Hp wide) and the
-// values c < n (rows of H elements at vrow[c]), two vectors of the width at a time.
-template <class In>
+// values c < n (rows of H elements at vrow[c]), two vectors of the width at a time
+// (kWhole: as paged_dots).
+template <bool kWhole, class In>
 void paged_values(const float* p, const In* const* vrow, int64_t n, int64_t Hp, int64_t H,
                   float* o) {
   int64_t h = 0;
@@ -162,7 +173,8 @@ void paged_values(const float* p, const In* const* vrow, int64_t n, int64_t Hp, 
     for (int i = 0; i < kPagedBlock; ++i)
       for (int v = 0; v < 2; ++v) acc[i][v] = load(o + i * Hp + h + v * VW);
     for (int64_t c = 0; c < n; ++c) {
-      const vf v0 = load_wide(vrow[c] + h, H - h), v1 = load_wide(vrow[c] + h + VW, H - h - VW);
+      const vf v0 = row_vector<kWhole>(vrow[c] + h, H - h);
+      const vf v1 = row_vector<kWhole>(vrow[c] + h + VW, H - h - VW);
       for (int i = 0; i < kPagedBlock; ++i) {
         const vf w = splat(p[i * kPagedKeys + c]);
         acc[i][0] += w * v0;
@@ -176,7 +188,7 @@ void paged_values(const float* p, const In* const* vrow, int64_t n, int64_t Hp, 
     vf acc[kPagedBlock];
     for (int i = 0; i < kPagedBlock; ++i) acc[i] = load(o + i * Hp + h);
     for (int64_t c = 0; c < n; ++c) {
-      const vf v0 = load_wide(vrow[c] + h, H - h);
+      const vf v0 = row_vector<kWhole>(vrow[c] + h, H - h);
       for (int i = 0; i < kPagedBlock; ++i) acc[i] += splat(p[i * kPagedKeys + c]) * v0;
     }
     for (int i = 0; i < kPagedBlock; ++i) store(o + i * Hp + h, acc[i]);
@@ -364,7 +376,10 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
   float* qh = w.qs + hh * padded * Hp;
   float* oh = w.o + hh * padded * Hvp;
   for (int64_t i = 0; i < padded; i += kPagedBlock)
-    paged_dots(qh + i * Hp, Hp, H, krow, n, kscale, w.s + i * kPagedKeys);
+    if (H == Hp)
+      paged_dots<true>(qh + i * Hp, Hp, H, krow, n, kscale, w.s + i * kPagedKeys);
+    else
+      paged_dots<false>(qh + i * Hp, Hp, H, krow, n, kscale, w.s + i * kPagedKeys);
   for (int64_t i = 0; i < padded; ++i) {
     float* row = w.s + i * kPagedKeys;
     const int64_t r = i / G;
@@ -375,7 +390,10 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
     paged_softmax<In>(p, w, hh * padded + i, w.base + r, j0, n, vscale, row);
   }
   for (int64_t i = 0; i < padded; i += kPagedBlock)
-    paged_values(w.s + i * kPagedKeys, vrow, n, Hvp, p.Hv, oh + i * Hvp);
+    if (p.Hv == Hvp)
+      paged_values<true>(w.s + i * kPagedKeys, vrow, n, Hvp, p.Hv, oh + i * Hvp);
+    else
+      paged_values<false>(w.s + i * kPagedKeys, vrow, n, Hvp, p.Hv, oh + i * Hvp);
 }
 
 // Query head `head` of row t's output o / l and log-sum-exp m + log l, or zeros and -inf
