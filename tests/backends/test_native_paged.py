@@ -278,3 +278,63 @@ def test_values_of_their_own_width_are_read_in_place():
         want = nanoattn.dot_product_attention(qd, kd, vd, implementation="xla")
         got = nanoattn.dot_product_attention(qd, kd, vd, implementation="native")
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+# --- token trees: each row's position and its ancestors as bits -----------------------------
+
+
+def _random_parents(rng, size: int, branching: int) -> list[int]:
+    """A random tree of ``size`` tokens, each with at most ``branching`` children."""
+    children, parents = {}, []
+    for i in range(size):
+        p = int(rng.choice([p for p in range(-1, i) if children.get(p, 0) < branching]))
+        children[p] = children.get(p, 0) + 1
+        parents.append(p)
+    return parents
+
+
+@functools.cache
+def _tree_case():
+    """A tree of 41 tokens (two words of ancestry bits, two row sets of a task) over 1100
+    committed keys (many tiles, cut into pieces on two threads), a 3-token chain (a
+    prefill chunk) and one decode token; pages of 16 with NaN past each sequence."""
+    rng = np.random.default_rng(37)
+    trees = [_random_parents(rng, 41, 3), [-1, 0, 1], [-1]]
+    arrays = _pool([1141, 20, 600], [len(t) for t in trees], 16, seed=41)
+    parents = np.array([p for t in trees for p in t] + [-1, -1], np.int32)  # 2 padding rows
+    return arrays, parents
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_a_long_tree_on_native_equals_the_reference(threads, monkeypatch):
+    """The native paged pass with a tree (tiles before the chunk by the band, tiles of the
+    chunk by ancestry bits), whole or cut into pieces, with no window, a window reaching
+    before the chunk and a window shorter than the tree's depth, and pages a windowed
+    sequence gave back: equal to the reference, and its gradients to the reference's."""
+    monkeypatch.setenv("NANOATTN_NUM_THREADS", threads)
+    arrays, parents = _tree_case()
+    q, kp, vp, table, lengths, starts = arrays
+    for window in (None, (1050, 0), (5, 0)):
+        call = functools.partial(nanoattn.paged_attention, tree_parents=parents, window=window)
+        got = np.asarray(call(*arrays, implementation="native"))
+        want = np.asarray(call(*arrays, implementation="xla"))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=f"{window}")
+    returned = table.copy()
+    returned[0, :10] = -1  # RETURNED: pages given back
+    for window, poisoned in (((700, 0), False), ((1000, 0), True)):
+        call = functools.partial(nanoattn.paged_attention, q, kp, vp, returned, lengths, starts,
+                                 tree_parents=parents, window=window)  # fmt: skip
+        got, want = (np.asarray(call(implementation=i)) for i in ("native", "xla"))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=f"{window}")
+        assert np.isnan(got[: starts[1]]).any() == poisoned, window
+
+    def loss(implementation, q, kp, vp):
+        out = nanoattn.paged_attention(q, kp, vp, table, lengths, starts, tree_parents=parents,
+                                       implementation=implementation)  # fmt: skip
+        return jnp.sum(jnp.where(jnp.isfinite(out), out, 0) ** 2)
+
+    clean = [np.nan_to_num(x, nan=0.0, posinf=0.0) for x in (q, kp, vp)]
+    got, want = (jax.grad(functools.partial(loss, i), argnums=(0, 1, 2))(*clean)
+                 for i in ("native", "xla"))  # fmt: skip
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)

@@ -223,7 +223,8 @@ ffi::Error paged_problem(const QBuf& q, const PoolBuf& key_pages, const PoolBuf&
                          const ffi::Buffer<ffi::S32>& table,
                          const ffi::Buffer<ffi::S32>& kv_lengths,
                          const ffi::Buffer<ffi::S32>& starts, const ffi::Buffer<ffi::U8>& real,
-                         const ffi::Buffer<ffi::S32>& offsets, float scale, float soft_cap,
+                         const ffi::Buffer<ffi::S32>& offsets,
+                         const ffi::Buffer<ffi::S32>& tree, float scale, float soft_cap,
                          int64_t left, int64_t right, Paged& p) {
   const auto qd = q.dimensions(), kd = key_pages.dimensions(), vd = value_pages.dimensions();
   const auto td = table.dimensions();
@@ -246,6 +247,12 @@ ffi::Error paged_problem(const QBuf& q, const PoolBuf& key_pages, const PoolBuf&
   const int64_t given = static_cast<int64_t>(offsets.element_count());
   if (given != 0 && given != p.B) return bad("offsets need (B,) or nothing");
   p.offsets = given ? offsets.typed_data() : nullptr;
+  const auto trd = tree.dimensions();  // (Tq, 1 + W) with W * 32 >= Tq, or (0, 1)
+  if (trd.size() != 2 || trd[1] < 1 || (trd[0] != 0 && (trd[0] != p.Tq || (trd[1] - 1) * 32 < p.Tq)))
+    return bad("the tree needs (Tq, 1 + W), W * 32 >= Tq, or (0, 1)");
+  if (trd[0] != 0 && p.offsets) return bad("a tree needs no offsets");
+  p.tree = trd[0] ? tree.typed_data() : nullptr;
+  p.tree_stride = trd[1];
   p.G = p.N / p.K;
   p.Hp = (p.H + VW - 1) / VW * VW;
   p.Hvp = (p.Hv + VW - 1) / VW * VW;
@@ -261,12 +268,13 @@ template <ffi::DataType DT>
 ffi::Error PagedForward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> key_pages,
                         ffi::Buffer<DT> value_pages, ffi::Buffer<ffi::S32> table,
                         ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> starts,
-                        ffi::Buffer<ffi::U8> real, ffi::Buffer<ffi::S32> offsets, float scale,
-                        float soft_cap, int64_t left, int64_t right,
+                        ffi::Buffer<ffi::U8> real, ffi::Buffer<ffi::S32> offsets,
+                        ffi::Buffer<ffi::S32> tree, float scale, float soft_cap, int64_t left,
+                        int64_t right,
                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   Paged p;
   ffi::Error err = paged_problem(q, key_pages, value_pages, table, kv_lengths, starts, real,
-                                 offsets, scale, soft_cap, left, right, p);
+                                 offsets, tree, scale, soft_cap, left, right, p);
   if (err.failure()) return err;
   return paged_run(pool, p, q.typed_data(), key_pages.typed_data(), value_pages.typed_data(),
                    out->typed_data(), lse->typed_data());
@@ -280,12 +288,13 @@ ffi::Error PagedForwardQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                  ffi::Buffer<ffi::F32> value_scales, ffi::Buffer<ffi::S32> table,
                                  ffi::Buffer<ffi::S32> kv_lengths, ffi::Buffer<ffi::S32> starts,
                                  ffi::Buffer<ffi::U8> real, ffi::Buffer<ffi::S32> offsets,
-                                 float scale, float soft_cap, int64_t left, int64_t right,
+                                 ffi::Buffer<ffi::S32> tree, float scale, float soft_cap,
+                                 int64_t left, int64_t right,
                                  ffi::ResultBuffer<ffi::F32> out,
                                  ffi::ResultBuffer<ffi::F32> lse) {
   Paged p;
   ffi::Error err = paged_problem(q, key_pages, value_pages, table, kv_lengths, starts, real,
-                                 offsets, scale, soft_cap, left, right, p);
+                                 offsets, tree, scale, soft_cap, left, right, p);
   if (err.failure()) return err;
   const size_t tokens = static_cast<size_t>(p.P * p.page_size * p.K);  // scales a pool
   if (key_pages.element_type() != value_pages.element_type() ||
@@ -323,7 +332,8 @@ ffi::Error PagedForwardQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       .Arg<ffi::Buffer<ffi::S32>>() /* kv_lengths */                                  \
       .Arg<ffi::Buffer<ffi::S32>>() /* query_starts */                                \
       .Arg<ffi::Buffer<ffi::U8>>()  /* real rows */                                   \
-      .Arg<ffi::Buffer<ffi::S32>>() /* offsets (B,) or (0,) */
+      .Arg<ffi::Buffer<ffi::S32>>() /* offsets (B,) or (0,) */                     \
+      .Arg<ffi::Buffer<ffi::S32>>() /* tree (Tq, 1 + W) or (0, 1) */
 #define NANOATTN_RULES \
   .Attr<float>("scale").Attr<float>("soft_cap").Attr<int64_t>("left").Attr<int64_t>("right")
 #define NANOATTN_FORWARD_OUTPUTS \

@@ -3,11 +3,12 @@ float32 or bfloat16, no dense mask, bias, ``score_fn`` or dropout, a Python numb
 ``scale``; ``mask_fn`` served from its block classification and the bits of its partial
 blocks (a traced one while those bits stay small); built on the first call it may serve.
 Paged calls (``nanoattn.paged_attention``) by its paged forward pass (:mod:`.paged`),
-every rule above but ``mask_fn``. Values of a width Hv of their own (multi-head latent
-attention): read as they are by the paged pass; a dense call pads the narrower width
-with zeros. Quantized keys and values (int8, float8_e4m3fn with
-their scales) dense and paged, read and scaled as the blocks are packed or loaded (the
-query widened to float32); no gradients through them."""
+every rule above but ``mask_fn``. A token tree (``tree_parents``): dense as a
+``mask_fn``, paged as each row's position and ancestry bits (:mod:`.tree`). Values of a
+width Hv of their own (multi-head latent attention): read as they are by the paged pass;
+a dense call pads the narrower width with zeros. Quantized keys and values (int8,
+float8_e4m3fn with their scales) dense and paged, read and scaled as the blocks are
+packed or loaded (the query widened to float32); no gradients through them."""
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +48,6 @@ class Native:
             return reason
         if rules.paged and rules.mask_fn is not None:
             return "a paged call's mask_fn is served by 'xla' and 'flash' only"
-        if rules.paged and rules.tree_parents is not None:
-            return "a paged call's tree_parents is served by 'xla' and 'flash' only"
         if not rules.static_scale:
             return "it needs a Python number for scale, not a traced array"
         _, reason = load()  # this builds the kernel on first use

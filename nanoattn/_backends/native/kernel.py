@@ -112,25 +112,28 @@ def _decode_forward(operands, offsets, lengths, attributes):
     return out.reshape(B, T, N, -1), lse.reshape(B, T, N)
 
 
-def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attributes):
+def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attributes,
+                       tree=None):  # fmt: skip
     """The paged pass (paged.h) by FFI: q (Tq, N, H) float32 or bfloat16 (float32 over
     quantized pools), ``pools`` (key pages (P, page_size, K, H), value pages (P,
     page_size, K, Hv), and for quantized pools their scales (P, page_size, K)), the page
     table (B, M), key lengths (B,), query starts (B + 1,), real rows (Tq,), first query
-    positions (B,) or (0,), and the static rules. Returns (out (Tq, N, Hv), lse (Tq,
-    N)), float32.
+    positions (B,) or (0,), the static rules, and a token tree's rows (Tq, 1 + W) int32
+    (:func:`~nanoattn._backends.native.tree.tree_rows`) or None. Returns (out (Tq, N,
+    Hv), lse (Tq, N)), float32.
 
     Partitioned over heads by XLA (``custom_partitioning``): with the query's heads and
     the pools' key/value heads split over a mesh axis, each device runs the pass on its
     own heads (page table, lengths and starts replicated) and no key or value moves
     between devices; an axis whose size does not divide K is refused in one line."""
     quantized = len(pools) == 4
-    table, lengths, starts, offsets = (
-        x.astype(jnp.int32) for x in (table, lengths, starts, offsets)
+    tree = jnp.zeros((0, 1), jnp.int32) if tree is None else tree
+    table, lengths, starts, offsets, tree = (
+        x.astype(jnp.int32) for x in (table, lengths, starts, offsets, tree)
     )
     N, K = q.shape[1], pools[0].shape[2]
     call = _batchable(quantized, N // K, attributes)
-    return call(q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets)
+    return call(q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets, tree)
 
 
 @functools.cache
@@ -179,7 +182,7 @@ def _partitioned(quantized: bool, G: int, attributes):
     local = functools.partial(_local_call, quantized, attributes)
     fn = custom_partitioning(local)
     pools = "p s k h, p s k v" + (", p s k, p s k" if quantized else "")
-    rule = f"t (k g) h, {pools}, b m, b, c, t, o -> t (k g) v, t (k g)"
+    rule = f"t (k g) h, {pools}, b m, b, c, t, o, r w -> t (k g) v, t (k g)"
 
     def partition(mesh, arg_shapes, result_shape):
         shardings = tuple(a.sharding for a in arg_shapes)

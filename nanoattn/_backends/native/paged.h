@@ -24,6 +24,10 @@
 // page_size] and starts into [0, Tq], so that no input, however wrong, reads outside
 // the arrays (the caller also replaces bad ids and makes those rows NaN).
 //
+// A token tree (tree_parents) gives each row a position of its own (the committed length
+// plus its depth) and a bitmask of its ancestors in its chunk: the tiles that hold chunk
+// keys are masked column by column (paged_mask), the others by the band as above.
+//
 // The FFI handlers that check a call and run this pass are attention.cc's.
 //
 // Included by attention.cc only, in its one translation unit: the code sits in an
@@ -69,6 +73,16 @@ struct Paged {
   // quantized pools' scales (P, page_size, K), float32; null for float pools
   const float* key_scales = nullptr;
   const float* value_scales = nullptr;
+  // a token tree (tree_parents): row t's position (its sequence's committed length plus
+  // its depth) at tree[t * tree_stride], then the bits of its ancestors (itself
+  // included) among its chunk's tokens, chunk token i at bit i % 32 of word 1 + i / 32;
+  // null: no tree (a row's position is its slot)
+  const int32_t* tree = nullptr;
+  int64_t tree_stride = 0;
+  int64_t tree_position(int64_t t) const { return tree[t * tree_stride]; }
+  bool tree_sees(int64_t t, int64_t i) const {
+    return (static_cast<uint32_t>(tree[t * tree_stride + 1 + i / 32]) >> (i % 32)) & 1u;
+  }
   // sequence b's rows [first, end), clamped into [0, Tq] and never decreasing
   int64_t first(int64_t b) const { return std::clamp<int64_t>(starts[b], 0, Tq); }
   int64_t end(int64_t b) const { return std::clamp<int64_t>(starts[b + 1], first(b), Tq); }
@@ -215,23 +229,29 @@ struct PagedScratch {
 // scale, a tile's scores (kPagedKeys a vector), the outputs, maxima and sums.
 struct PagedWork {
   int64_t heads, rows, padded, vectors;
-  int64_t base;    // the position of row r0
+  int64_t base;    // the position (the slot, with a tree) of row r0
+  int64_t chunk, first_row;  // the slot of the sequence's first query, and its row
   int64_t lo, hi;  // every key some real row of the task sees
   float *qs, *s, *o, *m, *l;
 };
 
 // The rows' positions and the task's keys [lo, hi) into w: every key some real row sees
 // (the rows' bands are intervals of one width at consecutive positions: their union is
-// one interval), so that a key no row of the task sees is never read. False when no
-// row is real: the task has nothing to write.
+// one interval; with a tree, a row at its tree position sees no key before its band's
+// start nor, in its chunk, past its own slot), so that a key no row of the task sees is
+// never read. False when no row is real: the task has nothing to write.
 inline bool paged_keys(const Paged& p, const PagedTask& task, PagedWork& w) {
   const int64_t b = task.b, length = p.length(b), q_len = p.end(b) - p.first(b);
   const int64_t start = p.offsets ? p.offsets[b] : length - q_len;  // position of row 0
   w.base = start + (task.r0 - p.first(b));  // position of row r0
-  int64_t top = 0, bottom = 0;  // the last and first real rows' positions (any sign:
-  bool any = false;              // a dense row's queries may sit before its keys)
-  for (int64_t r = 0; r < w.rows; ++r)
-    if (p.real[task.r0 + r]) top = w.base + r, bottom = any ? bottom : w.base + r, any = true;
+  w.chunk = start, w.first_row = p.first(b);
+  int64_t top = 0, bottom = 0;  // the last real row's slot and the least real position
+  bool any = false;              // (any sign: a dense row's queries may sit before its keys)
+  for (int64_t r = 0; r < w.rows; ++r) {
+    if (!p.real[task.r0 + r]) continue;
+    const int64_t pos = p.tree ? p.tree_position(task.r0 + r) : w.base + r;
+    top = w.base + r, bottom = any ? std::min(bottom, pos) : pos, any = true;
+  }
   if (!any) return false;
   w.lo = std::max<int64_t>(0, task.lo), w.hi = std::min(length, task.hi);
   if (p.right >= 0) w.hi = std::min(w.hi, top + p.right + 1);
@@ -311,17 +331,26 @@ struct PagedTiles {
   }
 };
 
-// Query vector v's scores `row` against the tile of keys [j0, j0 + n), in place, its
-// row at position `pos`: the soft cap, the row's band (its keys [first, last] among the
-// tile's columns; the others -inf), then the online softmax, as the dense kernel's:
-// maxima keep a NaN, and a row that sees nothing yet keeps m = -inf and weights 0. The
-// weights of quantized values are times their scales `vscale`.
-template <class In>
-void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t pos, int64_t j0,
-                   int64_t n, const float* vscale, float* row) {
-  constexpr bool quantized = kQuantized<In>;
-  if (p.soft_cap > 0)
-    for (int64_t c = 0; c < n; ++c) row[c] = p.soft_cap * std::tanh(row[c] / p.soft_cap);
+// Row t's scores `row` against the tile of keys [j0, j0 + n), its row at position
+// `pos`, the keys it does not see made -inf; returns their maximum (NaN kept). A band:
+// its keys [first, last] among the tile's columns. With a tree, a tile holding keys of
+// the chunk: column by column, a chunk key seen where it is an ancestor of the row and
+// inside the band at its own tree position (keys before the chunk: the band).
+inline float paged_mask(const Paged& p, const PagedWork& w, int64_t t, int64_t pos, int64_t j0,
+                        int64_t n, float* row) {
+  if (p.tree && j0 + n > w.chunk) {
+    float mx = -kInf;
+    for (int64_t c = 0; c < kPagedKeys; ++c) {
+      const int64_t j = j0 + c, i = j - w.chunk;  // i: the key's token of the chunk
+      const int64_t key = i < 0 ? j : p.tree_position(w.first_row + i);
+      const bool seen = c < n && j < w.hi && (i < 0 || p.tree_sees(t, i)) &&
+                        (p.left < 0 || key >= pos - p.left) &&
+                        (p.right < 0 || key <= pos + p.right);
+      row[c] = seen ? row[c] : -kInf;
+      mx = nan_max(row[c], mx);
+    }
+    return mx;
+  }
   const int64_t first = p.left >= 0 ? pos - p.left : 0;
   const int64_t last = std::min(p.right >= 0 ? pos + p.right : w.hi - 1, j0 + n - 1);
   const vi from = splat_int(static_cast<int32_t>(std::clamp<int64_t>(first - j0, 0, n)));
@@ -334,7 +363,21 @@ void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t pos, i
     store(row + c, x);
     mx = nan_max(x, mx);
   }
-  const float m_new = nan_max(w.m[v], hmax(mx));
+  return hmax(mx);
+}
+
+// Query vector v's scores `row` (query row t, at position `pos`) against the tile of
+// keys [j0, j0 + n), in place: the soft cap, the row's mask (paged_mask), then the
+// online softmax, as the dense kernel's: maxima keep a NaN, and a row that sees nothing
+// yet keeps m = -inf and weights 0. The weights of quantized values are times their
+// scales `vscale`.
+template <class In>
+void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t t, int64_t pos,
+                   int64_t j0, int64_t n, const float* vscale, float* row) {
+  constexpr bool quantized = kQuantized<In>;
+  if (p.soft_cap > 0)
+    for (int64_t c = 0; c < n; ++c) row[c] = p.soft_cap * std::tanh(row[c] / p.soft_cap);
+  const float m_new = nan_max(w.m[v], paged_mask(p, w, t, pos, j0, n, row));
   if (m_new == -kInf) {
     std::fill(row, row + kPagedKeys, 0.0f);
     return;
@@ -387,7 +430,8 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
       std::fill(row, row + kPagedKeys, 0.0f);
       continue;
     }
-    paged_softmax<In>(p, w, hh * padded + i, w.base + r, j0, n, vscale, row);
+    const int64_t t = task.r0 + r, pos = p.tree ? p.tree_position(t) : w.base + r;
+    paged_softmax<In>(p, w, hh * padded + i, t, pos, j0, n, vscale, row);
   }
   for (int64_t i = 0; i < padded; i += kPagedBlock)
     if (p.Hv == Hvp)
@@ -473,13 +517,16 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
 }
 
 // The keys [lo, hi) task's rows may see at most (its sequence's, narrowed by the band
-// of its first and last rows), the size a scheduler weighs it by.
+// of its first and last rows; with a tree, from the least of its rows' positions), the
+// size a scheduler weighs it by.
 inline std::pair<int64_t, int64_t> task_keys(const Paged& p, const PagedTask& task) {
   const int64_t b = task.b, length = p.length(b), q_len = p.end(b) - p.first(b);
   const int64_t start = (p.offsets ? p.offsets[b] : length - q_len) + task.r0 - p.first(b);
-  int64_t lo = 0, hi = length;
+  int64_t lo = 0, hi = length, least = start;  // least: the rows' least position
+  if (p.tree)
+    for (int64_t t = task.r0; t < task.r1; ++t) least = std::min<int64_t>(least, p.tree_position(t));
   if (p.right >= 0) hi = std::clamp<int64_t>(start + (task.r1 - task.r0 - 1) + p.right + 1, 0, hi);
-  if (p.left >= 0) lo = std::clamp<int64_t>(start - p.left, 0, hi);
+  if (p.left >= 0) lo = std::clamp<int64_t>(least - p.left, 0, hi);
   return {lo, hi};
 }
 

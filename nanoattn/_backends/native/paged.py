@@ -11,7 +11,10 @@ in registers), the safe page table (B, M') (every id in the
 pool: :func:`~nanoattn._backends.flash.paged.paged_inputs`), the key lengths (B,), the
 query starts (B + 1,), the real rows (Tq,) as uint8, each sequence's first query
 position (B,) or nothing (its last q_len positions: a paged call's; a dense cache read
-in place gives its rows' offsets), and the rules as attributes:
+in place gives its rows' offsets), a token tree's rows (Tq, 1 + W) or nothing
+(:mod:`.tree`: each row's position and its ancestors in its chunk, which the C++ pass
+masks column by column; the backward pass is flash's over the tree as a ``mask_fn``),
+and the rules as attributes:
 ``scale``, ``soft_cap`` (0: none) and the band ``left``/``right`` (-1: unbounded). It
 returns the output (Tq, N, Hv) and the log-sum-exp (Tq, N), float32 (the backward pass
 needs the unrounded output), zeros and ``-inf`` for a row that is not real or sees
@@ -19,14 +22,17 @@ no key. Axis letters: Tq query tokens, B sequences, P pages, N query heads, K
 key/value heads, H head width.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from ..._base.rules import Rules
+from ..._base.tree import tree_as_mask
 from ..flash.paged import PagedInputs, PagedPlan, paged_gradients, paged_inputs
 from .kernel import paged_forward_call, static_rules
+from .tree import tree_returned_reads, tree_rows
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -39,18 +45,24 @@ def native_paged_attention(query, key_pages, value_pages, rules: Rules):
         all bfloat16, or int8 / float8_e4m3fn pools with ``rules.key_scales`` and
         ``rules.value_scales`` (P, page_size, K); ``rules`` from
         :meth:`Rules.make_paged`, without mask_fn or score_fn
-        (:mod:`nanoattn._backends.native.backend` refuses them).
+        (:mod:`nanoattn._backends.native.backend` refuses them), a tree
+        (``tree_parents``) served.
 
     Returns:
       (out (Tq, N, H), lse (Tq, N)), float32 (the caller rounds ``out``),
       differentiable in the query and float pools (quantized pools raise the
       flash kernel's NO_QUANTIZED_GRADIENTS).
     """
-    plan, inputs = paged_inputs(query, key_pages, value_pages, rules)
-    return _attend(plan, static_rules(rules), inputs)
+    positions, tree = tree_rows(rules)
+    plan, inputs = paged_inputs(query, key_pages, value_pages, tree_as_mask(rules))
+    if tree is not None:  # rows whose band, at their tree positions, reaches a page given back
+        reads = tree_returned_reads(rules, positions)
+        query = jnp.where(reads[:, None, None], jnp.nan, inputs.query)
+        inputs = dataclasses.replace(inputs, query=query)
+    return _attend(plan, static_rules(rules), inputs, tree)
 
 
-def _forward(attributes, inputs: PagedInputs):
+def _forward(attributes, inputs: PagedInputs, tree):
     """(out (Tq, N, Hv), lse (Tq, N)), float32, by the C++ pass."""
     q = inputs.query
     pools = (inputs.key_pages, inputs.value_pages)
@@ -59,23 +71,23 @@ def _forward(attributes, inputs: PagedInputs):
         pools += (inputs.key_scales.astype(_F32), inputs.value_scales.astype(_F32))
     return paged_forward_call(
         q, pools, inputs.table, inputs.kv_lengths, inputs.starts, inputs.real,
-        jnp.zeros((0,), jnp.int32), attributes,
+        jnp.zeros((0,), jnp.int32), attributes, tree,
     )  # fmt: skip
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(plan: PagedPlan, attributes, inputs: PagedInputs):
-    return _forward(attributes, inputs)
+def _attend(plan: PagedPlan, attributes, inputs: PagedInputs, tree):
+    return _forward(attributes, inputs, tree)
 
 
-def _attend_fwd(plan: PagedPlan, attributes, inputs: PagedInputs):
-    out, lse = _forward(attributes, inputs)
+def _attend_fwd(plan: PagedPlan, attributes, inputs: PagedInputs, tree):
+    out, lse = _forward(attributes, inputs, tree)
     return (out, lse), (inputs, out, lse)
 
 
 def _attend_bwd(plan: PagedPlan, attributes, residuals, cotangents):
-    inputs, out, lse = residuals
-    return (paged_gradients(plan, inputs, out, lse, *cotangents),)
+    inputs, out, lse = residuals  # a tree: the plan's mask_fn (tree_as_mask)
+    return paged_gradients(plan, inputs, out, lse, *cotangents), None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
