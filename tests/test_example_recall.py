@@ -8,6 +8,7 @@ verification shows. The full training run is not here (examples/recall/README.md
 """
 
 import ast
+import collections
 import dataclasses
 import importlib.metadata
 import re
@@ -151,6 +152,34 @@ def test_served_requests_equal_their_greedy_decoding_alone(trained):
     assert engine.static_for(flash, config, requests).warm_up(requests) == ("flash",)
 
 
+def test_prefix_cached_requests_equal_the_run_without(trained):
+    """Requests in groups that share a prompt (three groups, interleaved; one prompt of
+    exactly the shared 11 tokens: a page and a token to compute) through the engine
+    with its prefix cache: every request but its group's first (in arrival order: the
+    others wait for its prompt to be in) shares the group's two full pages, the steps
+    compute only the rest, and every request gets the tokens of the run without the
+    cache and of its greedy decoding alone; every page is free again at the end."""
+    model, run, _ = trained
+    requests = engine.shared_workload(5, run.task, 9, 3, 11, suffix_lengths=(0, 4),
+                                      new_tokens=(1, 5))  # fmt: skip
+    groups = collections.Counter(r.prompt[:11] for r in requests)
+    assert sorted(groups.values()) == [3, 3, 3] and min(len(r.prompt) for r in requests) == 11
+    assert len({r.prompt[:11] for r in requests[:3]}) > 1  # the groups arrive interleaved
+    config = engine.EngineConfig(pages=20, page_size=5, max_sequences=3, step_tokens=7)
+    plain = engine.Engine(model, config, max(r.need for r in requests)).run(requests)
+    cached_config = dataclasses.replace(config, prefix_cache=True)
+    server = engine.Engine(model, cached_config, max(r.need for r in requests))
+    cached = server.run(requests)
+    prompts = sum(len(r.prompt) for r in requests)
+    assert (plain.prefill_tokens, plain.cached_tokens) == (prompts, 0)
+    # each group's first request computes its prompt, the others all but 10 tokens
+    assert cached.cached_tokens == 10 * 6 and cached.cached_pages == 2 * 6
+    assert cached.prefill_tokens == prompts - 10 * 6 and cached.evictions == 0
+    assert server.allocator.stats().hit_tokens == 10 * 6
+    assert cached.outputs == plain.outputs == engine.alone(model, requests)
+    assert server.allocator.free_pages == config.pages and not server.allocator.sequences()
+
+
 # A workload the tiny run serves in seconds (the engine test's pool and steps).
 TINY_SERVE = [
     "--requests", "5", "--prompt-lengths", "2,9", "--new-tokens", "1,4", "--pages", "13",
@@ -264,6 +293,81 @@ def test_serve_runs_both_on_the_implementation_asked_for(
     assert made == [implementation, implementation]  # the engine, the static batches
     said = "nanoattn's automatic choice" if implementation is None else "implementation='flash'"
     assert f"\nattention: {said} (--implementation; " in out, out
+
+
+# The shared-prompt workload at the engine test's sizes (two groups of three requests).
+TINY_SHARED = [
+    "--shared", "--requests", "6", "--groups", "2", "--shared-length", "11",
+    "--suffix-lengths", "1,4", "--new-tokens", "1,4", "--pages", "20", "--page-size", "5",
+    "--max-sequences", "3", "--step-tokens", "7", "--no-progress",
+]  # fmt: skip
+
+
+def test_serve_shared_compares_the_prefix_cache_with_the_engine_without(trained, capsys):
+    """``serve --shared``, untimed (--target 0): the engine with its prefix cache, then
+    without it (no static batches), the prompt tokens each computed and what the cache
+    found, and every request's tokens equal in both and to its greedy decoding alone."""
+    argv = ["serve", "--run", str(trained[2]), *TINY_SHARED, "--check", "2", "--target", "0"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "6 requests in 2 groups, whose prompts share their first 11 tokens" in out, out
+    assert "\ncontinuous batching, caching prompt prefixes: a pool of 20 pages" in out, out
+    assert "\ncontinuous batching without the prefix cache: the same pool\n" in out, out
+    assert "static batches" not in out, out
+    computed = [int(n) for n in re.findall(r"^  prompt tokens computed (\d+)", out, re.M)]
+    (hits,) = re.findall(r"found cached (\d+) \(prefix hits: (\d+) pages shared", out)
+    assert int(hits[0]) == 5 * int(hits[1]) > 0, out
+    assert computed[0] + int(hits[0]) == computed[1], out  # every prompt token, once
+    assert re.search(r"^prompt tokens computed with / without the prefix cache: \d\.\d\dx "
+                     r"\(not judged: --target 0\)$", out, re.M), out  # fmt: skip
+    assert "every request's tokens equal with and without: yes" in out, out
+    assert "the first 2 requests' tokens equal their greedy decoding alone: yes" in out, out
+    assert "FAIL" not in out, out
+
+
+class _Prefixed:
+    """Stands for engine.Engine in ``serve --shared``'s tests of the targets: with the
+    prefix cache a run takes ``seconds`` and computes ``prefill`` prompt tokens, without
+    it 1 s and 100 (no clock, no model)."""
+
+    def __init__(self, config, seconds: float, prefill: int):
+        self.cached = config.prefix_cache
+        self.seconds, self.prefill = (seconds, prefill) if self.cached else (1.0, 100)
+
+    def warm_up(self):
+        return ("stub",)
+
+    def run(self, requests, progress=None):
+        outputs = {r.id: [r.prompt[0]] * r.new_tokens for r in requests}
+        return engine.Served(outputs, self.seconds, steps=1, prefill_tokens=self.prefill,
+                             cached_tokens=100 - self.prefill)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "seconds, prefill, verdicts, fail",
+    [
+        (0.5, 20, ["0.20x (target <= 0.2x): met", "2.00x the tokens/s (target >= 2x): met"], ""),
+        (0.6, 20, ["0.20x (target <= 0.2x): met", "1.67x the tokens/s (target >= 2x): MISSED"],
+         "the prefix cache made 1.67x the tokens/s of the engine without it, under the "
+         "target 2x"),
+        (0.5, 21, ["0.21x (target <= 0.2x): MISSED", "2.00x the tokens/s (target >= 2x): met"],
+         "the prefix cache left 0.21x the prompt tokens to compute, over the target 0.2x"),
+    ],
+)  # fmt: skip
+def test_serve_shared_judges_both_targets(trained, capsys, monkeypatch, seconds, prefill,
+                                          verdicts, fail):  # fmt: skip
+    """The prefix cache's targets: prompt tokens computed at most 0.2x, tokens/s at least
+    2x the engine's without it; a miss is exit status 1 with one FAIL line saying why.
+    The runs are stubbed (:class:`_Prefixed`): no timing is asserted."""
+    monkeypatch.setattr(engine, "Engine", lambda model, config, _: _Prefixed(config, seconds,
+                                                                             prefill))  # fmt: skip
+    argv = ["serve", "--run", str(trained[2]), *TINY_SHARED, "--check", "0"]
+    assert main(argv) == (1 if fail else 0)
+    out = capsys.readouterr().out
+    assert f"\nprompt tokens computed with / without the prefix cache: {verdicts[0]}\n" in out
+    assert f"\nwith / without the prefix cache: {verdicts[1]}\n" in out, out
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert fails == ([f"FAIL: {fail}"] if fail else []), out
 
 
 class _Refusing:
@@ -465,6 +569,8 @@ BAD_OPTIONS = [
     (["serve", "--implementation", "fast"], ["--implementation"]),
     (["serve", "--target", "-1"], ["--target"]),
     (["serve", "--max-sequences", "9", "--step-tokens", "8"], ["--step-tokens", "--max-sequences"]),
+    (["serve", "--shared", "--groups", "9", "--requests", "4"], ["--groups", "--requests"]),
+    (["serve", "--suffix-lengths", "5,3"], ["--suffix-lengths"]),
     (["quantized", "--sequences", "0"], ["--sequences"]),
     (["verify", "--seq-lens", "1,x"], ["--seq-lens"]),
     (["verify", "--seq-lens", "0"], ["--seq-lens"]),

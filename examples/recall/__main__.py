@@ -174,7 +174,7 @@ def _run_option(parser):
 
 def _parser() -> tuple[argparse.ArgumentParser, dict]:
     """The parser and its subcommands' parsers, by name."""
-    from . import data, engine, model, train
+    from . import data, model, train
 
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -230,80 +230,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     )
     p.add_argument("--batch", type=positive_int, default=4, help="rows of the timing batch (4)")
 
-    p = commands.add_parser(
-        "serve",
-        help="continuous batching over a paged KV cache, against static batches",
-        description="Serves a seeded queue of requests (prompts of held-out recall "
-        "sequences laid end to end, of different lengths, each with its own number of "
-        "tokens to generate greedily) with the model of the latest checkpoint in --run: "
-        "first by continuous batching over a paged KV cache (requests admitted as others "
-        "finish, each step one jitted call mixing prompt chunks and decode tokens), then "
-        "through static batches with full caches of the same memory (batch x capacity <= "
-        "pages x page size), both with their attention on --implementation. Prints the "
-        "tokens/s of both and their ratio against --target, and checks that both give "
-        "every request the same tokens, and --check of them their greedy decoding alone. "
-        "Exit status 1 when the ratio misses the target or tokens differ.",
-    )
-    _run_option(p)
-    p.add_argument(
-        "--implementation",
-        type=_implementation,
-        default=None,
-        metavar="NAME",
-        help=f"nanoattn's attention backend for both: {', '.join(_backend_names())}, or "
-        "none: nanoattn's automatic choice (the default; not the backend the checkpoint "
-        "was trained with)",
-    )
-    p.add_argument(
-        "--target",
-        type=non_negative_float,
-        default=engine.TARGET,
-        metavar="RATIO",
-        help=f"continuous batching's tokens/s over static batching's, at least "
-        f"({engine.TARGET:g}); 0: not judged",
-    )
-    load, sizes = engine.WORKLOAD, engine.SERVE
-    p.add_argument("--requests", type=positive_int, default=load["requests"],
-                   help=f"requests ({load['requests']})")  # fmt: skip
-    p.add_argument("--seed", type=non_negative_int, default=load["seed"],
-                   help=f"workload seed ({load['seed']})")  # fmt: skip
-    p.add_argument(
-        "--prompt-lengths",
-        type=_range,
-        default=load["prompt_lengths"],
-        metavar="LO,HI",
-        help="prompt lengths, drawn uniformly ({},{})".format(*load["prompt_lengths"]),
-    )
-    p.add_argument(
-        "--new-tokens",
-        type=_range,
-        default=load["new_tokens"],
-        metavar="LO,HI",
-        help="tokens to generate per request, drawn uniformly ({},{})".format(*load["new_tokens"]),
-    )
-    p.add_argument("--pages", type=positive_int, default=sizes.pages,
-                   help=f"pages of the pool ({sizes.pages})")  # fmt: skip
-    p.add_argument("--page-size", type=positive_int, default=sizes.page_size,
-                   help=f"tokens a page holds ({sizes.page_size})")  # fmt: skip
-    p.add_argument("--max-sequences", type=positive_int, default=sizes.max_sequences,
-                   help=f"requests in flight at most ({sizes.max_sequences})")  # fmt: skip
-    p.add_argument(
-        "--step-tokens",
-        type=positive_int,
-        default=sizes.step_tokens,
-        help=f"tokens of a step, decode tokens and prompt chunks ({sizes.step_tokens}; "
-        "a step of fewer runs at a smaller size: up to 3 halvings, at least 8)",
-    )
-    p.add_argument(
-        "--check",
-        type=non_negative_int,
-        default=4,
-        help="requests checked against their greedy decoding alone (4)",
-    )
-    p.add_argument(
-        "--no-static", action="store_true", help="only the engine (no ratio: --target not judged)"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _serve_parser(commands)
 
     p = commands.add_parser(
         "quantized",
@@ -338,6 +265,134 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
         help="causality lengths, e.g. 1,2,8 (default: 1 to 513)",
     )
     return parser, commands.choices
+
+
+def _pair(low_high) -> str:
+    """A range as its option takes it: ``LO,HI``."""
+    return "{},{}".format(*low_high)
+
+
+def _serve_parser(commands) -> None:
+    """The ``serve`` subcommand's parser and options."""
+    from . import engine
+
+    p = commands.add_parser(
+        "serve",
+        help="continuous batching over a paged KV cache, against static batches",
+        description="Serves a seeded queue of requests (prompts of held-out recall "
+        "sequences laid end to end, of different lengths, each with its own number of "
+        "tokens to generate greedily) with the model of the latest checkpoint in --run: "
+        "first by continuous batching over a paged KV cache (requests admitted as others "
+        "finish, each step one jitted call mixing prompt chunks and decode tokens), then "
+        "through static batches with full caches of the same memory (batch x capacity <= "
+        "pages x page size), both with their attention on --implementation. Prints the "
+        "tokens/s of both and their ratio against --target, and checks that both give "
+        "every request the same tokens, and --check of them their greedy decoding alone. "
+        "With --shared, requests in groups that share their prompts, served by the engine "
+        "with its prefix cache and without it (no static batches): prefix hits, pages "
+        "shared, prompt tokens computed and tokens/s of both, their ratios against "
+        "the targets. Exit status 1 when a ratio misses its target or tokens differ.",
+    )
+    _run_option(p)
+    p.add_argument(
+        "--implementation",
+        type=_implementation,
+        default=None,
+        metavar="NAME",
+        help=f"nanoattn's attention backend for both: {', '.join(_backend_names())}, or "
+        "none: nanoattn's automatic choice (the default; not the backend the checkpoint "
+        "was trained with)",
+    )
+    p.add_argument(
+        "--target",
+        type=non_negative_float,
+        default=None,
+        metavar="RATIO",
+        help=f"continuous batching's tokens/s over static batching's, at least "
+        f"({engine.TARGET:g}); with --shared, the engine's with its prefix cache over "
+        f"without ({engine.PREFIX_TARGET:g}; and prompt tokens computed at most "
+        f"{engine.PREFILL_TARGET:g}x); 0: not judged",
+    )
+    load, shared, sizes = engine.WORKLOAD, engine.SHARED, engine.SERVE
+    p.add_argument("--requests", type=positive_int, default=None,
+                   help=f"requests ({load['requests']}; {shared['requests']} with "
+                   "--shared)")  # fmt: skip
+    p.add_argument("--seed", type=non_negative_int, default=load["seed"],
+                   help=f"workload seed ({load['seed']})")  # fmt: skip
+    p.add_argument(
+        "--prompt-lengths",
+        type=_range,
+        default=load["prompt_lengths"],
+        metavar="LO,HI",
+        help=f"prompt lengths, drawn uniformly ({_pair(load['prompt_lengths'])}; not with "
+        "--shared)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=_range,
+        default=None,
+        metavar="LO,HI",
+        help="tokens to generate per request, drawn uniformly "
+        f"({_pair(load['new_tokens'])}; {_pair(shared['new_tokens'])} with --shared)",
+    )
+    _shared_options(p)
+    p.add_argument("--pages", type=positive_int, default=sizes.pages,
+                   help=f"pages of the pool ({sizes.pages})")  # fmt: skip
+    p.add_argument("--page-size", type=positive_int, default=sizes.page_size,
+                   help=f"tokens a page holds ({sizes.page_size})")  # fmt: skip
+    p.add_argument("--max-sequences", type=positive_int, default=sizes.max_sequences,
+                   help=f"requests in flight at most ({sizes.max_sequences})")  # fmt: skip
+    p.add_argument(
+        "--step-tokens",
+        type=positive_int,
+        default=sizes.step_tokens,
+        help=f"tokens of a step, decode tokens and prompt chunks ({sizes.step_tokens}; "
+        "a step of fewer runs at a smaller size: up to 3 halvings, at least 8)",
+    )
+    p.add_argument(
+        "--check",
+        type=non_negative_int,
+        default=4,
+        help="requests checked against their greedy decoding alone (4)",
+    )
+    p.add_argument(
+        "--no-static", action="store_true", help="only the engine (no ratio: --target not judged)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _shared_options(p) -> None:
+    """``serve``'s options of the shared-prompt workload and the prefix cache."""
+    from . import engine
+
+    shared = engine.SHARED
+    p.add_argument(
+        "--shared",
+        action="store_true",
+        help="the shared-prompt workload (--requests in --groups groups, each group's "
+        "prompt --shared-length tokens and each request's own --suffix-lengths after it), "
+        "through the engine with its prefix cache and without it",
+    )
+    p.add_argument("--groups", type=positive_int, default=shared["groups"],
+                   help=f"groups of requests sharing a prompt ({shared['groups']}; "
+                   "with --shared)")  # fmt: skip
+    p.add_argument("--shared-length", type=positive_int, default=shared["shared_length"],
+                   help=f"tokens of a group's prompt ({shared['shared_length']}; "
+                   "with --shared)")  # fmt: skip
+    p.add_argument(
+        "--suffix-lengths",
+        type=_range,
+        default=shared["suffix_lengths"],
+        metavar="LO,HI",
+        help="tokens of each request's own after its group's, drawn uniformly "
+        f"({_pair(shared['suffix_lengths'])}; with --shared)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="the engine caches prompt prefixes (without --shared; with it, the engine "
+        "runs with and without)",
+    )
 
 
 def _checkpoints(parser, args) -> Path:
@@ -447,35 +502,54 @@ def _generate(parser, args) -> int:
     return status
 
 
-def _serve(parser, args) -> int:
-    from tqdm import tqdm
+def _serve_requests(parser, args, task) -> list:
+    """The requests of ``args`` (none for ``task`` None: its options only checked): the
+    shared-prompt workload with --shared, else the workload of prompts of different
+    lengths."""
+    from . import engine
 
+    load = engine.SHARED if args.shared else engine.WORKLOAD
+    n, new_tokens = args.requests or load["requests"], args.new_tokens or load["new_tokens"]
+    if args.shared and args.groups > n:
+        parser.error(f"--groups {args.groups} must be at most --requests {n}")
+    if task is None:  # the options checked only
+        return []
+    if not args.shared:
+        return engine.workload(args.seed, task, n, args.prompt_lengths, new_tokens)
+    return engine.shared_workload(args.seed, task, n, args.groups, args.shared_length,
+                                  args.suffix_lengths, new_tokens)  # fmt: skip
+
+
+def _serve(parser, args) -> int:
     from . import engine, train
 
+    prefix_cache = args.prefix_cache or args.shared
     try:
         config = engine.EngineConfig(args.pages, args.page_size, args.max_sequences,
-                                     args.step_tokens)  # fmt: skip
+                                     args.step_tokens, prefix_cache)  # fmt: skip
     except ValueError as e:
         parser.error(re.sub(r"\b(\w+)=", lambda m: _flag(m[1]) + "=", str(e)))
+    _serve_requests(parser, args, None)
     trained, run, step = train.restore(_checkpoints(parser, args))
     model = engine.with_implementation(trained, args.implementation)
-    requests = engine.workload(
-        args.seed, run.task, args.requests, args.prompt_lengths, args.new_tokens
-    )
+    requests = _serve_requests(parser, args, run.task)
     longest = max(r.need for r in requests)
-    capacity = engine.static_capacity(requests)
+    capacity = 0 if args.shared else engine.static_capacity(requests)
     if max(longest, capacity) > config.cache_tokens:
+        flags = "--shared-length, --suffix-lengths" if args.shared else "--prompt-lengths"
         parser.error(
             f"--pages {args.pages} x --page-size {args.page_size} = {config.cache_tokens} "
-            f"tokens of cache cannot hold a request of --prompt-lengths and --new-tokens "
+            f"tokens of cache cannot hold a request of {flags} and --new-tokens "
             f"({max(longest, capacity)} tokens): pass more --pages"
         )
     tokens = sum(r.new_tokens for r in requests)
+    lengths = sorted(len(r.prompt) for r in requests)
+    shared = (f" in {args.groups} groups, whose prompts share their first "
+              f"{args.shared_length} tokens" if args.shared else "")  # fmt: skip
     print(
-        f"model of step {step} in {args.run}; {len(requests)} requests: prompts of "
-        f"{min(len(r.prompt) for r in requests)}-{max(len(r.prompt) for r in requests)} "
-        f"tokens, {min(r.new_tokens for r in requests)}-{max(r.new_tokens for r in requests)} "
-        f"new tokens each, {tokens} in all"
+        f"model of step {step} in {args.run}; {len(requests)} requests{shared}: prompts of "
+        f"{lengths[0]}-{lengths[-1]} tokens, {min(r.new_tokens for r in requests)}-"
+        f"{max(r.new_tokens for r in requests)} new tokens each, {tokens} in all"
     )
     backend = ("nanoattn's automatic choice" if args.implementation is None
                else f"implementation={args.implementation!r}")  # fmt: skip
@@ -483,66 +557,22 @@ def _serve(parser, args) -> int:
         f"attention: {backend} (--implementation; the checkpoint was trained with "
         f"implementation={run.model.implementation!r})"
     )
+    serving = _Serving(parser, args, requests, tokens, {})
     bytes_per_token = 2 * sum(  # keys and values of every layer, float32
         b.attn.config.kv_heads * b.attn.config.head_dim * 4 for b in model.blocks
     )
     memory = config.cache_tokens * bytes_per_token / 2**20
-    results = {}
-
-    def serve(name, server, line):
-        print(line)
-        try:
-            backends = server.warm_up(*(() if name == "engine" else (requests,)))
-        except ValueError as e:  # a backend asked for by name that cannot serve a call
-            if args.implementation is None:
-                raise
-            parser.error(f"--implementation {args.implementation}: {e}")
-        print(f"  attention served by {', '.join(backends)}")
-        with tqdm(total=tokens, unit="tok", disable=args.no_progress, leave=False) as bar:
-            served = server.run(requests, progress=bar.update)
-        results[name] = served
-        print(
-            f"  {served.tokens} tokens in {served.seconds:.2f} s, {served.steps} steps: "
-            f"{served.tokens_per_second:,.0f} tokens/s"
-        )
-
-    server = engine.Engine(model, config, longest)
-    serve(
-        "engine",
-        server,
-        f"continuous batching: a pool of {config.pages} pages of {config.page_size} tokens "
-        f"({config.cache_tokens} tokens, {memory:.1f} MiB of keys and values), at most "
-        f"{config.max_sequences} requests in flight, {config.step_tokens} tokens a step",
-    )
-    failed = []  # why the exit status is 1, one phrase each
-    if not args.no_static:
-        static = engine.static_for(model, config, requests)
-        serve(
-            "static",
-            static,
-            f"static batches: {static.batch} rows of a full cache of {capacity} tokens "
-            f"({static.batch * capacity} tokens, <= the pool's {config.cache_tokens})",
-        )
-        ratio = results["engine"].tokens_per_second / results["static"].tokens_per_second
-        line = f"continuous / static batching: {ratio:.2f}x the tokens/s"
-        if args.target:
-            met = ratio >= args.target
-            print(f"{line} (target >= {args.target:g}x): {'met' if met else 'MISSED'}")
-            if not met:
-                failed.append(
-                    f"continuous batching made {ratio:.2f}x the tokens/s of static batching, "
-                    f"under the target {args.target:g}x"
-                )
-        else:
-            print(f"{line} (not judged: --target 0)")
-        same = results["engine"].outputs == results["static"].outputs
-        print(f"every request's tokens equal in both: {'yes' if same else 'NO'}")
-        if not same:
-            failed.append("continuous and static batching gave different tokens")
+    pool = (f"a pool of {config.pages} pages of {config.page_size} tokens ({config.cache_tokens}"
+            f" tokens, {memory:.1f} MiB of keys and values), at most {config.max_sequences} "
+            f"requests in flight, {config.step_tokens} tokens a step")  # fmt: skip
+    if args.shared:
+        failed = _compare_prefix(serving, model, config, longest, pool)
+    else:
+        failed = _compare_static(serving, model, config, longest, pool, capacity)
     if args.check:
         checked = requests[: args.check]
         outputs = engine.alone(model, checked)
-        alone = all(outputs[r.id] == results["engine"].outputs[r.id] for r in checked)
+        alone = all(outputs[r.id] == serving.results["engine"].outputs[r.id] for r in checked)
         print(
             f"the first {len(checked)} requests' tokens equal their greedy decoding alone: "
             f"{'yes' if alone else 'NO'}"
@@ -552,6 +582,131 @@ def _serve(parser, args) -> int:
     if failed:
         print(f"FAIL: {'; '.join(failed)}")
     return 1 if failed else 0
+
+
+@dataclasses.dataclass
+class _Serving:
+    """What ``serve``'s runs share: the command line, the requests and the tokens they
+    generate, and each run's :class:`engine.Served`, by name."""
+
+    parser: argparse.ArgumentParser
+    args: argparse.Namespace
+    requests: list
+    tokens: int
+    results: dict
+
+    def serve(self, name: str, server, line: str, prefix_cache: bool | None = None):
+        """Warms ``server`` up and serves the requests, printing ``line``, the backends
+        its attention took and its tokens/s; an engine's (``prefix_cache`` not None: a
+        name that starts with "engine") prompt tokens computed too, and what its prefix
+        cache found."""
+        from tqdm import tqdm
+
+        args = self.args
+        print(line)
+        try:
+            backends = server.warm_up(*(() if name.startswith("engine") else (self.requests,)))
+        except ValueError as e:  # a backend asked for by name that cannot serve a call
+            if args.implementation is None:
+                raise
+            self.parser.error(f"--implementation {args.implementation}: {e}")
+        print(f"  attention served by {', '.join(backends)}")
+        with tqdm(total=self.tokens, unit="tok", disable=args.no_progress, leave=False) as bar:
+            served = server.run(self.requests, progress=bar.update)
+        self.results[name] = served
+        print(
+            f"  {served.tokens} tokens in {served.seconds:.2f} s, {served.steps} steps: "
+            f"{served.tokens_per_second:,.0f} tokens/s"
+        )
+        if prefix_cache is not None:
+            cache = (f", found cached {served.cached_tokens} (prefix hits: "
+                     f"{served.cached_pages} pages shared, not written again), "
+                     f"{served.evictions} cached pages evicted"
+                     if prefix_cache else "")  # fmt: skip
+            print(f"  prompt tokens computed {served.prefill_tokens}{cache}; "
+                  f"{served.peak_pages} pages held at most")  # fmt: skip
+        return served
+
+    def judge(self, line: str, miss: str, ratio: float, target: float, failed: list, *,
+              at_most: bool = False) -> None:  # fmt: skip
+        """Prints ``line`` (a ratio) and, unless --target is 0, its verdict: ``ratio``
+        at least ``target`` (at most, ``at_most``); a miss adds ``miss`` and the target
+        to ``failed``."""
+        if self.args.target == 0:
+            print(f"{line} (not judged: --target 0)")
+            return
+        met = ratio <= target if at_most else ratio >= target
+        print(f"{line} (target {'<=' if at_most else '>='} {target:g}x): "
+              f"{'met' if met else 'MISSED'}")  # fmt: skip
+        if not met:
+            failed.append(f"{miss}, {'over' if at_most else 'under'} the target {target:g}x")
+
+
+def _compare_static(serving: _Serving, model, config, longest: int, pool: str,
+                    capacity: int) -> list:  # fmt: skip
+    """The engine, then static batches of the same memory: their ratio against --target
+    and their tokens compared. Returns why the exit status is 1, one phrase each."""
+    from . import engine
+
+    server = engine.Engine(model, config, longest)
+    cached = ", caching prompt prefixes" if config.prefix_cache else ""
+    serving.serve("engine", server, f"continuous batching{cached}: {pool}", config.prefix_cache)
+    failed = []
+    if serving.args.no_static:
+        return failed
+    requests, results = serving.requests, serving.results
+    static = engine.static_for(model, config, requests)
+    serving.serve(
+        "static",
+        static,
+        f"static batches: {static.batch} rows of a full cache of {capacity} tokens "
+        f"({static.batch * capacity} tokens, <= the pool's {config.cache_tokens})",
+    )
+    ratio = results["engine"].tokens_per_second / results["static"].tokens_per_second
+    target = engine.TARGET if serving.args.target is None else serving.args.target
+    serving.judge(
+        f"continuous / static batching: {ratio:.2f}x the tokens/s",
+        f"continuous batching made {ratio:.2f}x the tokens/s of static batching",
+        ratio, target, failed,
+    )  # fmt: skip
+    same = results["engine"].outputs == results["static"].outputs
+    print(f"every request's tokens equal in both: {'yes' if same else 'NO'}")
+    if not same:
+        failed.append("continuous and static batching gave different tokens")
+    return failed
+
+
+def _compare_prefix(serving: _Serving, model, config, longest: int, pool: str) -> list:
+    """The engine with its prefix cache, then without: the prompt tokens computed and
+    the tokens/s against their targets, and their tokens compared. Returns why the exit
+    status is 1, one phrase each."""
+    from . import engine
+
+    serving.serve("engine", engine.Engine(model, config, longest),
+                  f"continuous batching, caching prompt prefixes: {pool}", True)  # fmt: skip
+    plain = dataclasses.replace(config, prefix_cache=False)
+    serving.serve("engine without", engine.Engine(model, plain, longest),
+                  "continuous batching without the prefix cache: the same pool", False)  # fmt: skip
+    cached, without = serving.results["engine"], serving.results["engine without"]
+    failed = []
+    prefill = cached.prefill_tokens / without.prefill_tokens
+    serving.judge(
+        f"prompt tokens computed with / without the prefix cache: {prefill:.2f}x",
+        f"the prefix cache left {prefill:.2f}x the prompt tokens to compute",
+        prefill, engine.PREFILL_TARGET, failed, at_most=True,
+    )  # fmt: skip
+    target = engine.PREFIX_TARGET if serving.args.target is None else serving.args.target
+    ratio = cached.tokens_per_second / without.tokens_per_second
+    serving.judge(
+        f"with / without the prefix cache: {ratio:.2f}x the tokens/s",
+        f"the prefix cache made {ratio:.2f}x the tokens/s of the engine without it",
+        ratio, target, failed,
+    )  # fmt: skip
+    same = cached.outputs == without.outputs
+    print(f"every request's tokens equal with and without: {'yes' if same else 'NO'}")
+    if not same:
+        failed.append("the engine gave different tokens with and without the prefix cache")
+    return failed
 
 
 def _quantized(parser, args) -> int:

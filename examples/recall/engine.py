@@ -12,7 +12,9 @@ A request is a prompt and the number of tokens to generate greedily after it.
   holds its tokens): the next token of every decoding request and chunks of the
   prompts of newly admitted ones, mixed, through ``pages=``. The host never waits for
   a step: it composes and dispatches the next while the device runs this one, and
-  fetches the tokens at the end.
+  fetches the tokens at the end. With ``EngineConfig(prefix_cache=True)`` a request
+  whose prompt starts with pages already in the pool (a prompt its group shares:
+  :func:`shared_workload`) shares them and computes only the rest.
 * :class:`Static` (static batching): the requests in arrival order, ``batch`` at a
   time, each batch prefilled in one call and decoded until its longest request ends,
   through a full cache of ``capacity`` tokens per row (the longest prompt and the
@@ -118,6 +120,36 @@ def workload(
     return [Request(i, tuple(p), int(m)) for i, (p, m) in enumerate(zip(prompts, outputs))]
 
 
+def shared_workload(
+    seed: int, task: data.TaskConfig, n: int, groups: int, shared_length: int,
+    suffix_lengths=(1, 32), new_tokens=(1, 64),
+) -> list[Request]:  # fmt: skip
+    """``n`` requests in ``groups`` groups that share a prompt (a system prompt, a
+    document asked several questions, several samples of one prompt), a pure function
+    of the arguments: each group's ``shared_length`` tokens, then each request's own
+    suffix, its length and the tokens to generate drawn uniformly from the inclusive
+    ranges ``suffix_lengths`` (low >= 0) and ``new_tokens``; the groups' requests
+    arrive interleaved, in a random order. The tokens are held-out recall sequences
+    laid end to end (``generate.long_prompts``)."""
+    (lo, hi), (new_lo, new_hi) = suffix_lengths, new_tokens
+    if not 0 <= lo <= hi or not 1 <= new_lo <= new_hi or not 1 <= groups <= n:
+        raise ValueError(
+            f"suffix_lengths={suffix_lengths} (0 <= low <= high), new_tokens={new_tokens} "
+            f"(1 <= low <= high) and groups={groups} (1 <= groups <= n={n}) are out of range"
+        )
+    if shared_length < 1:
+        raise ValueError(f"shared_length={shared_length} must be >= 1")
+    rng = np.random.default_rng([seed, 4, n, groups])
+    group_of = rng.permutation(np.arange(n) % groups)  # (n,): each request's group
+    suffixes = rng.integers(lo, hi + 1, size=n)
+    outputs = rng.integers(new_lo, new_hi + 1, size=n)
+    rows = generate.long_prompts(seed, task, [shared_length + hi] * (groups + n))
+    return [
+        Request(i, tuple(rows[g][:shared_length] + rows[groups + i][:s]), int(m))
+        for i, (g, s, m) in enumerate(zip(group_of, suffixes, outputs))
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """The engine's sizes.
@@ -128,12 +160,16 @@ class EngineConfig:
       max_sequences: B, the requests in flight at most (the rows of a step).
       step_tokens: Tq, the tokens of a step (decode tokens and prompt chunks); at
         least ``max_sequences``, so that every decoding request advances each step.
+      prefix_cache: share the pages of prompt prefixes already in the pool
+        (``PageAllocator(prefix_cache=True)``): a request computes only the part of
+        its prompt past its longest cached prefix.
     """
 
     pages: int = 256
     page_size: int = 16
     max_sequences: int = 16
     step_tokens: int = 64
+    prefix_cache: bool = False
 
     def __post_init__(self):
         for name in ("pages", "page_size", "max_sequences", "step_tokens"):
@@ -159,6 +195,14 @@ class EngineConfig:
 # requests, prompt_lengths, new_tokens)``).
 SERVE = EngineConfig(pages=512, page_size=16, max_sequences=32, step_tokens=128)
 WORKLOAD = dict(seed=0, requests=96, prompt_lengths=(16, 384), new_tokens=(1, 128))
+# ``serve --shared`` and the bench's prefix-cache comparison (issue #48): 64 requests in
+# 8 groups sharing 512-token prompts (``shared_workload``), served in ``SERVE``'s pool
+# with the prefix cache and without; its targets: the steps compute at most
+# PREFILL_TARGET x the prompt tokens, and make at least PREFIX_TARGET x the tokens/s.
+SHARED = dict(seed=0, requests=64, groups=8, shared_length=512, suffix_lengths=(1, 32),
+              new_tokens=(1, 64))  # fmt: skip
+PREFILL_TARGET = 0.2
+PREFIX_TARGET = 2.0
 
 
 @dataclasses.dataclass
@@ -169,6 +213,14 @@ class Served:
     seconds: float
     steps: int
     mixed_steps: int = 0  # steps that carried prompt chunks and decode tokens together
+    # The engine's: prompt tokens its steps computed, and those a prefix cache held
+    # (never computed; in cached_pages pages shared instead of allocated and written),
+    # the cached pages handed out again, the pool's pages held at most at once.
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    cached_pages: int = 0
+    evictions: int = 0
+    peak_pages: int = 0
 
     @property
     def tokens(self) -> int:
@@ -214,7 +266,14 @@ class Engine:
     The host never waits for a step: a decoding request's next input is the token the
     step before made for it, which stays on the device (the step gathers it by row), so
     the host composes and dispatches step after step while the device runs them, and
-    fetches every generated token once, at the end (as :class:`Static` does). What
+    fetches every generated token once, at the end (as :class:`Static` does).
+
+    With a prefix cache, admission allocates a request's whole prompt with its token
+    ids (the allocator shares the pages of its longest cached prefix) and takes back
+    the rest at once (``rewind``: the prompt comes in chunks, each extended with its
+    ids so that its full pages are cached once written); a request whose first page is
+    that of a prompt still being prefilled waits for it, so that a group's requests
+    arriving together compute their shared prompt once. What
     the host does per step is the allocator's bookkeeping and a few small arrays; the
     step's operands are flat lists of arrays (rebuilding the model's state as nnx
     pytrees at every call cost more host time than that), the parameters not donated
@@ -255,8 +314,9 @@ class Engine:
     def _allocator(self) -> nanoattn.PageAllocator:
         c = self.config
         return nanoattn.PageAllocator(
-            c.pages, c.page_size, max_sequences=c.max_sequences, max_pages=self.max_pages
-        )
+            c.pages, c.page_size, max_sequences=c.max_sequences, max_pages=self.max_pages,
+            prefix_cache=c.prefix_cache,
+        )  # fmt: skip
 
     def warm_up(self) -> tuple[str, ...]:
         """Compiles the step at each of its sizes (calls with no tokens: nothing is
@@ -293,38 +353,89 @@ class Engine:
         self.allocator = alloc = self._allocator()  # every page free again at the end
         waiting, running = collections.deque(requests), {}
         made = []  # each step's tokens (B,), on the device, and who took which
-        previous, steps, mixed = self._none, 0, 0
+        previous, served = self._none, Served({}, 0.0, 0)
         start = time.perf_counter()
         while waiting or running:
-            self._admit(alloc, waiting, running)
+            self._admit(alloc, waiting, running, served)
             rows, fed = self._compose(running)
-            mixed += 0 < sum(not live.prefilling for live in rows) < len(rows)
+            served.mixed_steps += 0 < sum(not live.prefilling for live in rows) < len(rows)
             for live, tokens in zip(rows, fed):
                 brought = 1 if tokens is None else len(tokens)
-                alloc.extend(live.request.id, brought)
+                alloc.extend(live.request.id, brought, tokens=tokens)  # ids: cacheable
                 live.held += brought
+                served.prefill_tokens += 0 if tokens is None else brought
+            served.peak_pages = max(served.peak_pages, c.pages - alloc.free_pages)
             previous = self._step(alloc, rows, fed, previous)
-            steps += 1
+            served.steps += 1
             takers = self._retire(alloc, rows, running)
             made.append((previous, takers))
             if progress:
                 progress(len(takers))
-        outputs = self._outputs(requests, made)
-        return Served(outputs, time.perf_counter() - start, steps, mixed)
+        served.outputs = self._outputs(requests, made)
+        served.seconds = time.perf_counter() - start
+        served.evictions = alloc.stats().evictions
+        return served
 
-    def _admit(self, alloc, waiting, running) -> None:
+    def _admit(self, alloc, waiting, running, served) -> None:
         """Admission: the next requests in the queue while a row and every page each
-        will need are free (their whole need is reserved: the pool never runs out)."""
-        c = self.config
-        reserved = sum(c.pages_for(live.request.need) for live in running.values())
-        while waiting and len(running) < c.max_sequences:
-            need = c.pages_for(waiting[0].need)
-            if reserved + need > c.pages:
-                return
+        will still need are free (reserved: the pool never runs out mid-sequence). With
+        a prefix cache a request shares the pages of its prompt's longest cached prefix
+        (its ``held`` tokens start there), and one whose first page is that of a prompt
+        still being prefilled waits until that prompt is in (then shares its pages),
+        letting the requests behind it pass."""
+        writing = {self._first_page(live.request) for live in running.values() if live.prefilling}
+        passed = []
+        while waiting and len(running) < self.config.max_sequences:
             request = waiting.popleft()
-            alloc.allocate(request.id, 0)
-            running[request.id] = _Live(request)
-            reserved += need
+            first = self._first_page(request)
+            if first is not None and first in writing:
+                passed.append(request)
+                continue
+            live = self._place(alloc, request, running)
+            if live is None:
+                waiting.appendleft(request)
+                break
+            running[request.id] = live
+            writing.add(first)
+            served.cached_tokens += live.held
+            served.cached_pages += live.held // self.config.page_size
+        waiting.extendleft(reversed(passed))
+
+    def _first_page(self, request: Request) -> tuple | None:
+        """With a prefix cache, the tokens of the first page of ``request``'s prompt
+        when it has more than a page (a prefix another prompt may share); else None."""
+        ps = self.config.page_size
+        if not self.config.prefix_cache or len(request.prompt) <= ps:
+            return None
+        return request.prompt[:ps]
+
+    def _place(self, alloc, request: Request, running) -> _Live | None:
+        """Allocates ``request``'s sequence when every page it will need fits beside the
+        running requests' (reserved): its :class:`_Live`, holding the prompt tokens a
+        prefix cache had; else None, nothing allocated."""
+        prompt = request.prompt
+        if self.config.prefix_cache:
+            try:
+                cached = alloc.allocate(request.id, len(prompt), tokens=prompt)
+            except nanoattn.PoolExhausted:
+                return None
+            alloc.rewind(request.id, len(prompt) - cached)  # its chunks come step by step
+        else:
+            cached = alloc.allocate(request.id, 0)
+        live = _Live(request, held=cached)
+        if self._committed(alloc, [*running.values(), live]) > self.config.pages:
+            alloc.free(request.id)
+            return None
+        return live
+
+    def _committed(self, alloc, lives) -> int:
+        """The pages ``lives`` hold (shared ones once) and will still take: what the
+        pool must keep for them."""
+        c = self.config
+        held = c.pages - alloc.free_pages
+        ahead = [c.pages_for(live.request.need) - len(alloc.pages_of(live.request.id))
+                 for live in lives]  # fmt: skip
+        return held + sum(ahead)
 
     def _compose(self, running) -> tuple[list, list]:
         """One mixed step's rows and the tokens each brings: every decoding request
