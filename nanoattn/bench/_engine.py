@@ -79,16 +79,25 @@ def example_root() -> pathlib.Path | None:
     return None
 
 
-def _serve(spec: dict):
-    """The example's model, requests and server of ``spec`` (in the measuring process)."""
+def random_model():
+    """The example's task and a randomly initialised model of its configuration, its
+    attention on nanoattn's automatic choice as ``serve``'s (in the measuring process:
+    the repository root is on the path)."""
     from flax import nnx
 
-    from examples.recall import data, engine  # the repository root is on the path
+    from examples.recall import data, engine
     from examples.recall.model import Decoder, ModelConfig
 
     task = data.TaskConfig()
     random = Decoder(ModelConfig(vocab=task.vocab), rngs=nnx.Rngs(0))
-    model = engine.with_implementation(random, None)  # serve's default: the automatic choice
+    return task, engine.with_implementation(random, None)
+
+
+def _serve(spec: dict):
+    """The example's model, requests and server of ``spec`` (in the measuring process)."""
+    from examples.recall import engine  # the repository root is on the path
+
+    task, model = random_model()
     load = spec["workload"] or engine.WORKLOAD
     sizes = engine.EngineConfig(**spec["sizes"]) if spec["sizes"] else engine.SERVE
     requests = engine.workload(

@@ -5,6 +5,7 @@ import pathlib
 
 from ._decode_report import decode_markdown
 from ._engine import engine_markdown
+from ._engine_prefix import prefix_markdown
 from ._masks import masks_markdown
 from ._native import native_markdown
 from ._serving import serving_markdown
@@ -38,6 +39,7 @@ def markdown(results: dict) -> str:
     lines += serving_markdown(results.get("serving"))
     lines += decode_markdown(results.get("decode"))
     lines += engine_markdown(results.get("engine"))
+    lines += prefix_markdown((results.get("engine") or {}).get("prefix"))
     lines += targets_markdown(results["targets"])
     notes = sorted(
         {

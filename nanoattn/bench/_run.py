@@ -13,6 +13,7 @@ from . import (
     _decode_cases,
     _decode_report,
     _engine,
+    _engine_prefix,
     _generation,
     _latent,
     _masks,
@@ -66,7 +67,8 @@ class BenchConfig:
         :mod:`nanoattn.bench._serving`): "full" at the issue's sizes (judged),
         "quick" at small ones (reported, not judged), "" to skip it.
       engine: the recall example's engine against static batching (tokens/s,
-        :mod:`nanoattn.bench._engine`): "full", "quick" or "", as ``serving``.
+        :mod:`nanoattn.bench._engine`), and with its prefix cache against without
+        (:mod:`nanoattn.bench._engine_prefix`): "full", "quick" or "", as ``serving``.
       decode: the decode sweep (every paged implementation and the peers, each alone,
         against the read bandwidth; split-key decode against the unsplit kernel,
         :mod:`nanoattn.bench._decode`): "full", "quick" or "", as ``serving``.
@@ -307,10 +309,11 @@ def _engine_part(config: BenchConfig, report, peak: float, no_torch):
     if not config.engine:
         return None, []
     shape = {"full": _engine.FULL, "quick": _engine.QUICK}[config.engine]
+    prefix = {"full": _engine_prefix.FULL, "quick": _engine_prefix.QUICK}[config.engine]
     relay = _Relay(report, "engine", "")
-    engine = _engine.measure_engine(shape, relay)
+    engine = _engine_prefix.measure_engine_part(shape, prefix, relay)
     relay.end()
-    return engine, _engine.engine_targets(engine)
+    return engine, _engine.engine_targets(engine) + _engine_prefix.prefix_targets(engine["prefix"])
 
 
 def _decode_part(config: BenchConfig, report, peak: float, no_torch):

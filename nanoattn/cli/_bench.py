@@ -98,8 +98,9 @@ def _add_scope(bench) -> None:
         "microseconds and GB/s against the read bandwidth; split-key decode against "
         "NANOATTN_SPLIT_KEYS=0 on MQA and MLA at 32768 keys, judged. "
         "engine: the recall example's continuous batching against static batching in the "
-        "same cache memory, a randomly initialised model, each alone: tokens/s, judged "
-        "(needs the repository: run from its root). "
+        "same cache memory, and its prefix cache against none on requests sharing "
+        "their prompts, a randomly initialised model, each alone: tokens/s and prompt "
+        "tokens computed, judged (needs the repository: run from its root). "
         "Example: --only generation,window",
     )
 
