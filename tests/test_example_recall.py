@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `examples` is a package at the repository root
 
 from examples.recall import __main__ as recall_main  # noqa: E402
-from examples.recall import data, engine, generate, quantized, train, verify  # noqa: E402
+from examples.recall import data, engine, generate, lookup, quantized, train, verify  # noqa: E402
 from examples.recall.__main__ import main  # noqa: E402
 from examples.recall.model import ModelConfig  # noqa: E402
 
@@ -178,6 +178,26 @@ def test_prefix_cached_requests_equal_the_run_without(trained):
     assert server.allocator.stats().hit_tokens == 10 * 6
     assert cached.outputs == plain.outputs == engine.alone(model, requests)
     assert server.allocator.free_pages == config.pages and not server.allocator.sequences()
+
+
+def test_prompt_lookup_drafts_a_trie_and_keeps_the_path_greedy_decoding_confirms():
+    """The tree of drafts: the continuations of the last 2 tokens' earlier occurrences,
+    the most recent first, then the last token's (merged where they agree: a trie),
+    at most ``nodes`` drafts ``depth`` deep; the path kept is the drafts the target's
+    greedy tokens confirm, from the newest token on."""
+    history = [5, 6, 7, 8, 5, 6, 9, 1, 5, 6]  # [5, 6] before 9 (at 6) and before 7 (at 2)
+    tokens, parents = lookup.draft_tree(history, nodes=8, depth=3)
+    assert (tokens, parents) == ([9, 1, 5, 7, 8, 5], [-1, 0, 1, -1, 3, 4])
+    assert lookup.draft_tree(history, nodes=4, depth=3) == ([9, 1, 5, 7], [-1, 0, 1, -1])
+    assert lookup.draft_tree(history, nodes=8, depth=1) == ([9, 7], [-1, -1])
+    assert lookup.draft_tree([1, 2, 3], nodes=8, depth=3) == ([], [])  # nothing repeats
+    assert lookup.draft_tree([4, 3, 4], nodes=8, depth=3) == ([3, 4], [-1, 0])  # to the end
+    chunk = lookup.chunk_parents(parents)  # [newest 6, 9, 1, 5, 7, 8, 5]
+    assert chunk == [-1, 0, 1, 2, 0, 4, 5]
+    # greedy after 6 is 7 (a draft), after 6 7 is 8 (a draft), after 6 7 8 is 2 (not 5)
+    assert lookup.accepted_path(tokens, parents, [7, 0, 0, 0, 8, 2, 0]) == [0, 4, 5]
+    assert lookup.accepted_path(tokens, parents, [3, 1, 5, 0, 0, 0, 0]) == [0]
+    assert lookup.accepted_path(tokens, parents, [9, 1, 5, 0, 0, 0, 0]) == [0, 1, 2, 3]
 
 
 # A workload the tiny run serves in seconds (the engine test's pool and steps).
