@@ -8,6 +8,7 @@ from .._base.rule_table import PAGED_KEYWORDS
 from .._base.rules import Rules
 from .._base.validate import check_scale
 from .api import attend
+from .cascade import cascade_attention, check_shared_prefixes
 
 
 def paged_attention(
@@ -29,6 +30,7 @@ def paged_attention(
     key_scales=None,
     value_scales=None,
     tree_parents=None,
+    shared_prefixes=None,
     implementation=None,
 ):
     r"""Attention of B sequences over a paged KV cache, their queries token-major.
@@ -81,6 +83,19 @@ def paged_attention(
         ``kv_lengths[b] - q_len + depth(i)`` (its key in its slot); inside its chunk it
         sees exactly its ancestors and itself (docs/conventions.md, "Token trees").
         Served by ``"xla"`` and ``"flash"``.
+      shared_prefixes: optional int (B,): sequence b's first ``shared_prefixes[b]``
+        page-table entries are pages it shares with other sequences of the call
+        (forks, prefix-cache hits; ``PagedBatch.shared_prefixes``). The sequences that
+        give the same count m > 0 and the same page at entry m - 1 form a group: they
+        must hold the same first m pages, wholly before their first query
+        (``m * page_size <= kv_lengths[b] - q_len``). Each group's pages are then read
+        once for all of its queries (one pass, no causality needed: every shared key
+        lies before them), the rest of each sequence's pages by itself, and the two
+        merged exactly by their log-sum-exps, the sinks added once: the results are
+        the call's without it, up to rounding. Served by every backend that serves the
+        call; ignored (the plain call) with ``mask_fn`` or ``score_fn``, or a window
+        whose left side is shorter than ``M * page_size - 1`` (docs/decoding.md,
+        "Shared prefixes").
       implementation: ``"xla"`` (gathers each sequence's pages once: the reference),
         ``"flash"`` (blockwise over the pages each sequence holds), ``"native"``
         (the C++ CPU kernel, reading the pool through the page table), or None for
@@ -95,10 +110,13 @@ def paged_attention(
         and other than -1 among the pages a sequence holds, ``kv_lengths[b]``
         above ``M * page_size`` or below sequence b's q_len, or ``query_starts``
         that do not start at 0, decrease or pass Tq, naming the argument and the
-        row. Under ``jit``, where
+        row; a ``shared_prefixes`` entry outside [0, M], reaching past the first
+        query, or whose pages are not its group's, naming ``shared_prefixes[b]``.
+        Under ``jit``, where
         they cannot be checked, a bad page id or length makes the rows of its
         sequence NaN and no other row changes, and query starts that are no layout
-        make every row NaN; no page outside the pool is ever read.
+        make every row NaN (a bad ``shared_prefixes`` entry: its sequence's rows);
+        no page outside the pool is ever read.
 
     Example:
       >>> import jax.numpy as jnp, nanoattn
@@ -116,4 +134,7 @@ def paged_attention(
         query, key_pages, value_pages, page_table, kv_lengths, query_starts, **rules
     )
     query, key_pages, value_pages = (jnp.asarray(x) for x in (query, key_pages, value_pages))
+    if shared_prefixes is not None:
+        shared = check_shared_prefixes(shared_prefixes, rules)
+        return cascade_attention(query, key_pages, value_pages, rules, shared, implementation)
     return attend(query, key_pages, value_pages, rules, implementation=implementation)

@@ -36,8 +36,10 @@ import numpy as np
 
 from ..._base.paged import RETURNED
 from ..._base.rules import normalize_window
+from ..._base.validate import expect_flag
 from .paged import PagedBatch
 from .prefix_cache import ROOT, PrefixIndex, PrefixStats, as_namespace, token_ids
+from .shared_prefix import shared_prefixes
 
 
 class PoolExhausted(ValueError):
@@ -89,6 +91,11 @@ class PageAllocator:
         :data:`RETURNED` (docs/decoding.md, "Windowed layers in a paged pool").
       sink_tokens: S0, with a window: the first S0 positions stay visible to every
         query, and the pages that hold them stay.
+      cascade: whether each batch says which of its rows begin with the same written
+        pages (``PagedBatch.shared_prefixes``, :mod:`.shared_prefix`), so that the
+        layers read those pages once for the whole group (docs/decoding.md, "Shared
+        prefixes"); False (and any windowed allocator) gives None: every row reads
+        its own pages.
 
     Example:
       >>> alloc = PageAllocator(pages=8, page_size=4, max_sequences=2, max_pages=4)
@@ -106,7 +113,8 @@ class PageAllocator:
 
     def __init__(self, pages: int, page_size: int, *, max_sequences: int, max_pages: int,
                  max_copies: int | None = None, seed: int | None = None,
-                 prefix_cache: bool = False, window=None, sink_tokens: int = 0):  # fmt: skip
+                 prefix_cache: bool = False, window=None, sink_tokens: int = 0,
+                 cascade: bool = True):  # fmt: skip
         self.pages = _count("pages", pages, 1)
         self.page_size = _count("page_size", page_size, 1)
         self.max_sequences = _count("max_sequences", max_sequences, 1)
@@ -116,6 +124,7 @@ class PageAllocator:
         self.max_copies = _count("max_copies", max_copies, 0)
         self.window, self.sink_tokens = _window_options(window, sink_tokens, prefix_cache)
         self._cache = PrefixIndex() if prefix_cache else None
+        self.cascade = expect_flag("cascade", cascade)
         order = list(range(self.pages))
         if seed is not None:
             seed = _count("seed", seed, 0)
@@ -377,7 +386,7 @@ class PageAllocator:
         table = np.zeros((self.max_sequences, self.max_pages), np.int32)
         lengths = np.zeros(self.max_sequences, np.int32)
         q_lens = np.zeros(self.max_sequences, np.int32)
-        seen = set()
+        seen, held = set(), []
         for b, row in enumerate(rows):
             if len(row) != 2:
                 raise ValueError(f"batch: rows[{b}] must be (seq_id, q_len), got {row!r}")
@@ -401,6 +410,7 @@ class PageAllocator:
                 )
             table[b, : len(sequence.pages)] = sequence.pages
             lengths[b], q_lens[b] = sequence.length, pending
+            held.append((sequence.pages, sequence.written))
         starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         if starts[-1] > tokens:
             raise ValueError(
@@ -410,7 +420,11 @@ class PageAllocator:
         copies = np.full((self.max_copies, 2), -1, np.int32)
         if self._copies:
             copies[: len(self._copies)] = self._copies
-        batch = PagedBatch(table, lengths, starts, copies, self.page_size, self.pages)
+        shared = None
+        if self.cascade and self.window is None:
+            shared = shared_prefixes(held, self.page_size, self.max_sequences)
+        batch = PagedBatch(table, lengths, starts, copies, self.page_size, self.pages,
+                           shared_prefixes=shared)  # fmt: skip
         self._outstanding = (batch, [(seq_id, int(q)) for seq_id, q in rows])
         return batch
 

@@ -62,6 +62,10 @@ class PagedBatch:
         layer whose cache has pages of another size refuses the batch.
       pool_pages: P, the pages of the allocator's pool (static): a layer whose pool
         has another number of pages refuses the batch.
+      shared_prefixes: None, or (B,): how many of row b's first pages it shares with
+        the other rows of its group (``nanoattn.paged_attention``'s keyword: each
+        group's pages are read once for all of its queries; docs/decoding.md, "Shared
+        prefixes"). The allocator computes it (``PageAllocator(cascade=True)``).
     """
 
     page_table: jax.Array
@@ -70,6 +74,7 @@ class PagedBatch:
     copies: jax.Array
     page_size: int = dataclasses.field(metadata=dict(static=True))
     pool_pages: int = dataclasses.field(metadata=dict(static=True))
+    shared_prefixes: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +175,11 @@ class PagedCache(CachePolicy):
         reads = returned_reads(table, lengths, layout, self.page_size, band, sinks).any(axis=1)
         spoilt = spoilt | jnp.zeros(B, bool).at[layout.sequence].max(reads)
         spoilt = spoilt[layout.sequence] & layout.real
-        pages = PagedBatch(table, lengths, starts, copies, self.page_size, P)
+        shared = pages.shared_prefixes
+        if shared is not None:
+            shared = _ints("shared_prefixes", shared, "B", (B,))
+        pages = PagedBatch(table, lengths, starts, copies, self.page_size, P,
+                           shared_prefixes=shared)  # fmt: skip
         return StepLayout(
             layout.position[None], (layout.real & ~spoilt)[None],
             (layout.broken | spoilt)[None], pages=pages,
@@ -219,6 +228,8 @@ class PagedCache(CachePolicy):
         )  # fmt: skip
         if not self.sink_tokens:
             rules["window"] = self.window
+        if layout.pages.shared_prefixes is not None:  # each group's pages read once
+            rules["shared_prefixes"] = layout.pages.shared_prefixes
         keys, values, scales = quantized.read(cache, cache.key, cache.value, q.dtype)
         return paged(q, keys, values, layout.pages, **rules, **scales)
 
