@@ -109,6 +109,20 @@ class Call:
 TREE = np.array([[-1, 0, 0, 1, 1, 2, 3, 3, 4, -1, 9, 9, 10, 11, 12, 5, 6, 7, 8]] * 2, np.int32)
 
 
+# Each query's chosen keys (sparse attention): 7 entries, -1 padding, a key twice, keys
+# past the causal limit and the diagonal left out of some rows.
+SELECTED = np.random.default_rng(51).integers(-1, S, size=(B, T, 7)).astype(np.int32)
+SELECTED[0, 3, :2] = 5
+
+
+def _np_selected(indices):
+    """Literal selection (B, 1, T, S): each query's chosen keys, each once."""
+    allowed = np.zeros((B, 1, T, S), bool)
+    for b, t, e in np.ndindex(*indices.shape):
+        allowed[b, 0, t, indices[b, t, e]] |= indices[b, t, e] >= 0
+    return allowed
+
+
 def _np_tree(parents):
     """Literal tree rule (B, 1, T, S): the keys before the chunk (slots < OFFSET), and in
     the chunk (slots OFFSET + j) exactly each token's ancestors and itself."""
@@ -211,6 +225,11 @@ def _calls() -> list[Call]:
             "a token tree",  # speculative decoding: the T queries a tree of drafts
             dict(is_causal=True, q_offset=OFFSET, tree_parents=TREE),
             _np_tree(TREE),
+        ),
+        Call(
+            "selected keys",  # sparse attention over chosen keys (DeepSeek-V3.2's top-k)
+            dict(is_causal=True, q_offset=OFFSET, key_indices=SELECTED),
+            causal & _np_selected(SELECTED),
         ),
         Call(
             "rows that see no key",

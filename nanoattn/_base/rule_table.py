@@ -30,6 +30,7 @@ from .rule_checks import (
     normalize_window,
     split_scale,
 )
+from .selection import check_key_indices, refuse_combined
 from .tree import check_paged_tree, check_tree
 from .validate import expect_flag
 
@@ -186,6 +187,15 @@ def _paged_tree(c: Context) -> dict:
     return dict(tree_parents=parents)
 
 
+def _key_indices(c: Context) -> dict:
+    s = c.sizes
+    refuse_combined(c.given)
+    if c.paged is None:
+        return dict(key_indices=check_key_indices(c.given["key_indices"], (s["B"], s["T"]),
+                                                  "B T k", s["S"]))  # fmt: skip
+    return dict(key_indices=check_key_indices(c.given["key_indices"], (s["T"],), "Tq k", s["S"]))
+
+
 def _paged_arrays(c: Context) -> dict:
     if c.paged is None:
         return dict(page_table=None, query_starts=None, page_size=None, pool_pages=None)
@@ -336,6 +346,14 @@ TABLE: tuple[Rule, ...] = (
                        c.sizes["T"]), "B T")),
         used=lambda r: r.tree_parents is not None, ranks=dict(tree_parents=1), paged=True,
         paged_check=_paged_tree,
+    ),
+    Rule(
+        "selection", "key_indices", ("key_indices",),
+        (Field("key_indices", "int32 (B, T, k) (a paged call's (Tq, k)): the key positions "
+               "each query may read, -1 for an unused entry (:mod:`.selection`), or None.",
+               spec=UNSPLIT),),
+        _key_indices, used=lambda r: r.key_indices is not None, ranks=dict(key_indices=2),
+        paged=True,
     ),
     Rule(
         "value_width", "a value head width Hv other than H", (), (),

@@ -34,6 +34,7 @@ from .rule_checks import check_sizes
 from .rule_checks import check_soft_cap as check_soft_cap
 from .rule_checks import normalize_window as normalize_window
 from .rule_table import FIELDS, KEYWORDS, NAMES, PAGED_KEYWORDS, TABLE, UNSPLIT, Context
+from .selection import out_of_range
 from .validate import as_array, lengths_outside
 
 # The keyword arguments of a call that Rules.make takes (those of the table).
@@ -149,16 +150,23 @@ class _Rules:
         (default S), which cannot be checked under ``jit`` (a concrete one raised in
         :meth:`make`): their outputs must be NaN (:func:`poison_rows`); None without
         key lengths."""
-        trees = tree.broken_rows(self)  # an invalid tree (traced): its rows
         if self.paged:  # a paged call's broken rows are query tokens (T,)
             broken = self.layout().broken
         elif self.kv_lengths is None:
             broken = None
         else:
             broken = lengths_outside(self.kv_lengths, self.S if most is None else most)
-        if trees is None:
-            return broken
-        return trees if broken is None else broken | trees
+        for more in (tree.broken_rows(self), self._bad_selection()):  # traced, invalid
+            if more is not None:
+                broken = more if broken is None else broken | more
+        return broken
+
+    def _bad_selection(self):
+        """The rows whose ``key_indices`` hold an index out of range (traced), or None."""
+        if self.key_indices is None:
+            return None
+        bad = out_of_range(self.key_indices, self.S)  # (B, T) or (Tq,)
+        return bad if self.paged else bad.any(axis=1)
 
     def replace(self, **changes) -> "Rules":
         """These rules with ``changes`` (field names, or ``q_offset``: an int, an int

@@ -44,6 +44,7 @@ def dot_product_attention(
     key_scales=None,
     value_scales=None,
     tree_parents=None,
+    key_indices=None,
     implementation: Implementation | None = None,
 ):
     r"""Multi-head scaled dot-product attention.
@@ -142,6 +143,14 @@ def dot_product_attention(
         ancestors and itself, before it what the other rules say at those positions
         (docs/conventions.md, "Token trees"). A parent at or after its child raises
         ValueError when concrete; under ``jit`` that row is NaN.
+      key_indices: optional int (B, T, k): sparse attention over chosen keys (DeepSeek
+        Sparse Attention's top-k): the key positions each query may read, -1 for an
+        unused entry; a selected key is seen where causality, the window and
+        ``kv_lengths`` let it be, an index selected twice counts once
+        (docs/conventions.md, "Selected keys"). ``"flash"`` and ``"native"`` read only
+        the selected keys. An index outside [-1, S) raises ValueError when concrete;
+        under ``jit`` its batch row is NaN. Not with ``mask``, ``bias``, segment ids,
+        ``mask_fn``, ``score_fn`` or ``tree_parents``.
       implementation: ``"xla"`` (the reference: full score tensor, every
         feature), ``"flash"`` (blockwise kernel, O(T) memory, no dropout),
         ``"native"`` (C++ CPU kernel, float32, O(T) memory, no dense mask,
@@ -189,6 +198,7 @@ def attention_weights(
     score_fn=None,
     sinks=None,
     tree_parents=None,
+    key_indices=None,
 ):
     r"""The normalised attention weights of :func:`dot_product_attention`.
 
@@ -243,6 +253,7 @@ def flash_attention(
     sinks=None,
     return_residual: bool = False,
     tree_parents=None,
+    key_indices=None,
     forward_tiles: tuple[int, int, int] | None = None,
     backward_tiles: tuple[int, int, int] | None = None,
 ):

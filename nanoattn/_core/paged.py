@@ -30,6 +30,7 @@ def paged_attention(
     key_scales=None,
     value_scales=None,
     tree_parents=None,
+    key_indices=None,
     shared_prefixes=None,
     implementation=None,
 ):
@@ -82,7 +83,15 @@ def paged_attention(
         the sequence's last committed token). Row i of sequence b sits at position
         ``kv_lengths[b] - q_len + depth(i)`` (its key in its slot); inside its chunk it
         sees exactly its ancestors and itself (docs/conventions.md, "Token trees").
-        Served by ``"xla"`` and ``"flash"``.
+        Served by every backend.
+      key_indices: optional int (Tq, k): sparse attention over chosen keys: the
+        positions in its own sequence (below ``M * page_size``) that each query token
+        may read, -1 for an unused entry; a selected key is seen where causality, the
+        window and ``kv_lengths`` let it be, an index selected twice counts once
+        (docs/conventions.md, "Selected keys"). ``"flash"`` and ``"native"`` read only
+        the selected keys. An index outside [-1, M * page_size) raises ValueError when
+        concrete; under ``jit`` that row is NaN. Not with ``mask_fn``, ``score_fn`` or
+        ``tree_parents``; with ``shared_prefixes``, the plain call.
       shared_prefixes: optional int (B,): sequence b's first ``shared_prefixes[b]``
         page-table entries are pages it shares with other sequences of the call
         (forks, prefix-cache hits; ``PagedBatch.shared_prefixes``). The sequences that

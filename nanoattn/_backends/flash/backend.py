@@ -4,6 +4,7 @@ kernel's static plan)."""
 
 import jax
 
+from ..._base.selection import dense_as_pages, paged_as_pages, read_selected
 from ..._base.tree import tree_as_mask
 from ..interface import NO_DROPOUT
 from . import kernel as flash_kernel
@@ -23,6 +24,7 @@ class Flash:
     serves = frozenset({
         "mask", "bias", "is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap",
         "mask_fn", "score_fn", "sinks", "page_table", "kv_scales", "value_width", "tree",
+        "selection",
     })  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
@@ -40,6 +42,8 @@ class Flash:
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
                  tiles=None):  # fmt: skip
+        if rules.key_indices is not None:  # only the selected keys: pages of one key
+            return read_selected(self.paged, dense_as_pages, query, key, value, rules)
         forward_tiles, backward_tiles = (None, None) if tiles is None else tiles
         return flash_kernel.flash_attention(
             query, key, value, tree_as_mask(rules), forward_tiles=forward_tiles,
@@ -47,6 +51,9 @@ class Flash:
         )  # fmt: skip
 
     def paged(self, query, key_pages, value_pages, rules):
+        if rules.key_indices is not None:
+            return read_selected(self.paged, paged_as_pages, query, key_pages, value_pages,
+                                 rules)  # fmt: skip
         return paged_flash_attention(query, key_pages, value_pages, tree_as_mask(rules))
 
 

@@ -13,10 +13,11 @@ packed or loaded (the query widened to float32); no gradients through them."""
 import jax
 import jax.numpy as jnp
 
+from ..._base.selection import dense_as_pages, paged_as_pages, read_selected
 from ..._base.tree import tree_as_mask
 from ..interface import NO_DROPOUT, unserved
 from .build import load
-from .kernel import decodes_in_place, mask_fn_unsupported, native_attention
+from .kernel import mask_fn_unsupported, native_attention
 from .paged import native_paged_attention
 
 # Where it can serve the call, from this many score cells per batch row and head
@@ -34,7 +35,7 @@ class Native:
     priority = 2
     serves = frozenset(
         {"is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap", "mask_fn", "sinks",
-         "page_table", "kv_scales", "value_width", "tree"}
+         "page_table", "kv_scales", "value_width", "tree", "selection"}
     )  # fmt: skip
 
     def unsupported(self, rules, dtype, dropout_rate: float) -> str | None:
@@ -58,13 +59,15 @@ class Native:
     def pays_off(self, rules, dtype) -> bool:
         if jax.default_backend() != "cpu":
             return False
-        if rules.paged or decodes_in_place(rules):  # the paged pass: no packing to repay
+        if rules.paged or rules.key_indices is not None:  # the paged pass: no packing
             return True
         least = CPU_MIN_CELLS_BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else CPU_MIN_CELLS
         return rules.T * rules.S >= least
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
                  tiles=None):  # fmt: skip
+        if rules.key_indices is not None:  # only the selected keys: pages of one key
+            return read_selected(self.paged, dense_as_pages, query, key, value, rules)
         rules = tree_as_mask(rules)  # a token tree: its positions and ancestry as mask_fn
         if rules.Hv == rules.H:
             return _run(native_attention, query, key, value, rules)
@@ -79,6 +82,9 @@ class Native:
         return result[..., : rules.Hv]
 
     def paged(self, query, key_pages, value_pages, rules):
+        if rules.key_indices is not None:
+            return read_selected(self.paged, paged_as_pages, query, key_pages, value_pages,
+                                 rules)  # fmt: skip
         return _run(native_paged_attention, query, key_pages, value_pages, rules)
 
 

@@ -11,13 +11,14 @@ from ..._base.masks import band_mask, combine_masks, lengths_to_valid, segment_m
 from ..._base.numerics import masked_softmax, soft_cap, softmax_dtype, zero_unseen_keys
 from ..._base.paged import returned_entries, safe_page_table
 from ..._base.rules import Rules
+from ..._base.selection import selected
 from ..._base.trace import record
 
 
 def allowed_mask(rules: Rules):
     """ANDs the call's dense mask, positional band (causality, window), key lengths,
-    segments and ``mask_fn`` on every cell: bool, rank 4, or None."""
-    band = lengths = segments = by_fn = None
+    segments, ``mask_fn`` and the selected keys on every cell: bool, rank 4, or None."""
+    band = lengths = segments = by_fn = chosen = None
     if rules.band is not None:
         # (T, S) or (B, T, S)
         band = band_mask(rules.T, rules.S, *rules.band, q_offset=rules.q_offset)
@@ -29,7 +30,9 @@ def allowed_mask(rules: Rules):
     if rules.mask_fn is not None:
         cells = grid(rules.B, rules.N, rules.T, rules.S, rules.index_offset)
         by_fn = evaluate_mask(rules.mask_fn, *cells)  # (B|1, N|1, T|1, S|1)
-    return combine_masks(rules.mask, band, lengths, segments, by_fn)
+    if rules.key_indices is not None:
+        chosen = selected(rules.key_indices, rules.S)[:, None]  # (B, 1, T, S)
+    return combine_masks(rules.mask, band, lengths, segments, by_fn, chosen)
 
 
 def weights(query, key, rules: Rules):
@@ -181,11 +184,15 @@ def paged_attend(query, key_pages, value_pages, rules: Rules, *, return_residual
         query=padded(query, 0), sequence=padded(layout.sequence, 0),
         position=padded(layout.position, 0), lengths=padded(lengths, 0),
     )  # fmt: skip
+    if rules.key_indices is not None:  # each row's selection, as a batch row's
+        rows["selection"] = padded(rules.key_indices, -1)
     chunks = {name: x.reshape(n_chunks, C, *x.shape[1:]) for name, x in rows.items()}
 
     def chunk(part):
         sequence = part["sequence"]
         row_rules = _row_rules(rules, C, sequence, part["position"], part["lengths"])
+        if "selection" in part:
+            row_rules = row_rules.replace(key_indices=part["selection"][:, None])
         return attend(
             part["query"][:, None], keys[sequence], values[sequence], row_rules,
             dropout_rate=0.0, dropout_rng=None, return_residual=return_residual,
