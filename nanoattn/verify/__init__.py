@@ -22,5 +22,6 @@ from ._padding import check_padding as check_padding
 from ._paged_decoding import PagedDecoder as PagedDecoder
 from ._report import CheckResult as CheckResult
 from ._report import Report as Report
+from ._selection import check_selection as check_selection
 from ._shapes import check_shapes as check_shapes
 from ._weights import check_row_sums as check_row_sums
