@@ -315,7 +315,7 @@ def latent(bug: str | None = None):
         C = state["latent"].shape[1]
         slots = jnp.where(jnp.arange(L)[None] < lengths[:, None], positions, C)  # C: dropped
         cache = state["latent"].at[jnp.arange(B)[:, None], slots].set(entry, mode="drop")
-        q_nope, q_rope = mla.query(params, cfg, chunk, chunk.dtype)
+        q_nope, q_rope, _ = mla.query(params, cfg, chunk, chunk.dtype)
         w_uk, w_uv = mla.up_projections(params, cfg, chunk.dtype)
         q = jnp.concatenate(
             [jnp.einsum("BLNh,rNh->BLNr", q_nope, w_uk), mla.rotate(cfg, q_rope, positions)], -1

@@ -1,11 +1,14 @@
-"""One attention layer of a DeepSeek-V2/V3 checkpoint (transformers' ``DeepseekV3Attention``,
-also Kimi K2's) as ``nanoattn.linen.LatentAttention``'s config and parameters
+"""One attention layer of a DeepSeek-V2/V3/V3.2 checkpoint (transformers'
+``DeepseekV3Attention``, also Kimi K2's, and ``DeepseekV32Attention`` with its indexer)
+as ``nanoattn.linen.LatentAttention``'s config and parameters
 (docs/latent.md).
 
 The state dict's names (transformers', relative to ``model.layers.{i}.self_attn.``):
 ``q_proj`` (no low-rank query) or ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``;
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; weights (out, in)
-as torch stores them, so each kernel is the transpose. ``rope_interleave`` (default True)
+as torch stores them, so each kernel is the transpose. DeepSeek-V3.2 (``index_topk`` in
+the config) adds ``indexer.wq_b``, ``indexer.wk``, ``indexer.k_norm`` (weight and bias)
+and ``indexer.weights_proj``. ``rope_interleave`` (default True)
 is ``rope_layout="interleaved"``: transformers regroups the rope features (2i, 2i + 1)
 into halves before rotating queries and keys alike, which leaves every score equal to
 the interleaved rotation's.
@@ -27,6 +30,9 @@ _NAMES = {
     "kv_b_proj": "kv_b", "o_proj": "out",
 }  # fmt: skip
 _NORMS = {"q_a_layernorm": "q_a_norm", "kv_a_layernorm": "kv_a_norm"}
+# DeepSeek-V3.2's indexer (under ``indexer.``): its projections and its key's LayerNorm.
+_INDEXER = {"indexer.wq_b": "index_q", "indexer.wk": "index_k",
+            "indexer.weights_proj": "index_weights"}  # fmt: skip
 _BIASED = ("q_a", "kv_a", "out")  # transformers' attention_bias: these projections only
 
 
@@ -52,6 +58,9 @@ def deepseek_config(config: Mapping, dtype=np.float32) -> LatentConfig:
         "v_head_dim": _size(config, "v_head_dim"),
         "q_lora_rank": _get(config, "q_lora_rank", "an int >= 1", None),  # None: one q_proj
     }
+    if config.get("index_topk") is not None:  # DeepSeek-V3.2: its indexer
+        sizes |= {name: _size(config, name)
+                  for name in ("index_n_heads", "index_head_dim", "index_topk")}  # fmt: skip
     rope = _rope("deepseek_v3", config, "full_attention", sizes["qk_rope_head_dim"])
     if "rotary_dim" in rope:
         raise ValueError(
@@ -71,6 +80,7 @@ def from_deepseek(config: Mapping, state_dict: Mapping, layer: int = 0):
 
     Args:
       config: the model's configuration dict (``model_type`` deepseek_v2, deepseek_v3,
+        deepseek_v32 (with ``index_n_heads``, ``index_head_dim``, ``index_topk``),
         kimi_k2 ...: the keys ``hidden_size``, ``num_attention_heads``,
         ``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
         ``v_head_dim``, the RoPE's, ``rms_norm_eps``, ``attention_bias``,
@@ -123,7 +133,13 @@ def from_deepseek(config: Mapping, state_dict: Mapping, layer: int = 0):
         rq = cfg.q_lora_rank
         shapes |= {"q_a_proj": (rq, D), "q_b_proj": (N * cfg.qk_head_dim, rq),
                    "q_a_layernorm": (rq,)}  # fmt: skip
+    if cfg.indexed:
+        Hi, Hd = cfg.index_n_heads, cfg.index_head_dim
+        shapes |= {"indexer.wq_b": (Hi * Hd, cfg.q_lora_rank), "indexer.wk": (Hd, D),
+                   "indexer.weights_proj": (Hi, D), "indexer.k_norm": (Hd,)}  # fmt: skip
     expected = {f"{prefix}{name}.weight": shape for name, shape in shapes.items()}
+    if cfg.indexed:
+        expected[f"{prefix}indexer.k_norm.bias"] = (cfg.index_head_dim,)
     if cfg.attention_bias:
         expected |= {f"{prefix}{name}.bias": shape[:1] for name, shape in shapes.items()
                      if _NAMES.get(name) in _BIASED}  # fmt: skip
@@ -142,7 +158,10 @@ def from_deepseek(config: Mapping, state_dict: Mapping, layer: int = 0):
         if name in _NORMS:
             params[_NORMS[name]] = {"scale": weight}
             continue
-        params[_NAMES[name]] = {"kernel": np.ascontiguousarray(weight.T)}
+        if name == "indexer.k_norm":
+            params["index_k_norm"] = {"scale": weight, "bias": arrays[f"{prefix}{name}.bias"]}
+            continue
+        params[(_NAMES | _INDEXER)[name]] = {"kernel": np.ascontiguousarray(weight.T)}
         if f"{prefix}{name}.bias" in arrays:
             params[_NAMES[name]]["bias"] = arrays[f"{prefix}{name}.bias"]
     if dtype != cfg.param_dtype:

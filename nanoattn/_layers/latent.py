@@ -38,6 +38,7 @@ from .._core.paged import paged_attention
 from .._core.rope import apply_rope
 from .caches import kv_cache
 from .caches.kinds import policy_of
+from .indexer import index_scores, top_keys
 from .latent_config import LatentConfig
 
 
@@ -53,6 +54,9 @@ class LatentParameters(Protocol):
     def kernel(self, name: str) -> jax.Array:
         """The kernel (D_in, features) of the projection ``name`` (``kv_b``)."""
 
+    def layer_norm(self, name: str, x: jax.Array, dtype) -> jax.Array:
+        """The LayerNorm ``name`` (``index_k_norm``: scale and bias) over x's last axis."""
+
 
 def compute_dtype(cfg: LatentConfig, x):
     """``cfg.dtype``, else the input's (a floating dtype)."""
@@ -63,17 +67,19 @@ def compute_dtype(cfg: LatentConfig, x):
 
 
 def query(params: LatentParameters, cfg: LatentConfig, x, dtype):
-    """x (B, T, D) -> the query's parts (B, T, N, Hn) and (B, T, N, Hr), not rotated."""
+    """x (B, T, D) -> the query's parts (B, T, N, Hn) and (B, T, N, Hr), not rotated, and
+    its normalized low rank (B, T, rq) (None without ``q_lora_rank``)."""
     B, T, _ = x.shape
     N, Hn, Hr = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    low = None
     if cfg.q_lora_rank is None:
         q = params.dense("q", x, N * (Hn + Hr), dtype)
     else:
-        low = params.dense("q_a", x, cfg.q_lora_rank, dtype)  # (B, T, rq)
-        q = params.dense("q_b", params.norm("q_a_norm", low, dtype), N * (Hn + Hr), dtype)
+        low = params.norm("q_a_norm", params.dense("q_a", x, cfg.q_lora_rank, dtype), dtype)
+        q = params.dense("q_b", low, N * (Hn + Hr), dtype)
     q = q.reshape(B, T, N, Hn + Hr)  # (B, T, N, Hn + Hr)
     check_shape(q, "q heads", "B T N H", (B, T, N, Hn + Hr), op="reshape", source="q")
-    return q[..., :Hn], q[..., Hn:]
+    return q[..., :Hn], q[..., Hn:], low
 
 
 def latent(params: LatentParameters, cfg: LatentConfig, x, dtype):
@@ -124,7 +130,9 @@ def forward(params: LatentParameters, cfg: LatentConfig, x, *, mask=None, positi
     ``mask`` broadcastable to (B, N, T, T) (a padding mask), ``positions`` (B, T) or
     (T,) int what RoPE rotates by (default ``arange(T)``), ``segment_ids`` (B, T);
     ``mask_fn`` and ``score_fn`` see positions ``0 .. T - 1``; the config's window
-    and soft-cap apply.
+    and soft-cap apply. With the config's indexer (DeepSeek-V3.2) each query attends to
+    its ``index_topk`` best keys only (:mod:`.indexer`), which ``mask``, ``segment_ids``,
+    ``mask_fn`` and ``score_fn`` do not go with (one line).
     """
     expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
     B, T, _ = x.shape
@@ -144,7 +152,10 @@ def forward(params: LatentParameters, cfg: LatentConfig, x, *, mask=None, positi
         expect_integer("segment_ids", segment_ids.dtype)
         expect_shape("segment_ids", segment_ids.shape, "B T", (B, T))
         rules |= dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
-    q_nope, q_rope = query(params, cfg, x, dtype)
+    q_nope, q_rope, low = query(params, cfg, x, dtype)
+    if cfg.indexed:  # DeepSeek-V3.2: each query reads only its indexer's top keys
+        scores = index_scores(params, cfg, x, low, positions, dtype)
+        rules["key_indices"] = top_keys(scores, cfg.index_topk)
     c, k_rope = latent(params, cfg, x, dtype)
     N, Hn = cfg.n_heads, cfg.qk_nope_head_dim
     kv = params.dense("kv_b", c, N * (Hn + cfg.v_head_dim), dtype)
@@ -190,6 +201,11 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
       (y (B, T, D), the advanced cache).
     """
     expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
+    if cfg.indexed:
+        raise ValueError(
+            "decode=True with index_topk (DeepSeek-V3.2's indexer) is not supported yet: the "
+            "indexer's keys are not cached; run the full forward"
+        )
     B = x.shape[0]
     dtype = compute_dtype(cfg, x)
     if lengths is not None:
@@ -201,7 +217,7 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
     c, k_rope = latent(params, cfg, x, dtype)
     entry = jnp.concatenate([c[:, :, None], rotate(cfg, k_rope, layout.positions)], axis=-1)
     cache = policy.write_step(cache, entry, entry[..., :0], layout)  # (B, T, 1, r + Hr)
-    q_nope, q_rope = query(params, cfg, x, dtype)
+    q_nope, q_rope, _ = query(params, cfg, x, dtype)
     w_uk, w_uv = up_projections(params, cfg, dtype)
     q_lat = jnp.einsum("BTNh,rNh->BTNr", q_nope, w_uk)  # the key projection absorbed
     q = jnp.concatenate([q_lat, rotate(cfg, q_rope, layout.positions)], axis=-1)  # (.., r+Hr)

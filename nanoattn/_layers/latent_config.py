@@ -63,6 +63,11 @@ class LatentConfig:
         them quantized, one float32 scale per token over its r + Hr numbers
         (``nanoattn.quantize_kv``); the attention reads the values, a slice of the
         keys, with the keys' scales (docs/latent.md, "A quantized latent cache").
+      index_n_heads, index_head_dim, index_topk: DeepSeek-V3.2's indexer (DeepSeek
+        Sparse Attention), all three or none; it needs ``q_lora_rank``. Hi heads of
+        width Hi_d (at least Hr) score every earlier key, ReLU(q . k) weighted per
+        head, and each query attends to its ``index_topk`` best keys only
+        (``key_indices``; docs/latent.md, "DeepSeek-V3.2's sparse attention").
       norm_eps: the epsilon of the latent's and the query's RMSNorm (1e-6).
       attention_bias: biases on ``q_a``, ``kv_a`` and ``out`` (never on ``q``, ``q_b``
         and ``kv_b``), as transformers' ``attention_bias``.
@@ -86,6 +91,9 @@ class LatentConfig:
     rolling_cache: bool = False
     page_size: int | None = None
     kv_cache_dtype: str | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
     norm_eps: float = 1e-6
     attention_bias: bool = False
     implementation: str | None = None
@@ -100,6 +108,7 @@ class LatentConfig:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None:
             _positive_int("q_lora_rank", self.q_lora_rank)
+        self._check_indexer()
         positive_number("rope_base", self.rope_base)
         positive_number("norm_eps", self.norm_eps)
         set_ = object.__setattr__
@@ -121,6 +130,30 @@ class LatentConfig:
         if self.dtype is not None:
             set_(self, "dtype", float_dtype("dtype", self.dtype))
         set_(self, "param_dtype", float_dtype("param_dtype", self.param_dtype))
+
+    def _check_indexer(self) -> None:
+        names = ("index_n_heads", "index_head_dim", "index_topk")
+        given = [name for name in names if getattr(self, name) is not None]
+        if not given:
+            return
+        if len(given) < 3:
+            missing = next(name for name in names if name not in given)
+            raise ValueError(f"{given[0]} needs {missing} too: the indexer takes all three")
+        for name in names:
+            _positive_int(name, getattr(self, name))
+        if self.q_lora_rank is None:
+            raise ValueError("index_topk needs q_lora_rank: the indexer's query reads the "
+                             "low-rank query")  # fmt: skip
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(
+                f"index_head_dim must be at least qk_rope_head_dim ({self.qk_rope_head_dim}): "
+                f"RoPE turns its first Hr features, got {self.index_head_dim}"
+            )
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the layer has DeepSeek-V3.2's indexer (``index_topk`` set)."""
+        return self.index_topk is not None
 
     sink_tokens = 0  # the cache policies' question; MLA keeps no sink tokens
 

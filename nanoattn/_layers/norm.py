@@ -1,6 +1,7 @@
 """The QK RMSNorm, in both conventions of today's models: per head over its H features
 (``qk_norm="head"``: Qwen3, Gemma 3) or over a whole projection, all heads jointly
-(``qk_norm="projection"``: OLMo 2, over N H for queries and K H for keys)."""
+(``qk_norm="projection"``: OLMo 2, over N H for queries and K H for keys); and the
+LayerNorm of DeepSeek-V3.2's indexer key."""
 
 import jax
 import jax.numpy as jnp
@@ -50,3 +51,15 @@ def head_rms_norm(x, scale, dtype=None):
       dtype: the output dtype, or None for the input's.
     """
     return rms_norm(x, scale, dtype=dtype)
+
+
+def layer_norm(x, scale, bias, *, eps: float = 1e-6):
+    """LayerNorm over x's last axis (H,) with a learned ``scale`` and ``bias`` (H,),
+    computed in at least float32 (DeepSeek-V3.2's indexer key); returns that dtype."""
+    acc = jnp.result_type(x.dtype, jnp.float32)
+    xf = x.astype(acc)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    centered = xf - mean
+    inv = jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + eps)
+    shape = (*(1,) * (x.ndim - 1), -1)
+    return centered * inv * scale.astype(acc).reshape(shape) + bias.astype(acc).reshape(shape)

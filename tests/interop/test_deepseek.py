@@ -2,6 +2,7 @@
 by tools/make_deepseek_fixtures.py (small random configurations, float32 and float64
 runs of transformers' own code; torch is not a test dependency)."""
 
+import dataclasses
 import functools
 import json
 import warnings
@@ -182,3 +183,46 @@ def test_each_mistake_is_a_one_line_error_naming_the_key_or_the_tensor(case):
     with pytest.raises(kind) as e:
         from_deepseek(config | changes, state, layer)
     assert message in one_line(e), (message, str(e.value))
+
+
+def test_deepseek_v32_selects_transformers_keys_and_equals_its_output():
+    """DeepSeek-V3.2 (transformers' DeepseekV32Attention, its indexer keeping each
+    query's top 5 of 11 keys): the indexer's choices equal transformers' (as sets, among
+    the keys causality lets a query see), the output equals transformers' within its
+    own float32 error, in linen and NNX alike; the choices matter (keeping every key
+    moves the output) and decoding refuses in one line."""
+    from flax import nnx
+
+    from nanoattn._layers import indexer, latent
+    from nanoattn._layers.nnx.latent import _Parameters
+    from nanoattn.nnx import LatentAttention as NnxLatent
+
+    config, arrays = _fixture("v32")
+    cfg, params = from_deepseek(config, arrays, 0)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (8, 6, 5)
+    x = arrays["x"]
+    B, T = x.shape[:2]
+
+    module = NnxLatent(cfg, rngs=nnx.Rngs(0))
+    for name, leaves in params.items():
+        for leaf, value in leaves.items():
+            getattr(getattr(module, name), leaf)[...] = value
+    p = _Parameters(module)
+    low = latent.query(p, cfg, x, np.float32)[2]
+    scores = indexer.index_scores(p, cfg, x, low, np.arange(T), np.float32)
+    ours = np.asarray(indexer.top_keys(scores, cfg.index_topk))
+    for b, t in np.ndindex(B, T):
+        theirs = {int(j) for j in arrays["selected"][b, t] if j <= t}
+        assert {int(j) for j in ours[b, t] if j <= t} == theirs, (b, t)
+    y = forward(cfg, params, x)
+    truth = arrays["y_f64"]
+    theirs = np.abs(arrays["y_f32"] - truth).max()
+    assert np.abs(y - truth).max() <= 2 * theirs + 1e-6, (np.abs(y - truth).max(), theirs)
+    dense = forward(dataclasses.replace(cfg, index_topk=T), params, x)
+    assert np.abs(dense - truth).max() > 100 * theirs  # the selection is not a no-op
+    np.testing.assert_allclose(np.asarray(module(x)), y, atol=1e-5, rtol=1e-5)
+    cache = LatentAttention(cfg).init(jax.random.key(0), np.zeros(x.shape, np.float32),
+                                      decode=True)["cache"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"decode=True with index_topk .* not supported yet"):
+        LatentAttention(cfg).apply({"params": params, "cache": cache}, x[:, :1], decode=True,
+                                   mutable=["cache"])  # fmt: skip

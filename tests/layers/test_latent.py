@@ -160,6 +160,15 @@ def test_nnx_equals_linen_forward_and_decoding():
         (dict(kv_lora_rank=0), "kv_lora_rank must be a positive int"),
         (dict(rolling_cache=True), "rolling_cache needs a causal window"),
         (dict(rope_layout="sideways"), "rope_layout must be 'half' or 'interleaved'"),
+        (dict(index_topk=4), "index_topk needs index_n_heads too"),
+        (
+            dict(index_topk=4, index_n_heads=2, index_head_dim=8, q_lora_rank=None),
+            "index_topk needs q_lora_rank",
+        ),
+        (
+            dict(index_topk=4, index_n_heads=2, index_head_dim=2, q_lora_rank=8),
+            "index_head_dim must be at least qk_rope_head_dim",
+        ),
     ],
 )
 def test_config_errors_name_the_argument(change, message):

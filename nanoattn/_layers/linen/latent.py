@@ -47,6 +47,10 @@ class _Parameters:
         return HeadRMSNorm(dtype=dtype, param_dtype=self.cfg.param_dtype, eps=self.cfg.norm_eps,
                            name=name)(x)  # fmt: skip
 
+    def layer_norm(self, name, x, dtype):
+        return nn.LayerNorm(epsilon=1e-6, dtype=dtype, param_dtype=self.cfg.param_dtype,
+                            name=name)(x)  # fmt: skip
+
     def kernel(self, name):
         cfg = self.cfg
         features = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
@@ -65,7 +69,11 @@ class LatentAttention(nn.Module):
 
     Parameters (linen names): ``q`` (D, N (Hn + Hr)) or ``q_a`` (D, rq), ``q_a_norm``
     (rq,), ``q_b`` (rq, N (Hn + Hr)); ``kv_a`` (D, r + Hr), ``kv_a_norm`` (r,), ``kv_b``
-    (r, N (Hn + Hv)) (each head's key part, then its value), ``out`` (N Hv, D).
+    (r, N (Hn + Hv)) (each head's key part, then its value), ``out`` (N Hv, D); with
+    DeepSeek-V3.2's indexer (``index_topk``) also ``index_q`` (rq, Hi Hi_d), ``index_k``
+    (D, Hi_d), ``index_k_norm`` (LayerNorm ``scale`` and ``bias`` (Hi_d,)) and
+    ``index_weights`` (D, Hi), and each query attends to its top keys only (the full
+    forward; ``decode=True`` refuses it in one line for now).
 
     ``decode=True``: ``layer.init(key, jnp.zeros((B, C, D)), decode=True)`` also makes a
     ``"cache"`` collection holding per token only the latent and the rotated RoPE key,

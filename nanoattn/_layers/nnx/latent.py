@@ -9,6 +9,7 @@ from ..._base.validate import float_dtype
 from .. import latent, steps
 from ..caches.kinds import policy_of
 from ..latent_config import LatentConfig
+from ..norm import layer_norm
 from .attention import KVCache
 from .parameters import HeadRMSNorm, linear
 
@@ -28,6 +29,10 @@ class _Parameters:
 
     def kernel(self, name):
         return getattr(self.module, name).kernel[...]
+
+    def layer_norm(self, name, x, dtype):
+        norm = getattr(self.module, name)
+        return layer_norm(x, norm.scale[...], norm.bias[...], eps=1e-6).astype(dtype)
 
 
 class LatentAttention(nnx.Module):
@@ -63,6 +68,13 @@ class LatentAttention(nnx.Module):
         self.kv_a_norm = norm(cfg.kv_lora_rank)
         self.kv_b = linear_(cfg.kv_lora_rank, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), "kv_b")
         self.out = linear_(N * cfg.v_head_dim, D, "out")
+        if cfg.indexed:  # DeepSeek-V3.2's indexer
+            Hi, Hd = cfg.index_n_heads, cfg.index_head_dim
+            self.index_q = linear_(cfg.q_lora_rank, Hi * Hd, "index_q")
+            self.index_k = linear_(D, Hd, "index_k")
+            self.index_k_norm = nnx.LayerNorm(Hd, epsilon=1e-6, param_dtype=cfg.param_dtype,
+                                              rngs=rngs)  # fmt: skip
+            self.index_weights = linear_(D, Hi, "index_weights")
         self.cache = nnx.data(None)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
