@@ -8,6 +8,7 @@ from ._engine import engine_markdown
 from ._engine_prefix import prefix_markdown
 from ._masks import masks_markdown
 from ._native import native_markdown
+from ._selection import selection_markdown
 from ._serving import serving_markdown
 
 
@@ -40,6 +41,7 @@ def markdown(results: dict) -> str:
     lines += decode_markdown(results.get("decode"))
     lines += engine_markdown(results.get("engine"))
     lines += prefix_markdown((results.get("engine") or {}).get("prefix"))
+    lines += selection_markdown(results.get("selection"))
     lines += targets_markdown(results["targets"])
     notes = sorted(
         {

@@ -18,6 +18,7 @@ from . import (
     _latent,
     _masks,
     _native,
+    _selection,
     _serving,
     _targets,
     _torch,
@@ -72,6 +73,9 @@ class BenchConfig:
       decode: the decode sweep (every paged implementation and the peers, each alone,
         against the read bandwidth; split-key decode against the unsplit kernel,
         :mod:`nanoattn.bench._decode`): "full", "quick" or "", as ``serving``.
+      selection: one decode token over selected keys against a decode over only as
+        many keys and the dense decode over all (:mod:`nanoattn.bench._selection`):
+        "full", "quick" or "", as ``serving``.
     """
 
     lengths: tuple[int, ...] = FULL_LENGTHS
@@ -90,6 +94,7 @@ class BenchConfig:
     serving: str = ""
     engine: str = ""
     decode: str = ""
+    selection: str = ""
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -181,7 +186,8 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
 
     ``progress(part, done, total, label)`` (e.g. :class:`nanoattn.bench._progress.ItemLines`)
     is called before each measured item of each part ("peak", "grid", "targets",
-    "generation", "window", "native", "masks", "serving", "decode", "engine"), ``done``
+    "generation", "window", "native", "masks", "serving", "decode", "engine",
+    "selection"), ``done``
     of the part's ``total`` items being finished, and once with ``done == total`` when
     the part ends.
     Items skipped without being measured (torch missing, scores over ``max_score_gib``)
@@ -326,6 +332,16 @@ def _decode_part(config: BenchConfig, report, peak: float, no_torch):
     return decode, _decode_report.decode_targets(decode)
 
 
+def _selection_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.selection:
+        return None, []
+    shape = {"full": _selection.FULL, "quick": _selection.QUICK}[config.selection]
+    relay = _Relay(report, "selection", "")
+    row = _selection.measure_selection(shape, relay)
+    relay.end()
+    return row, _selection.selection_targets(row, judged=config.selection == "full")
+
+
 # The parts after the grid and the kernel's targets, in the order they run and report.
 PARTS = {
     "generation": _generation_part,
@@ -336,4 +352,5 @@ PARTS = {
     "serving": _serving_part,
     "decode": _decode_part,
     "engine": _engine_part,
+    "selection": _selection_part,
 }

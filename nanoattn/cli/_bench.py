@@ -41,7 +41,8 @@ def add_parser(commands) -> None:
         "ids and against full causal, sinks and return_residual against the call without "
         "them, on flash and native), serving over a paged cache, the decode sweep against "
         "ONNX Runtime and ejkernel (when installed), multi-head latent attention and the "
-        "recall example's serving engine (--only lists the parts). "
+        "recall example's serving engine, and attention over selected keys (--only lists "
+        "the parts). "
         "Writes results.json, results.md and results.png (with matplotlib) to --out. "
         "Progress goes to stderr, a line per measured item: its part, the time elapsed in "
         "that part and an estimate of what is left.",
@@ -61,8 +62,8 @@ def _add_scope(bench) -> None:
         help=f"a short run: T in {','.join(map(str, QUICK_LENGTHS))}, the seed's "
         "head shape, generation at context 1024 (reported, not judged), no targets; "
         f"with --only masks, the masks part at T={MASKS_QUICK_LENGTH} (reported, not judged); "
-        "with --only serving, decode or engine, that part at small sizes (reported, not "
-        "judged)",
+        "with --only serving, decode, engine or selection, that part at small sizes "
+        "(reported, not judged)",
     )
     bench.add_argument(
         "--only",
@@ -101,6 +102,9 @@ def _add_scope(bench) -> None:
         "same cache memory, and its prefix cache against none on requests sharing "
         "their prompts, a randomly initialised model, each alone: tokens/s and prompt "
         "tokens computed, judged (needs the repository: run from its root). "
+        "selection: one decode token reading 2048 selected keys of 32768 (key_indices) "
+        "against a decode over 2048 keys and the dense decode over all, judged; --quick: "
+        "256 of 2048, not judged. "
         "Example: --only generation,window",
     )
 
@@ -180,7 +184,7 @@ def _add_judging_and_output(bench) -> None:
 
 
 PARTS = ("grid", "targets", "generation", "window", "native", "masks", "serving", "latent",
-         "decode", "engine")  # fmt: skip
+         "decode", "engine", "selection")  # fmt: skip
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -223,7 +227,7 @@ def config_from_args(args) -> BenchConfig:
         raise UsageError(f"--masks-length must be >= 1, got {args.masks_length}")
     masks_length = args.masks_length or (MASKS_QUICK_LENGTH if args.quick else MASKS_LENGTH)
     parts = args.only or (("grid", "generation") if args.quick else PARTS)
-    size = "quick" if args.quick else "full"  # of the serving, decode and engine parts
+    size = "quick" if args.quick else "full"  # of the serving, decode, engine, selection parts
     if args.no_targets or (args.only is None and args.dtype != "float32"):
         parts = tuple(p for p in parts if p == "grid")
     return BenchConfig(
@@ -243,6 +247,7 @@ def config_from_args(args) -> BenchConfig:
         serving=size if "serving" in parts else "",
         decode=size if "decode" in parts else "",
         engine=size if "engine" in parts else "",
+        selection=size if "selection" in parts else "",
     )
 
 

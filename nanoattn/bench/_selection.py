@@ -1,0 +1,109 @@
+"""Sparse attention over chosen keys (``key_indices``, docs/conventions.md "Selected
+keys"): one decode token reading k selected keys of a long cache, against a decode over
+a cache of only k keys (what reading only the selection should cost) and against the
+dense decode over every key (what the selection saves).
+
+The three calls run on one backend (by default the automatic choice: native on a CPU),
+in one process, timed in turn (one kernel, no peer's thread pool to spin). Issue 51's
+targets, at the full shape (32768 keys, 2048 selected, N = 32 on K = 8, H = 128): the
+selection at most 1.3x the decode over k keys and at least 8x faster than the dense one.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core.api import dot_product_attention
+from ._measure import time_interleaved
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionShape:
+    """One decode token (B = 1) over ``S`` cached keys, ``k`` of them selected."""
+
+    S: int
+    k: int
+    N: int = 32
+    K: int = 8
+    H: int = 128
+    rounds: int = 7
+
+
+FULL = SelectionShape(S=32768, k=2048)
+QUICK = SelectionShape(S=2048, k=256, N=8, K=2, H=64, rounds=3)
+TARGET_SMALL = 1.3  # selected <= 1.3x the decode over a cache of k keys
+TARGET_DENSE = 8.0  # the dense decode over all S keys >= 8x the selected one
+
+
+def _calls(shape: SelectionShape, implementation):
+    """The three jitted calls and their arguments: {name: (fn, args)}."""
+    s = shape
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, 1, s.N, s.H), jnp.float32)
+    k = jax.random.normal(keys[1], (1, s.S, s.K, s.H), jnp.float32)
+    v = jax.random.normal(keys[2], (1, s.S, s.K, s.H), jnp.float32)
+    chosen = np.random.default_rng(0).choice(s.S, size=s.k, replace=False)
+    indices = jnp.asarray(chosen.astype(np.int32).reshape(1, 1, s.k))
+    options = dict(implementation=implementation)
+
+    def attend(q, k, v, key_indices=None):
+        return dot_product_attention(q, k, v, key_indices=key_indices, **options)
+
+    call = jax.jit(attend)
+    return {
+        "selected": (call, (q, k, v, indices)),
+        "small": (call, (q, k[:, : s.k], v[:, : s.k])),
+        "dense": (call, (q, k, v)),
+    }
+
+
+def measure_selection(shape: SelectionShape, progress=None, implementation=None) -> dict:
+    """Median and min ms of each call, and the two ratios; ``progress(i, n, label)``
+    before the measurement."""
+    if progress:
+        progress(0, 1, f"selection: {shape.k} of {shape.S} keys")
+    calls = _calls(shape, implementation)
+    runs = {name: (lambda fn=fn, args=args: fn(*args).block_until_ready())
+            for name, (fn, args) in calls.items()}  # fmt: skip
+    times = time_interleaved(runs, rounds=shape.rounds)
+    row = dataclasses.asdict(shape) | {"status": "ok", "implementation": implementation}
+    for name, (median, best) in times.items():
+        row[f"{name}_median_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
+    row["selected_vs_small"] = row["selected_median_ms"] / row["small_median_ms"]
+    row["dense_vs_selected"] = row["dense_median_ms"] / row["selected_median_ms"]
+    return row
+
+
+def selection_targets(row: dict | None, judged: bool) -> list[dict]:
+    """Issue 51's two targets, judged at the full shape only."""
+    if row is None or not judged:
+        return []
+    return [
+        {"target": f"selected decode <= {TARGET_SMALL}x a decode over {row['k']} keys",
+         "measured": f"{row['selected_vs_small']:.2f}x",
+         "passed": row["selected_vs_small"] <= TARGET_SMALL},
+        {"target": f"dense decode over {row['S']} keys >= {TARGET_DENSE}x the selected one",
+         "measured": f"{row['dense_vs_selected']:.2f}x",
+         "passed": row["dense_vs_selected"] >= TARGET_DENSE},
+    ]  # fmt: skip
+
+
+def selection_markdown(row: dict | None) -> list[str]:
+    """The part's table: each call's median (min) ms and the ratios."""
+    if row is None:
+        return []
+    shape = f"B=1, one query, N={row['N']} on K={row['K']}, H={row['H']}, float32"
+    return [
+        "", f"### Selected keys: {row['k']} of {row['S']} ({shape})", "",
+        "| call | median ms (min) |", "| --- | --- |",
+        f"| {row['k']} selected of {row['S']} | {row['selected_median_ms']:.3f} "
+        f"({row['selected_min_ms']:.3f}) |",
+        f"| dense over {row['k']} keys | {row['small_median_ms']:.3f} "
+        f"({row['small_min_ms']:.3f}) |",
+        f"| dense over {row['S']} keys | {row['dense_median_ms']:.3f} "
+        f"({row['dense_min_ms']:.3f}) |",
+        "", f"selected / dense over {row['k']}: {row['selected_vs_small']:.2f}x; dense over "
+        f"{row['S']} / selected: {row['dense_vs_selected']:.2f}x",
+    ]  # fmt: skip

@@ -1,0 +1,47 @@
+"""The selection part of ``nanoattn bench`` (nanoattn/bench/_selection.py) at a tiny
+size: its three calls agree where they must, it reports its table, its targets compare
+the right way round, and the command line runs it; no time is asserted."""
+
+import numpy as np
+
+from nanoattn.bench import _run, _selection
+from nanoattn.cli import _bench, build_parser
+
+TINY = _selection.SelectionShape(S=37, k=37, N=4, K=2, H=8, rounds=1)
+
+
+def test_selecting_every_key_equals_the_dense_call_and_the_row_reports():
+    calls = _selection._calls(TINY, "native")
+    selected, dense = (np.asarray(fn(*args)) for fn, args in
+                       (calls["selected"], calls["dense"]))  # fmt: skip
+    np.testing.assert_allclose(selected, dense, atol=1e-5, rtol=1e-5)
+    row = _selection.measure_selection(TINY, implementation="native")
+    for name in ("selected", "small", "dense"):
+        assert 0 < row[f"{name}_min_ms"] <= row[f"{name}_median_ms"]
+    text = "\n".join(_selection.selection_markdown(row))
+    assert "| 37 selected of 37 |" in text and "dense over 37 keys" in text
+
+
+def test_the_targets_compare_the_right_way_round():
+    def row(selected):
+        return {"S": 32768, "k": 2048, "selected_vs_small": selected / 1.0,
+                "dense_vs_selected": 10.0 / selected}  # fmt: skip
+
+    judged = [[t["passed"] for t in _selection.selection_targets(row(ms), True)]
+              for ms in (1.2, 1.4, 0.5)]  # fmt: skip
+    assert judged == [[True, True], [False, False], [True, True]]
+    assert _selection.selection_targets(row(1.0), False) == []  # quick: not judged
+
+
+def test_the_command_line_runs_the_part(monkeypatch):
+    monkeypatch.setattr(_run, "matmul_peak_gflops", lambda dtype: 1.0)
+    monkeypatch.setattr(_selection, "QUICK", TINY)
+
+    def config(*argv):
+        return _bench.config_from_args(build_parser().parse_args(["bench", *argv]))
+
+    assert config("--only", "selection").selection == "full"
+    quick = config("--quick", "--only", "selection")
+    assert (quick.selection, quick.grid, quick.engine) == ("quick", False, "")
+    results = _run.run_bench(quick)
+    assert results["selection"]["k"] == 37 and results["targets"] == []
