@@ -10,6 +10,7 @@ from ._masks import masks_markdown
 from ._native import native_markdown
 from ._selection import selection_markdown
 from ._serving import serving_markdown
+from ._tree import tree_markdown
 
 
 def _cell_map(results: dict) -> dict:
@@ -42,6 +43,7 @@ def markdown(results: dict) -> str:
     lines += engine_markdown(results.get("engine"))
     lines += prefix_markdown((results.get("engine") or {}).get("prefix"))
     lines += selection_markdown(results.get("selection"))
+    lines += tree_markdown(results.get("tree"))
     lines += targets_markdown(results["targets"])
     notes = sorted(
         {

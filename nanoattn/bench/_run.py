@@ -22,6 +22,7 @@ from . import (
     _serving,
     _targets,
     _torch,
+    _tree,
     _window,
 )
 from ._cell import measure_cell
@@ -76,6 +77,8 @@ class BenchConfig:
       selection: one decode token over selected keys against a decode over only as
         many keys and the dense decode over all (:mod:`nanoattn.bench._selection`):
         "full", "quick" or "", as ``serving``.
+      tree: a token tree's verify call against a causal chunk of as many tokens over
+        the same paged keys (:mod:`nanoattn.bench._tree`): "full", "quick" or "".
     """
 
     lengths: tuple[int, ...] = FULL_LENGTHS
@@ -95,6 +98,7 @@ class BenchConfig:
     engine: str = ""
     decode: str = ""
     selection: str = ""
+    tree: str = ""
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -187,7 +191,7 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
     ``progress(part, done, total, label)`` (e.g. :class:`nanoattn.bench._progress.ItemLines`)
     is called before each measured item of each part ("peak", "grid", "targets",
     "generation", "window", "native", "masks", "serving", "decode", "engine",
-    "selection"), ``done``
+    "selection", "tree"), ``done``
     of the part's ``total`` items being finished, and once with ``done == total`` when
     the part ends.
     Items skipped without being measured (torch missing, scores over ``max_score_gib``)
@@ -342,6 +346,16 @@ def _selection_part(config: BenchConfig, report, peak: float, no_torch):
     return row, _selection.selection_targets(row, judged=config.selection == "full")
 
 
+def _tree_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.tree:
+        return None, []
+    shape = {"full": _tree.FULL, "quick": _tree.QUICK}[config.tree]
+    relay = _Relay(report, "tree", "")
+    row = _tree.measure_tree(shape, relay)
+    relay.end()
+    return row, _tree.tree_targets(row, judged=config.tree == "full")
+
+
 # The parts after the grid and the kernel's targets, in the order they run and report.
 PARTS = {
     "generation": _generation_part,
@@ -353,4 +367,5 @@ PARTS = {
     "decode": _decode_part,
     "engine": _engine_part,
     "selection": _selection_part,
+    "tree": _tree_part,
 }

@@ -41,8 +41,8 @@ def add_parser(commands) -> None:
         "ids and against full causal, sinks and return_residual against the call without "
         "them, on flash and native), serving over a paged cache, the decode sweep against "
         "ONNX Runtime and ejkernel (when installed), multi-head latent attention and the "
-        "recall example's serving engine, and attention over selected keys (--only lists "
-        "the parts). "
+        "recall example's serving engine, attention over selected keys and token trees "
+        "(--only lists the parts). "
         "Writes results.json, results.md and results.png (with matplotlib) to --out. "
         "Progress goes to stderr, a line per measured item: its part, the time elapsed in "
         "that part and an estimate of what is left.",
@@ -62,7 +62,7 @@ def _add_scope(bench) -> None:
         help=f"a short run: T in {','.join(map(str, QUICK_LENGTHS))}, the seed's "
         "head shape, generation at context 1024 (reported, not judged), no targets; "
         f"with --only masks, the masks part at T={MASKS_QUICK_LENGTH} (reported, not judged); "
-        "with --only serving, decode, engine or selection, that part at small sizes "
+        "with --only serving, decode, engine, selection or tree, that part at small sizes "
         "(reported, not judged)",
     )
     bench.add_argument(
@@ -105,6 +105,8 @@ def _add_scope(bench) -> None:
         "selection: one decode token reading 2048 selected keys of 32768 (key_indices) "
         "against a decode over 2048 keys and the dense decode over all, judged; --quick: "
         "256 of 2048, not judged. "
+        "tree: a 64-node token tree's verify call over 4096 paged keys against a causal "
+        "chunk of 64 tokens, judged; --quick: 16 over 256, not judged. "
         "Example: --only generation,window",
     )
 
@@ -184,7 +186,7 @@ def _add_judging_and_output(bench) -> None:
 
 
 PARTS = ("grid", "targets", "generation", "window", "native", "masks", "serving", "latent",
-         "decode", "engine", "selection")  # fmt: skip
+         "decode", "engine", "selection", "tree")  # fmt: skip
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -227,7 +229,7 @@ def config_from_args(args) -> BenchConfig:
         raise UsageError(f"--masks-length must be >= 1, got {args.masks_length}")
     masks_length = args.masks_length or (MASKS_QUICK_LENGTH if args.quick else MASKS_LENGTH)
     parts = args.only or (("grid", "generation") if args.quick else PARTS)
-    size = "quick" if args.quick else "full"  # of the serving, decode, engine, selection parts
+    size = "quick" if args.quick else "full"  # of the parts from serving on
     if args.no_targets or (args.only is None and args.dtype != "float32"):
         parts = tuple(p for p in parts if p == "grid")
     return BenchConfig(
@@ -248,6 +250,7 @@ def config_from_args(args) -> BenchConfig:
         decode=size if "decode" in parts else "",
         engine=size if "engine" in parts else "",
         selection=size if "selection" in parts else "",
+        tree=size if "tree" in parts else "",
     )
 
 

@@ -1,0 +1,110 @@
+"""Speculative decoding's verify call (docs/conventions.md, "Token trees"): one
+sequence's chunk of T draft tokens forming a tree (``tree_parents``) over a paged cache
+of C committed keys, against a plain causal chunk of the same T tokens over the same
+keys: the tree should cost no more than the chunk it replaces.
+
+Both are ``paged_attention`` calls on one backend (by default the automatic choice:
+native on a CPU), one process, timed in turn. The tree: a root and branching 4, then
+chains, T nodes in all (a Medusa/EAGLE-like shape: wide near the root, deep along a
+few paths). Issue 49's target, at the full shape (T = 64 over 4096 keys, N = 32 on
+K = 8, H = 128): the tree at most 1.2x the chunk.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core.paged import paged_attention
+from ._measure import time_interleaved
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """A tree of ``T`` drafts over ``C`` committed keys in pages of ``page_size``."""
+
+    T: int
+    C: int
+    N: int = 32
+    K: int = 8
+    H: int = 128
+    page_size: int = 16
+    rounds: int = 7
+
+
+FULL = TreeShape(T=64, C=4096)
+QUICK = TreeShape(T=16, C=256, N=8, K=2, H=64, rounds=3)
+TARGET = 1.2  # the tree's call <= 1.2x the causal chunk's
+
+
+def tree_parents(T: int, branching: int = 4) -> np.ndarray:
+    """(T,) int32: node 0 the root (-1); nodes 1..branching its children; every later
+    node the child of the node ``branching`` before it (chains under each child)."""
+    parents = np.arange(T, dtype=np.int32) - branching
+    parents[0] = -1
+    parents[1 : branching + 1] = 0
+    return parents
+
+
+def _calls(shape: TreeShape, implementation):
+    """The two jitted calls and their arguments: {name: (fn, args)}."""
+    s = shape
+    length = s.C + s.T
+    pages = -(-length // s.page_size)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (s.T, s.N, s.H), jnp.float32)
+    pool = (pages, s.page_size, s.K, s.H)
+    k, v = (jax.random.normal(key, pool, jnp.float32) for key in keys[1:])
+    table = jnp.asarray(np.random.default_rng(0).permutation(pages)[None].astype(np.int32))
+    lengths, starts = jnp.array([length], jnp.int32), jnp.array([0, s.T], jnp.int32)
+    parents = jnp.asarray(tree_parents(s.T))
+
+    def attend(q, k, v, parents=None):
+        return paged_attention(q, k, v, table, lengths, starts, tree_parents=parents,
+                               implementation=implementation)  # fmt: skip
+
+    call = jax.jit(attend)
+    return {"tree": (call, (q, k, v, parents)), "chunk": (call, (q, k, v))}
+
+
+def measure_tree(shape: TreeShape, progress=None, implementation=None) -> dict:
+    """Median and min ms of the tree's call and the chunk's, and their ratio."""
+    if progress:
+        progress(0, 1, f"tree: {shape.T} drafts over {shape.C} keys")
+    runs = {name: (lambda fn=fn, args=args: fn(*args).block_until_ready())
+            for name, (fn, args) in _calls(shape, implementation).items()}  # fmt: skip
+    times = time_interleaved(runs, rounds=shape.rounds)
+    row = dataclasses.asdict(shape) | {"status": "ok", "implementation": implementation}
+    for name, (median, best) in times.items():
+        row[f"{name}_median_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
+    row["tree_vs_chunk"] = row["tree_median_ms"] / row["chunk_median_ms"]
+    return row
+
+
+def tree_targets(row: dict | None, judged: bool) -> list[dict]:
+    """Issue 49's target, judged at the full shape only."""
+    if row is None or not judged:
+        return []
+    return [{
+        "target": f"a {row['T']}-node tree's verify call <= {TARGET}x a {row['T']}-token "
+                  f"causal chunk over {row['C']} keys",
+        "measured": f"{row['tree_vs_chunk']:.2f}x",
+        "passed": row["tree_vs_chunk"] <= TARGET,
+    }]  # fmt: skip
+
+
+def tree_markdown(row: dict | None) -> list[str]:
+    """The part's table: each call's median (min) ms and the ratio."""
+    if row is None:
+        return []
+    shape = f"N={row['N']} on K={row['K']}, H={row['H']}, pages of {row['page_size']}, float32"
+    return [
+        "", f"### Token trees: {row['T']} drafts over {row['C']} keys ({shape})", "",
+        "| call | median ms (min) |", "| --- | --- |",
+        f"| a tree of {row['T']} (branching 4, then chains) | {row['tree_median_ms']:.3f} "
+        f"({row['tree_min_ms']:.3f}) |",
+        f"| a causal chunk of {row['T']} | {row['chunk_median_ms']:.3f} "
+        f"({row['chunk_min_ms']:.3f}) |",
+        "", f"tree / chunk: {row['tree_vs_chunk']:.2f}x",
+    ]  # fmt: skip
