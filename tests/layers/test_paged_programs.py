@@ -10,9 +10,12 @@ position; an allocator call may refuse (a ValueError, the allocator unchanged, t
 model unchanged), a step may not, and no number may be wrong. Besides single moves,
 programs make the moves whose orders a fixed script never tries: a fork before the
 parent's tokens are written, chains of copies in one step (fork, extend, rewind, fork,
-extend), copies whose target is freed while pending and handed to another copy. The
-fast suite's programs must reach each of those orders (:data:`ORDERS`); ``make
-test-all`` runs a longer profile.
+extend), copies whose target is freed while pending and handed to another copy; and
+token trees (a step that brings one, each draft against its own path's forward), their
+accepted paths (``accept``, the slot moves the next step carries, copied first where a
+fork shares the page, dropped when the sequence is freed). The fast suite's programs
+must reach each of those orders (:data:`ORDERS`); ``make test-all`` runs a longer
+profile.
 
 Two more kinds of server (:data:`KINDS`; a sequence's inputs are token ids, each
 token's input ``EMBED[id]``). A prefix cache (``prefix_cache=True``): moves allocate
