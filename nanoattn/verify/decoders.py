@@ -156,7 +156,8 @@ def _no_lengths(name: str, lengths) -> None:
         )
 
 
-def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder | PagedDecoder:
+def linen(module: nn.Module, params, *, capacity: int | None = None,
+          trees: bool = False) -> Decoder | PagedDecoder:  # fmt: skip
     """nanoattn's linen ``CausalSelfAttention`` (or any linen module or model with its
     decode API) as a :class:`~nanoattn.verify.Decoder` ``(full, init, step)`` with
     ``rewind``.
@@ -181,6 +182,10 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder 
         or the bare parameters.
       capacity: the slots of a rolling cache (default W + S0 + 4), or for another
         module with a bounded cache (e.g. a model of rolling layers) its slots.
+      trees: whether the decoder also carries ``tree`` (the same apply with
+        ``tree_parents=``) and ``accept`` (:func:`nanoattn.linen.accept` with the
+        module's config), so that ``check_decoding`` checks token trees: nanoattn's
+        layers with a full or rolling cache.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -193,6 +198,9 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder 
     """
     variables = _params(params)
     decoder = _linen(module, variables, capacity)
+    if trees:
+        accept = jit(functools.partial(_linen_accept, config=module.config))
+        decoder = _with_trees(decoder, _linen_step(module, variables, "tree_parents"), accept)
     if _kv_cache_dtype(module) is None:
         return decoder
     float_cache = _linen(module.clone(config=_float_config(module)), variables, capacity)
@@ -278,6 +286,23 @@ def _linen_rewind(cache, n):
     from ..linen import rewind
 
     return rewind(cache, n)
+
+
+def _linen_accept(cache, kept, config):
+    from ..linen import accept
+
+    return accept(cache, kept, config)
+
+
+def _with_trees(decoder, tree, accept) -> Decoder:
+    """``decoder`` (a :class:`Decoder`) carrying ``tree`` and ``accept``; a paged
+    decoder's trees are not checked (ValueError)."""
+    if not isinstance(decoder, Decoder):
+        raise ValueError(
+            "trees=True checks a slot cache's token trees (full or rolling); a paged "
+            "layer's trees are not checked by check_decoding"
+        )
+    return dataclasses.replace(decoder, tree=tree, accept=accept)
 
 
 def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedDecoder:
