@@ -305,7 +305,8 @@ def _with_trees(decoder, tree, accept) -> Decoder:
     return dataclasses.replace(decoder, tree=tree, accept=accept)
 
 
-def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedDecoder:
+def nnx(module: _nnx.Module, *, capacity: int | None = None,
+        trees: bool = False) -> Decoder | PagedDecoder:  # fmt: skip
     """nanoattn's NNX ``CausalSelfAttention`` (or any NNX module with its decode API:
     ``init_cache(batch, max_len)`` and ``module(chunk, decode=True, lengths=...)``)
     as a :class:`~nanoattn.verify.Decoder` ``(full, init, step)``, with ``rewind``
@@ -320,7 +321,9 @@ def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedD
     A paged-cache config (``page_size``) gives a :class:`~nanoattn.verify.PagedDecoder`:
     ``init(pages)`` calls ``init_cache(1, pages * page_size)``, ``step`` calls
     ``module(chunk, decode=True, pages=batch, deterministic=True)``, with the config's
-    ``window`` and ``sink_tokens``.
+    ``window`` and ``sink_tokens``. ``trees``: the decoder also carries ``tree`` (the
+    module called with ``tree_parents=``) and ``accept`` (``module.accept(kept)``), as
+    :func:`linen`'s.
 
     Example:
       >>> from flax import nnx
@@ -331,6 +334,8 @@ def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedD
       True
     """
     decoder = _nnx_decoder(module, capacity)
+    if trees:
+        decoder = _nnx_trees(module, decoder)
     if _kv_cache_dtype(module) is None:
         return decoder
     float_cache = _nnx_decoder(_nnx_with(module, _float_config(module)), capacity)
@@ -377,6 +382,25 @@ def _nnx_decoder(module: _nnx.Module, capacity: int | None) -> Decoder | PagedDe
     return Decoder(
         full, init, step, rewind=rewind if has_rewind else None, **_bounds(module, capacity)
     )
+
+
+def _nnx_trees(module: _nnx.Module, decoder) -> Decoder:
+    """``decoder`` with the token-tree parts of an NNX ``module``: a tree step
+    (``tree_parents=``) and ``accept`` (``module.accept(kept)``)."""
+    graphdef, state = _nnx.split(module)
+    tree = _nnx_steps(graphdef, state, "tree_parents")[1]
+
+    @functools.partial(jit, static_argnums=0)
+    def keep(graph, cache_state, kept):
+        copy = _nnx.merge(graph, cache_state)
+        copy.accept(kept)
+        return _nnx.split(copy)[1]
+
+    def accept(decoder_state, kept):
+        graph, cache_state = decoder_state
+        return graph, keep(graph, cache_state, kept)
+
+    return _with_trees(decoder, tree, accept)
 
 
 def _nnx_paged(graphdef, state, full, page_size: int, window: dict) -> PagedDecoder:

@@ -3,15 +3,18 @@ nanoattn/verify/_tree_check.py): the tiny layer of tests/_verify_decoders.py pas
 each planted tree bug (a sibling visible, RoPE by slot instead of depth, accepted
 drafts left in their old slots, a rejected branch still read) fails it and nothing
 else; nanoattn's linen layer passes it on a full and a wrapped rolling cache
-(``decoders.linen(..., trees=True)``); bad arguments one line each."""
+(``decoders.linen(..., trees=True)``), the NNX self-attention and latent layers too
+(``decoders.nnx(..., trees=True)``); bad arguments one line each."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
-from nanoattn.linen import AttentionConfig, CausalSelfAttention
+from nanoattn import nnx as nanoattn_nnx
+from nanoattn.linen import AttentionConfig, CausalSelfAttention, LatentConfig
 from nanoattn.verify import Report, check_decoding, decoders
 
 import _verify_decoders
@@ -46,6 +49,20 @@ def test_the_linen_layer_passes_on_a_full_and_a_wrapped_rolling_cache():
         params = layer.init(jax.random.key(0), jnp.ones((1, 2, 16)), deterministic=True)
         decoder = decoders.linen(layer, params, trees=True)
         report = check_decoding(decoder, d_model=16, ragged=False)
+        assert not failed(report), report
+        assert "token trees" in {c.name for c in report.checks}
+
+
+def test_the_nnx_layers_pass():
+    cfg = AttentionConfig(16, 2, n_kv_heads=1, rope_base=100.0)
+    layer = nanoattn_nnx.CausalSelfAttention(cfg, rngs=nnx.Rngs(0))
+    latent = nanoattn_nnx.LatentAttention(
+        LatentConfig(d_model=16, n_heads=2, kv_lora_rank=7, qk_nope_head_dim=3,
+                     qk_rope_head_dim=2, v_head_dim=5, rope_base=100.0),
+        rngs=nnx.Rngs(1),
+    )  # fmt: skip
+    for module in (layer, latent):
+        report = check_decoding(decoders.nnx(module, trees=True), d_model=16, ragged=False)
         assert not failed(report), report
         assert "token trees" in {c.name for c in report.checks}
 
