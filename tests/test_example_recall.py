@@ -241,6 +241,35 @@ def test_speculative_trees_give_exactly_the_greedy_tokens(monkeypatch):
     assert sum(accepted) > 0  # drafts past the decoy accepted: fewer calls than tokens
 
 
+def test_speculate_prints_acceptance_and_both_speeds(trained, capsys):
+    _, _, directory = trained
+    argv = ["speculate", "--run", str(directory), "--prompts", "2", "--prompt-length", "20",
+            "--new-tokens", "6", "--nodes", "4", "--depth", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts of 20 tokens, 6 new tokens each, trees of at most 4 drafts 2 deep" in out
+    steps = re.findall(r"prompt (\d): (\d+) steps, drafts accepted per step ([\d,]+)", out)
+    assert [b for b, _, _ in steps] == ["0", "1"], out
+    for _, n, accepted in steps:  # each step gains its accepted drafts and one token
+        assert len(accepted.split(",")) == int(n)
+        assert sum(map(int, accepted.split(","))) + int(n) >= 6
+    assert re.search(r"tokens/s: speculative [\d,]+, greedy [\d,]+ \([\d.]+x\); tokens "
+                     r"equal to greedy decoding: yes", out), out  # fmt: skip
+
+
+def test_speculate_fails_when_its_tokens_differ_from_greedy(trained, capsys, monkeypatch):
+    _, _, directory = trained
+
+    def differing(model, prompts, n, **options):
+        return speculate.Compared([[1] * n], [[2] * n], [[0] * n], 1.0, 2.0)
+
+    monkeypatch.setattr(speculate, "compare", differing)
+    argv = ["speculate", "--run", str(directory), "--prompts", "1", "--new-tokens", "3"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "tokens/s: speculative 3, greedy 2 (2.00x); tokens equal to greedy decoding: NO" in out
+
+
 # A workload the tiny run serves in seconds (the engine test's pool and steps).
 TINY_SERVE = [
     "--requests", "5", "--prompt-lengths", "2,9", "--new-tokens", "1,4", "--pages", "13",
@@ -588,7 +617,7 @@ def test_the_quantized_command_shows_each_stage_as_it_runs(trained, capsys, monk
 
 
 def test_every_command_has_help(capsys):
-    for command in ("train", "generate", "serve", "quantized", "verify"):
+    for command in ("train", "generate", "serve", "speculate", "quantized", "verify"):
         with pytest.raises(SystemExit) as exit:
             main([command, "--help"])
         assert exit.value.code == 0
@@ -632,6 +661,8 @@ BAD_OPTIONS = [
     (["serve", "--max-sequences", "9", "--step-tokens", "8"], ["--step-tokens", "--max-sequences"]),
     (["serve", "--shared", "--groups", "9", "--requests", "4"], ["--groups", "--requests"]),
     (["serve", "--suffix-lengths", "5,3"], ["--suffix-lengths"]),
+    (["speculate", "--nodes", "0"], ["--nodes"]),
+    (["speculate", "--prompt-length", "1"], ["--prompt-length"]),
     (["quantized", "--sequences", "0"], ["--sequences"]),
     (["verify", "--seq-lens", "1,x"], ["--seq-lens"]),
     (["verify", "--seq-lens", "0"], ["--seq-lens"]),
@@ -665,7 +696,7 @@ def test_a_bad_option_is_one_error_line_naming_its_flags(capsys, tmp_path, argv,
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "quantized", "verify"])
+@pytest.mark.parametrize("command", ["generate", "serve", "speculate", "quantized", "verify"])
 def test_a_run_without_a_checkpoint_is_one_error_line(capsys, tmp_path, command):
     (tmp_path / "empty").mkdir()
     for run in (tmp_path / "missing", tmp_path / "empty"):
