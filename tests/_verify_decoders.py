@@ -250,6 +250,98 @@ def rewind_tiny(state, n):
     return {**state, "position": state["position"] - jnp.asarray(n, jnp.int32)}
 
 
+# --- token trees: the tiny layer verifying a tree of drafts, and keeping a path ------
+
+TREE_BUGS = (
+    "sibling_visible",  # a draft sees the drafts before it in the chunk, not its ancestors only
+    "rope_by_slot",  # a draft rotated at its slot, not at the row's position plus its depth
+    "not_moved",  # accept leaves the kept drafts' keys in their old slots
+    "rejected_read",  # accept moves the kept drafts but the row still reads the rejected ones
+)
+
+
+def _ancestry(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ancestors (B, L, L) bool: draft j is draft i or an ancestor of it, depth (B, L))
+    of a tree's ``parents`` (B, L), each parent earlier."""
+    B, L = parents.shape
+    ancestors, depth = np.zeros((B, L, L), bool), np.zeros((B, L), np.int32)
+    for b in range(B):
+        for i in range(L):
+            p = parents[b, i]
+            ancestors[b, i, i] = True
+            if p >= 0:
+                ancestors[b, i] |= ancestors[b, p]
+                depth[b, i] = depth[b, p] + 1
+    return ancestors, depth
+
+
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+def _tree_decode(cache, chunk, ancestors, depth, bug):
+    """A tree step of the tiny layer: draft i at position + depth(i) (its slot with
+    ``rope_by_slot``), its key in slot position + i, seeing the cache before the chunk
+    and its ancestors (every earlier draft with ``sibling_visible``) in the window."""
+    sibling, by_slot = bug[0], bug[1]
+    B, L, _ = chunk.shape
+    S = cache["key"].shape[1]
+    position = cache["position"]
+    slot = position[:, None] + jnp.arange(L)[None, :]  # (B, L)
+    at = jnp.where(by_slot, slot, position[:, None] + depth)  # (B, L)
+    q, k, v = _project(chunk, at)
+    full_chunk = jnp.full((B,), L, jnp.int32)
+    keys = _write(cache["key"], k, position, full_chunk)
+    values = _write(cache["value"], v, position, full_chunk)
+    j = jnp.arange(S)[None, None, :] - position[:, None, None]  # (B, 1, S): index in the chunk
+    inside = (j >= 0) & (j < L)
+    jj = jnp.clip(j, 0, L - 1)
+    rows = jnp.arange(B)[:, None, None]
+    seen = ancestors[rows, jnp.arange(L)[None, :, None], jj]  # (B, L, S)
+    seen |= sibling & (jj <= jnp.arange(L)[None, :, None])
+    base = position[:, None, None]
+    k_pos = jnp.where(inside, base + depth[rows, jj], base + j)  # (B, 1, S)
+    mask = jnp.where(inside, seen, j < 0) & (k_pos >= at[..., None] - WINDOW)
+    y = dot_product_attention(q, keys, values, mask=mask[:, None])
+    state = {"key": keys, "value": values, "position": position + L,
+             "last": jnp.full((B,), L, jnp.int32)}  # fmt: skip
+    return state, y.reshape(B, L, D) @ WO
+
+
+def _accept_tiny(state, kept, bug: str | None):
+    """Row b keeps the drafts ``kept[b]`` of its last call: moved to the slots after
+    the tokens before it, the rest taken back (with ``bug``, one of the accept bugs)."""
+    keys, values = np.array(state["key"]), np.array(state["value"])
+    start = np.asarray(state["position"]) - np.asarray(state["last"])
+    count = (np.asarray(kept) >= 0).sum(axis=1)
+    for b, row in enumerate(np.asarray(kept)):
+        path = [int(k) for k in row if k >= 0]
+        if bug != "not_moved":
+            for a in (keys, values):
+                a[b, start[b] : start[b] + len(path)] = a[b, start[b] + np.array(path, int)]
+    end = np.asarray(state["position"]) if bug == "rejected_read" else start + count
+    return {"key": jnp.asarray(keys), "value": jnp.asarray(values),
+            "position": jnp.asarray(end, jnp.int32)}  # fmt: skip
+
+
+def tiny_trees(bug: str | None = None):
+    """The tiny layer as a :class:`nanoattn.verify.Decoder` with ``tree`` and
+    ``accept`` (and ``rewind``), with one of :data:`TREE_BUGS` planted (None: correct)."""
+    from nanoattn.verify.decoders import Decoder
+
+    if bug not in (None, *TREE_BUGS):
+        raise ValueError(f"bug must be one of {TREE_BUGS}, got {bug!r}")
+    full, init, step = tiny()
+    switches = jnp.asarray([name == bug for name in TREE_BUGS[:2]])
+
+    def tree(state, chunk, parents):
+        ancestors, depth = _ancestry(np.asarray(parents))
+        state = {name: state[name] for name in ("key", "value", "position")}
+        return _tree_decode(state, chunk, ancestors, depth, switches)
+
+    def accept(state, kept):
+        return _accept_tiny(state, kept, bug)
+
+    return Decoder(full, init, step, rewind=rewind_tiny, tree=tree, accept=accept)
+
+
 # --- multi-head latent attention: an absorbed decode written here, with bugs ---------
 
 LATENT_BUGS = (

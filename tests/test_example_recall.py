@@ -27,9 +27,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `examples` is a package at the repository root
 
 from examples.recall import __main__ as recall_main  # noqa: E402
-from examples.recall import data, engine, generate, lookup, quantized, train, verify  # noqa: E402
+from examples.recall import (  # noqa: E402
+    data,
+    engine,
+    generate,
+    lookup,
+    quantized,
+    speculate,
+    train,
+    verify,
+)
 from examples.recall.__main__ import main  # noqa: E402
-from examples.recall.model import ModelConfig  # noqa: E402
+from examples.recall.model import Decoder, ModelConfig  # noqa: E402
 
 TASK = data.TaskConfig(pairs=3, seq_len=14, n_keys=7, n_values=11, copy_fraction=0.25)
 STEPS = 40
@@ -198,6 +207,67 @@ def test_prompt_lookup_drafts_a_trie_and_keeps_the_path_greedy_decoding_confirms
     assert lookup.accepted_path(tokens, parents, [7, 0, 0, 0, 8, 2, 0]) == [0, 4, 5]
     assert lookup.accepted_path(tokens, parents, [3, 1, 5, 0, 0, 0, 0]) == [0]
     assert lookup.accepted_path(tokens, parents, [9, 1, 5, 0, 0, 0, 0]) == [0, 1, 2, 3]
+
+
+def test_speculative_trees_give_exactly_the_greedy_tokens(monkeypatch):
+    """Prompt-lookup trees verified in one call each, the confirmed path accepted
+    (examples/recall/speculate.py): the tokens of plain greedy decoding through the
+    cache, on an untrained model (its greedy tokens repeat, so drafts are accepted) and
+    a prompt whose tokens never repeat (nothing to draft); then with a decoy draft put
+    first in every tree, so that an accepted path skips a sibling (chunk indices 0, 2,
+    ...: its keys move, and the decoy must stay unseen)."""
+    model = Decoder(ModelConfig(vocab=TASK.vocab, d_model=24, n_heads=6, n_kv_heads=2,
+                                n_layers=2, mlp_ratio=2), rngs=nnx.Rngs(0))  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(TASK.vocab, size=6).tolist() * 3, list(range(5))]
+    spec = speculate.Speculative(model, 48, nodes=8, depth=3)
+    greedy = generate.Cached(model, 1, 48)
+    wants = [greedy(*generate.right_pad([p], len(p)), 12)[0].tolist() for p in prompts]
+    for prompt, want in zip(prompts, wants):
+        tokens, accepted = spec(prompt, 12)
+        assert tokens == want, (prompt, accepted)
+        assert sum(accepted) + len(accepted) >= 12
+    with pytest.raises(ValueError, match="prompt must hold at least 2 tokens"):
+        spec([3], 4)
+    real = lookup.draft_tree
+
+    def decoyed(history, nodes, depth, ngram):
+        tokens, parents = real(history, nodes - 1, depth, ngram)
+        return [TASK.vocab - 1, *tokens], [-1, *(p + 1 if p >= 0 else -1 for p in parents)]
+
+    monkeypatch.setattr(speculate.lookup, "draft_tree", decoyed)
+    tokens, accepted = spec(prompts[0], 12)
+    assert tokens == wants[0], accepted
+    assert sum(accepted) > 0  # drafts past the decoy accepted: fewer calls than tokens
+
+
+def test_speculate_prints_acceptance_and_both_speeds(trained, capsys):
+    _, _, directory = trained
+    argv = ["speculate", "--run", str(directory), "--prompts", "2", "--prompt-length", "20",
+            "--new-tokens", "6", "--nodes", "4", "--depth", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts of 20 tokens, 6 new tokens each, trees of at most 4 drafts 2 deep" in out
+    steps = re.findall(r"prompt (\d): (\d+) steps, drafts accepted per step ([\d,]+)", out)
+    assert [b for b, _, _ in steps] == ["0", "1"], out
+    for _, n, accepted in steps:  # each step gains its accepted drafts and one token
+        assert len(accepted.split(",")) == int(n)
+        assert sum(map(int, accepted.split(","))) + int(n) >= 6
+    assert re.search(r"tokens/s: speculative [\d,]+, greedy [\d,]+ \([\d.]+x\); tokens "
+                     r"equal to greedy decoding: yes", out), out  # fmt: skip
+
+
+def test_speculate_fails_when_its_tokens_differ_from_greedy(trained, capsys, monkeypatch):
+    _, _, directory = trained
+
+    def differing(model, prompts, n, **options):
+        return speculate.Compared([[1] * n], [[2] * n], [[0] * n], 1.0, 2.0)
+
+    monkeypatch.setattr(speculate, "compare", differing)
+    argv = ["speculate", "--run", str(directory), "--prompts", "1", "--new-tokens", "3"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "tokens/s: speculative 3, greedy 2 (2.00x); tokens equal to greedy decoding: NO" in out
 
 
 # A workload the tiny run serves in seconds (the engine test's pool and steps).
@@ -547,7 +617,7 @@ def test_the_quantized_command_shows_each_stage_as_it_runs(trained, capsys, monk
 
 
 def test_every_command_has_help(capsys):
-    for command in ("train", "generate", "serve", "quantized", "verify"):
+    for command in ("train", "generate", "serve", "speculate", "quantized", "verify"):
         with pytest.raises(SystemExit) as exit:
             main([command, "--help"])
         assert exit.value.code == 0
@@ -591,6 +661,8 @@ BAD_OPTIONS = [
     (["serve", "--max-sequences", "9", "--step-tokens", "8"], ["--step-tokens", "--max-sequences"]),
     (["serve", "--shared", "--groups", "9", "--requests", "4"], ["--groups", "--requests"]),
     (["serve", "--suffix-lengths", "5,3"], ["--suffix-lengths"]),
+    (["speculate", "--nodes", "0"], ["--nodes"]),
+    (["speculate", "--prompt-length", "1"], ["--prompt-length"]),
     (["quantized", "--sequences", "0"], ["--sequences"]),
     (["verify", "--seq-lens", "1,x"], ["--seq-lens"]),
     (["verify", "--seq-lens", "0"], ["--seq-lens"]),
@@ -624,7 +696,7 @@ def test_a_bad_option_is_one_error_line_naming_its_flags(capsys, tmp_path, argv,
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "quantized", "verify"])
+@pytest.mark.parametrize("command", ["generate", "serve", "speculate", "quantized", "verify"])
 def test_a_run_without_a_checkpoint_is_one_error_line(capsys, tmp_path, command):
     (tmp_path / "empty").mkdir()
     for run in (tmp_path / "missing", tmp_path / "empty"):

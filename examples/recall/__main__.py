@@ -231,6 +231,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument("--batch", type=positive_int, default=4, help="rows of the timing batch (4)")
 
     _serve_parser(commands)
+    _speculate_parser(commands)
 
     p = commands.add_parser(
         "quantized",
@@ -265,6 +266,30 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
         help="causality lengths, e.g. 1,2,8 (default: 1 to 513)",
     )
     return parser, commands.choices
+
+
+def _speculate_parser(commands) -> None:
+    p = commands.add_parser(
+        "speculate",
+        help="speculative decoding with prompt-lookup token trees against plain greedy",
+        description="Generates from held-out recall prompts (sequences laid end to end) "
+        "with the model of the latest checkpoint in --run, one prompt at a time: by "
+        "speculative decoding (each step drafts a token tree by prompt lookup, verifies "
+        "it in one call through the KV cache and keeps the path greedy decoding "
+        "confirms) and by plain greedy decoding (one token per call), each timed after a "
+        "warm-up. Prints the drafts accepted per step and tokens/s of both. Exit status "
+        "1 when the tokens differ.",
+    )
+    _run_option(p)
+    p.add_argument("--prompts", type=positive_int, default=4, help="prompts (4)")
+    p.add_argument(
+        "--prompt-length", type=positive_int, default=256, help="tokens per prompt (256)"
+    )
+    p.add_argument(
+        "--new-tokens", type=positive_int, default=64, help="tokens generated per prompt (64)"
+    )
+    p.add_argument("--nodes", type=positive_int, default=16, help="drafts per tree (16)")
+    p.add_argument("--depth", type=positive_int, default=4, help="a tree's depth (4)")
 
 
 def _pair(low_high) -> str:
@@ -754,6 +779,33 @@ def _quantized(parser, args) -> int:
     return 0 if found.passed else 1
 
 
+def _speculate(parser, args) -> int:
+    from . import generate, speculate, train
+
+    if args.prompt_length < 2:
+        parser.error(f"--prompt-length must be at least 2, got {args.prompt_length}")
+    model, run, step = train.restore(_checkpoints(parser, args))
+    print(f"model of step {step} in {args.run}")
+    lengths = [args.prompt_length] * args.prompts
+    prompts = generate.long_prompts(run.train.seed, run.task, lengths)
+    result = speculate.compare(model, prompts, args.new_tokens, nodes=args.nodes,
+                               depth=args.depth)  # fmt: skip
+    print(
+        f"{args.prompts} prompts of {args.prompt_length} tokens, {args.new_tokens} new "
+        f"tokens each, trees of at most {args.nodes} drafts {args.depth} deep:"
+    )
+    for b, accepted in enumerate(result.accepted):
+        per_step = ",".join(map(str, accepted))
+        print(f"  prompt {b}: {len(accepted)} steps, drafts accepted per step {per_step}")
+    n = args.prompts * args.new_tokens
+    print(
+        f"tokens/s: speculative {n / result.seconds:,.0f}, greedy {n / result.greedy_seconds:,.0f} "
+        f"({result.speedup:.2f}x); tokens equal to greedy decoding: "
+        f"{'yes' if result.equal else 'NO'}"
+    )
+    return 0 if result.equal else 1
+
+
 def _verify(parser, args) -> int:
     from . import train, verify
 
@@ -783,7 +835,8 @@ def main(argv=None) -> int:
     if unknown:  # argparse says so after the top-level usage; the subcommand's is of use
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     commands_run = {"train": _train, "generate": _generate, "serve": _serve,
-                    "quantized": _quantized, "verify": _verify}  # fmt: skip
+                    "speculate": _speculate, "quantized": _quantized,
+                    "verify": _verify}  # fmt: skip
     run = commands_run[args.command]
     return run(commands[args.command], args)
 

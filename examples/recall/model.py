@@ -116,13 +116,14 @@ class Block(nnx.Module):
         self.mlp = MLP(D, config.mlp_ratio * D, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout)
 
-    def __call__(self, x, *, mask, decode, lengths, pages, deterministic, rngs):
+    def __call__(self, x, *, mask, decode, lengths, pages, deterministic, rngs, tree_parents=None):
         h = self.attn(
             self.attn_norm(x),
             mask=mask,
             decode=decode,
             lengths=lengths,
             pages=pages,
+            tree_parents=tree_parents,
             deterministic=deterministic,
             rngs=rngs,
         )
@@ -171,6 +172,14 @@ class Decoder(nnx.Module):
         for block in self.blocks:
             block.attn.init_cache(batch, max_len)
 
+    def accept(self, kept) -> None:
+        """Every layer keeps the accepted path of the last call's token tree: row b the
+        tokens ``kept[b]`` (int (B, A), a root-to-leaf path in order, then -1s), the rest
+        taken back (nanoattn's ``module.accept``; a slot cache: not with ``page_size``,
+        whose allocator accepts)."""
+        for block in self.blocks:
+            block.attn.accept(kept)
+
     def __call__(
         self,
         tokens,
@@ -179,6 +188,7 @@ class Decoder(nnx.Module):
         decode: bool = False,
         lengths=None,
         pages=None,
+        tree_parents=None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
@@ -195,6 +205,10 @@ class Decoder(nnx.Module):
           pages: only with ``decode=True`` and a model built with ``page_size``: the
             step's ``nanoattn.PagedBatch`` (``PageAllocator.batch``); tokens are then
             (1, Tq), the new tokens of many sequences token-major.
+          tree_parents: only with ``decode=True``: optional int, tokens' shape: each
+            chunk a token tree (speculative decoding: each token's parent's index in
+            its chunk, -1 for the last token cached), as nanoattn's layers take it;
+            keep the accepted path with :meth:`accept`.
           deterministic: False in training: dropout on, drawn from ``rngs``.
           rngs: ``nnx.Rngs(dropout=key)``, needed when dropout is on.
 
@@ -212,6 +226,7 @@ class Decoder(nnx.Module):
                 decode=decode,
                 lengths=lengths,
                 pages=pages,
+                tree_parents=tree_parents,
                 deterministic=deterministic,
                 rngs=rngs,
             )

@@ -38,6 +38,7 @@ from .._core.paged import paged_attention
 from .._core.rope import apply_rope
 from .caches import kv_cache
 from .caches.kinds import policy_of
+from .caches.tree import parents_of
 from .indexer import index_scores, top_keys
 from .latent_config import LatentConfig
 
@@ -185,14 +186,16 @@ def _scales(key_scales) -> dict:
 
 
 def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCache, *, mask=None,
-           lengths=None, pages=None, mask_fn=None, score_fn=None, hint: str):  # fmt: skip
+           lengths=None, pages=None, mask_fn=None, score_fn=None, tree_parents=None,
+           hint: str):  # fmt: skip
     """One decoding step in absorbed form: writes the chunk's latents and RoPE keys into
     the cache and attends, equal to :func:`forward` at every position.
 
     Row b's tokens sit at positions ``cache.position[b] + t``, the first ``lengths[b]``
     real, as in ``nanoattn._layers.steps.decode`` (the same cache policies: full,
     rolling, paged with ``pages``; invalid calls raise when concrete and poison their
-    rows under ``jit``). With W_uk, W_uv the slices of ``kv_b``:
+    rows under ``jit``), a token tree with ``tree_parents`` as there (RoPE by depth,
+    each query its root-to-leaf path alone). With W_uk, W_uv the slices of ``kv_b``:
 
       q_lat = q_n W_uk^T (B, T, N, r);  o_lat = attention([q_lat | q_r], [c | k_r], c)
       out = o_lat W_uv (B, T, N, Hv)
@@ -213,7 +216,9 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
         expect_integer("lengths", lengths.dtype)
         expect_shape("lengths", lengths.shape, "B", (B,))
     policy = policy_of(cfg)
-    layout = policy.prepare(cache, x.shape, lengths=lengths, pages=pages, hint=hint)
+    tree_parents = parents_of(tree_parents, x.shape[:2])
+    layout = policy.prepare(cache, x.shape, lengths=lengths, pages=pages, hint=hint,
+                            tree_parents=tree_parents)  # fmt: skip
     c, k_rope = latent(params, cfg, x, dtype)
     entry = jnp.concatenate([c[:, :, None], rotate(cfg, k_rope, layout.positions)], axis=-1)
     cache = policy.write_step(cache, entry, entry[..., :0], layout)  # (B, T, 1, r + Hr)

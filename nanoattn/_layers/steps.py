@@ -17,6 +17,7 @@ from .._base.validate import expect_bool, expect_floating, expect_integer, expec
 from .axes import labels
 from .caches import kv_cache
 from .caches.kinds import policy_of
+from .caches.tree import parents_of
 from .config import AttentionConfig
 from .heads import (
     Parameters,
@@ -67,19 +68,20 @@ def _project_qkv(params: Parameters, cfg: AttentionConfig, x, dtype):
 
 
 def check_input(cfg: AttentionConfig, x, *, decode: bool, positions, segment_ids, lengths,
-                pages=None):  # fmt: skip
+                pages=None, tree_parents=None):  # fmt: skip
     """Validates a self-attention call's input and its arguments for the mode."""
     expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
     _expect_input_dtype(cfg, "x", x)
     check_shape(x, "input", "B T D", x.shape, op="input")
     check_mode(decode, positions=positions, segment_ids=segment_ids, lengths=lengths,
-               pages=pages)  # fmt: skip
+               pages=pages, tree_parents=tree_parents)  # fmt: skip
 
 
-def check_mode(decode: bool, *, positions, segment_ids, lengths, pages=None) -> None:
+def check_mode(decode: bool, *, positions, segment_ids, lengths, pages=None,
+               tree_parents=None) -> None:  # fmt: skip
     """The arguments of a call that belong to one mode only: ``positions`` and
-    ``segment_ids`` to the full-sequence mode, ``lengths`` and ``pages`` to decoding
-    (the self-attention and the latent layers alike)."""
+    ``segment_ids`` to the full-sequence mode, ``lengths``, ``pages`` and
+    ``tree_parents`` to decoding (the self-attention and the latent layers alike)."""
     if decode:
         for name, value in (("positions", positions), ("segment_ids", segment_ids)):
             if value is not None:
@@ -94,6 +96,11 @@ def check_mode(decode: bool, *, positions, segment_ids, lengths, pages=None) -> 
         )
     elif pages is not None:
         raise ValueError("pages only applies with decode=True and a paged cache (page_size)")
+    elif tree_parents is not None:
+        raise ValueError(
+            "tree_parents only applies with decode=True: a decoding step's token tree "
+            "(speculative decoding); a full sequence is a chain"
+        )
 
 
 def self_attention(
@@ -148,6 +155,7 @@ def decode(
     pages=None,
     mask_fn=None,
     score_fn=None,
+    tree_parents=None,
     hint: str,
 ):
     """One decoding step: writes the chunk x (B, T, D) into the cache and attends.
@@ -176,6 +184,17 @@ def decode(
     says whose they are and where their keys go; the cache is the layer's pool of
     pages, and positions live on the host with the allocator.
 
+    With ``tree_parents`` (int (B, T), x's leading axes: (1, Tq) for a paged step) the
+    chunk is a token tree (speculative decoding, ``nanoattn._layers.caches.tree``):
+    each token's parent within its row's chunk (a paged step: within its sequence's
+    tokens), -1 for the last committed token. Token i is rotated at ``position +
+    depth(i)``, its key written in the next slot as a chain's token i would be, and it
+    sees its ancestors and itself inside the chunk: its output is what decoding its
+    root-to-leaf path alone gives. The row still advances by all its real tokens;
+    keep the accepted path with the policy's ``accept`` (a paged cache: the
+    allocator's). A bad tree raises naming ``tree_parents`` when concrete; under
+    ``jit`` its row (sequence) is broken as above.
+
     Returns:
       (y (B, T, D), the advanced cache).
     """
@@ -184,9 +203,11 @@ def decode(
     if lengths is not None:
         lengths = _int_per_token("lengths", lengths, "B", (B,))
     policy = policy_of(cfg)
-    layout = policy.prepare(cache, x.shape, lengths=lengths, pages=pages, hint=hint)
+    tree_parents = parents_of(tree_parents, x.shape[:2])
+    layout = policy.prepare(cache, x.shape, lengths=lengths, pages=pages, hint=hint,
+                            tree_parents=tree_parents)  # fmt: skip
     q, k, v = _project_qkv(params, cfg, x, dtype)
-    q, k = rotate_qk(cfg, q, k, layout.positions)  # (B, T) positions
+    q, k = rotate_qk(cfg, q, k, layout.positions)  # (B, T) positions (a tree's: by depth)
     cache = policy.write_step(cache, k, v, layout)
     options = core_options(cfg, positional=False)  # the window is the policy's
 

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from ._inputs import Inputs
 from ._paged_decoding import PagedDecoder, as_rows
 
-OPTIONAL = ("rewind", "capacity", "max_chunk", "float_cache", "reference")  # of a Decoder
+OPTIONAL = ("rewind", "capacity", "max_chunk", "float_cache", "reference", "tree", "accept")
 BOUNDS = ("capacity", "max_chunk")  # ints >= 1 or None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Decoder:
     """A decoder for :func:`check_decoding`: the triple ``(full, init, step)`` plus the
-    optional ``rewind``, ``capacity``, ``max_chunk``, ``float_cache`` and ``reference``
-    (``check_decoding(decoder)`` checks them too).
+    optional ``rewind``, ``capacity``, ``max_chunk``, ``float_cache``, ``reference``,
+    ``tree`` and ``accept`` (``check_decoding(decoder)`` checks them too).
 
     It unpacks as the triple (``full, init, step = decoder``), so
     ``check_decoding(*decoder)`` checks the core protocol alone. It is a frozen
@@ -42,6 +42,12 @@ class Decoder:
       reference: None, or the full forward in higher precision (float64), ``reference(x)
         -> y``, against which the quantization check measures the float cache (default:
         ``full``).
+      tree, accept: None, or (both) a decoder that verifies token trees (speculative
+        decoding): ``tree(state, chunk, parents) -> (state, y_chunk)``, a chunk (B, L,
+        ...) of drafts, ``parents`` int32 (B, L) each draft's parent within its row's
+        chunk (-1: the last committed token); ``accept(state, kept) -> state``, row b
+        keeping the drafts ``kept[b]`` (int32 (B, A), a root-to-leaf path in order,
+        then -1s) of its last call, the rest taken back.
     """
 
     full: Callable
@@ -53,6 +59,8 @@ class Decoder:
     max_chunk: int | None = None
     float_cache: "Decoder | tuple | None" = None
     reference: Callable | None = None
+    tree: Callable | None = None
+    accept: Callable | None = None
 
     def __iter__(self):
         """The core triple: ``full, init, step = decoder``."""
@@ -89,6 +97,7 @@ class Subject:
       float_cache: None, or the float cache's ``(init, step)``.
       reference: None, or ``reference(x) -> y``.
       paged: the :class:`PagedDecoder` checked, or None.
+      tree, accept: None, or a decoder's token-tree step and accept (both or none).
     """
 
     full: Callable
@@ -100,6 +109,8 @@ class Subject:
     float_cache: tuple[Callable, Callable] | None = None
     reference: Callable | None = None
     paged: PagedDecoder | None = None
+    tree: Callable | None = None
+    accept: Callable | None = None
 
 
 def subject(full, init, step, inputs: Inputs, **given) -> Subject:
@@ -129,6 +140,12 @@ def _paged(decoder: PagedDecoder, init, step, inputs: Inputs, **given) -> Subjec
                 f"a PagedDecoder takes no {name}: its pages come from a PageAllocator, "
                 f"which rewinds and has no chunk limit; got {name}={given[name]!r}"
             )
+    for name in ("tree", "accept"):
+        if given[name] is not None:
+            raise ValueError(
+                f"a PagedDecoder takes no {name}: the token-tree check drives a Decoder "
+                f"(a slot cache) only; got {name}={given[name]!r}"
+            )
     float_cache = decoder.float_cache if given["float_cache"] is None else given["float_cache"]
     if float_cache is not None:
         if not isinstance(float_cache, PagedDecoder):
@@ -142,10 +159,11 @@ def _paged(decoder: PagedDecoder, init, step, inputs: Inputs, **given) -> Subjec
     return Subject(decoder.full, init, step, rewind, None, None, float_cache, reference, decoder)
 
 
-def _unpaged(rewind, capacity, max_chunk, float_cache, reference) -> dict:
+def _unpaged(rewind, capacity, max_chunk, float_cache, reference, tree, accept) -> dict:
     """A :class:`Decoder`'s optional parts, checked: the fields of its :class:`Subject`."""
     if rewind is not None and not callable(rewind):
         raise ValueError(f"rewind must be None or a function (state, n) -> state, got {rewind!r}")
+    _check_tree(tree, accept)
     if float_cache is not None:
         decoder = as_decoder(float_cache)
         if not isinstance(decoder, Decoder):
@@ -160,9 +178,21 @@ def _unpaged(rewind, capacity, max_chunk, float_cache, reference) -> dict:
         ):
             raise ValueError(f"{name} must be None or an int >= 1, got {name}={value!r}")
     return dict(rewind=rewind, capacity=capacity, max_chunk=max_chunk, float_cache=float_cache,
-                reference=reference)  # fmt: skip
+                reference=reference, tree=tree, accept=accept)  # fmt: skip
 
 
 def _check_reference(reference) -> None:
     if reference is not None and not callable(reference):
         raise ValueError(f"reference must be None or a function x -> y, got {reference!r}")
+
+
+def _check_tree(tree, accept) -> None:
+    """``tree`` and ``accept`` both functions, or both None."""
+    for name, value in (("tree", tree), ("accept", accept)):
+        if value is not None and not callable(value):
+            raise ValueError(f"{name} must be None or a function, got {name}={value!r}")
+    if (tree is None) != (accept is None):
+        raise ValueError(
+            "tree and accept go together: pass both (a decoder that verifies token trees) "
+            "or neither"
+        )

@@ -51,6 +51,7 @@ from ._paged_programs import check_programs
 from ._prefix_check import check_prefix_cache
 from ._quantization import check_quantization
 from ._report import CheckResult, Report
+from ._tree_check import MAX_DRAFTS, check_trees
 from ._window_check import check_window_pages
 
 DEFAULT_SEQ_LEN = 13
@@ -160,6 +161,8 @@ def check_decoding(
     rewind=None,
     capacity: int | None = None,
     max_chunk: int | None = None,
+    tree=None,
+    accept=None,
     d_model: int | None = None,
     vocab: int | None = None,
     seq_len: int | None = None,
@@ -215,6 +218,14 @@ def check_decoding(
       until every row keeps T tokens: every output at a kept token equals the full
       forward of what its row kept. The tokens after a rewind differ from the
       dropped ones, so a stale slot that stays readable changes the outputs;
+    * token trees, with ``tree`` and ``accept`` (speculative decoding,
+      :mod:`nanoattn.verify._tree_check`): each row decodes a prefix, then a random
+      tree of up to 8 drafts of its own (``tree(state, chunk, parents)``), keeps one
+      of its paths (``accept(state, kept)``), and decodes on: every draft equals the
+      full forward of the prefix and its own root-to-leaf path, and every later token
+      that of the prefix, the kept path and the new tokens (a sibling seen, RoPE by
+      slot instead of depth, kept tokens left in their slots or a rejected branch
+      still read all fail);
     * forks, for a :class:`PagedDecoder`: a parent row's prefix of about T / 2
       tokens, not a whole number of pages, is forked into max(batch, 3) - 1 children
       (sharing its pages, the partial last one copied on write), and every row goes
@@ -256,6 +267,8 @@ def check_decoding(
         (then no ``init`` and ``step``; a PagedDecoder takes no ``rewind``,
         ``capacity`` or ``max_chunk``).
       rewind: None (not checked) or ``rewind(state, n) -> state``, ``n`` int32 (B,).
+      tree, accept: None (not checked), or a decoder's token-tree step and accept, as
+        :class:`Decoder` takes them.
       capacity: None, or the slots ``init`` gets for a decoder whose cache is bounded.
       max_chunk: None, or the most tokens one call may take.
       seq_len: the decoded length T >= 2; None: 13, or 4 C + 3 with a capacity C.
@@ -292,7 +305,7 @@ def check_decoding(
     inputs = Inputs.of(d_model, vocab)
     decoder = subject(
         full, init, step, inputs, rewind=rewind, capacity=capacity, max_chunk=max_chunk,
-        float_cache=float_cache, reference=reference,
+        float_cache=float_cache, reference=reference, tree=tree, accept=accept,
     )  # fmt: skip
     run = _Run.of(decoder, inputs, seq_len, chunked, ragged, batch, atol)
     checks = (check(decoder, run) for check in CHECKS)
@@ -454,6 +467,15 @@ def _rewinds(decoder: Subject, run: _Run) -> CheckResult | None:
     )  # fmt: skip
 
 
+def _trees(decoder: Subject, run: _Run) -> CheckResult | None:
+    if decoder.tree is None:
+        return None
+    return check_trees(
+        decoder.full, decoder.init, decoder.step, decoder.tree, decoder.accept, run.inputs,
+        run.batch, run.T, decoder.max_chunk or MAX_DRAFTS, run.tol, run.max_len,
+    )  # fmt: skip
+
+
 def _forks(decoder: Subject, run: _Run) -> CheckResult | None:
     if decoder.paged is None:
         return None
@@ -489,6 +511,7 @@ CHECKS = (
     _no_future,  # draws from run.rng: before the positive control
     _positive_control,
     _rewinds,  # with a rewind (always for a PagedDecoder)
+    _trees,  # with a tree and an accept
     _forks,  # a PagedDecoder's
     _programs,  # a PagedDecoder's
     _prefix_cache,  # a PagedDecoder's with prefix_cache

@@ -156,7 +156,8 @@ def _no_lengths(name: str, lengths) -> None:
         )
 
 
-def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder | PagedDecoder:
+def linen(module: nn.Module, params, *, capacity: int | None = None,
+          trees: bool = False) -> Decoder | PagedDecoder:  # fmt: skip
     """nanoattn's linen ``CausalSelfAttention`` (or any linen module or model with its
     decode API) as a :class:`~nanoattn.verify.Decoder` ``(full, init, step)`` with
     ``rewind``.
@@ -181,6 +182,10 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder 
         or the bare parameters.
       capacity: the slots of a rolling cache (default W + S0 + 4), or for another
         module with a bounded cache (e.g. a model of rolling layers) its slots.
+      trees: whether the decoder also carries ``tree`` (the same apply with
+        ``tree_parents=``) and ``accept`` (:func:`nanoattn.linen.accept` with the
+        module's config), so that ``check_decoding`` checks token trees: nanoattn's
+        layers with a full or rolling cache.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -193,6 +198,9 @@ def linen(module: nn.Module, params, *, capacity: int | None = None) -> Decoder 
     """
     variables = _params(params)
     decoder = _linen(module, variables, capacity)
+    if trees:
+        accept = jit(functools.partial(_linen_accept, config=module.config))
+        decoder = _with_trees(decoder, _linen_step(module, variables, "tree_parents"), accept)
     if _kv_cache_dtype(module) is None:
         return decoder
     float_cache = _linen(module.clone(config=_float_config(module)), variables, capacity)
@@ -280,7 +288,25 @@ def _linen_rewind(cache, n):
     return rewind(cache, n)
 
 
-def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedDecoder:
+def _linen_accept(cache, kept, config):
+    from ..linen import accept
+
+    return accept(cache, kept, config)
+
+
+def _with_trees(decoder, tree, accept) -> Decoder:
+    """``decoder`` (a :class:`Decoder`) carrying ``tree`` and ``accept``; a paged
+    decoder's trees are not checked (ValueError)."""
+    if not isinstance(decoder, Decoder):
+        raise ValueError(
+            "trees=True checks a slot cache's token trees (full or rolling); a paged "
+            "layer's trees are not checked by check_decoding"
+        )
+    return dataclasses.replace(decoder, tree=tree, accept=accept)
+
+
+def nnx(module: _nnx.Module, *, capacity: int | None = None,
+        trees: bool = False) -> Decoder | PagedDecoder:  # fmt: skip
     """nanoattn's NNX ``CausalSelfAttention`` (or any NNX module with its decode API:
     ``init_cache(batch, max_len)`` and ``module(chunk, decode=True, lengths=...)``)
     as a :class:`~nanoattn.verify.Decoder` ``(full, init, step)``, with ``rewind``
@@ -295,7 +321,9 @@ def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedD
     A paged-cache config (``page_size``) gives a :class:`~nanoattn.verify.PagedDecoder`:
     ``init(pages)`` calls ``init_cache(1, pages * page_size)``, ``step`` calls
     ``module(chunk, decode=True, pages=batch, deterministic=True)``, with the config's
-    ``window`` and ``sink_tokens``.
+    ``window`` and ``sink_tokens``. ``trees``: the decoder also carries ``tree`` (the
+    module called with ``tree_parents=``) and ``accept`` (``module.accept(kept)``), as
+    :func:`linen`'s.
 
     Example:
       >>> from flax import nnx
@@ -306,6 +334,8 @@ def nnx(module: _nnx.Module, *, capacity: int | None = None) -> Decoder | PagedD
       True
     """
     decoder = _nnx_decoder(module, capacity)
+    if trees:
+        decoder = _nnx_trees(module, decoder)
     if _kv_cache_dtype(module) is None:
         return decoder
     float_cache = _nnx_decoder(_nnx_with(module, _float_config(module)), capacity)
@@ -352,6 +382,25 @@ def _nnx_decoder(module: _nnx.Module, capacity: int | None) -> Decoder | PagedDe
     return Decoder(
         full, init, step, rewind=rewind if has_rewind else None, **_bounds(module, capacity)
     )
+
+
+def _nnx_trees(module: _nnx.Module, decoder) -> Decoder:
+    """``decoder`` with the token-tree parts of an NNX ``module``: a tree step
+    (``tree_parents=``) and ``accept`` (``module.accept(kept)``)."""
+    graphdef, state = _nnx.split(module)
+    tree = _nnx_steps(graphdef, state, "tree_parents")[1]
+
+    @functools.partial(jit, static_argnums=0)
+    def keep(graph, cache_state, kept):
+        copy = _nnx.merge(graph, cache_state)
+        copy.accept(kept)
+        return _nnx.split(copy)[1]
+
+    def accept(decoder_state, kept):
+        graph, cache_state = decoder_state
+        return graph, keep(graph, cache_state, kept)
+
+    return _with_trees(decoder, tree, accept)
 
 
 def _nnx_paged(graphdef, state, full, page_size: int, window: dict) -> PagedDecoder:

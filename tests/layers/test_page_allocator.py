@@ -226,14 +226,35 @@ def test_a_copy_past_max_copies_is_refused_until_a_step_carries_them():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("afxrsb"), st.integers(0, 4), st.integers(0, 9)),
+@given(st.lists(st.tuples(st.sampled_from("afxrsbk"), st.integers(0, 4), st.integers(0, 9)),
                 max_size=40))  # fmt: skip
 def test_the_allocator_keeps_its_invariants(operations):
-    """Random allocate, extend, fork, rewind, free and step: every page is held by as
-    many sequences as its count says, no page is free and held, a pending copy's target
-    is held by one sequence and no two copies share one, and freeing everything returns
-    every page once."""
-    alloc = PageAllocator(16, 3, max_sequences=5, max_pages=6, seed=1)
+    """Random allocate, extend, fork, rewind, free, step and accept (after a step if
+    the sequence has unwritten tokens; the last extension's tokens at the indices the
+    bits of a number say): every page is held by as many sequences as its count says,
+    no page is free and held, a pending copy's or slot move's target is held by one
+    sequence and no two share one, and freeing everything returns every page once."""
+    _keeps_its_invariants(operations)
+
+
+def test_accepts_keep_the_allocator_invariants():
+    """The same invariants over seeded programs rich in trees' steps and accepts (the
+    hypothesis programs above rarely reach an accept that moves tokens): accepts that
+    move tokens, then rewinds, frees and forks before the step that carries them."""
+    moved = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        kinds = rng.choice(list("afxrsbk"), 40, p=[0.15, 0.2, 0.1, 0.1, 0.05, 0.1, 0.3])
+        operations = [(k, int(rng.integers(0, 3)), int(rng.integers(0, 16))) for k in kinds]
+        moved += _keeps_its_invariants(operations)
+    assert moved >= 20, moved
+
+
+def _keeps_its_invariants(operations) -> int:
+    """Runs ``operations`` (kind, sequence, number), checking the invariants after each;
+    returns how many accepts left slot moves pending."""
+    moving = 0
+    alloc = PageAllocator(16, 3, max_sequences=5, max_pages=6, seed=1, max_moves=8)
     contents = {}  # seq -> the token ids it holds, to check that a write never reaches another
     for kind, seq, n in operations:
         sid, other = f"s{seq}", f"s{(seq + 1) % 5}"
@@ -256,6 +277,14 @@ def test_the_allocator_keeps_its_invariants(operations):
                 del contents[sid]
             elif kind == "b":
                 _step(alloc, *alloc.sequences()[:5], tokens=200)
+            elif kind == "k" and sid in contents:  # a step (the tree's), then the accept
+                if alloc.unwritten(sid):
+                    _step(alloc, *alloc.sequences()[:5], tokens=200)
+                start = alloc.length(sid) - alloc.last_extension(sid)
+                kept = [i for i in range(alloc.last_extension(sid)) if n >> i & 1]
+                alloc.accept(sid, kept)
+                contents[sid] = contents[sid][:start] + [contents[sid][start + i] for i in kept]
+                moving += bool(alloc.pending_moves())
         except ValueError:  # PoolExhausted, or a fork of unwritten tokens
             pass
         held = {}
@@ -269,6 +298,9 @@ def test_the_allocator_keeps_its_invariants(operations):
         assert not set(free) & set(held) and len(free) == 16 - len(held)
         targets = [t for _, t in alloc.pending_copies()]
         assert len(set(targets)) == len(targets) and all(held.get(t) == 1 for t in targets)
+        moved = [t for _, t in alloc.pending_moves()]
+        assert len(set(moved)) == len(moved) and all(held.get(t // 3) == 1 for t in moved)
     for s in alloc.sequences():
         alloc.free(s)
     assert sorted(alloc.free_page_ids()) == list(range(16))
+    return moving

@@ -10,9 +10,12 @@ position; an allocator call may refuse (a ValueError, the allocator unchanged, t
 model unchanged), a step may not, and no number may be wrong. Besides single moves,
 programs make the moves whose orders a fixed script never tries: a fork before the
 parent's tokens are written, chains of copies in one step (fork, extend, rewind, fork,
-extend), copies whose target is freed while pending and handed to another copy. The
-fast suite's programs must reach each of those orders (:data:`ORDERS`); ``make
-test-all`` runs a longer profile.
+extend), copies whose target is freed while pending and handed to another copy; and
+token trees (a step that brings one, each draft against its own path's forward), their
+accepted paths (``accept``, the slot moves the next step carries, copied first where a
+fork shares the page, dropped when the sequence is freed). The fast suite's programs
+must reach each of those orders (:data:`ORDERS`); ``make test-all`` runs a longer
+profile.
 
 Two more kinds of server (:data:`KINDS`; a sequence's inputs are token ids, each
 token's input ``EMBED[id]``). A prefix cache (``prefix_cache=True``): moves allocate
@@ -40,6 +43,7 @@ from nanoattn import nnx as nanoattn_nnx
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 from _layer_configs import random_params
+from _trees import path, random_tree
 
 D, N, K = 8, 2, 1
 MAX_LIVE = 5  # sequences held at once
@@ -58,6 +62,10 @@ ORDERS = {
     "fork refused": "a fork of a parent with tokens no step has written",
     "page reused": "a page freed and handed out again before the next step",
     "refusal": "an allocator call refused, nothing changed",
+    "tree": "a step that brings a token tree, each draft against its own path",
+    "accept": "an accepted path whose tokens the next step moves into place",
+    "accept copy": "an accept into a page a fork shares (copied, then the moves)",
+    "dropped move": "a pending move whose target page was freed before the step",
 }
 FAST_PROGRAMS, LONG_PROGRAMS, MOVES = 10, 100, 36
 V = 23  # token ids
@@ -100,10 +108,10 @@ def _layer(page_size: int, framework: str, kind: str = "plain"):
     if framework == "linen":
 
         @jax.jit
-        def step(pool, x, batch):
+        def step(pool, x, batch, parents=None):
             y, state = layer.apply(
                 {"params": params, "cache": pool}, x, True, decode=True, pages=batch,
-                mutable=["cache"],
+                tree_parents=parents, mutable=["cache"],
             )  # fmt: skip
             return y, state["cache"]
 
@@ -113,9 +121,9 @@ def _layer(page_size: int, framework: str, kind: str = "plain"):
     graphdef, weights, state = nnx.split(module, nnx.Param, ...)
 
     @jax.jit
-    def nnx_step(state, x, batch):
+    def nnx_step(state, x, batch, parents=None):
         module = nnx.merge(graphdef, weights, state)
-        y = module(x, decode=True, pages=batch, deterministic=True)
+        y = module(x, decode=True, pages=batch, tree_parents=parents, deterministic=True)
         return y, nnx.split(module, nnx.Param, ...)[2]
 
     def poison(a):
@@ -134,7 +142,8 @@ class Server:
         self.step_fn, self.full, self.pool = _layer(page_size, framework, kind)
         self.page_size, self.length, self.kind = page_size, max_pages * page_size, kind
         self.alloc = PageAllocator(pages, page_size, max_sequences=ROWS, max_pages=max_pages,
-                                   max_copies=ROWS, seed=seed, **KINDS[kind][1])  # fmt: skip
+                                   max_copies=ROWS, max_moves=TQ, seed=seed,
+                                   **KINDS[kind][1])  # fmt: skip
         self.rng = np.random.default_rng(seed)
         self.inputs: dict = {}  # seq -> the token ids it holds
         self.fed: dict = {}  # seq -> how many of them a step has fed (or a hit cached)
@@ -156,11 +165,12 @@ class Server:
         """What the allocator says, to check that a refusal changed nothing."""
         a = self.alloc
         held = {s: (a.length(s), a.unwritten(s), a.pages_of(s)) for s in a.sequences()}
-        return held, a.free_page_ids(), a.pending_copies(), a.stats()
+        return held, a.free_page_ids(), a.pending_copies(), a.pending_moves(), a.stats()
 
     def _call(self, method, *args, **options) -> bool:
         before = self._view()
         copies = set(self.alloc.pending_copies())
+        moves = set(self.alloc.pending_moves())
         free = set(self.alloc.free_page_ids())
         evictions = self.alloc.stats().evictions
         try:
@@ -179,6 +189,7 @@ class Server:
         for _, target in copies - after:
             self.orders["dropped copy"] += 1
             self.dropped_targets.add(target)
+        self.orders["dropped move"] += bool(moves - set(self.alloc.pending_moves()))
         released = set(self.alloc.free_page_ids()) - free
         taken = free - set(self.alloc.free_page_ids())
         if taken & self.freed_since_step:
@@ -293,10 +304,12 @@ class Server:
 
     # --- a step, and its check ------------------------------------------------------
 
-    def step(self, first=None) -> None:
+    def step(self, first=None, tree=None) -> None:
         """Feeds every sequence's unfed inputs that fit in one step, in a random order
         of rows (``first``'s first), and checks each output against its sequence's full
-        forward."""
+        forward; ``tree``: ``first``'s unfed inputs are a token tree of these parents
+        (the step then brings ``tree_parents``, every other row a chain), each draft
+        checked against its own path's forward."""
         order = list(self.rng.permutation(list(self.inputs)))
         if first in self.inputs:
             order = [first] + [s for s in order if s != first]
@@ -312,15 +325,20 @@ class Server:
         batch = self.alloc.batch(rows, TQ)
         x = [self.inputs[s][self.fed[s] :] for s, _ in rows]
         x = EMBED[[t for part in x for t in part] + self._ids(budget)][None]
-        y, self.pool = self.step_fn(self.pool, jnp.asarray(x), batch)
+        options = {}
+        if tree is not None:  # the tree row's parents, a chain for every other row
+            parents = [tree if s == first else list(range(-1, n - 1)) for s, n in rows]
+            parents = np.array([[p for part in parents for p in part] + [-1] * budget])
+            options = dict(parents=jnp.asarray(parents, jnp.int32))
+            self.orders["tree"] += 1
+        y, self.pool = self.step_fn(self.pool, jnp.asarray(x), batch, **options)
         self.alloc.confirm(batch)
         y, at = np.asarray(y[0]), 0
         for seq, n in rows:
-            held = EMBED[self.inputs[seq] + self._ids(self.length - len(self.inputs[seq]))]
-            want = np.asarray(self.full(jnp.asarray(held)[None]))[0]
             got, start = y[at : at + n], self.fed[seq]
+            want = self._expected(seq, start, n, tree if seq == first else None)
             np.testing.assert_allclose(
-                got, want[start : start + n], atol=3e-5, rtol=3e-5,
+                got, want, atol=3e-5, rtol=3e-5,
                 err_msg=f"sequence {seq}, positions {start}..{start + n - 1}",
             )  # fmt: skip
             at += n
@@ -332,6 +350,54 @@ class Server:
         self.freed_since_step, self.dropped_targets = set(), set()
         self.check_window()
 
+    def _expected(self, seq, start: int, n: int, tree) -> np.ndarray:
+        """(n, D): the full forward of ``seq``'s inputs at positions ``start ..``, or
+        with ``tree`` (the parents of those n inputs) each one's at the end of its own
+        root-to-leaf path after the inputs before ``start``."""
+        ids, pad = self.inputs[seq], self.length - len(self.inputs[seq])
+        if tree is None:
+            held = EMBED[ids + self._ids(pad)]
+            return np.asarray(self.full(jnp.asarray(held)[None]))[0, start : start + n]
+        want = np.zeros((n, D), np.float32)
+        for i in range(n):
+            kept = path(tree, i)
+            held = EMBED[ids[:start] + [ids[start + k] for k in kept] + self._ids(pad)]
+            want[i] = np.asarray(self.full(jnp.asarray(held)[None]))[0, start + len(kept) - 1]
+        return want
+
+    def tree(self, seq) -> None:
+        """``seq`` brings a random token tree in a step (its first row), then keeps a
+        random path of it, or a prefix of one (:meth:`PageAllocator.accept`), sometimes
+        with a fork made after the tree's step holding its pages (the accept copies
+        them first; the fork, which holds the tree's drafts, is freed), then sometimes
+        freed with its moves pending (they are dropped), often decoding on at once; a
+        refused accept takes the whole tree back."""
+        r, n = self.rng, int(self.rng.integers(2, 7))
+        parents = random_tree(r, n, int(r.integers(1, 4)), int(r.integers(2, 4)))
+        committed = len(self.inputs[seq])
+        if not self.extend(seq, len(parents)):
+            return
+        self.step(first=seq, tree=parents)
+        fork = self.fork(seq) if r.random() < 0.4 else None
+        kept = path(parents, int(r.integers(0, len(parents))))
+        if r.random() < 0.3:
+            kept = kept[: int(r.integers(0, len(kept) + 1))]
+        copies = len(self.alloc.pending_copies())
+        if self._call("accept", seq, kept):
+            self.orders["accept"] += bool(self.alloc.pending_moves())
+            self.orders["accept copy"] += len(self.alloc.pending_copies()) > copies
+            drafts = self.inputs[seq][committed:]
+            self.inputs[seq][committed:] = [drafts[k] for k in kept]
+            self.fed[seq], self.last[seq] = len(self.inputs[seq]), len(kept)
+            if r.random() < 0.3:
+                self.free(seq)
+            elif r.random() < 0.6 and self.extend(seq, int(r.integers(1, 3))):
+                self.step(first=seq)  # the kept path read, in place
+        else:
+            self.rewind(seq, len(parents))
+        if fork:
+            self.free(fork)
+
     # --- the moves of a program -----------------------------------------------------
 
     def some(self, written=False):
@@ -342,6 +408,8 @@ class Server:
         kinds = ["allocate", "extend", "fork", "rewind", "free", "step", "chain", "early fork",
                  "reuse"]  # fmt: skip
         p = [0.12, 0.14, 0.1, 0.08, 0.06, 0.24, 0.1, 0.08, 0.08]
+        if self.kind == "plain":  # token trees, and the accepted path
+            kinds, p = [*kinds, "tree"], [x * 0.85 for x in p] + [0.15]
         if self.kind == "prefix":  # prompts that share prefixes, and pressure
             kinds = [*kinds, "shared prompt", "pressure", "rewrite"]
             p = [x * 0.6 for x in p] + [0.2, 0.1, 0.1]
@@ -406,6 +474,10 @@ class Server:
         elif kind == "pressure":  # a long prompt, written (evictions), then an old one
             self.step(first=self.allocate(int(r.integers(TQ // 2, TQ + 1))))
             self._move("shared prompt")
+        elif kind == "tree":
+            written = self.some(written=True)
+            if written is not None:
+                self.tree(written)
         else:  # a pending copy's target freed, then another copy in the same window
             parent = self.some(written=True)
             child = parent and self.fork(parent)

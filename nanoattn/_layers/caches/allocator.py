@@ -27,6 +27,11 @@ layers in a paged pool"):
   outside the window of every query the sequence may still make (a rewind's
   included) and past the sink tokens goes back to the pool as the sequence grows,
   its page-table entry :data:`RETURNED` (-1), which the kernels never read.
+
+Speculative decoding with token trees (docs/decoding.md, "Speculative trees"): a step
+brings a sequence's tree of drafts as its last extension; :meth:`PageAllocator.accept`
+then keeps the accepted path, its tokens' keys moved into place by the next step (slot
+moves, :mod:`.moves`, at most ``max_moves`` a step), the rest taken back.
 """
 
 import dataclasses
@@ -37,6 +42,7 @@ import numpy as np
 from ..._base.paged import RETURNED
 from ..._base.rules import normalize_window
 from ..._base.validate import expect_flag
+from .moves import path_positions
 from .paged import PagedBatch
 from .prefix_cache import ROOT, PrefixIndex, PrefixStats, as_namespace, token_ids
 from .shared_prefix import shared_prefixes
@@ -91,6 +97,9 @@ class PageAllocator:
         :data:`RETURNED` (docs/decoding.md, "Windowed layers in a paged pool").
       sink_tokens: S0, with a window: the first S0 positions stay visible to every
         query, and the pages that hold them stay.
+      max_moves: the slot moves one step may carry (default 0): what :meth:`accept`
+        leaves for the next step, one per accepted token not already in its place;
+        an accept that would need more is refused until a step has carried them.
       cascade: whether each batch says which of its rows begin with the same written
         pages (``PagedBatch.shared_prefixes``, :mod:`.shared_prefix`), so that the
         layers read those pages once for the whole group (docs/decoding.md, "Shared
@@ -114,7 +123,7 @@ class PageAllocator:
     def __init__(self, pages: int, page_size: int, *, max_sequences: int, max_pages: int,
                  max_copies: int | None = None, seed: int | None = None,
                  prefix_cache: bool = False, window=None, sink_tokens: int = 0,
-                 cascade: bool = True):  # fmt: skip
+                 cascade: bool = True, max_moves: int = 0):  # fmt: skip
         self.pages = _count("pages", pages, 1)
         self.page_size = _count("page_size", page_size, 1)
         self.max_sequences = _count("max_sequences", max_sequences, 1)
@@ -122,6 +131,7 @@ class PageAllocator:
         if max_copies is None:
             max_copies = self.max_sequences
         self.max_copies = _count("max_copies", max_copies, 0)
+        self.max_moves = _count("max_moves", max_moves, 0)
         self.window, self.sink_tokens = _window_options(window, sink_tokens, prefix_cache)
         self._cache = PrefixIndex() if prefix_cache else None
         self.cascade = expect_flag("cascade", cascade)
@@ -135,6 +145,10 @@ class PageAllocator:
         # Pending copies (source, target): their sources resolved through the others, so
         # that a step carries them all at once, reading the pool as it was before it.
         self._copies: list[tuple[int, int]] = []
+        # Pending slot moves (source, target) as flat slot ids (accept's), and the
+        # sequences whose accepted tokens they put in place.
+        self._moves: list[tuple[int, int]] = []
+        self._moved: set = set()
         self._outstanding = None  # (the batch made and not confirmed, its rows)
         self._parked: list[int] = []  # cached pages released, to be parked (_release_all)
 
@@ -194,6 +208,11 @@ class PageAllocator:
     def pending_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies ``(source, target)`` the next step carries."""
         return list(self._copies)
+
+    def pending_moves(self) -> list[tuple[int, int]]:
+        """The slot moves ``(source, target)`` the next step carries (flat slot ids
+        ``page * page_size + slot``, :meth:`accept`'s)."""
+        return list(self._moves)
 
     def stats(self) -> PrefixStats:
         """What the prefix cache has done: tokens hit and missed by :meth:`allocate`,
@@ -317,6 +336,11 @@ class PageAllocator:
                 f"fork: sequence {parent!r} has {source.length - source.written} tokens no "
                 f"step has written yet; run a step (and confirm it) first"
             )
+        if parent in self._moved:
+            raise ValueError(
+                f"fork: sequence {parent!r} has accepted tokens no step has moved into "
+                f"place yet; run a step (and confirm it) first"
+            )
         for page in source.pages:
             if page != RETURNED:
                 self._refs[page] += 1
@@ -350,6 +374,88 @@ class PageAllocator:
         self._release_all(sequence.pages[keep:])
         del sequence.pages[keep:]
 
+    def accept(self, seq_id, kept, *, tokens=None) -> None:
+        """Keeps the accepted path of sequence ``seq_id``'s last extension (a token tree
+        a confirmed step verified): its tokens at the indices ``kept`` (ints, increasing:
+        a root-to-leaf path of the tree, or a prefix of one, in order) become the
+        positions from ``length - last`` on, and the rest is taken back as
+        :meth:`rewind` takes it (the sequence then holds ``length - last + len(kept)``
+        tokens, all written; a rewind may take back up to ``len(kept)``).
+
+        The keys and values move by the next step (:attr:`PagedBatch.moves`, after
+        its copies and before its writes, every moved slot read as the pool was
+        before the step), so the sequence may take part in that step with new tokens
+        or not. A page the moves write that another sequence shares (a fork made
+        since the tree's step) is copied first. With a prefix cache, the pages that
+        held the tree are unregistered (a tree's slots are no sequence); their ids
+        were not tracked (extend a tree without ``tokens``), so ``tokens``, the kept
+        tokens' ids, lets the pages be registered again once written in order.
+
+        Raises:
+          ValueError: ``kept`` not such indices of the last extension, tokens of it
+            no confirmed step has written, moves pending for it already (run a step),
+            more than ``max_moves`` moves or ``max_copies`` copies pending.
+          PoolExhausted: no free page for a copy of a shared page (nothing changes).
+        """
+        self._idle("accept")
+        sequence = self._get(seq_id)
+        if sequence.written < sequence.length or seq_id in self._moved:
+            raise ValueError(
+                f"accept: sequence {seq_id!r} has tokens no step has written or moved into "
+                f"place yet; run its tree's step (and confirm it) first, and accept once"
+            )
+        kept, moves = path_positions(kept, sequence.last, sequence.length)
+        ids = None if tokens is None else token_ids("tokens", tokens, len(kept))
+        ps, pages = self.page_size, list(sequence.pages)
+        shared = sorted({t // ps for _, t in moves if self._refs[pages[t // ps]] > 1})
+        if len(self._copies) + len(shared) > self.max_copies:
+            raise ValueError(
+                f"accept: sequence {seq_id!r} moves tokens into {len(shared)} page(s) it "
+                f"shares, and {len(self._copies)} copies are pending of max_copies="
+                f"{self.max_copies}; run a step (it carries them) first"
+            )
+        if len(self._moves) + len(moves) > self.max_moves:
+            raise ValueError(
+                f"accept: sequence {seq_id!r} needs {len(moves)} slot moves, and "
+                f"{len(self._moves)} are pending of max_moves={self.max_moves}; make the "
+                f"allocator with a larger max_moves, or run a step first"
+            )
+        self._check_room(seq_id, len(shared), self.free_pages)
+        for j in shared:  # copy-on-write: the moves then fill this sequence's own copy
+            target = self._take()
+            self._copies.append((self._source(pages[j]), target))
+            self._release_all([pages[j]])
+            sequence.pages[j] = target
+        self._moves += [(pages[s // ps] * ps + s % ps,
+                         sequence.pages[t // ps] * ps + t % ps) for s, t in moves]  # fmt: skip
+        self._keep_path(sequence, kept, ids)
+        if moves:
+            self._moved.add(seq_id)
+
+    def _keep_path(self, sequence: _Sequence, kept: list[int], ids) -> None:
+        """The bookkeeping of :meth:`accept`: the sequence holds its committed tokens
+        and the kept ones, all written; the ids of the kept tokens (those of the tree
+        when they were tracked, else ``ids``); the pages that held the tree
+        unregistered, those past the new length released."""
+        ps, start = self.page_size, sequence.length - sequence.last
+        tree_ids = sequence.ids[start : sequence.length]
+        tracked = len(tree_ids) == sequence.last
+        del sequence.ids[start:]
+        if tracked:
+            sequence.ids += [tree_ids[k] for k in kept]
+        elif ids is not None and len(sequence.ids) == start:
+            sequence.ids += ids
+        if self._cache is not None:
+            for page in sequence.pages[start // ps :]:
+                if page != RETURNED:
+                    self._cache.forget(page)
+        del sequence.keys[start // ps :]
+        sequence.length = sequence.written = start + len(kept)
+        sequence.last = len(kept)
+        keep = -(-sequence.length // ps)
+        self._release_all(sequence.pages[keep:])
+        del sequence.pages[keep:]
+
     def free(self, seq_id) -> None:
         """Sequence ``seq_id`` is finished: its pages go back to the pool (a page
         another sequence still shares stays held; with a prefix cache, a page that
@@ -358,6 +464,7 @@ class PageAllocator:
         sequence = self._get(seq_id)
         self._release_all(sequence.pages)
         del self._sequences[seq_id]
+        self._moved.discard(seq_id)
 
     # --- what a step takes --------------------------------------------------------
 
@@ -420,11 +527,14 @@ class PageAllocator:
         copies = np.full((self.max_copies, 2), -1, np.int32)
         if self._copies:
             copies[: len(self._copies)] = self._copies
+        moves = np.full((self.max_moves, 2), -1, np.int32)
+        if self._moves:
+            moves[: len(self._moves)] = self._moves
         shared = None
         if self.cascade and self.window is None:
             shared = shared_prefixes(held, self.page_size, self.max_sequences)
         batch = PagedBatch(table, lengths, starts, copies, self.page_size, self.pages,
-                           shared_prefixes=shared)  # fmt: skip
+                           moves=moves, shared_prefixes=shared)  # fmt: skip
         self._outstanding = (batch, [(seq_id, int(q)) for seq_id, q in rows])
         return batch
 
@@ -448,7 +558,10 @@ class PageAllocator:
             self._register(sequence)
             first_query = sequence.length - sequence.last  # the earliest after a rewind
             self._give_back(sequence, self._out_of_window(sequence, first_query))
-        self._copies = []
+        self._copies, self._moves = [], []
+        for seq_id in self._moved:  # their accepted tokens are in place now
+            self._register(self._sequences[seq_id])
+        self._moved = set()
         self._outstanding = None
 
     # --- the pages ----------------------------------------------------------------
@@ -563,8 +676,11 @@ class PageAllocator:
                 self._parked.append(page)
             else:
                 self._free.append(page)
-            # A copy into a page nobody holds is dropped: the page may be a new copy's.
+            # A copy (or move) into a page nobody holds is dropped: the page may be a new
+            # copy's.
             self._copies = [c for c in self._copies if c[1] != page]
+            ps = self.page_size
+            self._moves = [mv for mv in self._moves if mv[1] // ps != page]
 
     def _release_all(self, pages: list[int]) -> None:
         """:meth:`_release` of each of a sequence's ``pages`` (entries RETURNED
@@ -602,5 +718,12 @@ def _same(a: PagedBatch, b: PagedBatch) -> bool:
     """Whether two batches are the same step (their arrays equal)."""
     if not isinstance(a, PagedBatch):
         return False
-    fields = ("page_table", "kv_lengths", "query_starts", "copies")
-    return all(np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f))) for f in fields)
+    fields = ("page_table", "kv_lengths", "query_starts", "copies", "moves")
+    return all(_equal(getattr(a, f), getattr(b, f)) for f in fields)
+
+
+def _equal(a, b) -> bool:
+    """Whether two arrays of a batch (or None) are equal."""
+    if a is None or b is None:
+        return a is None and b is None
+    return np.array_equal(np.asarray(a), np.asarray(b))

@@ -7,9 +7,11 @@ outside the band."""
 import dataclasses
 from typing import ClassVar
 
+import jax.numpy as jnp
+
 from .. import positional
 from .kv_cache import Rule
-from .policy import SlotCache, positions
+from .policy import SlotCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +45,17 @@ class FullCache(SlotCache):
             ),
         )
 
-    def slots(self, start, chunk: int, capacity: int):
+    def slot_at(self, position, capacity: int):
         """Slot j holds position j."""
-        return positions(start, chunk)
+        return jnp.asarray(position, jnp.int32)
 
-    def read_rules(self, end, capacity: int, *, mask_fn, score_fn) -> dict:
+    def read_rules(self, end, capacity: int, *, mask_fn, score_fn, tree=None,
+                   start=None) -> dict:  # fmt: skip
         """Causal with ``kv_lengths=end`` (the slots at and past a row's end are never
         read), the window as the core's option (or, with sink tokens, as a mask_fn that
-        keeps them), and the user's functions as given: a slot is its position."""
+        keeps them), and the user's functions as given: a slot is its position. A token
+        tree is the core's own rule (``tree_parents``, with ``q_offset`` the chunk's
+        start): the chunk's keys sit in the slots after it, as the rule has them."""
         window_or_sink = positional.window_mask(self.window, self.sink_tokens)
         rules = dict(
             is_causal=True,
@@ -60,4 +65,20 @@ class FullCache(SlotCache):
         )
         if not self.sink_tokens:
             rules["window"] = self.window
+        if tree is not None:
+            rules["tree_parents"] = tree.parents
         return rules
+
+    def accept_rules(self, cache) -> tuple:
+        """A row past the capacity is a rolling cache's (its ring): refused, since this
+        policy reads slots as positions."""
+        capacity = self.capacity(cache)
+        return (
+            Rule(
+                cache.position > capacity,
+                lambda b: (
+                    f"accept: row {b} is at position {int(cache.position[b])}, past the "
+                    f"cache's {capacity} slots: a rolling cache; pass the layer's config"
+                ),
+            ),
+        )

@@ -39,7 +39,9 @@ from ..._base.validate import as_array, expect_integer, expect_shape
 from .. import positional
 from . import quantized
 from .kv_cache import KVCache, quantized_zeros
+from .moves import check_moves, move_slots, move_spoils, no_moves
 from .policy import CachePolicy, StepLayout
+from .tree import paged_rows, tree_returned_reads
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +64,11 @@ class PagedBatch:
         layer whose cache has pages of another size refuses the batch.
       pool_pages: P, the pages of the allocator's pool (static): a layer whose pool
         has another number of pages refuses the batch.
+      moves: None (none), or (V, 2): slots to move after the copies and before the
+        writes, ``(source, target)`` as flat slot ids ``page * page_size + slot``
+        (``PageAllocator.accept``'s, :mod:`.moves`); ``(-1, -1)`` for an unused
+        entry. Each reads its source as the pool was before the step; no two share a
+        target.
       shared_prefixes: None, or (B,): how many of row b's first pages it shares with
         the other rows of its group (``nanoattn.paged_attention``'s keyword: each
         group's pages are read once for all of its queries; docs/decoding.md, "Shared
@@ -74,6 +81,7 @@ class PagedBatch:
     copies: jax.Array
     page_size: int = dataclasses.field(metadata=dict(static=True))
     pool_pages: int = dataclasses.field(metadata=dict(static=True))
+    moves: jax.Array | None = None
     shared_prefixes: jax.Array | None = None
 
 
@@ -126,10 +134,12 @@ class PagedCache(CachePolicy):
         rows = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
         return KVCache(key, value, *rows, key_scales, value_scales)
 
-    def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
+    def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str,
+                tree_parents=None) -> StepLayout:  # fmt: skip
         """The tokens' sequences and positions from ``pages`` (invalid page tables,
-        lengths and starts raise when concrete; under ``jit`` their tokens are broken:
-        NaN outputs, and they are never written)."""
+        lengths, starts, copies, moves and trees raise when concrete; under ``jit``
+        their tokens are broken: NaN outputs, and they are never written); with
+        ``tree_parents`` (1, Tq) the positions are the tree's (:mod:`.tree`)."""
         if lengths is not None:
             raise ValueError(
                 "lengths= is for a slot cache; a paged step's tokens and their sequences "
@@ -164,50 +174,67 @@ class PagedCache(CachePolicy):
         lengths = _ints("kv_lengths", pages.kv_lengths, "B", (B,))
         starts = _ints("query_starts", pages.query_starts, "B+1", (B + 1,))
         copies = _ints("copies", pages.copies, "C 2", (None, 2))
+        moves = no_moves() if pages.moves is None else _ints("moves", pages.moves, "V 2",
+                                                                (None, 2))  # fmt: skip
         check_paged_values(table, lengths, starts, Tq, P, self.page_size)
         check_copies(copies, P)
-        band, sinks = self.band, self.sink_tokens
-        check_returned(table, lengths, starts, Tq, P, self.page_size, band, sinks, _RETURNED_HINT)
-        layout = token_layout(table, lengths, starts, Tq, P, self.page_size)
-        # A sequence holding a page that a bad copy was to fill, or one whose queries
-        # see a page it gave back (only under jit): NaN, and never written.
-        spoilt = copy_spoils(copies, table, lengths, P, self.page_size)
-        reads = returned_reads(table, lengths, layout, self.page_size, band, sinks).any(axis=1)
+        check_moves(moves, P * self.page_size)
+        band, sinks, ps = self.band, self.sink_tokens, self.page_size
+        check_returned(table, lengths, starts, Tq, P, ps, band, sinks, _RETURNED_HINT)
+        layout = token_layout(table, lengths, starts, Tq, P, ps)
+        # A sequence holding a page that a bad copy or move was to fill, or one whose
+        # queries see a page it gave back (only under jit): NaN, and never written.
+        spoilt = copy_spoils(copies, table, lengths, P, ps) | move_spoils(
+            moves, table, lengths, P, ps
+        )  # fmt: skip
+        reads = returned_reads(table, lengths, layout, ps, band, sinks).any(axis=1)
+        tree, positions = None, layout.position
+        if tree_parents is not None:
+            tree = paged_rows(tree_parents, starts, layout)
+            positions = tree.positions
+            reads |= tree.broken | tree_returned_reads(
+                table, lengths, layout, tree, ps, band, sinks, _RETURNED_HINT
+            )  # fmt: skip
         spoilt = spoilt | jnp.zeros(B, bool).at[layout.sequence].max(reads)
         spoilt = spoilt[layout.sequence] & layout.real
         shared = pages.shared_prefixes
         if shared is not None:
             shared = _ints("shared_prefixes", shared, "B", (B,))
-        pages = PagedBatch(table, lengths, starts, copies, self.page_size, P,
-                           shared_prefixes=shared)  # fmt: skip
+        pages = PagedBatch(table, lengths, starts, copies, ps, P, moves, shared_prefixes=shared)
         return StepLayout(
-            layout.position[None], (layout.real & ~spoilt)[None],
-            (layout.broken | spoilt)[None], pages=pages,
+            positions[None], (layout.real & ~spoilt)[None], (layout.broken | spoilt)[None],
+            pages=pages, tree=tree,
         )  # fmt: skip
 
     def write_step(self, cache: KVCache, k, v, layout: StepLayout) -> KVCache:
-        """The step's copies first (copy-on-write of shared pages), then each real
-        token's key and value at its slot of its sequence's page; other tokens are
-        never written."""
+        """The step's copies first (copy-on-write of shared pages), then its slot moves
+        (an accepted path's), both reading the pool as it was before the step, then
+        each real token's key and value at its slot of its sequence's page (the slot
+        order: a tree's token i at ``committed + i``); other tokens are never written."""
         pages = layout.pages
         P, ps = cache.key.shape[:2]
         copies = pages.copies
         used = ~copy_faults(copies, P).any(axis=1) & (copies[:, 0] >= 0)
         source = jnp.where(used, copies[:, 0], 0)
         target = jnp.where(used, copies[:, 1], P)  # P: dropped
-        sequence = token_layout(
+        moved_from, moved_to = move_slots(pages.moves, P * ps)  # P * ps: dropped
+        tokens = token_layout(
             pages.page_table, pages.kv_lengths, pages.query_starts, k.shape[1], P, ps
-        ).sequence
+        )  # fmt: skip
         table = safe_page_table(pages.page_table, pages.kv_lengths, ps, P)
-        position = layout.positions[0]
-        page = table[sequence, position // ps]
+        position = tokens.position  # the slot order, whatever RoPE's positions
+        page = table[tokens.sequence, position // ps]
         # padding and broken tokens (a token whose own page was given back among them:
         # its query sees it) are dropped
         page = jnp.where(layout.real[0], page, P)
         slot = position % ps
 
         def write(pool, new):
-            pool = pool.at[target].set(pool[source], mode="drop")
+            flat = pool.reshape(P * ps, *pool.shape[2:])  # (P page_size, ...)
+            moved, copied = flat[moved_from], pool[source]  # before the step
+            pool = pool.at[target].set(copied, mode="drop")
+            flat = pool.reshape(flat.shape).at[moved_to].set(moved, mode="drop")
+            pool = flat.reshape(pool.shape)
             return pool.at[page, slot].set(new[0].astype(pool.dtype), mode="drop")
 
         return quantized.store(cache, k, v, write)
@@ -228,6 +255,8 @@ class PagedCache(CachePolicy):
         )  # fmt: skip
         if not self.sink_tokens:
             rules["window"] = self.window
+        if layout.tree is not None:
+            rules["tree_parents"] = layout.tree.parents  # (Tq,)
         if layout.pages.shared_prefixes is not None:  # each group's pages read once
             rules["shared_prefixes"] = layout.pages.shared_prefixes
         keys, values, scales = quantized.read(cache, cache.key, cache.value, q.dtype)
@@ -253,6 +282,13 @@ class PagedCache(CachePolicy):
     def poison(self, cache: KVCache, bad) -> KVCache:
         """The pool as it is: a paged step's broken tokens are never written."""
         return cache
+
+    def accept(self, cache: KVCache, kept) -> KVCache:
+        """Raises ValueError: a paged cache keeps an accepted path on the host."""
+        raise ValueError(
+            "a paged KV cache keeps an accepted path through its PageAllocator "
+            "(allocator.accept(seq_id, kept)): the next step moves the keys"
+        )
 
 
 _RETURNED_HINT = (

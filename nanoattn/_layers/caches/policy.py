@@ -45,7 +45,9 @@ import jax.numpy as jnp
 
 from ..._base.validate import expect_shape
 from . import kv_cache, quantized
+from .accept import accept_path
 from .kv_cache import KVCache, Rule
+from .tree import slot_tree
 
 
 class StepLayout(NamedTuple):
@@ -61,6 +63,9 @@ class StepLayout(NamedTuple):
         row's chunk and its real tokens; None for a paged cache.
       pages: a paged cache's :class:`~nanoattn._layers.caches.paged.PagedBatch`;
         None otherwise.
+      tree: None, or the step's token tree (:mod:`.tree`): a slot cache's
+        :class:`~.tree.ChunkTree`, a paged cache's :class:`~.tree.PagedTree`; then
+        ``positions`` are the tokens' tree positions (committed + depth).
     """
 
     positions: jax.Array
@@ -69,6 +74,7 @@ class StepLayout(NamedTuple):
     start: Any = None
     lengths: Any = None
     pages: Any = None
+    tree: Any = None
 
 
 class CachePolicy(abc.ABC):
@@ -94,10 +100,12 @@ class CachePolicy(abc.ABC):
         capacity bounds them (``fit_rule``)."""
 
     @abc.abstractmethod
-    def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
+    def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str,
+                tree_parents=None) -> StepLayout:  # fmt: skip
         """The :class:`StepLayout` of a step of a chunk of ``shape`` (B, L, D), after
         checking the call: ``lengths`` (B,) of a slot cache, or ``pages`` of a paged
-        one. Raises ValueError naming the row when the call is invalid and concrete."""
+        one, and ``tree_parents`` (B, L) int32 or None, a token tree (:mod:`.tree`).
+        Raises ValueError naming the row when the call is invalid and concrete."""
 
     @abc.abstractmethod
     def write_step(self, cache: KVCache, k, v, layout: StepLayout) -> KVCache:
@@ -126,6 +134,13 @@ class CachePolicy(abc.ABC):
         """Each row b moved back by ``n[b]`` tokens (``kv_cache.rewind``)."""
         return kv_cache.rewind(cache, n)
 
+    @abc.abstractmethod
+    def accept(self, cache: KVCache, kept) -> KVCache:
+        """Each row keeps its last call's tokens at the indices ``kept[b]`` (int (B, A),
+        a root-to-leaf path of its tree in order, then -1s), their keys and values
+        moved into the slots of positions ``start .. start + m - 1``; the rest taken
+        back as :meth:`rewind` does (:mod:`.accept`)."""
+
     def empty(self, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype,
               value_dim: int | None = None) -> KVCache:  # fmt: skip
         """A fresh cache of ``capacity`` slots, every row at position 0; values of width
@@ -143,7 +158,8 @@ class SlotCache(CachePolicy):
         """The kind's own rule: the rows whose ``lengths[b]`` real tokens do not fit
         (past the capacity, or past the chunk limit), with the message naming one."""
 
-    def broken_rows(self, position, lengths, chunk: int, capacity: int, hint: str = ""):
+    def broken_rows(self, position, lengths, chunk: int, capacity: int, hint: str = "",
+                    extra=()):  # fmt: skip
         """The rows a call may not serve: (B,) bool, computed once from one rule.
 
         ``position``, ``lengths``: (B,) int, numpy or jax; ``chunk``: L, the chunk
@@ -152,6 +168,7 @@ class SlotCache(CachePolicy):
         Raises ValueError naming the first broken row of the first part of the rule
         whose inputs are concrete; returns the broken rows otherwise (traced under
         ``jit``, where the caller poisons them: NaN now and in every later call).
+        ``extra``: more :class:`~.kv_cache.Rule` s (a token tree's), checked last.
         """
         rules = [
             Rule(
@@ -169,12 +186,17 @@ class SlotCache(CachePolicy):
                 ),
             ),
             self.fit_rule(position, lengths, chunk, capacity, hint),
+            *extra,
         ]
         return kv_cache.broken(rules)
 
     @abc.abstractmethod
+    def slot_at(self, position, capacity: int):
+        """The slot (int32, the shape of ``position``) that holds ``position``."""
+
     def slots(self, start, chunk: int, capacity: int):
         """(B, L) int32: the slots of positions ``start[b] + 0 .. L - 1``."""
+        return self.slot_at(positions(start, chunk), capacity)
 
     def write(self, cache: KVCache, k, v, start, lengths) -> KVCache:
         """``cache`` with the first ``lengths[b]`` keys and values of ``k``, ``v``
@@ -184,24 +206,31 @@ class SlotCache(CachePolicy):
         return quantized.store(cache, k, v, lambda x, new: kv_cache.scatter(x, new, slots, lengths))
 
     @abc.abstractmethod
-    def read_rules(self, end, capacity: int, *, mask_fn, score_fn) -> dict:
+    def read_rules(self, end, capacity: int, *, mask_fn, score_fn, tree=None,
+                   start=None) -> dict:  # fmt: skip
         """The core's rules of the call (``is_causal``, ``kv_lengths``, ``window``,
-        ``mask_fn``, ``score_fn``) under which a query at position ``q_offset + t``
-        reads only the slots it may see, once each row holds positions
+        ``mask_fn``, ``score_fn``, ``tree_parents``) under which a query at position
+        ``q_offset + t`` reads only the slots it may see, once each row holds positions
         ``0 .. end[b] - 1``: causal, within the layer's window (or a sink token), and
         allowed by the user's ``mask_fn``; ``mask_fn`` and ``score_fn`` are called
-        with each key's position, whatever slot holds it."""
+        with each key's position, whatever slot holds it. With ``tree`` (a
+        :class:`~.tree.ChunkTree` of the chunk from ``start`` (B,)), every rule is
+        measured on tree positions and a query sees its ancestors only in the chunk."""
 
-    def read(self, cache: KVCache, end, *, mask_fn, score_fn):
+    def read(self, cache: KVCache, end, *, mask_fn, score_fn, tree=None, start=None):
         """(keys (B, S, K, H), values (B, S, K, H), the core rules of
         :meth:`read_rules`): what the core attention call of a decoding step reads."""
-        rules = self.read_rules(end, self.capacity(cache), mask_fn=mask_fn, score_fn=score_fn)
+        tree = {} if tree is None else dict(tree=tree, start=start)  # a kind without trees
+        rules = self.read_rules(end, self.capacity(cache), mask_fn=mask_fn, score_fn=score_fn,
+                                **tree)  # fmt: skip
         return cache.key, cache.value, rules
 
-    def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str) -> StepLayout:
+    def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str,
+                tree_parents=None) -> StepLayout:  # fmt: skip
         """Rows of B (the cache's), each bringing its first ``lengths[b]`` (default L)
-        tokens at its position; a row the call cannot serve (:meth:`broken_rows`)
-        writes nothing and is broken."""
+        tokens at its position, or at ``position + depth`` with ``tree_parents``; a
+        row the call cannot serve (:meth:`broken_rows`, a bad tree included) writes
+        nothing and is broken."""
         B, L, _ = shape
         if pages is not None:
             raise ValueError(
@@ -213,12 +242,17 @@ class SlotCache(CachePolicy):
         self.check_capacity(capacity, hint)
         if lengths is None:
             lengths = jnp.full((B,), L, jnp.int32)
-        bad = self.broken_rows(cache.position, lengths, L, capacity, hint)  # or raises
+        tree, extra = None, ()
+        if tree_parents is not None:
+            tree, rule = slot_tree(tree_parents, jnp.arange(L)[None, :] < lengths[:, None])
+            extra = (rule,)
+        bad = self.broken_rows(cache.position, lengths, L, capacity, hint, extra)  # or raises
         lengths = jnp.where(bad, 0, lengths).astype(jnp.int32)  # a broken row writes nothing
         start = jnp.maximum(cache.position, 0).astype(jnp.int32)
         real = jnp.arange(L)[None, :] < lengths[:, None]  # (B, L)
         broken = jnp.broadcast_to(jnp.asarray(bad)[:, None], (B, L))
-        return StepLayout(positions(start, L), real, broken, start, lengths)
+        at = positions(start, L) if tree is None else start[:, None] + tree.depth
+        return StepLayout(at, real, broken, start, lengths, tree=tree)
 
     def write_step(self, cache: KVCache, k, v, layout: StepLayout) -> KVCache:
         """:meth:`write` at the rows' starts."""
@@ -229,7 +263,8 @@ class SlotCache(CachePolicy):
         """``dense`` over the whole row of slots, under :meth:`read_rules`, the queries
         at their rows' positions (``q_offset`` per row)."""
         end = layout.start + layout.lengths
-        keys, values, rules = self.read(cache, end, mask_fn=mask_fn, score_fn=score_fn)
+        keys, values, rules = self.read(cache, end, mask_fn=mask_fn, score_fn=score_fn,
+                                        tree=layout.tree, start=layout.start)  # fmt: skip
         keys, values, scales = quantized.read(cache, keys, values, q.dtype)
         return dense(q, keys, values, mask=mask, q_offset=layout.start, **rules, **scales)
 
@@ -238,6 +273,15 @@ class SlotCache(CachePolicy):
         end = layout.start + layout.lengths
         advanced = cache._replace(position=end.astype(jnp.int32), last=layout.lengths)
         return self.poison(advanced, layout.broken[:, 0])
+
+    def accept(self, cache: KVCache, kept) -> KVCache:
+        """:func:`.accept.accept_path` through this kind's slots."""
+        return accept_path(cache, kept, lambda p: self.slot_at(p, self.capacity(cache)),
+                           self.accept_rules(cache))  # fmt: skip
+
+    def accept_rules(self, cache: KVCache) -> tuple:
+        """More :class:`~.kv_cache.Rule` s of an accept on this kind (none)."""
+        return ()
 
 
 def positions(start, chunk: int):

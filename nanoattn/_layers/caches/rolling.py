@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 from .. import positional
 from .kv_cache import Rule
-from .policy import SlotCache, positions
+from .policy import SlotCache
+from .tree import chunk_view
 
 
 def chunk_limit(capacity: int, window: int, sink_tokens: int) -> int:
@@ -109,20 +110,25 @@ class RollingCache(SlotCache):
             ),
         )
 
-    def slots(self, start, chunk: int, capacity: int):
-        """The ring slots of :func:`slot_of`."""
-        return slot_of(positions(start, chunk), capacity, self.sink_tokens)
+    def slot_at(self, position, capacity: int):
+        """The ring slot of :func:`slot_of`."""
+        return slot_of(position, capacity, self.sink_tokens)
 
-    def read_rules(self, end, capacity: int, *, mask_fn, score_fn) -> dict:
+    def read_rules(self, end, capacity: int, *, mask_fn, score_fn, tree=None,
+                   start=None) -> dict:  # fmt: skip
         """One mask_fn holds every rule: a query at p sees a slot iff the position it
         holds is causal and within the window, or a sink token
         (:func:`nanoattn._layers.positional.visible`), and the user's ``mask_fn``
         allows that position; ``score_fn`` sees it too. No core ``window``, which would
         read slot indices as positions; ``kv_lengths`` is ``min(end, C)``, the slots
         written so far (until the ring wraps, position j sits in slot j), so a step of
-        a row that has not filled its ring reads only the blocks it holds."""
+        a row that has not filled its ring reads only the blocks it holds. A token tree
+        (:func:`tree_rules`) joins the same mask_fn: the ring's slots are no chunk the
+        core's tree rule could find."""
         W, S0 = self.window, self.sink_tokens
         held = slot_positions(end, capacity, S0)  # (B, S), -1: never written
+        if tree is not None:
+            return tree_rules(held, tree, start, end, (W, S0, capacity), mask_fn, score_fn)
 
         def in_view(b, n, q_pos, k):
             return positional.visible(q_pos, held[b, k], W, S0)
@@ -133,3 +139,26 @@ class RollingCache(SlotCache):
             mask_fn=positional.and_masks(in_view, at_positions(mask_fn, held, False)),
             score_fn=at_positions(score_fn, held, True),
         )
+
+
+def tree_rules(held, tree, start, end, sizes: tuple, mask_fn, score_fn) -> dict:
+    """A rolling cache's read rules for a step that brings a token tree: one mask_fn
+    that reads each slot's position (``held`` (B, S)), places the chunk's tokens at
+    their tree positions (:func:`~.tree.chunk_view`), lets a query see its ancestors
+    only inside the chunk, and measures causality, the window, the sink tokens and the
+    user's functions on tree positions. ``sizes``: the window W, the sink tokens S0
+    and the capacity C."""
+    window, sink_tokens, capacity = sizes
+    view = chunk_view(tree, start)
+
+    def in_view(b, n, q, k):
+        q_pos, k_pos, _, seen = view(b, q, held[b, k])
+        allowed = seen & positional.visible(q_pos, k_pos, window, sink_tokens)
+        return allowed if mask_fn is None else allowed & mask_fn(b, n, q_pos, k_pos)
+
+    def scores(score, b, n, q, k):
+        q_pos, k_pos, _, _ = view(b, q, held[b, k])
+        return score_fn(score, b, n, q_pos, k_pos)
+
+    return dict(kv_lengths=jnp.minimum(end, capacity), mask_fn=in_view,
+                score_fn=None if score_fn is None else scores)  # fmt: skip

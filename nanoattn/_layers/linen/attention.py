@@ -12,6 +12,7 @@ import flax.linen as nn
 
 from .. import steps
 from ..caches import kv_cache
+from ..caches.full import FullCache
 from ..caches.kinds import policy_of
 from ..config import AttentionConfig
 from ..heads import compute_dtype
@@ -59,6 +60,49 @@ def rewind(cache, n):
             f"and last) or a mapping of them, got {type(cache).__name__}"
         )
     return {name: rewind(child, n) for name, child in cache.items()}
+
+
+def accept(cache, kept, config=None):
+    """Keeps the accepted path of a token tree: each row b keeps the tokens
+    ``kept[b, :m]`` of its last call, moved into place; returns the new cache.
+
+    After a decoding call with ``tree_parents`` (speculative decoding), the drafts'
+    keys sit in the slots after the committed ones, in the chunk's order. ``kept``: int
+    (B, A), each row's kept indices into its last call's tokens, a root-to-leaf path
+    (or a prefix of one) in order, then -1s (a row that keeps nothing: all -1). Their
+    keys and values (and a quantized cache's scales) move at once to the slots of
+    positions ``start .. start + m - 1`` (``start``: the position the last call
+    began at), and the rest is taken back as :func:`rewind` takes it: the row's
+    position is ``start + m`` and ``last`` m. ``cache``: one layer's ``"cache"``
+    collection or any nested mapping of them (every layer alike). ``config``: the
+    layers' ``AttentionConfig`` (or ``LatentConfig``), which says where a position's
+    slot is; None reads slots as positions (a full cache, or a rolling one that has not
+    wrapped: a row past the capacity is refused). Raises ValueError naming the entry
+    when ``kept`` is concrete and no path of the last call (an index outside its
+    tokens, not increasing, after a -1); under ``jit`` such a row is poisoned (NaN
+    outputs until reset). A paged cache accepts through its ``PageAllocator``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> layer = CausalSelfAttention(AttentionConfig(d_model=16, n_heads=2))
+      >>> variables = layer.init(jax.random.key(0), jnp.zeros((1, 8, 16)), decode=True)
+      >>> parents = jnp.array([[-1, 0, 0, 2]])  # 0 -> {1, 2}, 2 -> 3
+      >>> _, state = layer.apply(variables, jnp.ones((1, 4, 16)), True, decode=True,
+      ...                        tree_parents=parents, mutable=["cache"])
+      >>> cache = accept(state["cache"], jnp.array([[0, 2, 3]]))  # the path 0, 2, 3
+      >>> cache["position"], cache["last"]
+      (Array([3], dtype=int32), Array([3], dtype=int32))
+    """
+    policy = FullCache() if config is None else policy_of(config)
+    if kv_cache.is_cache(cache):
+        state = kv_cache.KVCache(**cache)
+        return kv_cache.as_mapping(policy.accept(state, kept))
+    if not hasattr(cache, "items"):
+        raise TypeError(
+            f"cache must be a layer's 'cache' collection (a mapping of key, value, position "
+            f"and last) or a mapping of them, got {type(cache).__name__}"
+        )
+    return {name: accept(child, kept, config) for name, child in cache.items()}
 
 
 def cache_bytes(cache) -> dict[str, int]:
@@ -219,6 +263,7 @@ class CausalSelfAttention(nn.Module):
         pages=None,
         mask_fn=None,
         score_fn=None,
+        tree_parents=None,
     ):
         """Attends every token to itself and the tokens before it.
 
@@ -254,6 +299,15 @@ class CausalSelfAttention(nn.Module):
           score_fn: optional ``score_fn(score, b, n, q_pos, k_pos) -> score``
             (ALiBi, relative biases), on the float32 scaled logits before the
             soft-cap, with the positions of ``mask_fn``.
+          tree_parents: only with ``decode=True``: optional int (B, T), x's leading
+            axes ((1, Tq) with ``pages``): the chunk is a token tree (speculative
+            decoding), each token's parent within its row's chunk (with ``pages``:
+            within its sequence's tokens), -1 for the last committed token. Token i
+            sits at position ``position + depth(i)`` (RoPE, ``mask_fn`` and the window
+            see that), its key in the next slot; it sees its ancestors and itself
+            inside the chunk, so its output is its root-to-leaf path decoded alone.
+            Keep the accepted path with :func:`accept` (a paged cache:
+            ``PageAllocator.accept``); docs/decoding.md, "Speculative trees".
 
         Returns:
           (B, T, D) in the compute dtype (``config.dtype``, else ``x``'s).
@@ -263,15 +317,8 @@ class CausalSelfAttention(nn.Module):
             a chunk that does not fit in the cache.
         """
         cfg = AttentionConfig.from_config(self.config)
-        steps.check_input(
-            cfg,
-            x,
-            decode=decode,
-            positions=positions,
-            segment_ids=segment_ids,
-            lengths=lengths,
-            pages=pages,
-        )
+        steps.check_input(cfg, x, decode=decode, positions=positions, segment_ids=segment_ids,
+                          lengths=lengths, pages=pages, tree_parents=tree_parents)  # fmt: skip
         params = _Parameters(self, cfg)
         if not decode:
             return steps.self_attention(
@@ -325,6 +372,7 @@ class CausalSelfAttention(nn.Module):
             pages=pages,
             mask_fn=mask_fn,
             score_fn=score_fn,
+            tree_parents=tree_parents,
             hint=hint,
         )
         for name, value in kv_cache.as_mapping(cache).items():

@@ -104,16 +104,18 @@ class LatentAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, mask=None, positions=None, segment_ids=None, decode: bool = False,
-                 lengths=None, pages=None, mask_fn=None, score_fn=None,
+                 lengths=None, pages=None, mask_fn=None, score_fn=None, tree_parents=None,
                  deterministic: bool | None = None):  # fmt: skip
         """x (B, T, D) -> (B, T, D); the options as ``CausalSelfAttention``'s (``mask``
         broadcastable to (B, N, T, S); ``positions`` and ``segment_ids`` only without
-        ``decode``; ``lengths`` and ``pages`` only with it). ``deterministic`` is
-        accepted as the other layers take it (this layer has no dropout)."""
+        ``decode``; ``lengths``, ``pages`` and ``tree_parents``, a token tree whose
+        accepted path ``nanoattn.linen.accept(cache, kept, config)`` keeps, only with
+        it). ``deterministic`` is accepted as the other layers take it (this layer has
+        no dropout)."""
         cfg = self.config
         params = _Parameters(cfg)
         steps.check_mode(decode, positions=positions, segment_ids=segment_ids, lengths=lengths,
-                         pages=pages)  # fmt: skip
+                         pages=pages, tree_parents=tree_parents)  # fmt: skip
         if not decode:
             return latent.forward(
                 params, cfg, x, mask=mask, positions=positions, segment_ids=segment_ids,
@@ -137,7 +139,8 @@ class LatentAttention(nn.Module):
         cache = kv_cache.KVCache(**{name: v.value for name, v in variables.items()})
         hint = _RING_HINT if cfg.rolling_cache else _HINT
         y, cache = latent.decode(params, cfg, x, cache, mask=mask, lengths=lengths, pages=pages,
-                                 mask_fn=mask_fn, score_fn=score_fn, hint=hint)  # fmt: skip
+                                 mask_fn=mask_fn, score_fn=score_fn, tree_parents=tree_parents,
+                                 hint=hint)  # fmt: skip
         for name, variable in variables.items():
             variable.value = getattr(cache, name)
         return y

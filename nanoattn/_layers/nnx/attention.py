@@ -234,6 +234,7 @@ class CausalSelfAttention(_Attention):
         pages=None,
         mask_fn=None,
         score_fn=None,
+        tree_parents=None,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
@@ -266,6 +267,10 @@ class CausalSelfAttention(_Attention):
           score_fn: optional ``score_fn(score, b, n, q_pos, k_pos) -> score``
             (ALiBi, relative biases), on the float32 scaled logits before the
             soft-cap, with the positions of ``mask_fn``.
+          tree_parents: only with ``decode=True``: optional int (B, T), x's leading
+            axes ((1, Tq) with ``pages``): a token tree (speculative decoding), as
+            ``nanoattn.linen.CausalSelfAttention`` takes it; keep the accepted path
+            with :meth:`accept` (a paged cache: ``PageAllocator.accept``).
           deterministic: overrides the module's flag for this call.
           rngs: overrides the module's dropout stream for this call.
 
@@ -281,6 +286,7 @@ class CausalSelfAttention(_Attention):
             segment_ids=segment_ids,
             lengths=lengths,
             pages=pages,
+            tree_parents=tree_parents,
         )
         params = Parameters(self, rngs)
         deterministic = self._deterministic(deterministic)
@@ -311,6 +317,7 @@ class CausalSelfAttention(_Attention):
             pages=pages,
             mask_fn=mask_fn,
             score_fn=score_fn,
+            tree_parents=tree_parents,
             hint=_hint(policy_of(cfg)),
         )
         self.cache.set(cache)
@@ -324,6 +331,16 @@ class CausalSelfAttention(_Attention):
         if self.cache is None:
             raise ValueError("rewind needs a cache: call module.init_cache(batch, max_len) first")
         self.cache.set(policy_of(self.config).rewind(self.cache.get(), n))
+
+    def accept(self, kept) -> None:
+        """Keeps the accepted path of the last call's token tree: row b keeps the tokens
+        ``kept[b, :m]`` (int (B, A), a root-to-leaf path in order, then -1s), moved
+        into place, the rest taken back (``nanoattn.linen.accept`` on ``module.cache``,
+        full or rolling). Raises ValueError when ``kept`` is concrete and no path;
+        under ``nnx.jit`` such a row is poisoned (NaN outputs)."""
+        if self.cache is None:
+            raise ValueError("accept needs a cache: call module.init_cache(batch, max_len) first")
+        self.cache.set(policy_of(self.config).accept(self.cache.get(), kept))
 
 
 MultiHeadAttention = CausalSelfAttention

@@ -88,13 +88,14 @@ class LatentAttention(nnx.Module):
         self.cache = KVCache(latent.empty_cache(cfg, batch, max_len, float_dtype("dtype", dtype)))
 
     def __call__(self, x, *, mask=None, positions=None, segment_ids=None, decode: bool = False,
-                 lengths=None, pages=None, mask_fn=None, score_fn=None,
+                 lengths=None, pages=None, mask_fn=None, score_fn=None, tree_parents=None,
                  deterministic: bool | None = None):  # fmt: skip
         """x (B, T, D) -> (B, T, D); the options as the linen module's (``deterministic``
-        accepted, unused: no dropout)."""
+        accepted, unused: no dropout; ``tree_parents``, a token tree, with ``decode``:
+        keep its accepted path with :meth:`accept`)."""
         params = _Parameters(self)
         steps.check_mode(decode, positions=positions, segment_ids=segment_ids, lengths=lengths,
-                         pages=pages)  # fmt: skip
+                         pages=pages, tree_parents=tree_parents)  # fmt: skip
         if not decode:
             return latent.forward(
                 params, self.config, x, mask=mask, positions=positions, segment_ids=segment_ids,
@@ -104,7 +105,8 @@ class LatentAttention(nnx.Module):
             raise ValueError("decode=True needs a cache: call init_cache(batch, max_len) first")
         y, cache = latent.decode(
             params, self.config, jnp.asarray(x), self.cache.get(), mask=mask, lengths=lengths,
-            pages=pages, mask_fn=mask_fn, score_fn=score_fn, hint=_HINT,
+            pages=pages, mask_fn=mask_fn, score_fn=score_fn, tree_parents=tree_parents,
+            hint=_HINT,
         )  # fmt: skip
         self.cache.set(cache)
         return y
@@ -114,3 +116,10 @@ class LatentAttention(nnx.Module):
         if self.cache is None:
             raise ValueError("rewind needs a cache: call init_cache(batch, max_len) first")
         self.cache.set(policy_of(self.config).rewind(self.cache.get(), n))
+
+    def accept(self, kept) -> None:
+        """Keeps the accepted path of the last call's token tree (``kept`` (B, A), as
+        ``nanoattn.linen.accept`` takes it), moved into place; the rest taken back."""
+        if self.cache is None:
+            raise ValueError("accept needs a cache: call init_cache(batch, max_len) first")
+        self.cache.set(policy_of(self.config).accept(self.cache.get(), kept))
