@@ -132,7 +132,7 @@ def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attribut
         x.astype(jnp.int32) for x in (table, lengths, starts, offsets, tree)
     )
     N, K = q.shape[1], pools[0].shape[2]
-    call = _batchable(quantized, N // K, attributes)
+    call = _batchable(quantized, N // K if K > 1 else 0, attributes)
     return call(q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets, tree)
 
 
@@ -176,20 +176,23 @@ def _local_call(quantized: bool, attributes, q, *operands):
 @functools.cache
 def _partitioned(quantized: bool, G: int, attributes):
     """:func:`_local_call` under ``custom_partitioning``: the query's heads (K groups of
-    G) and the pools' K split alike; every other operand replicated."""
+    G) and the pools' K split alike; every other operand replicated. ``G`` 0: a pool of
+    one head (K = 1), which the query's heads may split without (a compound factor of
+    size 1 is no sharding rule)."""
     from jax.experimental.custom_partitioning import custom_partitioning
 
     local = functools.partial(_local_call, quantized, attributes)
     fn = custom_partitioning(local)
     pools = "p s k h, p s k v" + (", p s k, p s k" if quantized else "")
-    rule = f"t (k g) h, {pools}, b m, b, c, t, o, r w -> t (k g) v, t (k g)"
+    heads = {0: "n", 1: "k"}.get(G, "(k g)")
+    rule = f"t {heads} h, {pools}, b m, b, c, t, o, r w -> t {heads} v, t {heads}"
 
     def partition(mesh, arg_shapes, result_shape):
         shardings = tuple(a.sharding for a in arg_shapes)
         _check_heads(mesh, shardings[1], arg_shapes[1].shape[2])
         return mesh, local, tuple(r.sharding for r in result_shape), shardings
 
-    fn.def_partition(partition=partition, sharding_rule=rule, g=G)
+    fn.def_partition(partition=partition, sharding_rule=rule, **({"g": G} if G > 1 else {}))
     return fn
 
 
