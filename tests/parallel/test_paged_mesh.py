@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from _paths import TESTS
+from _paths import ROOT, TESTS
 
 
 def _run(which: str) -> dict:
@@ -127,3 +127,42 @@ def test_the_recall_engine_on_the_mesh_gives_every_request_the_one_device_tokens
     case = slow["engine"]
     assert case["differ"] == [] and case["tokens"] > 0, case
     assert case["compiled"] == 2, case  # one program per step size, none again
+
+
+@pytest.mark.slow
+def test_the_recall_engine_across_two_processes_gives_the_one_device_tokens(tmp_path):
+    """Two processes of 4 CPU devices joined on 127.0.0.1 (tests/_paged_multiprocess.py,
+    a free port, bounded time), each running the same host loop with its own copies of
+    the groups' allocators: every request's tokens equal the one-device engine's."""
+    import socket
+
+    from _paged_multiprocess import parts
+
+    from examples.recall.engine import Engine
+
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.json"
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(TESTS / "_paged_multiprocess.py"), str(port), str(i), str(out)],
+            env={**os.environ, "PYTHONPATH": path},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [log[1][-2000:] for log in logs]
+    model, requests, config = parts()
+    one = Engine(model, config, max(r.need for r in requests)).run(requests)
+    got = json.loads(out.read_text())
+    assert got["steps"] >= 2, got
+    assert {int(k): v for k, v in got["outputs"].items()} == one.outputs, (got, one.outputs)
