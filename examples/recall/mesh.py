@@ -1,8 +1,7 @@
-"""The engine on a mesh (:class:`MeshEngine`; not yet an option of ``python -m
-examples.recall serve``): continuous batching over a ``jax.sharding.Mesh`` of T x D
-devices, tensor parallel by heads over T ("model") and data parallel by groups over D
-("data"). docs/parallel.md, "Serving on a mesh", says how each array of a step is laid
-out.
+"""The engine on a mesh (:class:`MeshEngine`; ``python -m examples.recall serve --mesh
+TxD``): continuous batching over a ``jax.sharding.Mesh`` of T x D devices, tensor
+parallel by heads over T ("model") and data parallel by groups over D ("data").
+docs/parallel.md, "Serving on a mesh", says how each array of a step is laid out.
 
 * Every attention layer splits its heads over "model" (``AttentionConfig(head_axis=
   "model")``): each device holds N/T query heads and K/T key/value heads of every
@@ -61,7 +60,7 @@ def make_mesh(tensor: int, groups: int, devices=None) -> jax.sharding.Mesh:
     devices = jax.devices() if devices is None else devices
     if tensor * groups > len(devices):
         raise ValueError(
-            f"--mesh {tensor}x{groups} needs {tensor * groups} devices, jax has {len(devices)} "
+            f"it needs {tensor * groups} devices, jax has {len(devices)} "
             f"(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count={tensor * groups})"
         )
     chosen = np.asarray(devices[: tensor * groups]).reshape(groups, tensor)
@@ -88,7 +87,7 @@ class MeshEngine(Engine):
         graphdef, params, cache = nnx.split(paged, nnx.Param, ...)
         # from the host's copies: every process puts its own devices' parts (and the
         # cache gets buffers of its own, as the step donates it)
-        params, cache = jax.tree.map(np.asarray, (params, cache))
+        params, cache = jax.tree.map(_on_host, (params, cache))
         self.params = jax.device_put(params, _parameter_shardings(params, mesh))
         self.cache = jax.device_put(cache, cache_shardings(cache, mesh, head_axis="model",
                                                           data_axis="data"))  # fmt: skip
@@ -187,6 +186,11 @@ class MeshEngine(Engine):
             for request_id, b in takers:
                 outputs[request_id].append(int(row_tokens[b]))
         return outputs
+
+
+def _on_host(x):
+    """``x`` as a numpy array (a random key, as a dropout layer's, as it is)."""
+    return x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x)
 
 
 def _inputs(rows, fed, size: int, max_sequences: int):
