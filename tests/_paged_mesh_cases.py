@@ -104,28 +104,37 @@ def np_paged(q, kp, vp, table, lengths, starts):
     return out
 
 
-def heads_split(implementation: str, explicit: bool = False) -> dict:
-    """jax.jit(paged_attention) on inputs whose heads are sharded over "model"."""
+def heads_split(implementation: str, explicit: bool = False, quantized: bool = False) -> dict:
+    """jax.jit(paged_attention) on inputs whose heads are sharded over "model" (int8
+    pools: their scales (P, PS, K) too)."""
     mesh = mesh_of(explicit)
-    q, kp, vp, table, lengths, starts = group_inputs(0)
+    group = group_inputs(0)
+    q, kp, vp, table, lengths, starts, *scales = _quantized(group) if quantized else group
 
-    def call(q, kp, vp):
+    def call(q, kp, vp, *scales):
+        given = dict(key_scales=scales[0], value_scales=scales[1]) if scales else {}
         return nanoattn.paged_attention(q, kp, vp, table, lengths, starts,
-                                        implementation=implementation)  # fmt: skip
+                                        implementation=implementation, **given)  # fmt: skip
 
-    one = np.asarray(jax.jit(call)(q, kp, vp))
+    one = np.asarray(jax.jit(call)(q, kp, vp, *scales))
     heads, pool = NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P(None, None, "model"))
     with jax.set_mesh(mesh):
-        args = (jax.device_put(q, heads), jax.device_put(kp, pool), jax.device_put(vp, pool))
+        args = [jax.device_put(q, heads)]
+        args += [jax.device_put(x, pool) for x in (kp, vp, *scales)]
         out = jax.jit(call)(*args)
         text = jax.jit(call).lower(*args).compile().as_text()
-    return {
-        "case": f"{'explicit' if explicit else 'heads'}-{implementation}",
+    name = f"{'explicit' if explicit else 'heads'}-{implementation}" + (
+        "-int8" if quantized else ""
+    )
+    case = {
+        "case": name,
         "error": float(np.abs(np.asarray(out) - one).max()),
-        "reference": float(np.abs(np.asarray(out) - np_paged(*group_inputs(0))).max()),
         "spec": str(out.sharding.spec),
         "collectives": collectives(text),
-    }  # fmt: skip
+    }
+    if not quantized:
+        case["reference"] = float(np.abs(np.asarray(out) - np_paged(*group)).max())
+    return case
 
 
 SPLITS = {"groups": ("data", None), "heads": (None, "model"), "both": ("data", "model")}
@@ -166,6 +175,40 @@ def sharded_call(split: str, implementation: str, quantized: bool = False, **rul
         reference = np.concatenate([np_paged(*group) for group in groups])
         case["reference"] = float(np.abs(np.asarray(out) - reference).max())
     return case
+
+
+def shared_prefix_call(implementation: str) -> dict:
+    """shared_prefixes (cascade attention) split with the page table, by groups and
+    heads: each group's first two sequences share their first page."""
+    groups, shared = [], []
+    for g in range(G):
+        q, kp, vp, table, lengths, starts = group_inputs(g)
+        table = table.copy()
+        table[1, 0] = table[0, 0]
+        groups.append((q, kp, vp, table, lengths, starts))
+        shared.append(np.array([1, 1, 0], np.int32))
+    rules = dict(implementation=implementation)
+    want = np.concatenate([
+        np.asarray(nanoattn.paged_attention(*group, shared_prefixes=m, **rules))
+        for group, m in zip(groups, shared, strict=True)
+    ])  # fmt: skip
+
+    def call(*arrays, shared_prefixes):
+        return sharded_paged_attention(*arrays, data_axis="data", head_axis="model",
+                                       shared_prefixes=shared_prefixes, **rules)  # fmt: skip
+
+    arrays = (*joined(groups), np.concatenate(shared))
+    with jax.set_mesh(mesh_of()):
+        out = jax.jit(call)(*arrays[:6], shared_prefixes=arrays[6])
+        text = jax.jit(call).lower(*arrays[:6], shared_prefixes=arrays[6]).compile().as_text()
+    reference = np.concatenate([np_paged(*group) for group in groups])
+    return {
+        "case": f"call-both-{implementation}-shared",
+        "error": float(np.abs(np.asarray(out) - want).max()),
+        "reference": float(np.abs(np.asarray(out) - reference).max()),
+        "spec": str(out.sharding.spec),
+        "collectives": collectives(text),
+    }
 
 
 def _int8(x):
@@ -427,10 +470,12 @@ def cases(which: str):
     if which == "fast":
         yield from (calls(heads_split, b) for b in ("flash", "native"))
         yield from (calls(heads_split, b, True) for b in ("flash", "native"))
+        yield calls(heads_split, "native", False, True)
         yield from (calls(sharded_call, "both", b) for b in BACKENDS)
         yield from (calls(sharded_call, split, "xla") for split in ("groups", "heads"))
         yield calls(sharded_call, "both", "native", True)
         yield calls(per_head_rules, "flash")
+        yield calls(shared_prefix_call, "xla")
         yield refusals
         yield from (calls(layer_steps, "linen", split) for split in SPLITS)
         yield latent_groups
