@@ -17,6 +17,7 @@ and the heads split 4 ways. Every case compares with the same work on one device
   ``head_axis``, two steps, by groups (the step under shard_map over "data"), heads
   and both, and the pool collectives of the compiled head-sharded step;
 * latent-groups: the latent layer's paged step by groups;
+* grad-both-<backend>: the gradients to the queries and pools by groups and heads;
 * refusals: K = 2 on the 4-way axis, a latent pool asked to split its one head;
 * engine: the recall example's engine on the mesh against one device.
 """
@@ -209,6 +210,34 @@ def shared_prefix_call(implementation: str) -> dict:
         "spec": str(out.sharding.spec),
         "collectives": collectives(text),
     }
+
+
+def sharded_gradients(implementation: str) -> dict:
+    """The gradients to the queries and the pools of sharded_paged_attention by groups
+    and heads against each group's on one device (flash's paged backward inside
+    shard_map)."""
+    groups = [group_inputs(g) for g in range(G)]
+    weights = randn(7, G * TQ, N, H)
+
+    def loss(call, q, kp, vp, *rest):
+        return (call(q, kp, vp, *rest, implementation=implementation) * weights).sum()
+
+    def one(q, kp, vp, table, lengths, starts, g):
+        w = weights[g * TQ : (g + 1) * TQ]
+        out = nanoattn.paged_attention(q, kp, vp, table, lengths, starts,
+                                       implementation=implementation)  # fmt: skip
+        return (out * w).sum()
+
+    grad = jax.grad(one, argnums=(0, 1, 2))
+    want = [np.concatenate(parts) for parts in zip(*(grad(*x, g) for g, x in enumerate(groups)))]
+    sharded = functools.partial(sharded_paged_attention, data_axis="data", head_axis="model")
+    with jax.set_mesh(mesh_of()):
+        got = jax.jit(jax.grad(functools.partial(loss, sharded), argnums=(0, 1, 2)))(
+            *joined(groups)
+        )
+    error = max(float(np.abs(np.asarray(a) - b).max()) for a, b in zip(got, want, strict=True))
+    return {"case": f"grad-both-{implementation}", "error": error,
+            "real": max(float(np.abs(b).max()) for b in want)}  # fmt: skip
 
 
 def _int8(x):
@@ -476,6 +505,7 @@ def cases(which: str):
         yield calls(sharded_call, "both", "native", True)
         yield calls(per_head_rules, "flash")
         yield calls(shared_prefix_call, "xla")
+        yield calls(sharded_gradients, "flash")
         yield refusals
         yield from (calls(layer_steps, "linen", split) for split in SPLITS)
         yield latent_groups
@@ -485,6 +515,7 @@ def cases(which: str):
             yield from (calls(sharded_call, split, b) for b in ("flash", "native"))
         yield from (calls(sharded_call, "both", b, True) for b in ("xla", "flash"))
         yield calls(per_head_rules, "xla")
+        yield from (calls(sharded_gradients, b) for b in ("xla", "native"))
         yield calls(layer_steps, "nnx", "both")
         yield engine
 

@@ -74,6 +74,20 @@ def test_paged_calls_on_the_mesh_on_every_backend(slow, name):
     _check_call(slow[name])
 
 
+def test_gradients_through_the_sharded_call_equal_one_device(fast):
+    """The gradients to the queries and both pools by groups and heads (flash's paged
+    backward inside shard_map, its carries varying over the manual axes)."""
+    case = fast["grad-both-flash"]
+    assert case["error"] <= 1e-6 * case["real"], case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["xla", "native"])
+def test_gradients_through_the_sharded_call_on_every_backend(slow, implementation):
+    case = slow[f"grad-both-{implementation}"]
+    assert case["error"] <= 1e-6 * case["real"], case
+
+
 def test_heads_that_the_axis_cannot_split_are_refused_in_one_line(fast):
     """K = 2 on the 4-way head axis (the call, a paged layer, a cache's shardings), and a
     latent pool (K = 1) asked to split its heads."""

@@ -28,6 +28,7 @@ from ..._base.block_mask import CHUNK_CELLS, EMPTY, FULL, PARTIAL, BlockMask, cl
 from ..._base.mask_fn import evaluate_mask, grid
 from ..._base.quantized import NO_QUANTIZED_GRADIENTS
 from ..._base.rules import Rules
+from ..._base.shard_map import varying_like
 from .build import load
 
 _F32 = jnp.dtype(jnp.float32)
@@ -125,7 +126,8 @@ def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attribut
     Partitioned over heads by XLA (``custom_partitioning``): with the query's heads and
     the pools' key/value heads split over a mesh axis, each device runs the pass on its
     own heads (page table, lengths and starts replicated) and no key or value moves
-    between devices; an axis whose size does not divide K is refused in one line."""
+    between devices; an axis whose size does not divide K is refused in one line. Inside
+    ``jax.shard_map`` the results vary over the manual axes its operands vary over."""
     quantized = len(pools) == 4
     tree = jnp.zeros((0, 1), jnp.int32) if tree is None else tree
     table, lengths, starts, offsets, tree = (
@@ -133,7 +135,10 @@ def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attribut
     )
     N, K = q.shape[1], pools[0].shape[2]
     call = _batchable(quantized, N // K if K > 1 else 0, attributes)
-    return call(q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets, tree)
+    operands = (q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets, tree)
+    # Inside shard_map the FFI call's results vary over no axis by their type: marked as
+    # their operands do, or a gradient through them would be summed over the devices.
+    return varying_like(call(*operands), *operands)
 
 
 @functools.cache
