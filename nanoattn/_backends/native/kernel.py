@@ -28,7 +28,7 @@ from ..._base.block_mask import CHUNK_CELLS, EMPTY, FULL, PARTIAL, BlockMask, cl
 from ..._base.mask_fn import evaluate_mask, grid
 from ..._base.quantized import NO_QUANTIZED_GRADIENTS
 from ..._base.rules import Rules
-from ..._base.shard_map import varying_like
+from ..._base.shard_map import sum_to_varying, varying_like
 from .build import load
 
 _F32 = jnp.dtype(jnp.float32)
@@ -493,7 +493,9 @@ def _forward(q, k, v, *rows, attributes):
         (jax.ShapeDtypeStruct(q.shape, _F32), jax.ShapeDtypeStruct((B, T, N), _F32)),
         vmap_method="broadcast_all",
     )
-    return call(q, k, v, *rows, **_attributes(attributes))
+    # inside shard_map: the results vary as the operands do (an FFI result's type varies
+    # over no axis)
+    return varying_like(call(q, k, v, *rows, **_attributes(attributes)), q, k, v, *rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
@@ -527,6 +529,10 @@ def _attend_bwd(attributes, residuals, cotangents):
         *rows,
         **_attributes(attributes),
     )
+    # inside shard_map: each device's part, summed over the axes an input does not vary
+    # over (keys and values every device holds whole)
+    grads = varying_like((dq, dk, dv), q, k, v, out, lse, dout, dlse, *rows)
+    dq, dk, dv = (sum_to_varying(g, x) for g, x in zip(grads, (q, k, v), strict=True))
     return (dq, dk, dv) + (None,) * len(rows)
 
 
@@ -543,7 +549,8 @@ def _attend_quantized(q, k, v, key_scales, value_scales, offsets, lengths, q_seg
         vmap_method="broadcast_all",
     )
     rows = (offsets, lengths, q_seg, kv_seg, kinds, slots, bits)
-    return call(q, k, v, key_scales, value_scales, *rows, **_attributes(attributes))
+    operands = (q, k, v, key_scales, value_scales, *rows)
+    return varying_like(call(*operands, **_attributes(attributes)), *operands)  # shard_map
 
 
 def _attend_quantized_fwd(*operands):
