@@ -574,11 +574,11 @@ def rope_layer(name, P: int = 2, layout: str = "zigzag"):
     }  # fmt: skip
 
 
-def replicated_kv(name, P: int = 2):
+def replicated_kv(name, P: int = 2, implementation: str = "flash"):
     """The kernel (not the ring) inside shard_map over P devices: queries split over
-    the batch, keys, values and a bias replicated. Their gradients must be the sum
-    of every device's part (the transpose of the implicit broadcast), as jax's own
-    autodiff of the reference gives."""
+    the batch, keys, values and a bias replicated (no bias for native, which does not
+    serve one). Their gradients must be the sum of every device's part (the transpose
+    of the implicit broadcast), as jax's own autodiff of the reference gives."""
     from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as Spec
 
@@ -587,11 +587,13 @@ def replicated_kv(name, P: int = 2):
     q = rng.standard_normal((2 * P, 9, N, H), np.float32)
     k, v = (rng.standard_normal((2, 9, K, H), np.float32) for _ in range(2))
     bias = rng.standard_normal((1, N, 9, 9), np.float32)
+    with_bias = implementation != "native"  # both calls alike
 
     def grads(implementation):
         def loss(q, k, v, bias):
+            given = dict(bias=bias) if with_bias else {}
             out = nanoattn.dot_product_attention(
-                q, k, v, bias=bias, is_causal=True, implementation=implementation
+                q, k, v, is_causal=True, implementation=implementation, **given
             )
             return jnp.sum(out * out)
 
@@ -603,8 +605,10 @@ def replicated_kv(name, P: int = 2):
             q, k, v, bias
         )
 
-    flash, xla = grads("flash"), grads("xla")
-    errs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(flash, xla)]
+    kernel, xla = grads(implementation), grads("xla")
+    if implementation == "native":  # no bias: q, k, v only
+        kernel, xla = kernel[:3], xla[:3]
+    errs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(kernel, xla)]
     return {"case": name, "P": P, "grad_errs": errs,
             "grad_scales": [float(np.max(np.abs(np.asarray(b)))) for b in xla]}  # fmt: skip
 
@@ -633,6 +637,7 @@ CASES = [
     lambda: leak("leak-planted", planted=True),
     lambda: layer_case("layer-heads-linen", (2,), ("model",), head_axis="model"),
     lambda: replicated_kv("flash-replicated-kv"),
+    lambda: replicated_kv("native-replicated-kv", implementation="native"),
     # blocks of 8 in chunks of 12: several (padded) blocks per chunk pair, each with its
     # kind, and score_fn traced at the blocks, not the chunks (a bug the fuzz found)
     lambda: masked("mask-p2-zigzag-documents-relative-sinks", 2, "zigzag", "documents", T=48,

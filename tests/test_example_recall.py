@@ -11,6 +11,7 @@ import ast
 import collections
 import dataclasses
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -490,6 +491,28 @@ def test_serve_on_a_backend_that_cannot_serve_is_one_error_line(trained, capsys)
     assert "cannot serve this call: it serves no call" in line, line
 
 
+def test_serve_on_a_mesh_of_more_devices_than_jax_has_is_one_error_line(trained, capsys):
+    argv = ["serve", "--run", str(trained[2]), *TINY_SERVE, "--mesh", "2x4"]
+    line = usage_error(capsys, argv)
+    assert "--mesh 2x4: it needs 8 devices, jax has 1" in line, line
+
+
+@pytest.mark.slow  # a process of 8 simulated devices
+def test_serve_on_a_mesh_gives_every_request_the_one_device_tokens(trained):
+    """``serve --mesh 2x4`` as a user runs it (the tiny run's K = 2 heads split 2 ways,
+    4 groups): the engine on one device, then on the mesh, the same tokens."""
+    argv = ["-m", "examples.recall", "serve", "--run", str(trained[2]), *TINY_SERVE,
+            "--check", "0", "--target", "0", "--no-static", "--mesh", "2x4"]  # fmt: skip
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "XLA_FLAGS": flags.strip()},
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    assert "on a mesh of 2 x 4 devices" in done.stdout, done.stdout
+    assert "tokens equal on the mesh and on one device: yes" in done.stdout, done.stdout
+
+
 def test_the_whole_model_passes_nanoattn_verify(trained):
     model, _, _ = trained
     reports = verify.verify(model, seq_lens=(14,), decode_len=9)
@@ -663,6 +686,8 @@ BAD_OPTIONS = [
     (["serve", "--suffix-lengths", "5,3"], ["--suffix-lengths"]),
     (["speculate", "--nodes", "0"], ["--nodes"]),
     (["speculate", "--prompt-length", "1"], ["--prompt-length"]),
+    (["serve", "--mesh", "2x"], ["--mesh"]),
+    (["serve", "--mesh", "2x4", "--shared"], ["--mesh", "--shared"]),
     (["quantized", "--sequences", "0"], ["--sequences"]),
     (["verify", "--seq-lens", "1,x"], ["--seq-lens"]),
     (["verify", "--seq-lens", "0"], ["--seq-lens"]),

@@ -97,6 +97,19 @@ def _range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _mesh(text: str) -> tuple[int, int]:
+    """``TxD``: two positive integers, the mesh's head shards and data-parallel groups."""
+    try:
+        tensor, groups = (int(s) for s in text.lower().split("x"))
+    except ValueError:
+        tensor = groups = 0
+    if tensor < 1 or groups < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected TxD with positive integers (e.g. 2x4), got {text!r}"
+        )
+    return tensor, groups
+
+
 # The type of every option made from a config field: its range, checked as it is parsed.
 _FIELD_TYPES = {
     # TrainConfig
@@ -383,6 +396,16 @@ def _serve_parser(commands) -> None:
     p.add_argument(
         "--no-static", action="store_true", help="only the engine (no ratio: --target not judged)"
     )
+    p.add_argument(
+        "--mesh",
+        type=_mesh,
+        default=None,
+        metavar="TxD",
+        help="then the engine on a mesh of T x D devices (examples/recall/mesh.py: the "
+        "heads split T ways, D data-parallel groups with a pool of --pages pages each; on a "
+        "CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8), its tokens compared "
+        "with the engine's on one device; not with --shared or --prefix-cache",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -549,6 +572,8 @@ def _serve(parser, args) -> int:
     from . import engine, train
 
     prefix_cache = args.prefix_cache or args.shared
+    if args.mesh and prefix_cache:
+        parser.error("--mesh serves without a prefix cache: not with --shared or --prefix-cache")
     try:
         config = engine.EngineConfig(args.pages, args.page_size, args.max_sequences,
                                      args.step_tokens, prefix_cache)  # fmt: skip
@@ -567,6 +592,7 @@ def _serve(parser, args) -> int:
             f"tokens of cache cannot hold a request of {flags} and --new-tokens "
             f"({max(longest, capacity)} tokens): pass more --pages"
         )
+    on_mesh = _mesh_server(parser, args, model, config, longest)
     tokens = sum(r.new_tokens for r in requests)
     lengths = sorted(len(r.prompt) for r in requests)
     shared = (f" in {args.groups} groups, whose prompts share their first "
@@ -594,6 +620,8 @@ def _serve(parser, args) -> int:
         failed = _compare_prefix(serving, model, config, longest, pool)
     else:
         failed = _compare_static(serving, model, config, longest, pool, capacity)
+    if on_mesh is not None:
+        failed += _compare_mesh(serving, on_mesh, config)
     if args.check:
         checked = requests[: args.check]
         outputs = engine.alone(model, checked)
@@ -699,6 +727,33 @@ def _compare_static(serving: _Serving, model, config, longest: int, pool: str,
     if not same:
         failed.append("continuous and static batching gave different tokens")
     return failed
+
+
+def _mesh_server(parser, args, model, config, longest: int):
+    """The engine on a mesh of --mesh T x D devices (None without --mesh), made before
+    anything is served: too few devices, or heads that T does not divide, are one
+    ``error:`` line."""
+    if not args.mesh:
+        return None
+    from . import mesh
+
+    tensor, groups = args.mesh
+    try:
+        return mesh.MeshEngine(model, config, longest, mesh.make_mesh(tensor, groups))
+    except ValueError as e:
+        parser.error(f"--mesh {tensor}x{groups}: {e}")
+
+
+def _compare_mesh(serving: _Serving, server, config) -> list:
+    """The engine on the mesh: its tokens compared with the one-device engine's.
+    Returns why the exit status is 1, one phrase each."""
+    tensor, groups = serving.args.mesh
+    line = (f"continuous batching on a mesh of {tensor} x {groups} devices: the heads "
+            f"split {tensor} ways, {groups} groups of {config.pages} pages each")  # fmt: skip
+    serving.serve("engine-mesh", server, line)
+    same = serving.results["engine-mesh"].outputs == serving.results["engine"].outputs
+    print(f"every request's tokens equal on the mesh and on one device: {'yes' if same else 'NO'}")
+    return [] if same else ["the engine on the mesh gave different tokens"]
 
 
 def _compare_prefix(serving: _Serving, model, config, longest: int, pool: str) -> list:

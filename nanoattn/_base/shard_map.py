@@ -7,6 +7,7 @@ own ``shard_map``).
 """
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex
 
 
@@ -27,6 +28,15 @@ def varying_like(tree, *inputs):
     if not axes:
         return tree
     return jax.tree.map(lambda x: _vary_over(x, axes), tree)
+
+
+def insertion_index(ends, values):
+    """``jnp.searchsorted(ends, values, side="right")`` (int32) for a sorted 1-D
+    ``ends``, by counting (``jnp.searchsorted`` fails inside ``jax.shard_map`` in jax
+    0.10 when its inputs vary over a manual axis); ``values`` of any shape."""
+    values = jnp.asarray(values)
+    ends = jnp.reshape(ends, (1,) * values.ndim + jnp.shape(ends))  # (..., B)
+    return jnp.sum(ends <= values[..., None], axis=-1).astype(jnp.int32)
 
 
 def sum_to_varying(grad, primal):

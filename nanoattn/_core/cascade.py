@@ -49,6 +49,7 @@ import numpy as np
 
 from .._backends import dispatch
 from .._base.rules import RULE_NAMES, Rules, poison_rows
+from .._base.shard_map import insertion_index
 from .._base.validate import as_array, expect_integer, expect_shape
 from .api import attend
 from .eager import is_eager
@@ -178,7 +179,7 @@ def cascade_layout(rules: Rules, shared) -> CascadeLayout:
     pieces = jnp.where(rows > 0, -(-rows // jnp.maximum(keys, 1)), 0)  # (B,)
     ends = jnp.cumsum(pieces)
     slot = jnp.arange(B + -(-Tq // ps), dtype=jnp.int32)  # (Bg,)
-    group = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)  # B: unused
+    group = insertion_index(ends, slot)  # B: unused
     used, g = group < B, jnp.minimum(group, B - 1)
     first = (slot - (ends[g] - pieces[g])) * keys[g]  # the piece's first row in its group
     q_lens = jnp.where(used, jnp.clip(rows[g] - first, 0, keys[g]), 0)

@@ -248,6 +248,13 @@ def test_flash_inside_shard_map_sums_gradients_of_replicated_inputs(cases):
     assert min(case["grad_scales"]) > 0.1, case
 
 
+def test_native_inside_shard_map_sums_gradients_of_replicated_inputs(cases):
+    # its FFI results typed as varying like their operands; dk, dv summed over devices
+    case = cases["native-replicated-kv"]
+    assert max(case["grad_errs"]) <= 1e-4, case
+    assert min(case["grad_scales"]) > 0.1, case
+
+
 def test_head_parallel_layer_equals_one_device_and_gathers_nothing(cases):
     case = cases["layer-heads-linen"]
     assert case["err"] <= 1e-5, case

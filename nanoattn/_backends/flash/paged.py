@@ -24,12 +24,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from ..._base.mask_fn import closure_converted, evaluate_mask, evaluate_score
 from ..._base.numerics import large_negative, softmax_dtype, zero_unseen_keys
 from ..._base.paged import returned_entries, returned_reads, safe_page_table
 from ..._base.quantized import NO_QUANTIZED_GRADIENTS, dequantize
 from ..._base.rules import Rules
+from ..._base.shard_map import insertion_index, varying_like
 from .step import Layout, Scores, backward_step, finish, forward_step, scores
 
 BLOCK_Q = 16  # query rows per block: a decode token's block wastes few
@@ -165,8 +167,26 @@ def paged_flash_attention(query, key_pages, value_pages, rules: Rules):
         out = jnp.zeros(query.shape, query.dtype)
         lse = jnp.zeros((0, rules.N), softmax_dtype(query.dtype))
         return (out, lse) if rules.return_residual else out
-    out, lse = _attend(*paged_inputs(query, key_pages, value_pages, rules))
+    plan, inputs = paged_inputs(query, key_pages, value_pages, rules)
+    out, lse = on_auto_axes(functools.partial(_attend, plan), inputs.query, inputs)
     return (out, lse) if rules.return_residual else out
+
+
+def on_auto_axes(kernel, query, *arrays):
+    """``kernel(*arrays)`` -> (out (Tq, N, Hv), lse (Tq, N)) of a paged call whose query
+    (Tq, N, H) is ``query``. On a mesh with Explicit axes
+    (``jax.sharding.AxisType.Explicit``), where the kernel's loop carries would have to
+    carry the inputs' shardings in their types, it runs with those axes Auto
+    (``jax.sharding.auto_axes``): XLA partitions it as on an automatic mesh (each
+    device its own heads when the query's N and the pools' K are split: the native
+    call by its partitioning rule), the outputs laid out as the query's Tq and N."""
+    sharding = getattr(jax.typeof(query), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return kernel(*arrays)
+    rows = (*sharding.spec, None, None)[:2]
+    layout = (PartitionSpec(*rows, None), PartitionSpec(*rows))
+    return jax.sharding.auto_axes(kernel, out_sharding=layout)(*arrays)
 
 
 def _pairs(plan: PagedPlan, starts):
@@ -179,7 +199,7 @@ def _pairs(plan: PagedPlan, starts):
     count = ends[-1] if plan.B else jnp.int32(0)
 
     def pair(u):
-        b = jnp.searchsorted(ends, u, side="right").astype(jnp.int32)
+        b = insertion_index(ends, u)
         b = jnp.minimum(b, plan.B - 1)
         i = u - (ends[b] - blocks[b])
         return b, starts[b] + i * plan.block_q
@@ -308,6 +328,7 @@ def _forward(plan: PagedPlan, inputs: PagedInputs):
     out = jnp.zeros((rows, plan.K, plan.G, plan.Hv), acc)
     lse = jnp.full((rows, plan.K, plan.G), 0, acc)  # set to -inf where unseen at the end
     seen_heads = jnp.zeros((rows, plan.K, plan.G), bool)
+    out, lse, seen_heads = varying_like((out, lse, seen_heads), inputs)  # inside shard_map
     count, pair = _pairs(plan, inputs.starts)
 
     def one_pair(u, carry):
@@ -323,6 +344,7 @@ def _forward(plan: PagedPlan, inputs: PagedInputs):
             jnp.zeros((plan.K, plan.G, plan.block_q), acc),  # running sum
             jnp.zeros((plan.K, plan.G, plan.block_q, plan.Hv), acc),  # running output
         )
+        state = varying_like(state, inputs)
 
         def one_block(j, state):
             keys, values, k_pos, pages = _block(plan, inputs, b, j, acc)
@@ -381,6 +403,7 @@ def _backward(plan: PagedPlan, inputs: PagedInputs, out, lse, d_out, d_lse):
         jnp.zeros(inputs.value_pages.shape, acc),
         tuple(jnp.zeros_like(c) for c in inputs.consts),
     )
+    grads = varying_like(grads, inputs, out, lse, d_out, d_lse)  # inside shard_map
     count, pair = _pairs(plan, inputs.starts)
 
     def one_pair(u, grads):
@@ -410,7 +433,7 @@ def _backward(plan: PagedPlan, inputs: PagedInputs, out, lse, d_out, d_lse):
             d_consts = tuple(x + y for x, y in zip(d_consts, g.consts, strict=True))
             return dq_i, dk_pool, dv_pool, d_consts
 
-        zero = jnp.zeros((plan.block_q, plan.K, plan.G, plan.H), acc)
+        zero = varying_like(jnp.zeros((plan.block_q, plan.K, plan.G, plan.H), acc), dq)
         dq_i, dk_pool, dv_pool, d_consts = jax.lax.fori_loop(
             lo, hi, one_block, (zero, dk_pool, dv_pool, d_consts)
         )

@@ -28,6 +28,7 @@ from ..._base.block_mask import CHUNK_CELLS, EMPTY, FULL, PARTIAL, BlockMask, cl
 from ..._base.mask_fn import evaluate_mask, grid
 from ..._base.quantized import NO_QUANTIZED_GRADIENTS
 from ..._base.rules import Rules
+from ..._base.shard_map import sum_to_varying, varying_like
 from .build import load
 
 _F32 = jnp.dtype(jnp.float32)
@@ -125,15 +126,19 @@ def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attribut
     Partitioned over heads by XLA (``custom_partitioning``): with the query's heads and
     the pools' key/value heads split over a mesh axis, each device runs the pass on its
     own heads (page table, lengths and starts replicated) and no key or value moves
-    between devices; an axis whose size does not divide K is refused in one line."""
+    between devices; an axis whose size does not divide K is refused in one line. Inside
+    ``jax.shard_map`` the results vary over the manual axes its operands vary over."""
     quantized = len(pools) == 4
     tree = jnp.zeros((0, 1), jnp.int32) if tree is None else tree
     table, lengths, starts, offsets, tree = (
         x.astype(jnp.int32) for x in (table, lengths, starts, offsets, tree)
     )
     N, K = q.shape[1], pools[0].shape[2]
-    call = _batchable(quantized, N // K, attributes)
-    return call(q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets, tree)
+    call = _batchable(quantized, N // K if K > 1 else 0, attributes)
+    operands = (q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets, tree)
+    # Inside shard_map the FFI call's results vary over no axis by their type: marked as
+    # their operands do, or a gradient through them would be summed over the devices.
+    return varying_like(call(*operands), *operands)
 
 
 @functools.cache
@@ -176,20 +181,23 @@ def _local_call(quantized: bool, attributes, q, *operands):
 @functools.cache
 def _partitioned(quantized: bool, G: int, attributes):
     """:func:`_local_call` under ``custom_partitioning``: the query's heads (K groups of
-    G) and the pools' K split alike; every other operand replicated."""
+    G) and the pools' K split alike; every other operand replicated. ``G`` 0: a pool of
+    one head (K = 1), which the query's heads may split without (a compound factor of
+    size 1 is no sharding rule)."""
     from jax.experimental.custom_partitioning import custom_partitioning
 
     local = functools.partial(_local_call, quantized, attributes)
     fn = custom_partitioning(local)
     pools = "p s k h, p s k v" + (", p s k, p s k" if quantized else "")
-    rule = f"t (k g) h, {pools}, b m, b, c, t, o, r w -> t (k g) v, t (k g)"
+    heads = {0: "n", 1: "k"}.get(G, "(k g)")
+    rule = f"t {heads} h, {pools}, b m, b, c, t, o, r w -> t {heads} v, t {heads}"
 
     def partition(mesh, arg_shapes, result_shape):
         shardings = tuple(a.sharding for a in arg_shapes)
         _check_heads(mesh, shardings[1], arg_shapes[1].shape[2])
         return mesh, local, tuple(r.sharding for r in result_shape), shardings
 
-    fn.def_partition(partition=partition, sharding_rule=rule, g=G)
+    fn.def_partition(partition=partition, sharding_rule=rule, **({"g": G} if G > 1 else {}))
     return fn
 
 
@@ -485,7 +493,9 @@ def _forward(q, k, v, *rows, attributes):
         (jax.ShapeDtypeStruct(q.shape, _F32), jax.ShapeDtypeStruct((B, T, N), _F32)),
         vmap_method="broadcast_all",
     )
-    return call(q, k, v, *rows, **_attributes(attributes))
+    # inside shard_map: the results vary as the operands do (an FFI result's type varies
+    # over no axis)
+    return varying_like(call(q, k, v, *rows, **_attributes(attributes)), q, k, v, *rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
@@ -519,6 +529,10 @@ def _attend_bwd(attributes, residuals, cotangents):
         *rows,
         **_attributes(attributes),
     )
+    # inside shard_map: each device's part, summed over the axes an input does not vary
+    # over (keys and values every device holds whole)
+    grads = varying_like((dq, dk, dv), q, k, v, out, lse, dout, dlse, *rows)
+    dq, dk, dv = (sum_to_varying(g, x) for g, x in zip(grads, (q, k, v), strict=True))
     return (dq, dk, dv) + (None,) * len(rows)
 
 
@@ -535,7 +549,8 @@ def _attend_quantized(q, k, v, key_scales, value_scales, offsets, lengths, q_seg
         vmap_method="broadcast_all",
     )
     rows = (offsets, lengths, q_seg, kv_seg, kinds, slots, bits)
-    return call(q, k, v, key_scales, value_scales, *rows, **_attributes(attributes))
+    operands = (q, k, v, key_scales, value_scales, *rows)
+    return varying_like(call(*operands, **_attributes(attributes)), *operands)  # shard_map
 
 
 def _attend_quantized_fwd(*operands):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from ..._base.rules import Rules
 from ..._base.tree import tree_as_mask
-from ..flash.paged import PagedInputs, PagedPlan, paged_gradients, paged_inputs
+from ..flash.paged import PagedInputs, PagedPlan, on_auto_axes, paged_gradients, paged_inputs
 from .kernel import paged_forward_call, static_rules
 from .tree import tree_returned_reads, tree_rows
 
@@ -59,7 +59,8 @@ def native_paged_attention(query, key_pages, value_pages, rules: Rules):
         reads = tree_returned_reads(rules, positions)
         query = jnp.where(reads[:, None, None], jnp.nan, inputs.query)
         inputs = dataclasses.replace(inputs, query=query)
-    return _attend(plan, static_rules(rules), inputs, tree)
+    call = functools.partial(_attend, plan, static_rules(rules))
+    return on_auto_axes(call, inputs.query, inputs, tree)  # a mesh of Explicit axes: Auto
 
 
 def _forward(attributes, inputs: PagedInputs, tree):
