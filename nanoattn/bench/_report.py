@@ -3,6 +3,7 @@
 import json
 import pathlib
 
+from ._cascade import cascade_markdown
 from ._decode_report import decode_markdown
 from ._engine import engine_markdown
 from ._engine_prefix import prefix_markdown
@@ -44,6 +45,7 @@ def markdown(results: dict) -> str:
     lines += prefix_markdown((results.get("engine") or {}).get("prefix"))
     lines += selection_markdown(results.get("selection"))
     lines += tree_markdown(results.get("tree"))
+    lines += cascade_markdown(results.get("cascade"))
     lines += targets_markdown(results["targets"])
     notes = sorted(
         {

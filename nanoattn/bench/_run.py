@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from . import (
+    _cascade,
     _decode,
     _decode_cases,
     _decode_report,
@@ -77,6 +78,9 @@ class BenchConfig:
       selection: one decode token over selected keys against a decode over only as
         many keys and the dense decode over all (:mod:`nanoattn.bench._selection`):
         "full", "quick" or "", as ``serving``.
+      cascade: one decode token for each of B sequences sharing a prefix, with
+        ``shared_prefixes`` against without (:mod:`nanoattn.bench._cascade`): "full",
+        "quick" or "".
       tree: a token tree's verify call against a causal chunk of as many tokens over
         the same paged keys (:mod:`nanoattn.bench._tree`): "full", "quick" or "".
     """
@@ -99,6 +103,7 @@ class BenchConfig:
     decode: str = ""
     selection: str = ""
     tree: str = ""
+    cascade: str = ""
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -191,7 +196,7 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
     ``progress(part, done, total, label)`` (e.g. :class:`nanoattn.bench._progress.ItemLines`)
     is called before each measured item of each part ("peak", "grid", "targets",
     "generation", "window", "native", "masks", "serving", "decode", "engine",
-    "selection", "tree"), ``done``
+    "selection", "tree", "cascade"), ``done``
     of the part's ``total`` items being finished, and once with ``done == total`` when
     the part ends.
     Items skipped without being measured (torch missing, scores over ``max_score_gib``)
@@ -356,6 +361,16 @@ def _tree_part(config: BenchConfig, report, peak: float, no_torch):
     return row, _tree.tree_targets(row, judged=config.tree == "full")
 
 
+def _cascade_part(config: BenchConfig, report, peak: float, no_torch):
+    if not config.cascade:
+        return None, []
+    shape = {"full": _cascade.FULL, "quick": _cascade.QUICK}[config.cascade]
+    relay = _Relay(report, "cascade", "")
+    row = _cascade.measure_cascade(shape, relay)
+    relay.end()
+    return row, _cascade.cascade_targets(row, judged=config.cascade == "full")
+
+
 # The parts after the grid and the kernel's targets, in the order they run and report.
 PARTS = {
     "generation": _generation_part,
@@ -368,4 +383,5 @@ PARTS = {
     "engine": _engine_part,
     "selection": _selection_part,
     "tree": _tree_part,
+    "cascade": _cascade_part,
 }

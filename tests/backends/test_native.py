@@ -231,6 +231,8 @@ def test_bfloat16_is_as_close_to_the_truth_as_the_reference_in_bfloat16(T, S, kw
         np.testing.assert_array_equal(lse16, lse32)
 
 
+@pytest.mark.slow  # a second build of the kernel (about a minute); on an AVX2 machine every
+# native test of the fast suite runs this build, and `make test-all` runs this one here
 def test_the_avx2_build_serves_too_on_an_avx512_machine(tmp_path):
     # The kernel is built for the machine's ISA (-march=native). A narrower one is built
     # and tested here by turning AVX-512 off: its tiles and vector width differ.

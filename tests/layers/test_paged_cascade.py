@@ -146,7 +146,7 @@ def _decode_forks(cascade: bool) -> tuple[dict, list]:
 
 
 def test_a_layer_decoding_forks_equals_each_full_forward_with_and_without_the_cascade():
-    step, full, _ = _layer()
+    _, full, _ = _layer()
     before = len(TRACES)
     shared, groups = _decode_forks(True)
     assert groups[0] == [0] * SEQS and groups[1:] == [[2, 2, 0, 2, 2]] * 3
