@@ -44,6 +44,18 @@ def time_interleaved(runs: dict, *, rounds: int, warmup: int = 1, order=None) ->
     return {name: (float(np.median(t)), float(min(t))) for name, t in times.items()}
 
 
+def time_calls(calls: dict, rounds: int) -> dict:
+    """Each ``calls[name] = (fn, args)`` (``fn(*args)`` an array, blocked on) timed in
+    turn (:func:`time_interleaved`): ``{f"{name}_median_ms": ..., f"{name}_min_ms":
+    ...}``."""
+    runs = {name: (lambda fn=fn, args=args: fn(*args).block_until_ready())
+            for name, (fn, args) in calls.items()}  # fmt: skip
+    row = {}
+    for name, (median, best) in time_interleaved(runs, rounds=rounds).items():
+        row[f"{name}_median_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
+    return row
+
+
 def jax_pass(fn, backward: bool):
     """The forward, or forward+backward, of ``fn`` as one jitted function of (q, k, v)."""
     if not backward:

@@ -341,34 +341,21 @@ def _decode_part(config: BenchConfig, report, peak: float, no_torch):
     return decode, _decode_report.decode_targets(decode)
 
 
-def _selection_part(config: BenchConfig, report, peak: float, no_torch):
-    if not config.selection:
-        return None, []
-    shape = {"full": _selection.FULL, "quick": _selection.QUICK}[config.selection]
-    relay = _Relay(report, "selection", "")
-    row = _selection.measure_selection(shape, relay)
-    relay.end()
-    return row, _selection.selection_targets(row, judged=config.selection == "full")
+def _sized_part(part: str, module, measure, targets):
+    """The part ``part`` of a module with ``FULL`` and ``QUICK`` shapes, measured by
+    ``measure(shape, progress)`` and judged by ``targets(row, judged)`` (at full size)."""
 
+    def run(config: BenchConfig, report, peak: float, no_torch):
+        size = getattr(config, part)
+        if not size:
+            return None, []
+        shape = {"full": module.FULL, "quick": module.QUICK}[size]
+        relay = _Relay(report, part, "")
+        row = measure(shape, relay)
+        relay.end()
+        return row, targets(row, judged=size == "full")
 
-def _tree_part(config: BenchConfig, report, peak: float, no_torch):
-    if not config.tree:
-        return None, []
-    shape = {"full": _tree.FULL, "quick": _tree.QUICK}[config.tree]
-    relay = _Relay(report, "tree", "")
-    row = _tree.measure_tree(shape, relay)
-    relay.end()
-    return row, _tree.tree_targets(row, judged=config.tree == "full")
-
-
-def _cascade_part(config: BenchConfig, report, peak: float, no_torch):
-    if not config.cascade:
-        return None, []
-    shape = {"full": _cascade.FULL, "quick": _cascade.QUICK}[config.cascade]
-    relay = _Relay(report, "cascade", "")
-    row = _cascade.measure_cascade(shape, relay)
-    relay.end()
-    return row, _cascade.cascade_targets(row, judged=config.cascade == "full")
+    return run
 
 
 # The parts after the grid and the kernel's targets, in the order they run and report.
@@ -381,7 +368,9 @@ PARTS = {
     "serving": _serving_part,
     "decode": _decode_part,
     "engine": _engine_part,
-    "selection": _selection_part,
-    "tree": _tree_part,
-    "cascade": _cascade_part,
+    "selection": _sized_part(
+        "selection", _selection, _selection.measure_selection, _selection.selection_targets
+    ),
+    "tree": _sized_part("tree", _tree, _tree.measure_tree, _tree.tree_targets),
+    "cascade": _sized_part("cascade", _cascade, _cascade.measure_cascade, _cascade.cascade_targets),
 }

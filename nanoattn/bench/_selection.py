@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.api import dot_product_attention
-from ._measure import time_interleaved
+from ._measure import time_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +64,8 @@ def measure_selection(shape: SelectionShape, progress=None, implementation=None)
     before the measurement."""
     if progress:
         progress(0, 1, f"selection: {shape.k} of {shape.S} keys")
-    calls = _calls(shape, implementation)
-    runs = {name: (lambda fn=fn, args=args: fn(*args).block_until_ready())
-            for name, (fn, args) in calls.items()}  # fmt: skip
-    times = time_interleaved(runs, rounds=shape.rounds)
     row = dataclasses.asdict(shape) | {"status": "ok", "implementation": implementation}
-    for name, (median, best) in times.items():
-        row[f"{name}_median_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
+    row |= time_calls(_calls(shape, implementation), shape.rounds)
     row["selected_vs_small"] = row["selected_median_ms"] / row["small_median_ms"]
     row["dense_vs_selected"] = row["dense_median_ms"] / row["selected_median_ms"]
     return row

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.paged import paged_attention
-from ._measure import time_interleaved
+from ._measure import time_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +72,8 @@ def measure_tree(shape: TreeShape, progress=None, implementation=None) -> dict:
     """Median and min ms of the tree's call and the chunk's, and their ratio."""
     if progress:
         progress(0, 1, f"tree: {shape.T} drafts over {shape.C} keys")
-    runs = {name: (lambda fn=fn, args=args: fn(*args).block_until_ready())
-            for name, (fn, args) in _calls(shape, implementation).items()}  # fmt: skip
-    times = time_interleaved(runs, rounds=shape.rounds)
     row = dataclasses.asdict(shape) | {"status": "ok", "implementation": implementation}
-    for name, (median, best) in times.items():
-        row[f"{name}_median_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
+    row |= time_calls(_calls(shape, implementation), shape.rounds)
     row["tree_vs_chunk"] = row["tree_median_ms"] / row["chunk_median_ms"]
     return row
 
