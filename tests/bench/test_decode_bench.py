@@ -169,6 +169,7 @@ def test_the_part_gives_lines_not_processes_where_nothing_can_run(monkeypatch):
     monkeypatch.setattr(_decode, "measure_read", lambda mib, rounds: {
         "status": "ok", "gb_per_s": 4.0, "how": "jit sum", "bytes": mib * 2**20})  # fmt: skip
     monkeypatch.setattr(_onnx, "available", lambda: "onnxruntime is not installed (how)")
+    monkeypatch.setattr(_ejkernel, "available", lambda: None)  # installed or not: its process fakes
     monkeypatch.setattr(_decode, "paged_refusal", lambda name: "no" if name == "cudnn" else None)
     labels = []
     result = _decode.measure_decode(TINY, lambda i, n, label: labels.append(label),
