@@ -11,6 +11,7 @@ from ._masks import masks_markdown
 from ._native import native_markdown
 from ._selection import selection_markdown
 from ._serving import serving_markdown
+from ._sharded import sharded_markdown
 from ._tree import tree_markdown
 
 
@@ -46,6 +47,7 @@ def markdown(results: dict) -> str:
     lines += selection_markdown(results.get("selection"))
     lines += tree_markdown(results.get("tree"))
     lines += cascade_markdown(results.get("cascade"))
+    lines += sharded_markdown(results.get("sharded"))
     lines += targets_markdown(results["targets"])
     notes = sorted(
         {

@@ -21,6 +21,7 @@ from . import (
     _native,
     _selection,
     _serving,
+    _sharded,
     _targets,
     _torch,
     _tree,
@@ -81,6 +82,9 @@ class BenchConfig:
       cascade: one decode token for each of B sequences sharing a prefix, with
         ``shared_prefixes`` against without (:mod:`nanoattn.bench._cascade`): "full",
         "quick" or "".
+      sharded: one decoding step on one device against sharded by heads and by groups x
+        heads on 8 host devices, in a process of its own, informational
+        (:mod:`nanoattn.bench._sharded`): "full", "quick" or "".
       tree: a token tree's verify call against a causal chunk of as many tokens over
         the same paged keys (:mod:`nanoattn.bench._tree`): "full", "quick" or "".
     """
@@ -104,6 +108,7 @@ class BenchConfig:
     selection: str = ""
     tree: str = ""
     cascade: str = ""
+    sharded: str = ""
 
 
 def default_implementations() -> tuple[str, ...]:
@@ -196,7 +201,7 @@ def run_bench(config: BenchConfig, progress=None) -> dict:
     ``progress(part, done, total, label)`` (e.g. :class:`nanoattn.bench._progress.ItemLines`)
     is called before each measured item of each part ("peak", "grid", "targets",
     "generation", "window", "native", "masks", "serving", "decode", "engine",
-    "selection", "tree", "cascade"), ``done``
+    "selection", "tree", "cascade", "sharded"), ``done``
     of the part's ``total`` items being finished, and once with ``done == total`` when
     the part ends.
     Items skipped without being measured (torch missing, scores over ``max_score_gib``)
@@ -373,4 +378,5 @@ PARTS = {
     ),
     "tree": _sized_part("tree", _tree, _tree.measure_tree, _tree.tree_targets),
     "cascade": _sized_part("cascade", _cascade, _cascade.measure_cascade, _cascade.cascade_targets),
+    "sharded": _sized_part("sharded", _sharded, _sharded.measure_sharded, _sharded.sharded_targets),
 }

@@ -41,8 +41,8 @@ def add_parser(commands) -> None:
         "ids and against full causal, sinks and return_residual against the call without "
         "them, on flash and native), serving over a paged cache, the decode sweep against "
         "ONNX Runtime and ejkernel (when installed), multi-head latent attention and the "
-        "recall example's serving engine, attention over selected keys, token trees and "
-        "shared prefixes (--only lists the parts). "
+        "recall example's serving engine, attention over selected keys, token trees, "
+        "shared prefixes and the decode step on a mesh (--only lists the parts). "
         "Writes results.json, results.md and results.png (with matplotlib) to --out. "
         "Progress goes to stderr, a line per measured item: its part, the time elapsed in "
         "that part and an estimate of what is left.",
@@ -62,7 +62,8 @@ def _add_scope(bench) -> None:
         help=f"a short run: T in {','.join(map(str, QUICK_LENGTHS))}, the seed's "
         "head shape, generation at context 1024 (reported, not judged), no targets; "
         f"with --only masks, the masks part at T={MASKS_QUICK_LENGTH} (reported, not judged); "
-        "with --only serving, decode, engine, selection, tree or cascade, that part at small "
+        "with --only serving, decode, engine, selection, tree, cascade or sharded, that part "
+        "at small "
         "sizes "
         "(reported, not judged)",
     )
@@ -111,6 +112,9 @@ def _add_scope(bench) -> None:
         "cascade: 32 sequences sharing a 4096-token prefix (64 tokens more each), one "
         "decode token each, with shared_prefixes against without, judged; --quick: 4 "
         "sharing 256, not judged. "
+        "sharded: one decoding step of 16 sequences on one device against sharded by heads "
+        "(4 devices) and by 2 groups x heads (8), host devices simulated in a process of "
+        "its own, informational. "
         "Example: --only generation,window",
     )
 
@@ -190,7 +194,7 @@ def _add_judging_and_output(bench) -> None:
 
 
 PARTS = ("grid", "targets", "generation", "window", "native", "masks", "serving", "latent",
-         "decode", "engine", "selection", "tree", "cascade")  # fmt: skip
+         "decode", "engine", "selection", "tree", "cascade", "sharded")  # fmt: skip
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -256,6 +260,7 @@ def config_from_args(args) -> BenchConfig:
         selection=size if "selection" in parts else "",
         tree=size if "tree" in parts else "",
         cascade=size if "cascade" in parts else "",
+        sharded=size if "sharded" in parts else "",
     )
 
 
