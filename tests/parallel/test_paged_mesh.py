@@ -17,10 +17,11 @@ from _paths import ROOT, TESTS
 
 def _run(which: str) -> dict:
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # examples
     done = subprocess.run(
         [sys.executable, str(TESTS / "_paged_mesh_cases.py"), which],
-        env={**os.environ, "XLA_FLAGS": flags.strip()}, capture_output=True, text=True,
-        timeout=900,
+        env={**os.environ, "XLA_FLAGS": flags.strip(), "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
