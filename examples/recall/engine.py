@@ -463,18 +463,7 @@ class Engine:
         brought = [1 if tokens is None else len(tokens) for tokens in fed]
         size = next(s for s in self.sizes if s >= sum(brought))
         batch = alloc.batch([(live.request.id, n) for live, n in zip(rows, brought)], tokens=size)
-        tokens = np.full(size, data.PAD, np.int32)
-        source = np.full(size, -1, np.int32)  # >= 0: the row of `previous` to take
-        last = np.zeros(c.max_sequences, np.int32)
-        at = 0
-        for b, (live, chunk) in enumerate(zip(rows, fed)):
-            if chunk is None:
-                source[at] = live.row
-                at += 1
-            else:
-                tokens[at : at + len(chunk)] = chunk
-                at += len(chunk)
-            last[b], live.row = at - 1, b
+        tokens, source, last = step_inputs(rows, fed, size, c.max_sequences)
         self.cache, next_tokens = self.step(self.params, self.cache, previous, tokens, source,
                                             batch, last)  # fmt: skip
         alloc.confirm(batch)
@@ -505,6 +494,26 @@ class Engine:
             for request_id, b in takers:
                 outputs[request_id].append(int(row_tokens[b]))
         return outputs
+
+
+def step_inputs(rows, fed, size: int, max_sequences: int):
+    """A step's tokens (size,), their sources (size,) (>= 0: the row of the step
+    before's tokens to take, for a row decoding; -1: the token given) and each row's
+    last token (B,), the rows' chunks (a list of ids, or None: decode) laid end to end;
+    each row's ``live.row`` becomes its index."""
+    tokens = np.full(size, data.PAD, np.int32)
+    source = np.full(size, -1, np.int32)
+    last = np.zeros(max_sequences, np.int32)
+    at = 0
+    for b, (live, chunk) in enumerate(zip(rows, fed)):
+        if chunk is None:
+            source[at] = live.row
+            at += 1
+        else:
+            tokens[at : at + len(chunk)] = chunk
+            at += len(chunk)
+        last[b], live.row = at - 1, b
+    return tokens, source, last
 
 
 class Static:

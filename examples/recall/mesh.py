@@ -36,7 +36,15 @@ from jax.sharding import PartitionSpec as P
 from nanoattn.parallel import cache_shardings, concat_batches, logical_rules
 
 from . import data
-from .engine import Engine, EngineConfig, Served, recording_backends, step_sizes, workload
+from .engine import (
+    Engine,
+    EngineConfig,
+    Served,
+    recording_backends,
+    step_inputs,
+    step_sizes,
+    workload,
+)
 from .model import Decoder, ModelConfig
 
 
@@ -165,7 +173,7 @@ class MeshEngine(Engine):
             brought = [1 if t is None else len(t) for t in group_fed]
             pairs = [(live.request.id, n) for live, n in zip(group_rows, brought)]
             batches.append(alloc.batch(pairs, tokens=size))
-            columns.append(_inputs(group_rows, group_fed, size, self.config.max_sequences))
+            columns.append(step_inputs(group_rows, group_fed, size, self.config.max_sequences))
         tokens, source, last = (np.concatenate(parts) for parts in zip(*columns))
         with jax.set_mesh(self.mesh):
             self.cache, next_tokens = self.step(self.params, self.cache, previous, tokens,
@@ -191,24 +199,6 @@ class MeshEngine(Engine):
 def _on_host(x):
     """``x`` as a numpy array (a random key, as a dropout layer's, as it is)."""
     return x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x)
-
-
-def _inputs(rows, fed, size: int, max_sequences: int):
-    """A group's tokens (size,), their sources (size,) (>= 0: the row of the step
-    before's tokens) and each row's last token (B,), as ``Engine._step`` lays them."""
-    tokens = np.full(size, data.PAD, np.int32)
-    source = np.full(size, -1, np.int32)
-    last = np.zeros(max_sequences, np.int32)
-    at = 0
-    for b, (live, chunk) in enumerate(zip(rows, fed)):
-        if chunk is None:
-            source[at] = live.row
-            at += 1
-        else:
-            tokens[at : at + len(chunk)] = chunk
-            at += len(chunk)
-        last[b], live.row = at - 1, b
-    return tokens, source, last
 
 
 def _parameter_shardings(params, mesh):

@@ -315,16 +315,6 @@ def _latent_part(config: BenchConfig, report, peak: float, no_torch):
     return latent, _latent.latent_targets(latent["cache"], latent["decode"])
 
 
-def _serving_part(config: BenchConfig, report, peak: float, no_torch):
-    if not config.serving:
-        return None, []
-    shape = {"full": _serving.FULL, "quick": _serving.QUICK}[config.serving]
-    relay = _Relay(report, "serving", "")
-    serving = _serving.measure_serving(shape, relay)
-    relay.end()
-    return serving, _serving.serving_targets(serving)
-
-
 def _engine_part(config: BenchConfig, report, peak: float, no_torch):
     if not config.engine:
         return None, []
@@ -336,19 +326,10 @@ def _engine_part(config: BenchConfig, report, peak: float, no_torch):
     return engine, _engine.engine_targets(engine) + _engine_prefix.prefix_targets(engine["prefix"])
 
 
-def _decode_part(config: BenchConfig, report, peak: float, no_torch):
-    if not config.decode:
-        return None, []
-    sweep = {"full": _decode_cases.FULL, "quick": _decode_cases.QUICK}[config.decode]
-    relay = _Relay(report, "decode", "")
-    decode = _decode.measure_decode(sweep, relay)
-    relay.end()
-    return decode, _decode_report.decode_targets(decode)
-
-
 def _sized_part(part: str, module, measure, targets):
     """The part ``part`` of a module with ``FULL`` and ``QUICK`` shapes, measured by
-    ``measure(shape, progress)`` and judged by ``targets(row, judged)`` (at full size)."""
+    ``measure(shape, progress)`` and judged by ``targets(row, judged)`` (``judged``: at
+    full size; the serving and decode parts' targets see it in the row)."""
 
     def run(config: BenchConfig, report, peak: float, no_torch):
         size = getattr(config, part)
@@ -358,7 +339,7 @@ def _sized_part(part: str, module, measure, targets):
         relay = _Relay(report, part, "")
         row = measure(shape, relay)
         relay.end()
-        return row, targets(row, judged=size == "full")
+        return row, targets(row, size == "full")
 
     return run
 
@@ -370,13 +351,39 @@ PARTS = {
     "native": _native_part,
     "masks": _masks_part,
     "latent": _latent_part,
-    "serving": _serving_part,
-    "decode": _decode_part,
+    # measured and judged through lambdas, looked up when the part runs (tests stub them)
+    "serving": _sized_part(
+        "serving",
+        _serving,
+        lambda *a: _serving.measure_serving(*a),
+        lambda row, judged: _serving.serving_targets(row),
+    ),
+    "decode": _sized_part(
+        "decode",
+        _decode_cases,
+        lambda *a: _decode.measure_decode(*a),
+        lambda row, judged: _decode_report.decode_targets(row),
+    ),
     "engine": _engine_part,
     "selection": _sized_part(
-        "selection", _selection, _selection.measure_selection, _selection.selection_targets
+        "selection",
+        _selection,
+        lambda *a: _selection.measure_selection(*a),
+        lambda *a: _selection.selection_targets(*a),
     ),
-    "tree": _sized_part("tree", _tree, _tree.measure_tree, _tree.tree_targets),
-    "cascade": _sized_part("cascade", _cascade, _cascade.measure_cascade, _cascade.cascade_targets),
-    "sharded": _sized_part("sharded", _sharded, _sharded.measure_sharded, _sharded.sharded_targets),
+    "tree": _sized_part(
+        "tree", _tree, lambda *a: _tree.measure_tree(*a), lambda *a: _tree.tree_targets(*a)
+    ),
+    "cascade": _sized_part(
+        "cascade",
+        _cascade,
+        lambda *a: _cascade.measure_cascade(*a),
+        lambda *a: _cascade.cascade_targets(*a),
+    ),
+    "sharded": _sized_part(
+        "sharded",
+        _sharded,
+        lambda *a: _sharded.measure_sharded(*a),
+        lambda *a: _sharded.sharded_targets(*a),
+    ),
 }

@@ -367,17 +367,7 @@ def _nnx_decoder(module: _nnx.Module, capacity: int | None) -> Decoder | PagedDe
     if page_size is not None:
         return _nnx_paged(graphdef, state, full, page_size, _window_of(module))
     init, step = _nnx_steps(graphdef, state, "lengths")
-
-    @functools.partial(jit, static_argnums=0)
-    def take_back(graph, cache_state, n):
-        copy = _nnx.merge(graph, cache_state)
-        copy.rewind(n)
-        return _nnx.split(copy)[1]
-
-    def rewind(decoder_state, n):
-        graph, cache_state = decoder_state
-        return graph, take_back(graph, cache_state, n)
-
+    rewind = _nnx_cache_call("rewind")
     has_rewind = callable(getattr(module, "rewind", None))
     return Decoder(
         full, init, step, rewind=rewind if has_rewind else None, **_bounds(module, capacity)
@@ -389,18 +379,24 @@ def _nnx_trees(module: _nnx.Module, decoder) -> Decoder:
     (``tree_parents=``) and ``accept`` (``module.accept(kept)``)."""
     graphdef, state = _nnx.split(module)
     tree = _nnx_steps(graphdef, state, "tree_parents")[1]
+    return _with_trees(decoder, tree, _nnx_cache_call("accept"))
+
+
+def _nnx_cache_call(method: str):
+    """``(decoder_state, arg) -> decoder_state``: the NNX module's ``method(arg)``
+    (``rewind(n)``, ``accept(kept)``) on a copy of the decoder's state, jitted."""
 
     @functools.partial(jit, static_argnums=0)
-    def keep(graph, cache_state, kept):
+    def call(graph, cache_state, arg):
         copy = _nnx.merge(graph, cache_state)
-        copy.accept(kept)
+        getattr(copy, method)(arg)
         return _nnx.split(copy)[1]
 
-    def accept(decoder_state, kept):
+    def apply(decoder_state, arg):
         graph, cache_state = decoder_state
-        return graph, keep(graph, cache_state, kept)
+        return graph, call(graph, cache_state, arg)
 
-    return _with_trees(decoder, tree, accept)
+    return apply
 
 
 def _nnx_paged(graphdef, state, full, page_size: int, window: dict) -> PagedDecoder:
