@@ -212,6 +212,35 @@ def shared_prefix_call(implementation: str) -> dict:
     }
 
 
+def selection_call(implementation: str) -> dict:
+    """key_indices (sparse attention over chosen keys) split with the queries by groups,
+    the heads split too: each group's tokens select keys of their own sequences."""
+    groups = [group_inputs(g) for g in range(G)]
+    rng = np.random.default_rng(7)
+    chosen = [rng.integers(-1, int(group[4].max()), size=(TQ, 5)).astype(np.int32)
+              for group in groups]  # fmt: skip
+    rules = dict(implementation=implementation)
+    want = np.concatenate([
+        np.asarray(nanoattn.paged_attention(*group, key_indices=c, **rules))
+        for group, c in zip(groups, chosen, strict=True)
+    ])  # fmt: skip
+
+    def call(*arrays, key_indices):
+        return sharded_paged_attention(*arrays, data_axis="data", head_axis="model",
+                                       key_indices=key_indices, **rules)  # fmt: skip
+
+    arrays, chosen = joined(groups), np.concatenate(chosen)
+    with jax.set_mesh(mesh_of()):
+        out = jax.jit(call)(*arrays, key_indices=chosen)
+        text = jax.jit(call).lower(*arrays, key_indices=chosen).compile().as_text()
+    return {
+        "case": f"call-both-{implementation}-selected",
+        "error": float(np.abs(np.asarray(out) - want).max()),
+        "spec": str(out.sharding.spec),
+        "collectives": collectives(text),
+    }
+
+
 def sharded_gradients(implementation: str) -> dict:
     """The gradients to the queries and the pools of sharded_paged_attention by groups
     and heads against each group's on one device (flash's paged backward inside
@@ -505,6 +534,7 @@ def cases(which: str):
         yield calls(sharded_call, "both", "native", True)
         yield calls(per_head_rules, "flash")
         yield calls(shared_prefix_call, "xla")
+        yield calls(selection_call, "native")
         yield calls(sharded_gradients, "flash")
         yield refusals
         yield from (calls(layer_steps, "linen", split) for split in SPLITS)
