@@ -56,9 +56,9 @@ def sharded_paged_attention(query, key_pages, value_pages, page_table, kv_length
       **rules: the keywords of :func:`nanoattn.paged_attention`: ``sinks`` (N,) are
         split with the heads, ``key_scales`` and ``value_scales`` (G P, page_size, K)
         with the pool, ``tree_parents`` (G Tq,) and ``key_indices`` (G Tq, k) with the
-        queries, ``shared_prefixes`` (G B,) with the page table (each group's own groups); ``mask_fn(b, n, q_pos,
-        k_pos)`` and ``score_fn`` see b, the sequence's row in its group's page table,
-        and n, the query head's index among all N.
+        queries, ``shared_prefixes`` (G B,) with the page table (each group's own
+        groups); ``mask_fn(b, n, q_pos, k_pos)`` and ``score_fn`` see b, the sequence's
+        row in its group's page table, and n, the query head's index among all N.
 
     Returns:
       (G Tq, N, H) in the query's dtype, sharded over ``data_axis`` and ``head_axis``
