@@ -53,6 +53,31 @@ def path_attention(q, keys, values, committed: int, parents, i: int, window=None
     return out
 
 
+def test_the_ancestry_of_trees_up_to_a_deep_chain_equals_a_walk_up_the_parents():
+    """dense_tree's ancestors and depths against a plain walk from each token to its
+    root: random bushy trees, chains of 1 to 70 tokens, and a broken tree (all its
+    tokens zero)."""
+    from nanoattn._base.tree import dense_tree
+
+    rng = np.random.default_rng(7)
+    trees = [random_tree(rng, T, b) for T, b in [(1, 1), (2, 2), (13, 3), (37, 2), (64, 8)]]
+    trees += [list(range(-1, T - 1)) for T in (2, 3, 4, 5, 17, 33, 70)]
+    for parents in trees:
+        tree = dense_tree(jnp.asarray([parents], jnp.int32))
+        T = len(parents)
+        want = np.zeros((T, T), bool)
+        for i in range(T):
+            x = i
+            while x >= 0:
+                want[i, x] = True
+                x = parents[x]
+        np.testing.assert_array_equal(np.asarray(tree.ancestors[0]), want, err_msg=f"T={T}")
+        np.testing.assert_array_equal(np.asarray(tree.depth[0]), want.sum(1) - 1)
+        assert not np.asarray(tree.broken).any()
+    broken = dense_tree(jnp.asarray([[-1, 0, 2]], jnp.int32))  # a token its own parent
+    assert np.asarray(broken.broken).all() and not np.asarray(broken.ancestors).any()
+
+
 DENSE = [[-1, 0, 0, 1, 1, 2, -1], [-1, 0, 1, 2, 3, 4, 5]]  # a bushy tree, a chain
 COMMITTED = np.array([11, 4])
 
