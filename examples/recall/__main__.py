@@ -264,6 +264,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    _selection_parser(commands)
+
     p = commands.add_parser(
         "verify",
         help="nanoattn.verify on the trained model: causality, padding, decoding",
@@ -279,6 +281,36 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
         help="causality lengths, e.g. 1,2,8 (default: 1 to 513)",
     )
     return parser, commands.choices
+
+
+def _selection_parser(commands) -> None:
+    from .selection import PAGE_SIZE, SELECTIONS
+
+    p = commands.add_parser(
+        "selection",
+        help="query-aware page selection: greedy tokens and step time against every page",
+        description="Decodes held-out recall sequences with the model of the latest "
+        "checkpoint in --run through a paged KV cache (every sequence in one pool: one "
+        "step of their prompts, then one step of one token each, the sequences' own "
+        "tokens fed), once reading every page and once per --select k with page selection "
+        "in the global blocks (each decode query reads the k pages whose keys bound its "
+        "logits highest and its last page), and prints how often each one's greedy token "
+        "equals the decoding of every page and the answer, and the time of a decode step. "
+        "Page selection changes the answer: this says by how much.",
+    )
+    _run_option(p)
+    p.add_argument(
+        "--sequences", type=positive_int, default=200, help="held-out recall sequences (200)"
+    )
+    p.add_argument("--page-size", type=positive_int, default=PAGE_SIZE,
+                   help=f"tokens of a page ({PAGE_SIZE})")  # fmt: skip
+    default = ",".join(map(str, SELECTIONS))
+    p.add_argument(
+        "--select",
+        type=_lengths,
+        default=list(SELECTIONS),
+        help=f"the pages k read besides the last, comma-separated ({default})",
+    )
 
 
 def _speculate_parser(commands) -> None:
@@ -861,6 +893,28 @@ def _speculate(parser, args) -> int:
     return 0 if result.equal else 1
 
 
+def _selection(parser, args) -> int:
+    from . import selection, train
+
+    model, run, step = train.restore(_checkpoints(parser, args))
+    prompt, T = 2 + 2 * run.task.pairs, run.task.seq_len
+    pages = -(-T // args.page_size)
+    print(
+        f"model of step {step} in {args.run}; {args.sequences} held-out recall sequences of "
+        f"{T} tokens ({pages} pages of {args.page_size}), {T - prompt} decoding steps each"
+    )
+    found = selection.measure(model, run.task, run.train.seed, args.sequences,
+                              args.page_size, args.select)  # fmt: skip
+    print(f"  {'pages read':22}{'equal to every page':>22}{'answers right':>16}{'ms a step':>12}")
+    for s in found:
+        a = s.agreement
+        name = "every page" if s.pages is None else f"{s.pages} and the last"
+        equal = f"{a.equal}/{a.steps} {a.fraction:.2%}"
+        right = f"{a.answers_right / a.answer_steps:.2%}"
+        print(f"  {name:22}{equal:>22}{right:>16}{s.seconds * 1e3:>12.2f}")
+    return 0
+
+
 def _verify(parser, args) -> int:
     from . import train, verify
 
@@ -891,7 +945,7 @@ def main(argv=None) -> int:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     commands_run = {"train": _train, "generate": _generate, "serve": _serve,
                     "speculate": _speculate, "quantized": _quantized,
-                    "verify": _verify}  # fmt: skip
+                    "selection": _selection, "verify": _verify}  # fmt: skip
     run = commands_run[args.command]
     return run(commands[args.command], args)
 

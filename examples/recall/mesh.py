@@ -54,8 +54,8 @@ class HeadParallel(ModelConfig):
 
     head_axis: str | None = None
 
-    def attention(self, layer: int, page_size=None, kv_cache_dtype=None):
-        config = super().attention(layer, page_size, kv_cache_dtype)
+    def attention(self, layer: int, page_size=None, kv_cache_dtype=None, page_selection=None):
+        config = super().attention(layer, page_size, kv_cache_dtype, page_selection)
         return dataclasses.replace(config, head_axis=self.head_axis)
 
 

@@ -70,16 +70,20 @@ class ModelConfig:
             self.attention(layer)
 
     def attention(
-        self, layer: int, page_size: int | None = None, kv_cache_dtype: str | None = None
-    ) -> AttentionConfig:
+        self, layer: int, page_size: int | None = None, kv_cache_dtype: str | None = None,
+        page_selection: int | None = None,
+    ) -> AttentionConfig:  # fmt: skip
         """The attention of block ``layer``: local in the even blocks but the last;
         with ``page_size``, decoding through a paged KV cache (the engine's); with
-        ``kv_cache_dtype`` (``"int8"``, ``"float8_e4m3fn"``), a quantized cache."""
+        ``kv_cache_dtype`` (``"int8"``, ``"float8_e4m3fn"``), a quantized cache; with
+        ``page_selection`` k, a global block's decode steps read k pages and their last
+        (selection.py; a local block reads its window)."""
         local = self.local_window is not None and layer % 2 == 0 and layer < self.n_layers - 1
         return AttentionConfig(
             window=(self.local_window, 0) if local else None,
             page_size=page_size,
             kv_cache_dtype=kv_cache_dtype,
+            page_selection=None if local else page_selection,
             implementation=self.implementation,
             d_model=self.d_model,
             n_heads=self.n_heads,
@@ -106,11 +110,11 @@ class Block(nnx.Module):
 
     def __init__(
         self, config: ModelConfig, layer: int, *, page_size=None, kv_cache_dtype=None,
-        rngs: nnx.Rngs,
+        page_selection=None, rngs: nnx.Rngs,
     ):  # fmt: skip
         D = config.d_model
         self.attn_norm = nnx.RMSNorm(D, rngs=rngs)
-        attention = config.attention(layer, page_size, kv_cache_dtype)
+        attention = config.attention(layer, page_size, kv_cache_dtype, page_selection)
         self.attn = CausalSelfAttention(attention, deterministic=True, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(D, rngs=rngs)
         self.mlp = MLP(D, config.mlp_ratio * D, rngs=rngs)
@@ -136,8 +140,9 @@ class Decoder(nnx.Module):
     """A decoder-only transformer: token ids (B, T) -> logits (B, T, V).
 
     ``page_size`` gives every layer a paged KV cache (the engine's), ``kv_cache_dtype``
-    a quantized one (``"int8"``, ``"float8_e4m3fn"``; quantized.py); the parameters are
-    the same whatever the cache.
+    a quantized one (``"int8"``, ``"float8_e4m3fn"``; quantized.py), ``page_selection``
+    (with ``page_size``) page selection in the global layers (selection.py); the
+    parameters are the same whatever the cache.
 
     Example:
       >>> import jax.numpy as jnp
@@ -153,13 +158,21 @@ class Decoder(nnx.Module):
         *,
         page_size: int | None = None,
         kv_cache_dtype: str | None = None,
+        page_selection: int | None = None,
         rngs: nnx.Rngs,
     ):
         self.config = config
         self.embed = nnx.Embed(config.vocab, config.d_model, rngs=rngs)
         self.blocks = nnx.List(
             [
-                Block(config, i, page_size=page_size, kv_cache_dtype=kv_cache_dtype, rngs=rngs)
+                Block(
+                    config,
+                    i,
+                    page_size=page_size,
+                    kv_cache_dtype=kv_cache_dtype,
+                    page_selection=page_selection,
+                    rngs=rngs,
+                )
                 for i in range(config.n_layers)
             ]
         )

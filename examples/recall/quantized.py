@@ -95,6 +95,17 @@ class Agreement:
     def answer_fraction(self) -> float:
         return self.answer_equal / self.answer_steps
 
+    @classmethod
+    def of(cls, greedy, reference, truth, graded) -> "Agreement":
+        """Greedy tokens (B, steps) against the ``reference`` ones and the ``truth``,
+        ``graded`` (B, steps) True at the steps that predict an answer."""
+        same = greedy == reference
+        return cls(
+            steps=same.size, equal=int(same.sum()), answer_steps=int(graded.sum()),
+            answer_equal=int(same[graded].sum()),
+            answers_right=int((greedy == truth)[graded].sum()),
+        )  # fmt: skip
+
 
 def greedy_steps(model: Decoder, tokens: np.ndarray, prefix: int) -> np.ndarray:
     """The greedy token of every decoding step, (B, T - prefix): step i predicts token
@@ -135,12 +146,7 @@ def agreement(
         progress(f"greedy tokens, {_name(dtype)} cache")
         greedy = greedy_steps(with_cache(model, dtype), tokens, prefix)
         reference = greedy if dtype is None else reference
-        same = greedy == reference
-        out[dtype] = Agreement(
-            steps=same.size, equal=int(same.sum()), answer_steps=int(graded.sum()),
-            answer_equal=int(same[graded].sum()),
-            answers_right=int((greedy == truth)[graded].sum()),
-        )  # fmt: skip
+        out[dtype] = Agreement.of(greedy, reference, truth, graded)
     return out
 
 

@@ -78,6 +78,14 @@ class AttentionConfig:
         of any of them token-major (x (1, Tq, D)) with ``pages=``, a ``PagedBatch``
         of a ``nanoattn.PageAllocator`` (docs/decoding.md, "Paged caches"). Not with
         ``rolling_cache`` or ``sequence_axis``.
+      page_selection: None, or k >= 1, needs ``page_size`` and no ``window``:
+        query-aware page selection (Quest): the pool keeps each page's elementwise
+        minimum and maximum key per key/value head, and a decode row (a sequence
+        bringing one token) of more than k + 1 pages reads only the k pages whose
+        keys can score highest for its query (the maximum over its heads of
+        ``sum_h max(q_h min_h, q_h max_h)``) and its last page. This changes the
+        answer (docs/decoding.md, "Page selection"); prefill chunks and token trees
+        read every page. Not with ``mask_fn`` or ``score_fn`` at the call.
       sink_tokens: S0 >= 0, needs a ``window``: the first S0 positions stay
         visible to every later query in addition to the window (StreamingLLM),
         in training and decoding; a rolling cache keeps their slots. Not the
@@ -164,6 +172,7 @@ class AttentionConfig:
     out_bias: bool | None = None
     page_size: int | None = None
     kv_cache_dtype: str | None = None
+    page_selection: int | None = None
 
     def __post_init__(self):
         for name in ("d_model", "n_heads"):
@@ -208,7 +217,22 @@ class AttentionConfig:
         object.__setattr__(self, "param_dtype", float_dtype("param_dtype", self.param_dtype))
 
     def _check_paging(self) -> None:
-        size = self.page_size
+        size, k = self.page_size, self.page_selection
+        if k is not None:
+            if not _is_int(k) or k < 1:
+                raise ValueError(
+                    f"page_selection must be an int >= 1 (the pages a decode query reads "
+                    f"besides its last) or None, got page_selection={k!r}"
+                )
+            if size is None:
+                raise ValueError(
+                    f"page_selection={k} needs page_size: it selects pages of a paged KV cache"
+                )
+            if self.window is not None:
+                raise ValueError(
+                    f"page_selection={k} is for a global layer, got window={self.window}: a "
+                    f"windowed layer reads only the pages in its window already"
+                )
         if size is None:
             return
         if not _is_int(size) or size < 1:

@@ -11,7 +11,9 @@ query may read and how many tokens a call may bring is the cache policy's
 rolling one a ring of slots). A quantized cache
 (``AttentionConfig(kv_cache_dtype=)``) holds int8 or float8 keys and values and two
 more arrays, ``"key_scales"`` and ``"value_scales"`` (B, S, K) float32
-(:mod:`.quantized`). A row whose position is negative (``POISONED``) is poisoned (an
+(:mod:`.quantized`). A paged cache with page selection keeps one more,
+``"key_bounds"`` (P, 2, K, H) float32, each page's box of keys (:mod:`.page_selection`).
+A row whose position is negative (``POISONED``) is poisoned (an
 invalid call or rewind under ``jit``): its outputs are NaN until it is reset. The
 linen modules keep the cache in the ``"cache"`` collection, the NNX modules in
 ``nnx.Cache`` variables; both advance it with :func:`decode` of
@@ -34,7 +36,9 @@ class KVCache(NamedTuple):
     """key: (B, S, K, H); value: (B, S, K, Hv) (Hv = H but in a latent cache);
     position: (B,) int32, the tokens each row has taken; last: (B,) int32, the tokens
     each row took in its last call; key_scales, value_scales: (B, S, K) float32, the
-    scales of a quantized cache's keys and values (None for a float cache)."""
+    scales of a quantized cache's keys and values (None for a float cache);
+    key_bounds: (P, 2, K, H) float32, a paged cache's per-page minimum and maximum of
+    its keys with page selection (None otherwise)."""
 
     key: jax.Array
     value: jax.Array
@@ -42,16 +46,18 @@ class KVCache(NamedTuple):
     last: jax.Array
     key_scales: Any = None
     value_scales: Any = None
+    key_bounds: Any = None
 
 
 # The fields of a float cache's state, and those a quantized cache adds.
 FLOAT_FIELDS = KVCache._fields[:4]
-SCALE_FIELDS = KVCache._fields[4:]
+SCALE_FIELDS = ("key_scales", "value_scales")
 
 
-def fields(quantized: bool) -> tuple[str, ...]:
-    """The names of the arrays of a cache's state (a float or a quantized one)."""
-    return KVCache._fields if quantized else FLOAT_FIELDS
+def fields(quantized: bool, bounded: bool = False) -> tuple[str, ...]:
+    """The names of the arrays of a cache's state (a float or a quantized one; with the
+    key bounds of page selection when ``bounded``)."""
+    return FLOAT_FIELDS + SCALE_FIELDS * quantized + ("key_bounds",) * bounded
 
 
 def as_mapping(cache: KVCache) -> dict:
@@ -169,8 +175,9 @@ def rewind(cache: KVCache, n) -> KVCache:
 
 def is_cache(tree) -> bool:
     """Whether ``tree`` is one layer's cache: a mapping of exactly the fields of a
-    float or of a quantized KVCache."""
-    return isinstance(tree, Mapping) and set(tree) in (set(FLOAT_FIELDS), set(KVCache._fields))
+    float or of a quantized KVCache (with the key bounds of page selection or not)."""
+    kinds = [set(fields(q, b)) for q in (False, True) for b in (False, True)]
+    return isinstance(tree, Mapping) and set(tree) in kinds
 
 
 def cache_bytes(tree) -> dict[str, int]:
@@ -180,7 +187,8 @@ def cache_bytes(tree) -> dict[str, int]:
     lone layer's cache): every array of the layer's cache, i.e.
     ``2 * B * S * K * H * itemsize`` for keys and values plus ``8 * B`` for
     ``position`` and ``last``, and for a quantized cache ``2 * B * S * K * 4`` for
-    the scales. Works on shapes too (``jax.eval_shape``'s output).
+    the scales (and ``P * 2 * K * H * 4`` for a page-selecting pool's key bounds).
+    Works on shapes too (``jax.eval_shape``'s output).
     """
     found = {}
 

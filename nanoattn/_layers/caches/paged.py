@@ -40,6 +40,7 @@ from .. import positional
 from . import quantized
 from .kv_cache import KVCache, quantized_zeros
 from .moves import check_moves, move_slots, move_spoils, no_moves
+from .page_selection import empty_bounds, select_pages, update_bounds
 from .policy import CachePolicy, StepLayout
 from .tree import paged_rows, tree_returned_reads
 
@@ -88,11 +89,14 @@ class PagedBatch:
 @dataclasses.dataclass(frozen=True)
 class PagedCache(CachePolicy):
     """The policy of a paged cache of pages of ``page_size`` tokens, for a layer with
-    ``window`` (None or ``(left, right)``) and ``sink_tokens``."""
+    ``window`` (None or ``(left, right)``) and ``sink_tokens``; with ``page_selection``
+    k, a decode row reads its k pages of highest key bound and its last one
+    (:mod:`.page_selection`)."""
 
     page_size: int
     window: tuple[int, int] | None = None
     sink_tokens: int = 0
+    page_selection: int | None = None
 
     name: ClassVar[str] = "paged"
     wraps: ClassVar[bool] = False
@@ -132,7 +136,10 @@ class PagedCache(CachePolicy):
         key, key_scales = quantized_zeros((*pages, head_dim), dtype)
         value, value_scales = quantized_zeros((*pages, Hv), dtype)
         rows = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
-        return KVCache(key, value, *rows, key_scales, value_scales)
+        bounds = None
+        if self.page_selection is not None:
+            bounds = empty_bounds(pages[0], kv_heads, head_dim)
+        return KVCache(key, value, *rows, key_scales, value_scales, bounds)
 
     def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str,
                 tree_parents=None) -> StepLayout:  # fmt: skip
@@ -237,17 +244,45 @@ class PagedCache(CachePolicy):
             pool = flat.reshape(pool.shape)
             return pool.at[page, slot].set(new[0].astype(pool.dtype), mode="drop")
 
-        return quantized.store(cache, k, v, write)
+        written = quantized.store(cache, k, v, write)
+        if cache.key_bounds is None:
+            return written
+        flat = lambda x: x.reshape(P * ps, *x.shape[2:])  # noqa: E731
+        moved = flat(cache.key)[moved_from].astype(jnp.float32)  # (V, K, H), before the step
+        if cache.key_scales is not None:
+            moved = moved * flat(cache.key_scales)[moved_from][..., None]
+        bounds = update_bounds(
+            cache.key_bounds, copy_source=source, copy_target=target, moved=moved,
+            moved_page=moved_to // ps, moved_slot=moved_to % ps, new=k[0], page=page, slot=slot,
+        )  # fmt: skip
+        return written._replace(key_bounds=bounds)
 
     def attention(self, cache: KVCache, layout: StepLayout, q, *, dense, paged, mask,
                   mask_fn, score_fn):  # fmt: skip
         """``paged`` over the pool: causal, the window (or, with sink tokens, a mask_fn
-        that keeps them) and the user's functions at the sequence's positions."""
+        that keeps them) and the user's functions at the sequence's positions; with page
+        selection, each decode row over its selected pages."""
         if mask is not None:
             raise ValueError(
                 "mask is not served by a paged KV cache (its keys are no (B, S) row); "
                 "give the rule as mask_fn, which sees each key's position"
             )
+        pages = layout.pages
+        if self.page_selection is not None:
+            for name, given in (("mask_fn", mask_fn), ("score_fn", score_fn)):
+                if given is not None:
+                    raise ValueError(
+                        f"{name} is not served with page_selection: a decode row reads its "
+                        f"selected pages as one run of keys, so their positions are not "
+                        f"the sequence's"
+                    )
+            table, lengths = select_pages(
+                q[0], cache.key_bounds, pages.page_table, pages.kv_lengths, pages.query_starts,
+                self.page_selection, self.page_size,
+            )  # fmt: skip
+            # each row over its own pages: no shared pass
+            pages = dataclasses.replace(pages, page_table=table, kv_lengths=lengths,
+                                        shared_prefixes=None)  # fmt: skip
         window_or_sink = positional.window_mask(self.window, self.sink_tokens)
         rules = dict(
             is_causal=True, mask_fn=positional.and_masks(window_or_sink, mask_fn),
@@ -257,10 +292,10 @@ class PagedCache(CachePolicy):
             rules["window"] = self.window
         if layout.tree is not None:
             rules["tree_parents"] = layout.tree.parents  # (Tq,)
-        if layout.pages.shared_prefixes is not None:  # each group's pages read once
-            rules["shared_prefixes"] = layout.pages.shared_prefixes
+        if pages.shared_prefixes is not None:  # each group's pages read once
+            rules["shared_prefixes"] = pages.shared_prefixes
         keys, values, scales = quantized.read(cache, cache.key, cache.value, q.dtype)
-        return paged(q, keys, values, layout.pages, **rules, **scales)
+        return paged(q, keys, values, pages, **rules, **scales)
 
     @property
     def band(self) -> tuple:

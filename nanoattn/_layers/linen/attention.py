@@ -353,7 +353,9 @@ class CausalSelfAttention(nn.Module):
 
         variables = {
             name: self.variable(CACHE, name, lambda name=name: getattr(empty(), name))
-            for name in kv_cache.fields(cfg.kv_cache_dtype is not None)
+            for name in kv_cache.fields(
+                cfg.kv_cache_dtype is not None, cfg.page_selection is not None
+            )
         }
         if fresh:  # init: an empty cache of capacity T; the output is the full forward of x
             return steps.self_attention(
