@@ -1,7 +1,10 @@
 """Sparse attention over chosen keys (``key_indices``, docs/conventions.md "Selected
 keys"): one decode token reading k selected keys of a long cache, against a decode over
 a cache of only k keys (what reading only the selection should cost) and against the
-dense decode over every key (what the selection saves).
+dense decode over every key (what the selection saves). Beside them, query-aware page
+selection (docs/decoding.md "Page selection") over the same cache as a pool of pages of
+16: the pages ranked by their key bounds, then the paged call over the k / 16 chosen
+(the last among them), as a layer with ``page_selection`` decodes.
 
 The three calls run on one backend (by default the automatic choice: native on a CPU),
 in one process, timed in turn (one kernel, no peer's thread pool to spin). Issue 51's
@@ -16,7 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.api import dot_product_attention
+from .._core.paged import paged_attention
+from .._layers.caches.page_selection import select_pages
 from ._measure import time_calls
+
+PAGE_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +63,26 @@ def _calls(shape: SelectionShape, implementation):
         "selected": (call, (q, k, v, indices)),
         "small": (call, (q, k[:, : s.k], v[:, : s.k])),
         "dense": (call, (q, k, v)),
+        "pages": _page_selection(shape, implementation, q, k, v),
     }
+
+
+def _page_selection(shape: SelectionShape, implementation, q, k, v):
+    """The page-selecting decode: (fn, args) over the cache as pages of 16 with each
+    page's key bounds (computed once, as the layer keeps them)."""
+    s, ps = shape, PAGE_SIZE
+    P = s.S // ps
+    key_pages, value_pages = (x[0].reshape(P, ps, s.K, s.H) for x in (k, v))
+    bounds = jnp.stack([key_pages.min(axis=1), key_pages.max(axis=1)], axis=1)  # (P, 2, K, H)
+    table = jnp.arange(P, dtype=jnp.int32)[None]
+    lengths, starts = jnp.array([s.S], jnp.int32), jnp.array([0, 1], jnp.int32)
+
+    def attend(q, key_pages, value_pages, bounds):
+        chosen, kept = select_pages(q[0], bounds, table, lengths, starts, s.k // ps - 1, ps)
+        return paged_attention(q[0], key_pages, value_pages, chosen, kept, starts,
+                               implementation=implementation)  # fmt: skip
+
+    return jax.jit(attend), (q, key_pages, value_pages, bounds)
 
 
 def measure_selection(shape: SelectionShape, progress=None, implementation=None) -> dict:
@@ -68,6 +94,7 @@ def measure_selection(shape: SelectionShape, progress=None, implementation=None)
     row |= time_calls(_calls(shape, implementation), shape.rounds)
     row["selected_vs_small"] = row["selected_median_ms"] / row["small_median_ms"]
     row["dense_vs_selected"] = row["dense_median_ms"] / row["selected_median_ms"]
+    row["dense_vs_pages"] = row["dense_median_ms"] / row["pages_median_ms"]
     return row
 
 
@@ -99,6 +126,9 @@ def selection_markdown(row: dict | None) -> list[str]:
         f"({row['small_min_ms']:.3f}) |",
         f"| dense over {row['S']} keys | {row['dense_median_ms']:.3f} "
         f"({row['dense_min_ms']:.3f}) |",
+        f"| page selection: {row['k'] // PAGE_SIZE} of {row['S'] // PAGE_SIZE} pages of "
+        f"{PAGE_SIZE} | {row['pages_median_ms']:.3f} ({row['pages_min_ms']:.3f}) |",
         "", f"selected / dense over {row['k']}: {row['selected_vs_small']:.2f}x; dense over "
-        f"{row['S']} / selected: {row['dense_vs_selected']:.2f}x",
+        f"{row['S']} / selected: {row['dense_vs_selected']:.2f}x; dense / page selection: "
+        f"{row['dense_vs_pages']:.2f}x",
     ]  # fmt: skip

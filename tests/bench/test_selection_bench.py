@@ -1,5 +1,5 @@
 """The selection part of ``nanoattn bench`` (nanoattn/bench/_selection.py) at a tiny
-size: its three calls agree where they must, it reports its table, its targets compare
+size: its four calls agree where they must, it reports its table, its targets compare
 the right way round, and the command line runs it; no time is asserted."""
 
 import numpy as np
@@ -7,19 +7,21 @@ import numpy as np
 from nanoattn.bench import _run, _selection
 from nanoattn.cli import _bench, build_parser
 
-TINY = _selection.SelectionShape(S=37, k=37, N=4, K=2, H=8, rounds=1)
+TINY = _selection.SelectionShape(S=48, k=48, N=4, K=2, H=8, rounds=1)  # 3 pages of 16
 
 
-def test_selecting_every_key_equals_the_dense_call_and_the_row_reports():
+def test_selecting_every_key_or_page_equals_the_dense_call_and_the_row_reports():
     calls = _selection._calls(TINY, "native")
-    selected, dense = (np.asarray(fn(*args)) for fn, args in
-                       (calls["selected"], calls["dense"]))  # fmt: skip
+    selected, dense, pages = (np.asarray(fn(*args)) for fn, args in
+                              (calls["selected"], calls["dense"], calls["pages"]))  # fmt: skip
     np.testing.assert_allclose(selected, dense, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(pages, dense[0], atol=1e-5, rtol=1e-5)  # (1, N, H): token-major
     row = _selection.measure_selection(TINY, implementation="native")
-    for name in ("selected", "small", "dense"):
+    for name in ("selected", "small", "dense", "pages"):
         assert 0 < row[f"{name}_min_ms"] <= row[f"{name}_median_ms"]
     text = "\n".join(_selection.selection_markdown(row))
-    assert "| 37 selected of 37 |" in text and "dense over 37 keys" in text
+    assert "| 48 selected of 48 |" in text and "dense over 48 keys" in text
+    assert "| page selection: 3 of 3 pages of 16 |" in text
 
 
 def test_the_targets_compare_the_right_way_round():
@@ -44,4 +46,4 @@ def test_the_command_line_runs_the_part(monkeypatch):
     quick = config("--quick", "--only", "selection")
     assert (quick.selection, quick.grid, quick.engine) == ("quick", False, "")
     results = _run.run_bench(quick)
-    assert results["selection"]["k"] == 37 and results["targets"] == []
+    assert results["selection"]["k"] == 48 and results["targets"] == []
