@@ -262,3 +262,58 @@ def test_misuse_is_refused_in_one_line():
         layer.apply({"params": params, "cache": empty}, jnp.zeros((1, TQ, D)), True,
                     decode=True, pages=batch, mask_fn=lambda q, k: q >= k,
                     mutable=["cache"])  # fmt: skip
+
+
+def test_moves_widen_or_restart_their_target_pages_box():
+    """update_bounds on its own: a key moved into a page's later slot widens its box, one
+    moved into slot 0 starts it afresh, a copy takes its source's box, and entries past
+    the pool (P: nothing) change nothing."""
+    from nanoattn._layers.caches.page_selection import update_bounds
+
+    P = 4
+    rng = np.random.default_rng(8)
+    bounds = np.sort(rng.standard_normal((P, 2, K, 3)), axis=1).astype(np.float32)
+    moved = rng.standard_normal((3, K, 3)).astype(np.float32) * 5
+    none = dict(new=np.zeros((1, K, 3), np.float32), page=np.array([P]), slot=np.array([0]))
+    got = np.asarray(update_bounds(
+        jnp.asarray(bounds), copy_source=np.array([0, 0]), copy_target=np.array([3, P]),
+        moved=moved, moved_page=np.array([1, 2, P]), moved_slot=np.array([2, 0, 0]), **none,
+    ))  # fmt: skip
+    want = bounds.copy()
+    want[3] = bounds[0]
+    want[1, 0] = np.minimum(bounds[1, 0], moved[0])
+    want[1, 1] = np.maximum(bounds[1, 1], moved[0])
+    want[2] = np.stack([moved[1], moved[1]])  # afresh: the moved key alone
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(want[1], bounds[1])  # the move did widen it
+
+
+def test_an_int8_pool_keeps_float_boxes_and_reads_every_page_when_k_is_large():
+    """With kv_cache_dtype="int8" the pool keeps float32 boxes beside its int8 keys, and
+    a selection of k >= the pages equals the int8 layer without selection."""
+    outs = []
+    for select in (MAX_PAGES, None):
+        layer = CausalSelfAttention(_config(page_selection=select, kv_cache_dtype="int8"))
+        params = _layer(SELECT)[1]
+        cache = jax.tree.map(
+            lambda a: jnp.zeros(a.shape, a.dtype),
+            jax.eval_shape(functools.partial(layer.init, decode=True), jax.random.key(0),
+                           jnp.zeros((1, PAGES * PS, D)))["cache"],
+        )  # fmt: skip
+        alloc = PageAllocator(PAGES, PS, max_sequences=SEQS, max_pages=MAX_PAGES, seed=9)
+        rng, ys = np.random.default_rng(9), []
+        for n in (11, 1, 1):
+            (alloc.extend if "a" in alloc.sequences() else alloc.allocate)("a", n)
+            x = jnp.asarray(np.pad(_x(rng, n), ((0, TQ - n), (0, 0)))[None])
+            batch = alloc.batch([("a", n)], tokens=TQ)
+            y, state = layer.apply({"params": params, "cache": cache}, x, True, decode=True,
+                                   pages=batch, mutable=["cache"])  # fmt: skip
+            cache = state["cache"]
+            alloc.confirm(batch)
+            ys.append(np.asarray(y))
+        outs.append(ys)
+        if select is not None:
+            assert cache["key"].dtype == jnp.int8 and cache["key_bounds"].dtype == jnp.float32
+            assert np.isfinite(np.asarray(cache["key_bounds"])[alloc.pages_of("a")]).all()
+    for got, want in zip(*outs):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
