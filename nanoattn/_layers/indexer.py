@@ -25,32 +25,63 @@ from .._core.rope import apply_rope
 from .latent_config import LatentConfig
 
 
+def index_query(params, cfg: LatentConfig, x, low, positions, dtype):
+    """x (B, T, D), the normalized low-rank query ``low`` (B, T, rq), RoPE ``positions``
+    (B, T) or (T,) -> the indexer's queries (B, T, Hi, Hi_d), rotated, and their head
+    weights (B, T, Hi) (``Hi^-1/2`` folded in), float32."""
+    B, T, _ = x.shape
+    Hi, Hd = cfg.index_n_heads, cfg.index_head_dim
+    q = params.dense("index_q", low, Hi * Hd, dtype).reshape(B, T, Hi, Hd)  # (B, T, Hi, Hi_d)
+    weights = params.dense("index_weights", x, Hi, dtype).astype(jnp.float32) * Hi**-0.5
+    return _rotate(cfg, q, positions), weights
+
+
+def index_key(params, cfg: LatentConfig, x, positions, dtype):
+    """x (B, T, D), RoPE ``positions`` -> the indexer's key of every token (B, T, Hi_d),
+    rotated, float32: what a cache keeps of it (one key a token, shared by the heads)."""
+    k = params.layer_norm("index_k_norm", params.dense("index_k", x, cfg.index_head_dim, dtype),
+                          dtype)  # fmt: skip
+    return _rotate(cfg, k[:, :, None], positions)[:, :, 0]
+
+
+def _rotate(cfg: LatentConfig, part, positions):
+    """RoPE on the first Hr features of (B, T, heads, Hi_d), half layout, float32."""
+    Hr = cfg.qk_rope_head_dim
+    turned = apply_rope(part[..., :Hr], positions, base=cfg.rope_base,
+                        rope_scaling=cfg.rope_scaling, rope_layout="half")  # fmt: skip
+    return jnp.concatenate([turned, part[..., Hr:]], axis=-1).astype(jnp.float32)
+
+
+def key_scores(q, weights, keys):
+    """The indexer's scores of ``keys`` (B, S, Hi_d) for the queries q (B, T, Hi, Hi_d)
+    with their ``weights`` (B, T, Hi): (B, T, S), float32 (no mask applied)."""
+    scale = q.shape[-1] ** -0.5
+    scores = jax.nn.relu(jnp.einsum("BThd,BSd->BThS", q, keys.astype(jnp.float32)) * scale)
+    return jnp.einsum("BTh,BThS->BTS", weights, scores)
+
+
 def index_scores(params, cfg: LatentConfig, x, low, positions, dtype):
     """x (B, T, D), the normalized low-rank query ``low`` (B, T, rq), RoPE
     ``positions`` (B, T) or (T,) -> the scores (B, T, T) of every key for every query,
     float32 (no mask applied)."""
-    B, T, _ = x.shape
-    Hi, Hd, Hr = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-    q = params.dense("index_q", low, Hi * Hd, dtype).reshape(B, T, Hi, Hd)  # (B, T, Hi, Hi_d)
-    k = params.layer_norm("index_k_norm", params.dense("index_k", x, Hd, dtype), dtype)
-    k = k[:, :, None]  # (B, T, 1, Hi_d): one key per token
+    q, weights = index_query(params, cfg, x, low, positions, dtype)
+    return key_scores(q, weights, index_key(params, cfg, x, positions, dtype))
 
-    def rotate(part):  # the first Hr features, half layout, at the tokens' positions
-        turned = apply_rope(part[..., :Hr], positions, base=cfg.rope_base,
-                            rope_scaling=cfg.rope_scaling, rope_layout="half")  # fmt: skip
-        return jnp.concatenate([turned, part[..., Hr:]], axis=-1).astype(jnp.float32)
 
-    q, k = rotate(q), rotate(k)[:, :, 0]  # (B, T, Hi, Hi_d), (B, T, Hi_d)
-    scores = jax.nn.relu(jnp.einsum("BThd,BSd->BThS", q, k) * Hd**-0.5)  # (B, T, Hi, S)
-    weights = params.dense("index_weights", x, Hi, dtype).astype(jnp.float32) * Hi**-0.5
-    return jnp.einsum("BTh,BThS->BTS", weights, scores)
+def visible_top_keys(scores, positions, k: int):
+    """The ``k`` best keys (at most S) of each query among those at or before its
+    position: ``scores`` (..., T, S) over key positions 0 .. S - 1, ``positions`` (...,
+    T) -> ``key_indices`` int32 (..., T, min(k, S)). A query with fewer than k such keys
+    also names later ones, which causality hides (as DeepSeek's top-k)."""
+    S = scores.shape[-1]
+    keys = jnp.arange(S).reshape((1,) * positions.ndim + (S,))
+    visible = keys <= positions[..., None]
+    masked = jnp.where(visible, scores, -jnp.inf)
+    return jax.lax.top_k(masked, min(k, S))[1].astype(jnp.int32)
 
 
 def top_keys(scores, k: int):
     """The ``k`` best keys (at most T) of each query among its causal ones: ``scores``
-    (B, T, T) -> ``key_indices`` int32 (B, T, min(k, T)). A query with fewer than k
-    causal keys also names later ones, which causality hides (as DeepSeek's top-k)."""
-    T = scores.shape[-1]
-    causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # (T, T)
-    masked = jnp.where(causal, scores, -jnp.inf)
-    return jax.lax.top_k(masked, min(k, T))[1].astype(jnp.int32)
+    (B, T, T) -> ``key_indices`` int32 (B, T, min(k, T)) (:func:`visible_top_keys` at
+    positions 0 .. T - 1)."""
+    return visible_top_keys(scores, jnp.arange(scores.shape[-1]), k)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._base.paged import safe_page_table, token_layout
 from .._base.trace import check_shape
 from .._base.validate import expect_floating, expect_integer, expect_shape
 from .._core.api import dot_product_attention
@@ -39,7 +40,7 @@ from .._core.rope import apply_rope
 from .caches import kv_cache
 from .caches.kinds import policy_of
 from .caches.tree import parents_of
-from .indexer import index_scores, top_keys
+from .indexer import index_key, index_query, index_scores, key_scores, top_keys, visible_top_keys
 from .latent_config import LatentConfig
 
 
@@ -170,12 +171,17 @@ def forward(params: LatentParameters, cfg: LatentConfig, x, *, mask=None, positi
 
 def empty_cache(cfg: LatentConfig, batch: int, capacity: int, dtype) -> kv_cache.KVCache:
     """A fresh latent cache: keys (B, C, 1, r + Hr), the latent and the rotated RoPE key
-    of each token; values of width 0 (they are the keys' first r features). In ``dtype``,
-    or quantized with ``cfg.kv_cache_dtype``: then ``key_scales`` (B, C, 1), one scale a
-    token, and ``value_scales`` (B, C, 1), the width-0 values' (zeros, never read: the
-    values are read with the keys' scales)."""
+    of each token; values of width 0 (they are the keys' first r features), or with the
+    indexer (DeepSeek-V3.2) of width Hi_d: each token's rotated indexer key, in the
+    value slots (every kind of cache writes, moves and takes them back with the keys).
+    In ``dtype``, or quantized with ``cfg.kv_cache_dtype``: then ``key_scales`` (B, C,
+    1), one scale a token, and ``value_scales`` (B, C, 1), the value slots' (the
+    indexer keys' own; never read without an indexer: the attention's values are read
+    with the keys' scales)."""
     storage = cfg.kv_cache_dtype or dtype
-    return policy_of(cfg).empty(batch, capacity, 1, cfg.cache_width, storage, value_dim=0)
+    index_width = cfg.index_head_dim if cfg.indexed else 0
+    return policy_of(cfg).empty(batch, capacity, 1, cfg.cache_width, storage,
+                                value_dim=index_width)  # fmt: skip
 
 
 def _scales(key_scales) -> dict:
@@ -204,11 +210,6 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
       (y (B, T, D), the advanced cache).
     """
     expect_shape("x", jnp.shape(x), "B T D", (None, None, cfg.d_model))
-    if cfg.indexed:
-        raise ValueError(
-            "decode=True with index_topk (DeepSeek-V3.2's indexer) is not supported yet: the "
-            "indexer's keys are not cached; run the full forward"
-        )
     B = x.shape[0]
     dtype = compute_dtype(cfg, x)
     if lengths is not None:
@@ -221,8 +222,14 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
                             tree_parents=tree_parents)  # fmt: skip
     c, k_rope = latent(params, cfg, x, dtype)
     entry = jnp.concatenate([c[:, :, None], rotate(cfg, k_rope, layout.positions)], axis=-1)
-    cache = policy.write_step(cache, entry, entry[..., :0], layout)  # (B, T, 1, r + Hr)
-    q_nope, q_rope, _ = query(params, cfg, x, dtype)
+    values = entry[..., :0]  # width 0, or the indexer's keys
+    if cfg.indexed:
+        values = index_key(params, cfg, x, layout.positions, dtype)[:, :, None].astype(dtype)
+    cache = policy.write_step(cache, entry, values, layout)  # keys (B, T, 1, r + Hr)
+    q_nope, q_rope, low = query(params, cfg, x, dtype)
+    selection = {}
+    if cfg.indexed:  # DeepSeek-V3.2: each query reads its indexer's top cached keys
+        selection["key_indices"] = cached_top_keys(params, cfg, x, low, cache, layout, dtype)
     w_uk, w_uv = up_projections(params, cfg, dtype)
     q_lat = jnp.einsum("BTNh,rNh->BTNr", q_nope, w_uk)  # the key projection absorbed
     q = jnp.concatenate([q_lat, rotate(cfg, q_rope, layout.positions)], axis=-1)  # (.., r+Hr)
@@ -230,13 +237,13 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
 
     def dense(q, keys, values, key_scales=None, value_scales=None, **rules):
         # keys (B, C, 1, r + Hr); the values: their c (with the keys' scales, quantized)
-        return dot_product_attention(q, keys, keys[..., :r], **rules, **_scales(key_scales),
-                                     **_options(cfg))  # fmt: skip
+        return dot_product_attention(q, keys, keys[..., :r], **rules, **selection,
+                                     **_scales(key_scales), **_options(cfg))  # fmt: skip
 
     def paged(q, key_pages, value_pages, batch, key_scales=None, value_scales=None, **rules):
         out = paged_attention(
             q[0], key_pages, key_pages[..., :r], batch.page_table, batch.kv_lengths,
-            batch.query_starts, **rules, **_scales(key_scales), **_options(cfg),
+            batch.query_starts, **rules, **selection, **_scales(key_scales), **_options(cfg),
         )  # fmt: skip
         return out[None]
 
@@ -248,3 +255,31 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
     y = jnp.where(layout.real[..., None], y, 0)
     y = jnp.where(layout.broken[..., None], jnp.nan, y).astype(y.dtype)  # only under jit
     return y, policy.advance(cache, layout)
+
+
+def cached_top_keys(params: LatentParameters, cfg: LatentConfig, x, low, cache, layout, dtype):
+    """The indexer's choice for a decoding step (DeepSeek-V3.2): each query's
+    ``index_topk`` best keys among the cached ones at or before its position, scored
+    against the indexer keys the cache holds in its value slots (this step's written):
+    ``key_indices`` (B, T, k) over a full cache's slots (its positions), or (Tq, k) over
+    a paged step's sequences' positions (each query scores its own sequence's keys,
+    gathered through the page table)."""
+    q, weights = index_query(params, cfg, x, low, layout.positions, dtype)
+    keys = cache.value.astype(jnp.float32)  # (B, C, 1, Hi_d) or the pool (P, ps, 1, Hi_d)
+    if cache.value_scales is not None:
+        keys = keys * cache.value_scales[..., None]
+    if layout.pages is None:  # a full cache: slot = position
+        scores = key_scores(q, weights, keys[:, :, 0])  # (B, T, C)
+        return visible_top_keys(scores, layout.positions, cfg.index_topk)
+    pages = layout.pages
+    P, ps = keys.shape[:2]
+    table = safe_page_table(pages.page_table, pages.kv_lengths, ps, P)  # (B, M)
+    Tq = x.shape[1]
+    tokens = token_layout(pages.page_table, pages.kv_lengths, pages.query_starts, Tq, P, ps)
+    own = keys[table].reshape(table.shape[0], -1, keys.shape[-1])[
+        tokens.sequence
+    ]  # (Tq, M ps, Hi_d)
+    scores = jax.vmap(lambda q, w, k: key_scores(q[None, None], w[None, None], k[None])[0, 0])(
+        q[0], weights[0], own
+    )  # (Tq, M ps)
+    return visible_top_keys(scores, tokens.position, cfg.index_topk)

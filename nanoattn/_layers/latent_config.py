@@ -67,7 +67,10 @@ class LatentConfig:
         Sparse Attention), all three or none; it needs ``q_lora_rank``. Hi heads of
         width Hi_d (at least Hr) score every earlier key, ReLU(q . k) weighted per
         head, and each query attends to its ``index_topk`` best keys only
-        (``key_indices``; docs/latent.md, "DeepSeek-V3.2's sparse attention").
+        (``key_indices``; docs/latent.md, "DeepSeek-V3.2's sparse attention"). A
+        decoding step keeps each token's indexer key in the cache's value slots (full
+        and paged caches, quantized too; not a rolling one) and chooses among the
+        cached keys.
       norm_eps: the epsilon of the latent's and the query's RMSNorm (1e-6).
       attention_bias: biases on ``q_a``, ``kv_a`` and ``out`` (never on ``q``, ``q_b``
         and ``kv_b``), as transformers' ``attention_bias``.
@@ -144,6 +147,11 @@ class LatentConfig:
         if self.q_lora_rank is None:
             raise ValueError("index_topk needs q_lora_rank: the indexer's query reads the "
                              "low-rank query")  # fmt: skip
+        if self.rolling_cache:
+            raise ValueError(
+                "index_topk is not supported with rolling_cache: the indexer chooses keys by "
+                "position, and a ring's slots are not positions (use a full or paged cache)"
+            )
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ValueError(
                 f"index_head_dim must be at least qk_rope_head_dim ({self.qk_rope_head_dim}): "

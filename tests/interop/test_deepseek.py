@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import nanoattn
 from nanoattn.linen import LatentAttention, from_deepseek
 
 from _paths import TESTS
@@ -190,7 +191,9 @@ def test_deepseek_v32_selects_transformers_keys_and_equals_its_output():
     query's top 5 of 11 keys): the indexer's choices equal transformers' (as sets, among
     the keys causality lets a query see), the output equals transformers' within its
     own float32 error, in linen and NNX alike; the choices matter (keeping every key
-    moves the output) and decoding refuses in one line."""
+    moves the output); decoding through a full cache (a prefill chunk, then one token
+    a call) and a paged one (pages of 3, the rows token-major) equals it too, each
+    query choosing among the indexer keys the cache holds."""
     from flax import nnx
 
     from nanoattn._layers import indexer, latent
@@ -221,8 +224,32 @@ def test_deepseek_v32_selects_transformers_keys_and_equals_its_output():
     dense = forward(dataclasses.replace(cfg, index_topk=T), params, x)
     assert np.abs(dense - truth).max() > 100 * theirs  # the selection is not a no-op
     np.testing.assert_allclose(np.asarray(module(x)), y, atol=1e-5, rtol=1e-5)
-    cache = LatentAttention(cfg).init(jax.random.key(0), np.zeros(x.shape, np.float32),
-                                      decode=True)["cache"]  # fmt: skip
-    with pytest.raises(ValueError, match=r"decode=True with index_topk .* not supported yet"):
-        LatentAttention(cfg).apply({"params": params, "cache": cache}, x[:, :1], decode=True,
-                                   mutable=["cache"])  # fmt: skip
+    layer = LatentAttention(cfg)
+    cache = layer.init(jax.random.key(0), np.zeros(x.shape, np.float32), decode=True)["cache"]
+    assert cache["value"].shape == (B, T, 1, cfg.index_head_dim)  # the indexer's keys
+    outs = []
+    for part in [slice(0, 4), *(slice(t, t + 1) for t in range(4, T))]:
+        out, state = layer.apply({"params": params, "cache": cache}, x[:, part], decode=True,
+                                 mutable=["cache"])  # fmt: skip
+        cache = state["cache"]
+        outs.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(outs, 1), y, atol=2e-5, rtol=2e-5)
+    paged = LatentAttention(dataclasses.replace(cfg, page_size=3))
+    pool = paged.init(jax.random.key(0), np.zeros((1, 36, cfg.d_model), np.float32),
+                      decode=True)["cache"]  # fmt: skip
+    alloc = nanoattn.PageAllocator(pages=12, page_size=3, max_sequences=B, max_pages=4)
+    outs = [[] for _ in range(B)]
+    for part in (slice(0, 5), slice(5, 6), slice(6, T)):
+        n = part.stop - part.start
+        for row in range(B):
+            (alloc.extend if part.start else alloc.allocate)(row, n)
+        batch = alloc.batch([(row, n) for row in range(B)], tokens=B * n)
+        chunk = x[:, part].reshape(1, B * n, -1)  # token-major
+        out, state = paged.apply({"params": params, "cache": pool}, chunk, decode=True,
+                                 pages=batch, mutable=["cache"])  # fmt: skip
+        pool = state["cache"]
+        alloc.confirm(batch)
+        for row in range(B):
+            outs[row].append(np.asarray(out[0, row * n : (row + 1) * n]))
+    np.testing.assert_allclose(np.stack([np.concatenate(o) for o in outs]), y, atol=2e-5,
+                               rtol=2e-5)  # fmt: skip

@@ -3,6 +3,7 @@ training forward against the float64 numpy transcription (tests/_np_latent.py), 
 absorbed decoding step over the latent cache against the forward, at prime sizes
 (B=2, T=11, D=29, N=3, r=13, Hn=7, Hr=4 (even), Hv=5, rq=17)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -169,6 +170,17 @@ def test_nnx_equals_linen_forward_and_decoding():
             dict(index_topk=4, index_n_heads=2, index_head_dim=2, q_lora_rank=8),
             "index_head_dim must be at least qk_rope_head_dim",
         ),
+        (
+            dict(
+                index_topk=4,
+                index_n_heads=2,
+                index_head_dim=8,
+                q_lora_rank=8,
+                window=(3, 0),
+                rolling_cache=True,
+            ),
+            "index_topk is not supported with rolling_cache",
+        ),
     ],
 )
 def test_config_errors_name_the_argument(change, message):
@@ -328,3 +340,26 @@ def test_a_quantized_latent_cache_s_bytes_and_its_config_error():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of") as error:
         LatentConfig(**SIZES, kv_cache_dtype="int4")
     assert "\n" not in str(error.value)
+
+
+def test_an_indexed_int8_cache_selecting_every_key_decodes_as_plain_mla():
+    """DeepSeek-V3.2's indexer over an int8 latent cache (its keys quantized in the
+    value slots with their own scales): keeping k >= T keys decodes exactly as the same
+    parameters without an indexer through a full cache; a smaller k changes the outputs."""
+    v32 = dataclasses.replace(CONFIG, index_n_heads=2, index_head_dim=6, index_topk=T,
+                              kv_cache_dtype="int8")  # fmt: skip
+    layer, params = _layer(v32)
+    plain = {"params": {k: v for k, v in params["params"].items() if not k.startswith("index")}}
+    chunks = [slice(0, 5), slice(5, 6), slice(6, T)]
+    want, _ = _decode(
+        LatentAttention(
+            dataclasses.replace(v32, index_topk=None, index_n_heads=None, index_head_dim=None)
+        ),
+        plain,
+        chunks,
+    )
+    got, cache = _decode(layer, params, chunks)
+    assert cache["value"].dtype == jnp.int8 and cache["value"].shape[-1] == 6
+    np.testing.assert_allclose(np.concatenate(got, 1), np.concatenate(want, 1), atol=1e-6)
+    few, _ = _decode(LatentAttention(dataclasses.replace(v32, index_topk=2)), params, chunks)
+    assert np.abs(np.concatenate(few, 1) - np.concatenate(want, 1)).max() > 1e-3

@@ -63,3 +63,19 @@ def test_a_quantized_latent_cache_passes_within_its_error_and_reports_it():
         assert report.passed, report
         errors = next(c for c in report.checks if c.name == "quantization error").data
         assert 1e-4 < errors["quantized_vs_float"] <= atol and errors["float_vs_reference"] < 1e-5
+
+
+def test_deepseek_v32_decodes_as_its_forward_with_the_same_selections():
+    """DeepSeek-V3.2's indexer (4 heads of width 6 keeping each query's top 3 keys):
+    decoding through a full and a paged cache (linen) and NNX passes check_decoding,
+    each step choosing among the indexer keys its cache holds, as the forward does."""
+    v32 = dataclasses.replace(CONFIG, index_n_heads=4, index_head_dim=6, index_topk=3)
+    found = []
+    for page_size in (None, 2):
+        layer = LatentAttention(dataclasses.replace(v32, page_size=page_size))
+        params = layer.init(jax.random.key(0), jnp.ones((1, 2, 16)))
+        found.append(check_decoding(decoders.linen(layer, params), d_model=16, seq_len=7))
+    module = nanoattn.nnx.LatentAttention(v32, rngs=nnx.Rngs(0))
+    found.append(check_decoding(decoders.nnx(module), d_model=16, seq_len=7))
+    for report in found:
+        assert report.passed, report
