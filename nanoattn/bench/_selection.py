@@ -4,7 +4,8 @@ a cache of only k keys (what reading only the selection should cost) and against
 dense decode over every key (what the selection saves). Beside them, query-aware page
 selection (docs/decoding.md "Page selection") over the same cache as a pool of pages of
 16: the pages ranked by their key bounds, then the paged call over the k / 16 chosen
-(the last among them), as a layer with ``page_selection`` decodes.
+(the last among them), as a layer with ``page_selection`` decodes. And DeepSeek-V3.2's
+layer decode, its indexer's top keys against its dense MLA decode (:mod:`._v32`).
 
 The three calls run on one backend (by default the automatic choice: native on a CPU),
 in one process, timed in turn (one kernel, no peer's thread pool to spin). Issue 51's
@@ -22,6 +23,7 @@ from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
 from .._layers.caches.page_selection import select_pages
 from ._measure import time_calls
+from ._v32 import QUICK_V32, V32, measure_v32, v32_markdown, v32_target
 
 PAGE_SIZE = 16
 
@@ -36,10 +38,11 @@ class SelectionShape:
     K: int = 8
     H: int = 128
     rounds: int = 7
+    v32: dict | None = None  # DeepSeek-V3.2's layer sizes at context S (None: not timed)
 
 
-FULL = SelectionShape(S=32768, k=2048)
-QUICK = SelectionShape(S=2048, k=256, N=8, K=2, H=64, rounds=3)
+FULL = SelectionShape(S=32768, k=2048, v32=V32)
+QUICK = SelectionShape(S=2048, k=256, N=8, K=2, H=64, rounds=3, v32=QUICK_V32)
 TARGET_SMALL = 1.3  # selected <= 1.3x the decode over a cache of k keys
 TARGET_DENSE = 8.0  # the dense decode over all S keys >= 8x the selected one
 
@@ -91,7 +94,12 @@ def measure_selection(shape: SelectionShape, progress=None, implementation=None)
     if progress:
         progress(0, 1, f"selection: {shape.k} of {shape.S} keys")
     row = dataclasses.asdict(shape) | {"status": "ok", "implementation": implementation}
+    del row["v32"]
     row |= time_calls(_calls(shape, implementation), shape.rounds)
+    if shape.v32 is not None:
+        if progress:
+            progress(0, 1, f"selection: DeepSeek-V3.2 decode at {shape.S} keys")
+        row["v32"] = measure_v32(shape.S, shape.v32, rounds=min(shape.rounds, 5))
     row["selected_vs_small"] = row["selected_median_ms"] / row["small_median_ms"]
     row["dense_vs_selected"] = row["dense_median_ms"] / row["selected_median_ms"]
     row["dense_vs_pages"] = row["dense_median_ms"] / row["pages_median_ms"]
@@ -99,9 +107,11 @@ def measure_selection(shape: SelectionShape, progress=None, implementation=None)
 
 
 def selection_targets(row: dict | None, judged: bool) -> list[dict]:
-    """Issue 51's two targets, judged at the full shape only."""
+    """Issue 51's targets (the key selection's two, DeepSeek-V3.2's decode when timed),
+    judged at the full shape only."""
     if row is None or not judged:
         return []
+    v32 = [v32_target(row["v32"])] if "v32" in row else []
     return [
         {"target": f"selected decode <= {TARGET_SMALL}x a decode over {row['k']} keys",
          "measured": f"{row['selected_vs_small']:.2f}x",
@@ -109,6 +119,7 @@ def selection_targets(row: dict | None, judged: bool) -> list[dict]:
         {"target": f"dense decode over {row['S']} keys >= {TARGET_DENSE}x the selected one",
          "measured": f"{row['dense_vs_selected']:.2f}x",
          "passed": row["dense_vs_selected"] >= TARGET_DENSE},
+        *v32,
     ]  # fmt: skip
 
 
@@ -131,4 +142,4 @@ def selection_markdown(row: dict | None) -> list[str]:
         "", f"selected / dense over {row['k']}: {row['selected_vs_small']:.2f}x; dense over "
         f"{row['S']} / selected: {row['dense_vs_selected']:.2f}x; dense / page selection: "
         f"{row['dense_vs_pages']:.2f}x",
-    ]  # fmt: skip
+    ] + (v32_markdown(row["v32"]) if "v32" in row else [])  # fmt: skip

@@ -47,3 +47,21 @@ def test_the_command_line_runs_the_part(monkeypatch):
     assert (quick.selection, quick.grid, quick.engine) == ("quick", False, "")
     results = _run.run_bench(quick)
     assert results["selection"]["k"] == 48 and results["targets"] == []
+
+
+def test_the_v32_step_times_both_layers_and_judges_the_right_way_round():
+    """DeepSeek-V3.2's decode row at a tiny size (its layers decode one token over a
+    filled cache of 23 keys, top 5): both steps timed, the table and the target read
+    the ratio dense / indexed, >= 3x passing."""
+    from nanoattn.bench import _v32
+
+    sizes = _v32.QUICK_V32 | {"index_topk": 5}
+    row = _v32.measure_v32(23, sizes, rounds=1)
+    assert row["status"] == "ok", row
+    assert 0 < row["indexed_min_ms"] <= row["indexed_median_ms"]
+    assert row["speedup"] == row["dense_median_ms"] / row["indexed_median_ms"]
+    assert "| indexed (top 5) |" in "\n".join(_v32.v32_markdown(row))
+    for speedup, passed in ((3.5, True), (2.5, False)):
+        judged = _v32.v32_target(row | {"speedup": speedup})
+        assert judged["passed"] is passed and f"{speedup:.2f}x" in judged["measured"]
+    assert _v32.v32_target({**row, "status": "error: x"})["passed"] is None
