@@ -60,8 +60,8 @@ def test_the_ancestry_of_trees_up_to_a_deep_chain_equals_a_walk_up_the_parents()
     from nanoattn._base.tree import dense_tree
 
     rng = np.random.default_rng(7)
-    trees = [random_tree(rng, T, b) for T, b in [(1, 1), (2, 2), (13, 3), (37, 2), (64, 8)]]
-    trees += [list(range(-1, T - 1)) for T in (2, 3, 4, 5, 17, 33, 70)]
+    trees = [random_tree(rng, T, b) for T, b in [(1, 1), (13, 3), (64, 8)]]
+    trees += [list(range(-1, T - 1)) for T in (2, 70)]
     for parents in trees:
         tree = dense_tree(jnp.asarray([parents], jnp.int32))
         T = len(parents)

@@ -227,10 +227,11 @@ def test_deepseek_v32_selects_transformers_keys_and_equals_its_output():
     layer = LatentAttention(cfg)
     cache = layer.init(jax.random.key(0), np.zeros(x.shape, np.float32), decode=True)["cache"]
     assert cache["value"].shape == (B, T, 1, cfg.index_head_dim)  # the indexer's keys
+    step = jax.jit(lambda cache, x: layer.apply({"params": params, "cache": cache}, x,
+                                                decode=True, mutable=["cache"]))  # fmt: skip
     outs = []
     for part in [slice(0, 4), *(slice(t, t + 1) for t in range(4, T))]:
-        out, state = layer.apply({"params": params, "cache": cache}, x[:, part], decode=True,
-                                 mutable=["cache"])  # fmt: skip
+        out, state = step(cache, x[:, part])
         cache = state["cache"]
         outs.append(np.asarray(out))
     np.testing.assert_allclose(np.concatenate(outs, 1), y, atol=2e-5, rtol=2e-5)
@@ -238,6 +239,11 @@ def test_deepseek_v32_selects_transformers_keys_and_equals_its_output():
     pool = paged.init(jax.random.key(0), np.zeros((1, 36, cfg.d_model), np.float32),
                       decode=True)["cache"]  # fmt: skip
     alloc = nanoattn.PageAllocator(pages=12, page_size=3, max_sequences=B, max_pages=4)
+    paged_step = jax.jit(
+        lambda pool, x, batch: paged.apply(
+            {"params": params, "cache": pool}, x, decode=True, pages=batch, mutable=["cache"]
+        )
+    )
     outs = [[] for _ in range(B)]
     for part in (slice(0, 5), slice(5, 6), slice(6, T)):
         n = part.stop - part.start
@@ -245,8 +251,7 @@ def test_deepseek_v32_selects_transformers_keys_and_equals_its_output():
             (alloc.extend if part.start else alloc.allocate)(row, n)
         batch = alloc.batch([(row, n) for row in range(B)], tokens=B * n)
         chunk = x[:, part].reshape(1, B * n, -1)  # token-major
-        out, state = paged.apply({"params": params, "cache": pool}, chunk, decode=True,
-                                 pages=batch, mutable=["cache"])  # fmt: skip
+        out, state = paged_step(pool, chunk, batch)
         pool = state["cache"]
         alloc.confirm(batch)
         for row in range(B):
