@@ -111,6 +111,23 @@ def up_projections(params: LatentParameters, cfg: LatentConfig, dtype):
     return w[..., :Hn], w[..., Hn:]
 
 
+def per_head(spec: str, x, w):
+    """``einsum(spec, x[..., n, :], w[:, n, :])`` for every head n, stacked on x's head
+    axis: x (B, T, N, a), w (r, N, c) (a slice of ``kv_b``'s kernel). One product per
+    head in a loop (``lax.map``), each reading its head's columns of w in place: an
+    einsum batched over the heads has XLA transpose w, in the middle of the kernel's
+    layout, on every call (on a CPU about 40 of the 170 ms of a DeepSeek-size decoding
+    step at 32768 keys; the loop takes about 5)."""
+    heads = jnp.moveaxis(x, -2, 0)  # (N, B, T, a)
+
+    def head(args):
+        n, xn = args
+        return jnp.einsum(spec, xn, jax.lax.dynamic_index_in_dim(w, n, 1, keepdims=False))
+
+    out = jax.lax.map(head, (jnp.arange(x.shape[-2]), heads))  # (N, B, T, c)
+    return jnp.moveaxis(out, 0, -2)
+
+
 def _out(params: LatentParameters, cfg: LatentConfig, out, dtype):
     """Per-head outputs (B, T, N, Hv) concatenated and projected: (B, T, D)."""
     B, T = out.shape[:2]
@@ -231,7 +248,7 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
     if cfg.indexed:  # DeepSeek-V3.2: each query reads its indexer's top cached keys
         selection["key_indices"] = cached_top_keys(params, cfg, x, low, cache, layout, dtype)
     w_uk, w_uv = up_projections(params, cfg, dtype)
-    q_lat = jnp.einsum("BTNh,rNh->BTNr", q_nope, w_uk)  # the key projection absorbed
+    q_lat = per_head("BTh,rh->BTr", q_nope, w_uk)  # the key projection absorbed
     q = jnp.concatenate([q_lat, rotate(cfg, q_rope, layout.positions)], axis=-1)  # (.., r+Hr)
     r = cfg.kv_lora_rank
 
@@ -250,7 +267,7 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
     o_lat = policy.attention(
         cache, layout, q, dense=dense, paged=paged, mask=mask, mask_fn=mask_fn, score_fn=score_fn
     )  # (B, T, N, r)
-    out = jnp.einsum("BTNr,rNv->BTNv", o_lat, w_uv)  # the value projection, after attention
+    out = per_head("BTr,rv->BTv", o_lat, w_uv)  # the value projection, after attention
     y = _out(params, cfg, out, dtype)
     y = jnp.where(layout.real[..., None], y, 0)
     y = jnp.where(layout.broken[..., None], jnp.nan, y).astype(y.dtype)  # only under jit
