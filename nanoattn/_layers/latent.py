@@ -111,18 +111,19 @@ def up_projections(params: LatentParameters, cfg: LatentConfig, dtype):
     return w[..., :Hn], w[..., Hn:]
 
 
-def per_head(spec: str, x, w):
-    """``einsum(spec, x[..., n, :], w[:, n, :])`` for every head n, stacked on x's head
-    axis: x (B, T, N, a), w (r, N, c) (a slice of ``kv_b``'s kernel). One product per
-    head in a loop (``lax.map``), each reading its head's columns of w in place: an
-    einsum batched over the heads has XLA transpose w, in the middle of the kernel's
-    layout, on every call (on a CPU about 40 of the 170 ms of a DeepSeek-size decoding
-    step at 32768 keys; the loop takes about 5)."""
+def per_head(spec: str, x, w, columns: slice):
+    """``einsum(spec, x[..., n, :], w[:, n, columns])`` for every head n, stacked on x's
+    head axis: x (B, T, N, a), w (r, N, Hn + Hv) (``kv_b``'s kernel, whole). One product
+    per head in a loop (``lax.map``), each taking its head's columns of w as it goes: an
+    einsum batched over the heads has XLA transpose W_uk and W_uv (in the middle of the
+    kernel's layout), and slicing them first copies them, on every call (on a CPU about
+    60 of the 170 ms of a DeepSeek-size decoding step at 32768 keys)."""
     heads = jnp.moveaxis(x, -2, 0)  # (N, B, T, a)
 
     def head(args):
         n, xn = args
-        return jnp.einsum(spec, xn, jax.lax.dynamic_index_in_dim(w, n, 1, keepdims=False))
+        wn = jax.lax.dynamic_index_in_dim(w, n, 1, keepdims=False)[:, columns]  # (r, c)
+        return jnp.einsum(spec, xn, wn)
 
     out = jax.lax.map(head, (jnp.arange(x.shape[-2]), heads))  # (N, B, T, c)
     return jnp.moveaxis(out, 0, -2)
@@ -247,27 +248,34 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
     selection = {}
     if cfg.indexed:  # DeepSeek-V3.2: each query reads its indexer's top cached keys
         selection["key_indices"] = cached_top_keys(params, cfg, x, low, cache, layout, dtype)
-    w_uk, w_uv = up_projections(params, cfg, dtype)
-    q_lat = per_head("BTh,rh->BTr", q_nope, w_uk)  # the key projection absorbed
+    Hn = cfg.qk_nope_head_dim
+    w = params.kernel("kv_b").astype(dtype).reshape(-1, cfg.n_heads, Hn + cfg.v_head_dim)
+    q_lat = per_head("BTh,rh->BTr", q_nope, w, slice(None, Hn))  # the key projection absorbed
     q = jnp.concatenate([q_lat, rotate(cfg, q_rope, layout.positions)], axis=-1)  # (.., r+Hr)
     r = cfg.kv_lora_rank
 
+    # The values are the keys' first r features (c): the call reads the whole key rows
+    # as values, with the keys' scales when quantized, and keeps the first r features of
+    # its output. A slice keys[..., :r] would be a strided copy of the cache every step
+    # (about 10 ms at 32768 keys of DeepSeek's widths); the Hr more output features
+    # cost Hr / r of the value product.
     def dense(q, keys, values, key_scales=None, value_scales=None, **rules):
-        # keys (B, C, 1, r + Hr); the values: their c (with the keys' scales, quantized)
-        return dot_product_attention(q, keys, keys[..., :r], **rules, **selection,
-                                     **_scales(key_scales), **_options(cfg))  # fmt: skip
+        # keys (B, C, 1, r + Hr)
+        out = dot_product_attention(q, keys, keys, **rules, **selection,
+                                    **_scales(key_scales), **_options(cfg))  # fmt: skip
+        return out[..., :r]
 
     def paged(q, key_pages, value_pages, batch, key_scales=None, value_scales=None, **rules):
         out = paged_attention(
-            q[0], key_pages, key_pages[..., :r], batch.page_table, batch.kv_lengths,
+            q[0], key_pages, key_pages, batch.page_table, batch.kv_lengths,
             batch.query_starts, **rules, **selection, **_scales(key_scales), **_options(cfg),
         )  # fmt: skip
-        return out[None]
+        return out[None, ..., :r]
 
     o_lat = policy.attention(
         cache, layout, q, dense=dense, paged=paged, mask=mask, mask_fn=mask_fn, score_fn=score_fn
     )  # (B, T, N, r)
-    out = per_head("BTr,rv->BTv", o_lat, w_uv)  # the value projection, after attention
+    out = per_head("BTr,rv->BTv", o_lat, w, slice(Hn, None))  # the value projection after
     y = _out(params, cfg, out, dtype)
     y = jnp.where(layout.real[..., None], y, 0)
     y = jnp.where(layout.broken[..., None], jnp.nan, y).astype(y.dtype)  # only under jit
