@@ -198,3 +198,58 @@ def test_a_bad_paged_index_raises_when_concrete_and_poisons_its_token_under_jit(
         call = jax.jit(functools.partial(nanoattn.paged_attention, implementation=name))
         out = np.asarray(call(*arrays, key_indices=bad))
         assert np.isnan(out[4]).all() and np.isfinite(out[:4]).all(), name
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "one-key pages"])
+def test_both_reads_of_a_selection_equal_float64_quantized_and_paged(gather, monkeypatch):
+    """A kernel reads a selection gathered into one page per query row (many query
+    heads per key, a small selection) or through pages of one key (forced here both
+    ways): both equal the float64 mask on flash and native, dense (a window and key
+    lengths), with int8 keys and values (their scales gathered with them) and paged."""
+    import nanoattn._base.selection as selection_module
+
+    jax.clear_caches()  # the kernels' compiled calls: the read is chosen as they trace
+    monkeypatch.setattr(selection_module, "gathers", lambda *args: gather)
+    rules, allowed = CASES["window and lengths"]
+    q, k, v = _arrays()
+    indices = selection(5)
+    mask = selected_np(indices) & allowed()
+    (kq, ks), (vq, vs) = (nanoattn.quantize_kv(jnp.asarray(x), "int8") for x in (k, v))
+    wide = [np.asarray(x, np.float64) * np.asarray(s, np.float64)[..., None]
+            for x, s in ((kq, ks), (vq, vs))]  # fmt: skip
+    arrays, paged_indices, paged_allowed, sequence, keys, values = _paged_case(13)
+    paged_want = np.stack([
+        np_attention(arrays[0][t][None, None], keys[b][None], values[b][None],
+                     allowed=paged_allowed[t][None, None, None])[0, 0]
+        for t, b in enumerate(sequence)
+    ])  # fmt: skip
+    for name in ("flash", "native"):
+        out = nanoattn.dot_product_attention(q, k, v, key_indices=indices, **rules,
+                                             implementation=name)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(out), np_attention(q, k, v, allowed=mask),
+                                   atol=2e-5, rtol=2e-5, err_msg=name)  # fmt: skip
+        out = nanoattn.dot_product_attention(q, kq, vq, key_scales=ks, value_scales=vs,
+                                             key_indices=indices, **rules,
+                                             implementation=name)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(out), np_attention(q, *wide, allowed=mask),
+                                   atol=2e-5, rtol=2e-5, err_msg=f"{name} int8")  # fmt: skip
+        out = nanoattn.paged_attention(*arrays, key_indices=paged_indices, implementation=name)
+        np.testing.assert_allclose(np.asarray(out), paged_want, atol=2e-5, rtol=2e-5,
+                                   err_msg=f"{name} paged")  # fmt: skip
+
+
+def test_the_gather_is_taken_for_many_query_heads_a_key_and_a_small_selection():
+    """DeepSeek-V3.2's MQA decode (G = 128, Hv = 576 on K = 1) gathers its 2048 keys; a
+    GQA decode (G = 4 on K = 8, H = 128) reads them in place, and so does a selection
+    past GATHER_BYTES."""
+    from nanoattn._base.selection import GATHER_BYTES, gathers
+
+    def shapes(N, K, H, Hv):
+        return (jax.ShapeDtypeStruct((1, N, H), jnp.float32),
+                jax.ShapeDtypeStruct((9, 1, K, H), jnp.float32),
+                jax.ShapeDtypeStruct((9, 1, K, Hv), jnp.float32))  # fmt: skip
+
+    assert gathers(*shapes(128, 1, 576, 576), 1, 2048)
+    assert not gathers(*shapes(32, 8, 128, 128), 1, 2048)
+    rows = GATHER_BYTES // (2048 * 1152 * 4) + 1
+    assert not gathers(*shapes(128, 1, 576, 576), rows, 2048)
