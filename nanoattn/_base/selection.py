@@ -13,9 +13,11 @@ a band (a dense mask, bias, segment ids, ``mask_fn``, ``score_fn``, a token tree
 refused with it.
 
 Two readings of the rule: :func:`selected` is the reference's (a mask over every key),
-and :func:`as_pages` is how a kernel reads only the selected keys: the call becomes a
-paged call whose pages hold one key each, every query row its own sequence, its page
-table the keys it sees (sorted, each once), with no positional rule left. Axis letters:
+and :func:`dense_as_pages` / :func:`paged_as_pages` how a kernel reads only the
+selected keys: the call becomes a paged call whose pages hold one key each, every query
+row its own sequence, its page table the keys it sees (sorted, each once), with no
+positional rule left; :func:`read_selected` may gather those keys into one page a row
+first. Axis letters:
 B rows, T queries, S keys, k selected entries, Tq a paged call's query tokens.
 """
 
