@@ -408,7 +408,8 @@ def latent(bug: str | None = None):
         slots = jnp.where(jnp.arange(L)[None] < lengths[:, None], positions, C)  # C: dropped
         cache = state["latent"].at[jnp.arange(B)[:, None], slots].set(entry, mode="drop")
         q_nope, q_rope, _ = mla.query(params, cfg, chunk, chunk.dtype)
-        w_uk, w_uv = mla.up_projections(params, cfg, chunk.dtype)
+        w = mla.up_projections(params, cfg, chunk.dtype)
+        w_uk, w_uv = w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
         q = jnp.concatenate(
             [jnp.einsum("BLNh,rNh->BLNr", q_nope, w_uk), mla.rotate(cfg, q_rope, positions)], -1
         )

@@ -104,11 +104,11 @@ def rotate(cfg: LatentConfig, x, positions):
 
 
 def up_projections(params: LatentParameters, cfg: LatentConfig, dtype):
-    """``kv_b``'s kernel (r, N (Hn + Hv)) as W_uk (r, N, Hn) and W_uv (r, N, Hv): each
-    head's slice of ``kv_b``'s output is its key part then its value."""
+    """``kv_b``'s kernel (r, N (Hn + Hv)) as (r, N, Hn + Hv): each head's columns are
+    its key part W_uk (``[..., :Hn]``) then its value part W_uv (``[..., Hn:]``), not
+    sliced here (a slice is a copy of the kernel; :func:`per_head` takes each head's)."""
     r, N, Hn = cfg.kv_lora_rank, cfg.n_heads, cfg.qk_nope_head_dim
-    w = params.kernel("kv_b").astype(dtype).reshape(r, N, Hn + cfg.v_head_dim)  # (r, N, Hn+Hv)
-    return w[..., :Hn], w[..., Hn:]
+    return params.kernel("kv_b").astype(dtype).reshape(r, N, Hn + cfg.v_head_dim)
 
 
 def per_head(spec: str, x, w, columns: slice):
@@ -249,7 +249,7 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
     if cfg.indexed:  # DeepSeek-V3.2: each query reads its indexer's top cached keys
         selection["key_indices"] = cached_top_keys(params, cfg, x, low, cache, layout, dtype)
     Hn = cfg.qk_nope_head_dim
-    w = params.kernel("kv_b").astype(dtype).reshape(-1, cfg.n_heads, Hn + cfg.v_head_dim)
+    w = up_projections(params, cfg, dtype)  # (r, N, Hn + Hv)
     q_lat = per_head("BTh,rh->BTr", q_nope, w, slice(None, Hn))  # the key projection absorbed
     q = jnp.concatenate([q_lat, rotate(cfg, q_rope, layout.positions)], axis=-1)  # (.., r+Hr)
     r = cfg.kv_lora_rank

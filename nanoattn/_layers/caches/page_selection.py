@@ -25,8 +25,6 @@ M pages per sequence, Tq a step's tokens.
 import jax
 import jax.numpy as jnp
 
-from ..._base.paged import held_pages
-
 
 def empty_bounds(pages: int, kv_heads: int, head_dim: int) -> jax.Array:
     """The bounds of a fresh pool: float32 (P, 2, K, H), ``[:, 0]`` the minimum and
@@ -92,7 +90,7 @@ def select_pages(q, bounds, page_table, kv_lengths, query_starts, k: int, page_s
     Tq = q.shape[0]
     starts = query_starts[:-1]
     decode = query_starts[1:] - starts == 1  # (B,)
-    held = held_pages(kv_lengths, page_size, M).sum(axis=1).astype(jnp.int32)  # (B,)
+    held = (kv_lengths + page_size - 1) // page_size  # (B,): the pages each row holds
     safe = jnp.clip(page_table, 0, P - 1)
     score = page_bounds(q[jnp.clip(starts, 0, Tq - 1)], bounds, safe)  # (B, M)
     score = jnp.where(jnp.isnan(score), jnp.inf, score)  # a NaN key's page: always read

@@ -247,10 +247,10 @@ class PagedCache(CachePolicy):
         written = quantized.store(cache, k, v, write)
         if cache.key_bounds is None:
             return written
-        flat = lambda x: x.reshape(P * ps, *x.shape[2:])  # noqa: E731
-        moved = flat(cache.key)[moved_from].astype(jnp.float32)  # (V, K, H), before the step
+        moved = cache.key.reshape(P * ps, *cache.key.shape[2:])[moved_from]  # before the step
+        moved = moved.astype(jnp.float32)  # (V, K, H)
         if cache.key_scales is not None:
-            moved = moved * flat(cache.key_scales)[moved_from][..., None]
+            moved = moved * cache.key_scales.reshape(P * ps, -1)[moved_from][..., None]
         bounds = update_bounds(
             cache.key_bounds, copy_source=source, copy_target=target, moved=moved,
             moved_page=moved_to // ps, moved_slot=moved_to % ps, new=k[0], page=page, slot=slot,
