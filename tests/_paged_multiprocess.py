@@ -36,15 +36,9 @@ def parts():
 
 def main(port: str, process_id: str, out_path: str):
     import jax
+    from _two_processes import join
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=2,
-        process_id=int(process_id),
-        initialization_timeout=60,
-    )
-    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    join(port, process_id)
     from examples.recall.mesh import MeshEngine, make_mesh
 
     model, requests, config = parts()

@@ -36,14 +36,9 @@ def inputs():
 
 
 def main(port: str, process_id: str, out_path: str):
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=2,
-        process_id=int(process_id),
-        initialization_timeout=60,
-    )
-    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    from _two_processes import join
+
+    join(port, process_id)
     mesh = Mesh(np.array(jax.devices()), ("sp",))
     seq = NamedSharding(mesh, PartitionSpec(None, "sp"))
     # inputs already in zigzag order: each process builds its devices' shards

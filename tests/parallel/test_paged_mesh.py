@@ -150,33 +150,14 @@ def test_the_recall_engine_across_two_processes_gives_the_one_device_tokens(tmp_
     """Two processes of 4 CPU devices joined on 127.0.0.1 (tests/_paged_multiprocess.py,
     a free port, bounded time), each running the same host loop with its own copies of
     the groups' allocators: every request's tokens equal the one-device engine's."""
-    import socket
-
     from _paged_multiprocess import parts
+    from _two_processes import run_pair
 
     from examples.recall.engine import Engine
 
-    with socket.socket() as s:  # a free port for the coordinator
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "out.json"
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(TESTS / "_paged_multiprocess.py"), str(port), str(i), str(out)],
-            env={**os.environ, "PYTHONPATH": path},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [log[1][-2000:] for log in logs]
+    run_pair(TESTS / "_paged_multiprocess.py", out, env={**os.environ, "PYTHONPATH": path})
     model, requests, config = parts()
     one = Engine(model, config, max(r.need for r in requests)).run(requests)
     got = json.loads(out.read_text())

@@ -438,34 +438,14 @@ def test_head_parallel_layer_sows_weights_while_training_with_dropout(framework)
 def test_ring_across_two_processes_equals_one_process(tmp_path):
     """Two processes on 127.0.0.1 (jax.distributed, gloo), 4 CPU devices each:
     the ring over the 8 global devices equals the one-device reference."""
-    import socket
+    from _two_processes import run_pair
 
     import nanoattn
 
     from _parallel_multiprocess import inputs
 
-    with socket.socket() as s:  # a free port for the coordinator
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "out.npy"
-    worker = TESTS / "_parallel_multiprocess.py"
-    env = dict(os.environ)  # the worker adds its 4 devices to the suite's XLA flags
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(port), str(i), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [log[1][-2000:] for log in logs]
+    run_pair(TESTS / "_parallel_multiprocess.py", out)  # the worker adds its 4 devices
     q, k, v = inputs()
     expected = nanoattn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     got = from_zigzag(np.load(out), 8)
