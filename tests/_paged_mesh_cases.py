@@ -178,6 +178,32 @@ def sharded_call(split: str, implementation: str, quantized: bool = False, **rul
     return case
 
 
+def keyword_call(implementation: str, groups, keyword: str, values, case: str):
+    """sharded_paged_attention by groups and heads with ``keyword`` (``values``: each
+    group's, joined as the groups are) against each group's paged_attention on one
+    device: (the output, its case row: error, spec, collectives)."""
+    rules = dict(implementation=implementation)
+    want = np.concatenate([
+        np.asarray(nanoattn.paged_attention(*group, **{keyword: value}, **rules))
+        for group, value in zip(groups, values, strict=True)
+    ])  # fmt: skip
+
+    def call(*arrays, value):
+        return sharded_paged_attention(*arrays, data_axis="data", head_axis="model",
+                                       **{keyword: value}, **rules)  # fmt: skip
+
+    arrays, value = joined(groups), np.concatenate(values)
+    with jax.set_mesh(mesh_of()):
+        out = jax.jit(call)(*arrays, value=value)
+        text = jax.jit(call).lower(*arrays, value=value).compile().as_text()
+    return out, {
+        "case": case,
+        "error": float(np.abs(np.asarray(out) - want).max()),
+        "spec": str(out.sharding.spec),
+        "collectives": collectives(text),
+    }
+
+
 def shared_prefix_call(implementation: str) -> dict:
     """shared_prefixes (cascade attention) split with the page table, by groups and
     heads: each group's first two sequences share their first page."""
@@ -188,28 +214,10 @@ def shared_prefix_call(implementation: str) -> dict:
         table[1, 0] = table[0, 0]
         groups.append((q, kp, vp, table, lengths, starts))
         shared.append(np.array([1, 1, 0], np.int32))
-    rules = dict(implementation=implementation)
-    want = np.concatenate([
-        np.asarray(nanoattn.paged_attention(*group, shared_prefixes=m, **rules))
-        for group, m in zip(groups, shared, strict=True)
-    ])  # fmt: skip
-
-    def call(*arrays, shared_prefixes):
-        return sharded_paged_attention(*arrays, data_axis="data", head_axis="model",
-                                       shared_prefixes=shared_prefixes, **rules)  # fmt: skip
-
-    arrays = (*joined(groups), np.concatenate(shared))
-    with jax.set_mesh(mesh_of()):
-        out = jax.jit(call)(*arrays[:6], shared_prefixes=arrays[6])
-        text = jax.jit(call).lower(*arrays[:6], shared_prefixes=arrays[6]).compile().as_text()
+    out, row = keyword_call(implementation, groups, "shared_prefixes", shared,
+                            f"call-both-{implementation}-shared")  # fmt: skip
     reference = np.concatenate([np_paged(*group) for group in groups])
-    return {
-        "case": f"call-both-{implementation}-shared",
-        "error": float(np.abs(np.asarray(out) - want).max()),
-        "reference": float(np.abs(np.asarray(out) - reference).max()),
-        "spec": str(out.sharding.spec),
-        "collectives": collectives(text),
-    }
+    return row | {"reference": float(np.abs(np.asarray(out) - reference).max())}
 
 
 def selection_call(implementation: str) -> dict:
@@ -219,26 +227,8 @@ def selection_call(implementation: str) -> dict:
     rng = np.random.default_rng(7)
     chosen = [rng.integers(-1, int(group[4].max()), size=(TQ, 5)).astype(np.int32)
               for group in groups]  # fmt: skip
-    rules = dict(implementation=implementation)
-    want = np.concatenate([
-        np.asarray(nanoattn.paged_attention(*group, key_indices=c, **rules))
-        for group, c in zip(groups, chosen, strict=True)
-    ])  # fmt: skip
-
-    def call(*arrays, key_indices):
-        return sharded_paged_attention(*arrays, data_axis="data", head_axis="model",
-                                       key_indices=key_indices, **rules)  # fmt: skip
-
-    arrays, chosen = joined(groups), np.concatenate(chosen)
-    with jax.set_mesh(mesh_of()):
-        out = jax.jit(call)(*arrays, key_indices=chosen)
-        text = jax.jit(call).lower(*arrays, key_indices=chosen).compile().as_text()
-    return {
-        "case": f"call-both-{implementation}-selected",
-        "error": float(np.abs(np.asarray(out) - want).max()),
-        "spec": str(out.sharding.spec),
-        "collectives": collectives(text),
-    }
+    return keyword_call(implementation, groups, "key_indices", chosen,
+                        f"call-both-{implementation}-selected")[1]  # fmt: skip
 
 
 def sharded_gradients(implementation: str) -> dict:
