@@ -77,3 +77,21 @@ def random_params(shapes, seed=7):
         for i, a in enumerate(leaves)
     ]
     return jax.tree.unflatten(tree, [jnp.asarray(v, a.dtype) for v, a in zip(values, leaves)])
+
+
+def paged_step(layer, pool_tokens: int, seed: int):
+    """A paged linen ``layer`` (``page_size`` in its config): its random parameters
+    (:func:`random_params`), the shapes of its cache (a pool of ``pool_tokens`` tokens)
+    and its decoding step ``step(cache, x, pages) -> (y, cache)``, not jitted."""
+    import functools
+
+    shapes = jax.eval_shape(functools.partial(layer.init, decode=True), jax.random.key(0),
+                            jnp.zeros((1, pool_tokens, layer.config.d_model)))  # fmt: skip
+    params = random_params(shapes["params"], seed)
+
+    def step(cache, x, pages):
+        y, state = layer.apply({"params": params, "cache": cache}, x, True, decode=True,
+                               pages=pages, mutable=["cache"])  # fmt: skip
+        return y, state["cache"]
+
+    return params, shapes["cache"], step

@@ -20,7 +20,7 @@ from nanoattn import PageAllocator
 from nanoattn import nnx as nanoattn_nnx
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
-from _layer_configs import random_params
+from _layer_configs import paged_step
 
 D, N, K = 24, 6, 2  # H = 4, G = 3
 PS, PAGES, SEQS, MAX_PAGES, TQ = 3, 41, 3, 13, 11  # primes
@@ -36,19 +36,8 @@ def _layer(select):
     """A paged layer with page selection ``select`` (None: none), the parameters all
     layers share, its empty cache and its jitted step."""
     layer = CausalSelfAttention(_config(page_selection=select))
-    shapes = jax.eval_shape(
-        functools.partial(layer.init, decode=True), jax.random.key(0), jnp.zeros((1, PAGES * PS, D))
-    )
-    params = random_params(shapes["params"], 3)
-
-    def step(cache, x, pages):
-        y, state = layer.apply(
-            {"params": params, "cache": cache}, x, True, decode=True, pages=pages,
-            mutable=["cache"],
-        )  # fmt: skip
-        return y, state["cache"]
-
-    empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes["cache"])
+    params, shapes, step = paged_step(layer, PAGES * PS, 3)
+    empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     return layer, params, empty, step, jax.jit(step)
 
 

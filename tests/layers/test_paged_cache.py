@@ -19,7 +19,7 @@ from nanoattn import PageAllocator
 from nanoattn import nnx as nanoattn_nnx
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
-from _layer_configs import random_params
+from _layer_configs import paged_step, random_params
 
 D, N, K = 24, 6, 2  # H = 4
 PS, PAGES, SEQS, MAX_PAGES, TQ = 5, 23, 4, 7, 13  # page size and pool: primes
@@ -34,22 +34,10 @@ def _layer(**options):
     """A paged layer, its full-cache twin, random parameters and a jitted step."""
     layer = CausalSelfAttention(_config(**options))
     plain = CausalSelfAttention(AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0, **options))
-    shapes = jax.eval_shape(
-        functools.partial(layer.init, decode=True), jax.random.key(0), jnp.zeros((1, PAGES * PS, D))
-    )
-    params = random_params(shapes["params"], 3)
-
-    @jax.jit
-    def step(cache, x, pages):
-        y, state = layer.apply(
-            {"params": params, "cache": cache}, x, True, decode=True, pages=pages,
-            mutable=["cache"],
-        )  # fmt: skip
-        return y, state["cache"]
-
+    params, shapes, step = paged_step(layer, PAGES * PS, 3)
     full = jax.jit(lambda x: plain.apply({"params": params}, x, True))
-    empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes["cache"])
-    return step, full, empty
+    empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    return jax.jit(step), full, empty
 
 
 class Driver:

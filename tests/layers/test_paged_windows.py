@@ -26,7 +26,7 @@ import pytest
 from nanoattn import PageAllocator
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
-from _layer_configs import random_params
+from _layer_configs import paged_step, random_params
 
 D, N, K = 24, 6, 2  # H = 4
 PS, PAGES, SEQS, MAX_PAGES, TQ = 5, 19, 3, 7, 13  # page size and pool: primes
@@ -40,25 +40,12 @@ def _layer():
     options = dict(n_kv_heads=K, rope_base=100.0, window=(WINDOW - 1, 0), sink_tokens=SINKS)
     layer = CausalSelfAttention(AttentionConfig(D, N, page_size=PS, **options))
     plain = CausalSelfAttention(AttentionConfig(D, N, implementation="xla", **options))
-    shapes = jax.eval_shape(
-        functools.partial(layer.init, decode=True), jax.random.key(0), jnp.zeros((1, PAGES * PS, D))
-    )
-    params = random_params(shapes["params"], 5)
-
-    def apply(cache, x, pages):
-        y, state = layer.apply(
-            {"params": params, "cache": cache}, x, True, decode=True, pages=pages,
-            mutable=["cache"],
-        )  # fmt: skip
-        return y, state["cache"]
-
+    params, shapes, apply = paged_step(layer, PAGES * PS, 5)
     step = jax.jit(apply)
     step.eager = apply  # unjitted: its checks raise when the batch is concrete
     full = jax.jit(lambda x: plain.apply({"params": params}, x, True))
-    bad = np.random.default_rng(0).choice(
-        [np.nan, np.inf, -np.inf], size=shapes["cache"]["key"].shape
-    )
-    pool = {name: jnp.zeros(a.shape, a.dtype) for name, a in shapes["cache"].items()}
+    bad = np.random.default_rng(0).choice([np.nan, np.inf, -np.inf], size=shapes["key"].shape)
+    pool = {name: jnp.zeros(a.shape, a.dtype) for name, a in shapes.items()}
     pool |= dict(key=jnp.asarray(bad, jnp.float32), value=jnp.asarray(bad[::-1], jnp.float32))
     return step, full, pool
 
@@ -240,19 +227,11 @@ def _global_layer():
     """A paged layer without a window (a global one): its jitted and eager steps, its
     full forward and a pool of zeros."""
     layer = CausalSelfAttention(AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0, page_size=PS))
-    init = functools.partial(layer.init, decode=True)
-    shapes = jax.eval_shape(init, jax.random.key(0), jnp.zeros((1, PAGES * PS, D)))
-    params = random_params(shapes["params"], 7)
-
-    def apply(cache, x, pages):
-        y, state = layer.apply({"params": params, "cache": cache}, x, True, decode=True,
-                               pages=pages, mutable=["cache"])  # fmt: skip
-        return y, state["cache"]
-
+    params, shapes, apply = paged_step(layer, PAGES * PS, 7)
     step = jax.jit(apply)
     step.eager = apply
     full = jax.jit(lambda x: layer.apply({"params": params}, x, True))
-    return step, full, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes["cache"])
+    return step, full, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
 @pytest.mark.parametrize("kind", ["global", "sinks"])
