@@ -51,11 +51,24 @@
 namespace {
 
 constexpr int kPagedVectors = 64;  // query vectors (rows x heads of a group) per task
-constexpr int kPagedKeys = 32;     // keys per tile
+constexpr int kPagedKeys = 32;     // keys per tile, at most (the scratch's columns)
 constexpr int kPagedBlock = 4;     // query vectors per register tile of the products
-constexpr int kPagedAhead = 2;     // tiles whose lines are fetched ahead of the one computed
+constexpr int kPagedAhead = 1;     // tiles whose lines are fetched ahead of the one computed
 static_assert(kPagedKeys % VW == 0 && kPagedKeys % 2 == 0, "tiles must hold whole vectors");
 static_assert(kPagedBlock == 4, "paged_dots sums 4 query vectors x 2 keys at once (hsum8)");
+
+// The keys of a tile of pools of type In: 16 for float32 and bfloat16 (one order of
+// summation: a widened bfloat16 step equals the float32 step on the widened numbers), 32
+// for int8 and float8, so that the tile fetched ahead stays near 128 KiB for a step's 8
+// heads of width 128 (a 2-core AMD EPYC Zen 4, float32 decode at B = 1: 9.4 GB/s with 32
+// keys and 2 tiles ahead, 20 with 16 and one; the quantized, bound by their widening and
+// scales, gain from the longer tile).
+template <class In>
+constexpr int64_t tile_keys() {
+  constexpr int64_t keys = kQuantized<In> ? 32 : 16;
+  static_assert(keys <= kPagedKeys && keys % VW == 0 && keys % 2 == 0, "whole vectors");
+  return keys;
+}
 
 // A paged call: sizes, rules and the run-time inputs. Hv (padded: Hvp) is the values'
 // width, H's unless the values have a width of their own (multi-head latent attention).
@@ -304,7 +317,7 @@ struct PagedTiles {
     const int32_t* pages = p.table + task.b * p.M;
     const int64_t key_bytes = heads * p.H * static_cast<int64_t>(sizeof(In));
     const int64_t value_bytes = heads * p.Hv * static_cast<int64_t>(sizeof(In));
-    const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
+    const int64_t n = std::min<int64_t>(tile_keys<In>(), hi - j0);
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
       const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
@@ -504,13 +517,14 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
   if (!paged_keys(p, task, w)) return;  // no real row: nothing to write
   paged_queries(p, q, task, w);
   PagedTiles<In> tiles{p, task, kp, vp, w.heads, w.hi, scratch.scales.data(), {}};
+  constexpr int64_t width = tile_keys<In>();
   for (int a = 0; a < kPagedAhead; ++a)
-    if (w.lo + a * kPagedKeys < w.hi) tiles.locate(w.lo + a * kPagedKeys, a, a > 0);
-  for (int64_t j0 = w.lo, tile = 0; j0 < w.hi; j0 += kPagedKeys, ++tile) {
-    const int64_t n = std::min<int64_t>(kPagedKeys, w.hi - j0);
+    if (w.lo + a * width < w.hi) tiles.locate(w.lo + a * width, a, a > 0);
+  for (int64_t j0 = w.lo, tile = 0; j0 < w.hi; j0 += width, ++tile) {
+    const int64_t n = std::min<int64_t>(width, w.hi - j0);
     const int parity = tile % (kPagedAhead + 1);
-    if (j0 + kPagedAhead * kPagedKeys < w.hi)
-      tiles.locate(j0 + kPagedAhead * kPagedKeys, (tile + kPagedAhead) % (kPagedAhead + 1), true);
+    if (j0 + kPagedAhead * width < w.hi)
+      tiles.locate(j0 + kPagedAhead * width, (tile + kPagedAhead) % (kPagedAhead + 1), true);
     for (int64_t hh = 0; hh < w.heads; ++hh) paged_tile(p, task, w, tiles, hh, parity, j0, n);
   }
   paged_finish(p, task, w, pieces, out, lse);
@@ -530,16 +544,31 @@ inline std::pair<int64_t, int64_t> task_keys(const Paged& p, const PagedTask& ta
   return {lo, hi};
 }
 
+constexpr int64_t kPiecesPerThread = 4;   // split the keys into about this many a thread
+constexpr int64_t kLeastPieceKeys = 512;  // a piece reads at least this many keys
+
+// Whether split_tasks cuts tasks along their keys: with several threads, unless
+// NANOATTN_SPLIT_KEYS is "0" (the bench's unsplit baseline).
+inline bool splits_keys(int threads) {
+  const char* off = std::getenv("NANOATTN_SPLIT_KEYS");
+  return threads >= 2 && !(off && std::string(off) == "0");
+}
+
 // The tasks of a call: rows of one head each, or, for a few rows (a decode step), the
-// rows of several heads side by side, as many as keep 4 tasks a thread (their keys are
-// then one run of memory per token, not one row per head).
+// rows of several heads side by side (their keys then one run of memory per token, not
+// one row per head, which the hardware streams), as many as still give 4 tasks a thread
+// once split_tasks has cut the long ones along their keys.
 inline std::vector<PagedTask> paged_tasks(const Paged& p, int threads) {
-  int64_t row_sets = 0;
+  int64_t pieces = 0;  // of each head's rows, cut along the keys where split_tasks would
   const int64_t step = p.rows_per_task();
-  for (int64_t b = 0; b < p.B; ++b) row_sets += (p.end(b) - p.first(b) + step - 1) / step;
+  const bool split = splits_keys(threads);
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t sets = (p.end(b) - p.first(b) + step - 1) / step;
+    pieces += sets * (split ? std::max<int64_t>(1, p.length(b) / kLeastPieceKeys) : 1);
+  }
   int64_t together = 1;  // heads per task: a divisor of K
   for (int64_t d = p.K; d > 1; --d)
-    if (p.K % d == 0 && d * p.G <= kPagedVectors && row_sets * (p.K / d) >= 4 * threads) {
+    if (p.K % d == 0 && d * p.G <= kPagedVectors && pieces * (p.K / d) >= kPiecesPerThread * threads) {
       together = d;
       break;
     }
@@ -553,9 +582,6 @@ inline std::vector<PagedTask> paged_tasks(const Paged& p, int threads) {
   return tasks;
 }
 
-constexpr int64_t kPiecesPerThread = 4;   // split the keys into about this many a thread
-constexpr int64_t kLeastPieceKeys = 512;  // a piece reads at least this many keys
-
 // Split-key decode: with several threads, a task that reads more than its share of the
 // call's keys (the whole call's key rows read, rows x heads x keys, over threads x
 // kPiecesPerThread) is cut along its keys into near-equal pieces of whole tiles (at least
@@ -565,8 +591,7 @@ constexpr int64_t kLeastPieceKeys = 512;  // a piece reads at least this many ke
 inline std::vector<PagedTask> split_tasks(const Paged& p, const std::vector<PagedTask>& tasks,
                                           int threads, PagedPieces& pieces,
                                           std::vector<std::pair<int64_t, int64_t>>& groups) {
-  const char* off = std::getenv("NANOATTN_SPLIT_KEYS");  // "0": never split (the bench's
-  if (threads < 2 || (off && std::string(off) == "0")) return tasks;  // unsplit baseline)
+  if (!splits_keys(threads)) return tasks;
   int64_t total = 0;
   std::vector<int64_t> costs(tasks.size());
   for (size_t t = 0; t < tasks.size(); ++t) {
