@@ -13,11 +13,12 @@
 // One task per (sequence b, key/value head kh, block of up to kPagedVectors / G of b's
 // query rows): the G query heads of kh and the block's rows are its query vectors, so
 // each key and value row of the pool is read once per task (once per (b, kh) in a decode
-// step), a tile of kPagedKeys keys at a time, and dotted with every query vector
+// step), a tile of keys at a time (tile_keys), and dotted with every query vector
 // (bfloat16, int8 and float8 widened in registers), then the online softmax
 // (FlashAttention-2) in float32. A decode step's task takes several key/value heads
 // (those side by side in a token row: one run of memory a token, which the hardware
-// streams, where one head's rows are scattered K * H apart).
+// streams, where one head's rows are scattered K * H apart), and a long task is cut
+// along its keys into pieces merged after (split_tasks).
 // A task reads only the keys its rows may see (keys 0 .. kv_lengths[b] - 1, narrowed by
 // the causal band or the window): never a page past those the sequence holds, nor a
 // slot past its length. Every page id is clamped into [0, P), lengths into [0, M *
