@@ -25,12 +25,10 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..._base.paged import (
     check_paged_values,
     check_returned,
-    held_pages,
     returned_reads,
     safe_page_table,
     token_layout,
@@ -39,9 +37,10 @@ from ..._base.validate import as_array, expect_integer, expect_shape
 from .. import positional
 from . import quantized
 from .kv_cache import KVCache, quantized_zeros
-from .moves import check_moves, move_slots, move_spoils, no_moves
+from .moves import no_moves
 from .page_selection import empty_bounds, select_pages, update_bounds
 from .policy import CachePolicy, StepLayout
+from .transfers import COPIES, MOVES
 from .tree import paged_rows, tree_returned_reads
 
 
@@ -184,14 +183,14 @@ class PagedCache(CachePolicy):
         moves = no_moves() if pages.moves is None else _ints("moves", pages.moves, "V 2",
                                                                 (None, 2))  # fmt: skip
         check_paged_values(table, lengths, starts, Tq, P, self.page_size)
-        check_copies(copies, P)
-        check_moves(moves, P * self.page_size)
+        COPIES.check(copies, P)
+        MOVES.check(moves, P * self.page_size)
         band, sinks, ps = self.band, self.sink_tokens, self.page_size
         check_returned(table, lengths, starts, Tq, P, ps, band, sinks, _RETURNED_HINT)
         layout = token_layout(table, lengths, starts, Tq, P, ps)
         # A sequence holding a page that a bad copy or move was to fill, or one whose
         # queries see a page it gave back (only under jit): NaN, and never written.
-        spoilt = copy_spoils(copies, table, lengths, P, ps) | move_spoils(
+        spoilt = COPIES.spoils(copies, table, lengths, P, ps) | MOVES.spoils(
             moves, table, lengths, P, ps
         )  # fmt: skip
         reads = returned_reads(table, lengths, layout, ps, band, sinks).any(axis=1)
@@ -221,10 +220,8 @@ class PagedCache(CachePolicy):
         pages = layout.pages
         P, ps = cache.key.shape[:2]
         copies = pages.copies
-        used = ~copy_faults(copies, P).any(axis=1) & (copies[:, 0] >= 0)
-        source = jnp.where(used, copies[:, 0], 0)
-        target = jnp.where(used, copies[:, 1], P)  # P: dropped
-        moved_from, moved_to = move_slots(pages.moves, P * ps)  # P * ps: dropped
+        source, target = COPIES.sound(copies, P)  # P: dropped
+        moved_from, moved_to = MOVES.sound(pages.moves, P * ps)  # P * ps: dropped
         tokens = token_layout(
             pages.page_table, pages.kv_lengths, pages.query_starts, k.shape[1], P, ps
         )  # fmt: skip
@@ -338,48 +335,3 @@ def _ints(name: str, x, axes: str, dims):
     expect_integer(name, x.dtype)
     expect_shape(name, x.shape, axes, dims)
     return x.astype(jnp.int32)
-
-
-def copy_faults(copies, P: int):
-    """(C, 2) bool, traced or not: whether each used copy names a page outside the pool
-    (column 0), and whether another used copy has its destination (column 1). An entry
-    ``(-1, -1)`` is unused: no fault."""
-    source, target = copies[:, 0], copies[:, 1]
-    unused = (source == -1) & (target == -1)
-    outside = ~unused & ((source < 0) | (source >= P) | (target < 0) | (target >= P))
-    same = (target[:, None] == target[None, :]) & ~unused[:, None] & ~unused[None, :]
-    twice = (same & ~jnp.eye(copies.shape[0], dtype=bool)).any(axis=1)
-    return jnp.stack([outside, twice & ~outside], axis=1)
-
-
-def check_copies(copies, P: int) -> None:
-    """Raises ValueError for a copy naming a page outside the pool, or two copies into
-    one page, when concrete (under ``jit``: :func:`copy_spoils`)."""
-    if isinstance(copies, jax.core.Tracer):
-        return
-    values = np.asarray(copies)
-    faults = np.asarray(copy_faults(jnp.asarray(values), P))
-    if faults[:, 0].any():
-        c = int(np.flatnonzero(faults[:, 0])[0])
-        raise ValueError(
-            f"copies[{c}]={values[c].tolist()} names a page outside the pool (P={P}); an "
-            f"unused entry is [-1, -1]"
-        )
-    if faults[:, 1].any():
-        c, d = (int(i) for i in np.flatnonzero(values[:, 1] == values[faults[:, 1]][0, 1])[:2])
-        raise ValueError(
-            f"copies[{c}] and copies[{d}] both copy into page {int(values[c, 1])}; a page "
-            f"takes one copy per step"
-        )
-
-
-def copy_spoils(copies, page_table, kv_lengths, P: int, page_size: int):
-    """(B,) bool: the sequences holding a page that a faulty copy was to fill (their
-    tokens are NaN under ``jit``, and never written)."""
-    faulty = copy_faults(copies, P).any(axis=1)
-    target = copies[:, 1]
-    lost = faulty & (target >= 0) & (target < P)  # (C,): a page of the pool left unfilled
-    held = held_pages(kv_lengths, page_size, page_table.shape[1])  # (B, M)
-    hits = (page_table[:, :, None] == target[None, None, :]) & held[..., None]  # (B, M, C)
-    hits = hits & lost[None, None, :]  # (never an entry RETURNED, -1: no page)
-    return hits.any(axis=(1, 2))
