@@ -240,3 +240,24 @@ def evaluate_score(score_fn, score, b, n, q, k):
     """``score_fn`` on scores and their index arrays, in the scores' dtype and shape."""
     out = jnp.asarray(score_fn(score, b, n, q, k))
     return jnp.broadcast_to(out, score.shape).astype(score.dtype)
+
+
+def global_heads(mask_fn, score_fn, head_axis, heads: int):
+    """``mask_fn`` and ``score_fn`` called with each head's index among all N on a
+    device that holds ``heads`` heads of mesh axis ``head_axis`` (None: unchanged). The
+    first head's index is computed at each call, in the trace that calls (inside
+    ``shard_map``): a ring's backward pass is traced apart from its forward, so a
+    closed-over device index would escape its trace."""
+    if head_axis is None:
+        return mask_fn, score_fn
+
+    def first():
+        return jax.lax.axis_index(head_axis) * heads
+
+    def mask(b, n, q, k):
+        return mask_fn(b, n + first(), q, k)
+
+    def score(s, b, n, q, k):
+        return score_fn(s, b, n + first(), q, k)
+
+    return None if mask_fn is None else mask, None if score_fn is None else score

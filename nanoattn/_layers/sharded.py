@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from .._base.mask_fn import global_heads
 from .._base.rule_table import ARRAY_KEYWORDS
 from .._base.rules import Rules
 from .._base.zigzag import to_zigzag
@@ -126,8 +127,7 @@ def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_arg
 
     def ring(q, k, v, arrays: Rules):
         mask_fn, score_fn = mask_args.get("mask_fn"), mask_args.get("score_fn")
-        if cfg.head_axis is not None:
-            mask_fn, score_fn = _global_heads(mask_fn, score_fn, cfg.head_axis, q.shape[2])
+        mask_fn, score_fn = global_heads(mask_fn, score_fn, cfg.head_axis, q.shape[2])
         given = {name: getattr(arrays, name) for name in array_names}
         return ring_attention(
             q, k, v, axis_name=cfg.sequence_axis, is_causal=True,
@@ -138,22 +138,3 @@ def attend_sharded(cfg, q, k, v, *, dropout_rate: float, dropout_rng, **mask_arg
 
     in_specs = (seq, seq, seq, specs)
     return jax.shard_map(ring, in_specs=in_specs, out_specs=seq)(q, k, v, arrays)
-
-
-def _global_heads(mask_fn, score_fn, head_axis: str, heads: int):
-    """``mask_fn`` and ``score_fn`` called with global head indices on a device that
-    holds ``heads`` heads of ``head_axis`` (the ring sees only its own). The first
-    head's index is computed at each call, in the trace that calls: the ring's
-    backward pass is traced apart from its forward, so a closed-over device index
-    would escape its trace."""
-
-    def first():
-        return jax.lax.axis_index(head_axis) * heads
-
-    def mask(b, n, q, k):
-        return mask_fn(b, n + first(), q, k)
-
-    def score(s, b, n, q, k):
-        return score_fn(s, b, n + first(), q, k)
-
-    return None if mask_fn is None else mask, None if score_fn is None else score

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from .._base.mask_fn import global_heads
 from .._base.validate import expect_shape
 from .._core.paged import paged_attention
 from ._ring import _place
@@ -88,7 +89,7 @@ def sharded_paged_attention(query, key_pages, value_pages, page_table, kv_length
     heads = np.shape(query)[1] // (1 if head_axis is None else mesh.shape[head_axis])
 
     def local(q, key_pages, value_pages, table, lengths, starts, given):
-        shifted = _global_heads(mask_fn, score_fn, head_axis, heads)
+        shifted = global_heads(mask_fn, score_fn, head_axis, heads)
         return paged_attention(q, key_pages, value_pages, table, lengths, starts, **rules,
                                **given, mask_fn=shifted[0], score_fn=shifted[1])  # fmt: skip
 
@@ -158,21 +159,3 @@ def _check_groups(G: int, data_axis, arrays) -> None:
             f"{data_axis!r} has B + 1 = {B + 1} starts (page_table's {B} rows a group), "
             f"{G * (B + 1)} in all"
         )
-
-
-def _global_heads(mask_fn, score_fn, head_axis, heads: int):
-    """``mask_fn`` and ``score_fn`` called with the head's index among all N on a device
-    holding ``heads`` of them (computed in the trace that calls, inside shard_map)."""
-    if head_axis is None:
-        return mask_fn, score_fn
-
-    def first():
-        return jax.lax.axis_index(head_axis) * heads
-
-    def mask(b, n, q, k):
-        return mask_fn(b, n + first(), q, k)
-
-    def score(s, b, n, q, k):
-        return score_fn(s, b, n + first(), q, k)
-
-    return None if mask_fn is None else mask, None if score_fn is None else score
