@@ -146,26 +146,36 @@ def measure_here(spec: dict) -> dict:
     }  # fmt: skip
 
 
-def measure_engine(shape: Shape = FULL, report=None) -> dict:
-    """Both servers, each alone in a process of its own (``report(i, n, label)`` before
-    each): their rows and the ratio of their tokens/s; or a status saying why not."""
+def servers_alone(module: str, names, shape, report=None) -> dict:
+    """The servers ``names`` of ``module`` (its ``measure_here``), each alone in a
+    process of its own (``report(i, n, label)`` before each): ``{"shape", "rows",
+    "status": "ok"}``, each row with its tokens/s; or a status saying why not."""
     result = {"shape": dataclasses.asdict(shape), "rows": []}
     root = example_root()
     if root is None:
         return result | {"status": f"skipped: {MISSING}"}
-    for i, name in enumerate(NAMES):
+    for i, name in enumerate(names):
         if report:
-            report(i, len(NAMES), f"{name}, alone")
+            report(i, len(names), f"{name}, alone")
         spec = {"name": name, **dataclasses.asdict(shape)}
         try:
-            row = run_alone("nanoattn.bench._engine", spec, what=name, paths=[root])
+            row = run_alone(module, spec, what=name, paths=[root])
         except Exception as e:  # reported, not fatal to the rest of the bench
             return result | {"status": f"error: {describe(e)[:200]}"}
         row["tokens_per_s"] = row["tokens"] / row["median_s"]
         result["rows"].append({"name": name} | row)
+    return result | {"status": "ok"}
+
+
+def measure_engine(shape: Shape = FULL, report=None) -> dict:
+    """Both servers, each alone in a process of its own (``report(i, n, label)`` before
+    each): their rows and the ratio of their tokens/s; or a status saying why not."""
+    result = servers_alone("nanoattn.bench._engine", NAMES, shape, report)
+    if result["status"] != "ok":
+        return result
     engine, static = result["rows"]
     return result | {
-        "status": "ok", "ratio": engine["tokens_per_s"] / static["tokens_per_s"],
+        "ratio": engine["tokens_per_s"] / static["tokens_per_s"],
         "same_tokens": engine["digest"] == static["digest"],
     }  # fmt: skip
 

@@ -30,9 +30,7 @@ import os
 import sys
 import time
 
-from .._base.validate import describe
 from . import _engine
-from ._alone import run_alone
 
 PREFILL_TARGET = 0.2  # prompt tokens computed with the prefix cache / without, at most
 TARGET = 2.0  # tokens/s with the prefix cache / without, at least
@@ -105,23 +103,12 @@ def measure_prefix(shape: Shape = FULL, report=None) -> dict:
     """Both engines, each alone in a process of its own (``report(i, n, label)`` before
     each): their rows and the ratios of their prompt tokens computed and tokens/s; or a
     status saying why not."""
-    result = {"shape": dataclasses.asdict(shape), "rows": []}
-    root = _engine.example_root()
-    if root is None:
-        return result | {"status": f"skipped: {_engine.MISSING}"}
-    for i, name in enumerate(NAMES):
-        if report:
-            report(i, len(NAMES), f"{name}, alone")
-        spec = {"name": name, **dataclasses.asdict(shape)}
-        try:
-            row = run_alone("nanoattn.bench._engine_prefix", spec, what=name, paths=[root])
-        except Exception as e:  # reported, not fatal to the rest of the bench
-            return result | {"status": f"error: {describe(e)[:200]}"}
-        row["tokens_per_s"] = row["tokens"] / row["median_s"]
-        result["rows"].append({"name": name} | row)
+    result = _engine.servers_alone("nanoattn.bench._engine_prefix", NAMES, shape, report)
+    if result["status"] != "ok":
+        return result
     prefix, plain = result["rows"]
     return result | {
-        "status": "ok", "ratio": prefix["tokens_per_s"] / plain["tokens_per_s"],
+        "ratio": prefix["tokens_per_s"] / plain["tokens_per_s"],
         "prefill_ratio": prefix["prefill_tokens"] / plain["prefill_tokens"],
         "same_tokens": prefix["digest"] == plain["digest"],
     }  # fmt: skip
