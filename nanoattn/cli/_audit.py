@@ -16,7 +16,7 @@ from ..verify.command_line import (
     verify_modules,
 )
 from . import _stages
-from ._common import UsageError, int_list
+from ._common import UsageError, add_command, int_list
 
 # --latent's widths: flag, default, meaning (--d-model and --heads give D and N).
 _LATENT_FLAGS = (
@@ -33,8 +33,11 @@ SYMBOLS = {
 
 
 def add_parser(commands) -> None:
-    audit = commands.add_parser(
+    add_command(
+        commands,
         "audit",
+        run,
+        (_add_sizes, _add_latent, _add_output),
         help="audit shapes and masks of the attention module",
         description="Trace one forward pass of the attention module and audit every shape, "
         "draw the causal and padding masks with the row sums of the real weights, and verify "
@@ -43,6 +46,10 @@ def add_parser(commands) -> None:
         "it is doing (nothing with --json). Exit status 0 when every check passes, 1 when one "
         "fails, 2 for bad input.",
     )
+
+
+def _add_sizes(audit) -> None:
+    """The layer audited and its inputs."""
     audit.add_argument("--d-model", type=int, default=128, help="model width D (default 128)")
     audit.add_argument("--heads", type=int, default=4, help="number of heads N (default 4)")
     audit.add_argument(
@@ -67,6 +74,10 @@ def add_parser(commands) -> None:
         help="valid tokens per batch row for the padding example "
         "(default 5,3 for the seed: the full length, then 2 fewer)",
     )
+
+
+def _add_latent(audit) -> None:
+    """A multi-head latent attention layer's shapes instead."""
     audit.add_argument(
         "--latent",
         action="store_true",
@@ -75,6 +86,10 @@ def add_parser(commands) -> None:
     )
     for flag, default, what in _LATENT_FLAGS:
         audit.add_argument(flag, type=int, default=default, help=f"with --latent: {what}")
+
+
+def _add_output(audit) -> None:
+    """What is printed, and what is left out."""
     audit.add_argument("--json", action="store_true", help="print machine-readable JSON")
     audit.add_argument("--ascii", action="store_true", help="draw masks without emoji")
     audit.add_argument(
@@ -83,7 +98,6 @@ def add_parser(commands) -> None:
         help="skip the verification of the built-in modules: about 15 s of the default "
         "audit's 23 s on a 2-core Intel Xeon CPU",
     )
-    audit.set_defaults(run=run)
 
 
 def _inputs(args) -> tuple[AttentionConfig, list[int]]:

@@ -22,12 +22,15 @@ from ..bench import (
     run_bench,
     write,
 )
-from ._common import UsageError, int_list
+from ._common import UsageError, add_command, int_list
 
 
 def add_parser(commands) -> None:
-    bench = commands.add_parser(
+    add_command(
+        commands,
         "bench",
+        run,
+        (_add_scope, _add_part_sizes, _add_grid, _add_judging_and_output),
         help="benchmark nanoattn against flax, jax.nn, the seed and PyTorch",
         description="Measure causal attention side by side in one process: nanoattn's 'flash' "
         "and 'xla' backends, the seed module's computation, flax, jax.nn and PyTorch SDPA "
@@ -47,11 +50,6 @@ def add_parser(commands) -> None:
         "Progress goes to stderr, a line per measured item: its part, the time elapsed in "
         "that part and an estimate of what is left.",
     )
-    _add_scope(bench)
-    _add_part_sizes(bench)
-    _add_grid(bench)
-    _add_judging_and_output(bench)
-    bench.set_defaults(run=run)
 
 
 def _add_scope(bench) -> None:

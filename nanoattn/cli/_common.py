@@ -1,4 +1,5 @@
-"""Pieces shared by the subcommands: one-line usage errors and list parsing."""
+"""Pieces shared by the subcommands: one-line usage errors, a subcommand's parser and
+list parsing."""
 
 import argparse
 import re
@@ -25,6 +26,16 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UsageError(message, self.prog)
+
+
+def add_command(commands, name: str, run, groups=(), **texts) -> argparse.ArgumentParser:
+    """The subcommand ``name`` of ``commands`` (``help`` and ``description`` in
+    ``texts``), each of ``groups`` adding its options to it, run by ``run(args)``."""
+    parser = commands.add_parser(name, **texts)
+    for add in groups:
+        add(parser)
+    parser.set_defaults(run=run)
+    return parser
 
 
 def int_list(text: str) -> list[int]:

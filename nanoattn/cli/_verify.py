@@ -24,14 +24,17 @@ from ..verify.command_line import (
     within,
 )
 from . import _stages
-from ._common import UsageError, int_list
+from ._common import UsageError, add_command, int_list
 
 CAUSALITY_ATOL = 1e-5
 
 
 def add_parser(commands) -> None:
-    verify = commands.add_parser(
+    add_command(
+        commands,
         "verify",
+        run,
+        (_add_target, _add_checks, _add_lengths, _add_tolerance_and_output),
         help="prove that an attention function hides the future, or that a decoder's "
         "KV cache computes its full forward",
         description="Import OBJECT from MODULE and check it. By default OBJECT is a callable "
@@ -51,11 +54,6 @@ def add_parser(commands) -> None:
         "at some lengths), 2 when the target cannot be imported or raises at every length, or "
         "an option is bad.",
     )
-    _add_target(verify)
-    _add_checks(verify)
-    _add_lengths(verify)
-    _add_tolerance_and_output(verify)
-    verify.set_defaults(run=run)
 
 
 def _add_target(verify) -> None:
