@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.paged import paged_attention
-from ._measure import time_calls
+from ._measure import timed_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +74,8 @@ def _calls(shape: CascadeShape, implementation):
 
 def measure_cascade(shape: CascadeShape, progress=None, implementation=None) -> dict:
     """Median and min ms of the shared and the unshared call, and their ratio."""
-    if progress:
-        progress(0, 1, f"cascade: {shape.B} sequences sharing {shape.prefix} tokens")
-    row = dataclasses.asdict(shape) | {"status": "ok", "implementation": implementation}
-    row |= time_calls(_calls(shape, implementation), shape.rounds)
+    label = f"cascade: {shape.B} sequences sharing {shape.prefix} tokens"
+    row = timed_row(shape, _calls(shape, implementation), implementation, progress, label)
     row["speedup"] = row["unshared_median_ms"] / row["shared_median_ms"]
     return row
 

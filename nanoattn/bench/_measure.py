@@ -1,5 +1,6 @@
 """Timing and memory measurement: warm-up, block until ready, several runs."""
 
+import dataclasses
 import time
 
 import jax
@@ -54,6 +55,17 @@ def time_calls(calls: dict, rounds: int) -> dict:
     for name, (median, best) in time_interleaved(runs, rounds=rounds).items():
         row[f"{name}_median_ms"], row[f"{name}_min_ms"] = median * 1e3, best * 1e3
     return row
+
+
+def timed_row(shape, calls: dict, implementation, progress=None, label="", omit=()) -> dict:
+    """A part's row: the fields of its ``shape`` (a dataclass with ``rounds``) but those
+    in ``omit``, ``status`` and ``implementation``, and the median and min ms of its
+    ``calls`` (:func:`time_calls`); ``progress(0, 1, label)`` first."""
+    if progress:
+        progress(0, 1, label)
+    fields = {k: v for k, v in dataclasses.asdict(shape).items() if k not in omit}
+    row = fields | {"status": "ok", "implementation": implementation}
+    return row | time_calls(calls, shape.rounds)
 
 
 def jax_pass(fn, backward: bool):

@@ -22,7 +22,7 @@ import numpy as np
 from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
 from .._layers.caches.page_selection import select_pages
-from ._measure import time_calls
+from ._measure import timed_row
 from ._v32 import QUICK_V32, V32, measure_v32, v32_markdown, v32_target
 
 PAGE_SIZE = 16
@@ -91,11 +91,9 @@ def _page_selection(shape: SelectionShape, implementation, q, k, v):
 def measure_selection(shape: SelectionShape, progress=None, implementation=None) -> dict:
     """Median and min ms of each call, and the two ratios; ``progress(i, n, label)``
     before the measurement."""
-    if progress:
-        progress(0, 1, f"selection: {shape.k} of {shape.S} keys")
-    row = dataclasses.asdict(shape) | {"status": "ok", "implementation": implementation}
-    del row["v32"]
-    row |= time_calls(_calls(shape, implementation), shape.rounds)
+    label = f"selection: {shape.k} of {shape.S} keys"
+    row = timed_row(shape, _calls(shape, implementation), implementation, progress, label,
+                    omit=("v32",))  # fmt: skip
     if shape.v32 is not None:
         if progress:
             progress(0, 1, f"selection: DeepSeek-V3.2 decode at {shape.S} keys")

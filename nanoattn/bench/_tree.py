@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.paged import paged_attention
-from ._measure import time_calls
+from ._measure import timed_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +70,8 @@ def _calls(shape: TreeShape, implementation):
 
 def measure_tree(shape: TreeShape, progress=None, implementation=None) -> dict:
     """Median and min ms of the tree's call and the chunk's, and their ratio."""
-    if progress:
-        progress(0, 1, f"tree: {shape.T} drafts over {shape.C} keys")
-    row = dataclasses.asdict(shape) | {"status": "ok", "implementation": implementation}
-    row |= time_calls(_calls(shape, implementation), shape.rounds)
+    label = f"tree: {shape.T} drafts over {shape.C} keys"
+    row = timed_row(shape, _calls(shape, implementation), implementation, progress, label)
     row["tree_vs_chunk"] = row["tree_median_ms"] / row["chunk_median_ms"]
     return row
 
