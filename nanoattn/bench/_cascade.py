@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.paged import paged_attention
 from ._measure import timed_row
+from ._paged_pair import with_and_without
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +63,8 @@ def _calls(shape: CascadeShape, implementation):
     k, v = (jax.random.normal(key, (int(pool), s.page_size, s.K, s.H), jnp.float32)
             for key in keys[1:])  # fmt: skip
     starts = jnp.arange(s.B + 1, dtype=jnp.int32)
-
-    def attend(q, k, v, shared=None):
-        return paged_attention(q, k, v, table, lengths, starts, shared_prefixes=shared,
-                               implementation=implementation)  # fmt: skip
-
-    call = jax.jit(attend)
-    return {"shared": (call, (q, k, v, shared)), "unshared": (call, (q, k, v))}
+    return with_and_without("shared_prefixes", shared, ("shared", "unshared"),
+                            (q, k, v, table, lengths, starts), implementation)  # fmt: skip
 
 
 def measure_cascade(shape: CascadeShape, progress=None, implementation=None) -> dict:

@@ -329,7 +329,8 @@ def _engine_part(config: BenchConfig, report, peak: float, no_torch):
 def _sized_part(part: str, module, measure, targets):
     """The part ``part`` of a module with ``FULL`` and ``QUICK`` shapes, measured by
     ``measure(shape, progress)`` and judged by ``targets(row, judged)`` (``judged``: at
-    full size; the serving and decode parts' targets see it in the row)."""
+    full size; the serving and decode parts' targets see it in the row). Either may be
+    the name of the module's function, looked up when the part runs (tests stub them)."""
 
     def run(config: BenchConfig, report, peak: float, no_torch):
         size = getattr(config, part)
@@ -337,9 +338,11 @@ def _sized_part(part: str, module, measure, targets):
             return None, []
         shape = {"full": module.FULL, "quick": module.QUICK}[size]
         relay = _Relay(report, part, "")
-        row = measure(shape, relay)
+        measured = getattr(module, measure) if isinstance(measure, str) else measure
+        row = measured(shape, relay)
         relay.end()
-        return row, targets(row, size == "full")
+        judge = getattr(module, targets) if isinstance(targets, str) else targets
+        return row, judge(row, size == "full")
 
     return run
 
@@ -351,11 +354,12 @@ PARTS = {
     "native": _native_part,
     "masks": _masks_part,
     "latent": _latent_part,
-    # measured and judged through lambdas, looked up when the part runs (tests stub them)
+    # measured and judged by name or through lambdas: looked up when the part runs (tests
+    # stub them)
     "serving": _sized_part(
         "serving",
         _serving,
-        lambda *a: _serving.measure_serving(*a),
+        "measure_serving",
         lambda row, judged: _serving.serving_targets(row),
     ),
     "decode": _sized_part(
@@ -365,25 +369,8 @@ PARTS = {
         lambda row, judged: _decode_report.decode_targets(row),
     ),
     "engine": _engine_part,
-    "selection": _sized_part(
-        "selection",
-        _selection,
-        lambda *a: _selection.measure_selection(*a),
-        lambda *a: _selection.selection_targets(*a),
-    ),
-    "tree": _sized_part(
-        "tree", _tree, lambda *a: _tree.measure_tree(*a), lambda *a: _tree.tree_targets(*a)
-    ),
-    "cascade": _sized_part(
-        "cascade",
-        _cascade,
-        lambda *a: _cascade.measure_cascade(*a),
-        lambda *a: _cascade.cascade_targets(*a),
-    ),
-    "sharded": _sized_part(
-        "sharded",
-        _sharded,
-        lambda *a: _sharded.measure_sharded(*a),
-        lambda *a: _sharded.sharded_targets(*a),
-    ),
+    "selection": _sized_part("selection", _selection, "measure_selection", "selection_targets"),
+    "tree": _sized_part("tree", _tree, "measure_tree", "tree_targets"),
+    "cascade": _sized_part("cascade", _cascade, "measure_cascade", "cascade_targets"),
+    "sharded": _sized_part("sharded", _sharded, "measure_sharded", "sharded_targets"),
 }

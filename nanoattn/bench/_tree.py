@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.paged import paged_attention
 from ._measure import timed_row
+from ._paged_pair import with_and_without
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +59,8 @@ def _calls(shape: TreeShape, implementation):
     table = jnp.asarray(np.random.default_rng(0).permutation(pages)[None].astype(np.int32))
     lengths, starts = jnp.array([length], jnp.int32), jnp.array([0, s.T], jnp.int32)
     parents = jnp.asarray(tree_parents(s.T))
-
-    def attend(q, k, v, parents=None):
-        return paged_attention(q, k, v, table, lengths, starts, tree_parents=parents,
-                               implementation=implementation)  # fmt: skip
-
-    call = jax.jit(attend)
-    return {"tree": (call, (q, k, v, parents)), "chunk": (call, (q, k, v))}
+    return with_and_without("tree_parents", parents, ("tree", "chunk"),
+                            (q, k, v, table, lengths, starts), implementation)  # fmt: skip
 
 
 def measure_tree(shape: TreeShape, progress=None, implementation=None) -> dict:
