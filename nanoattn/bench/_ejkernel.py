@@ -15,25 +15,21 @@ the output). Float32 only.
 
 import numpy as np
 
+from ._optional import installed, missing
+
 INSTALL = "pip install ejkernel, where pip install --dry-run ejkernel keeps your jax"
 TABLE_BLOCK = 64  # pages its XLA path reads per block of the page table
 
 
 def available() -> str | None:
     """None when ejkernel can be used, else why not."""
-    try:
-        from ejkernel.modules import ragged_page_attention_v2  # noqa: F401
-    except ImportError:
-        return f"ejkernel is not installed (an optional peer, in no extra of nanoattn: {INSTALL})"
-    return None
+    why = f"ejkernel is not installed (an optional peer, in no extra of nanoattn: {INSTALL})"
+    return missing(("ejkernel.modules:ragged_page_attention_v2",), why)
 
 
 def version() -> str | None:
-    try:
-        import ejkernel
-    except ImportError:
-        return None
-    return getattr(ejkernel, "__version__", "unknown")
+    module = installed("ejkernel")
+    return None if module is None else getattr(module, "__version__", "unknown")
 
 
 def unsupported(case, dtype: str) -> str | None:

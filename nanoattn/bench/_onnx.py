@@ -17,26 +17,20 @@ float32 and float16: the sweep runs it in float32 only, with a thread per core.
 import numpy as np
 
 from ._bandwidth import cores
+from ._optional import installed, missing
 
 INSTALL = "pip install 'nanoattn[bench]' (or pip install onnxruntime onnx)"
 
 
 def available() -> str | None:
     """None when onnxruntime and onnx can be used, else why not."""
-    try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        return f"onnxruntime is not installed (an optional peer: {INSTALL})"
-    return None
+    why = f"onnxruntime is not installed (an optional peer: {INSTALL})"
+    return missing(("onnx", "onnxruntime"), why)
 
 
 def version() -> str | None:
-    try:
-        import onnxruntime
-    except ImportError:
-        return None
-    return onnxruntime.__version__
+    module = installed("onnxruntime")
+    return None if module is None else module.__version__
 
 
 def unsupported(case, dtype: str) -> str | None:

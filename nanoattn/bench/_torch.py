@@ -5,17 +5,16 @@ torch is an optional benchmark extra, never a runtime dependency.
 
 import numpy as np
 
+from ._optional import installed, missing
+
 
 def available() -> str | None:
     """None when torch can be used, else why not."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return (
-            "torch is not installed (an optional peer, in no extra of nanoattn: pip install "
-            "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, the CPU build)"
-        )
-    return None
+    why = (
+        "torch is not installed (an optional peer, in no extra of nanoattn: pip install "
+        "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, the CPU build)"
+    )
+    return missing(("torch",), why)
 
 
 def make_run(q, k, v, backward: bool, dtype: str):
@@ -43,8 +42,5 @@ def make_run(q, k, v, backward: bool, dtype: str):
 
 
 def version() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return f"{torch.__version__} ({torch.get_num_threads()} threads)"
+    torch = installed("torch")
+    return None if torch is None else f"{torch.__version__} ({torch.get_num_threads()} threads)"
