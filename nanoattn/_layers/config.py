@@ -29,6 +29,17 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def _count_or_none(name: str, value) -> int | None:
+    """``value`` as an int >= 1, or None; a TypeError or ValueError naming ``name``."""
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= 1 or None, got {name}={value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1 or None, got {name}={value}")
+    return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Sizes and options of an attention layer.
@@ -249,13 +260,9 @@ class AttentionConfig:
             )
 
     def _check_kv_heads(self) -> None:
-        K = self.n_kv_heads
+        K = _count_or_none("n_kv_heads", self.n_kv_heads)
         if K is None:
             return
-        if not _is_int(K):
-            raise TypeError(f"n_kv_heads must be an int or None, got {K!r}")
-        if K < 1:
-            raise ValueError(f"n_kv_heads must be >= 1 or None, got n_kv_heads={K}")
         if self.n_heads % K != 0:
             raise ValueError(
                 f"n_kv_heads={K} does not divide n_heads={self.n_heads}, so the query heads "
@@ -297,14 +304,9 @@ class AttentionConfig:
             )
 
     def _check_head_dim(self) -> None:
-        H = self.head_dim
-        if H is None:
-            return
-        if not _is_int(H):
-            raise TypeError(f"head_dim must be an int >= 1 or None, got head_dim={H!r}")
-        if H < 1:
-            raise ValueError(f"head_dim must be an int >= 1 or None, got head_dim={H}")
-        object.__setattr__(self, "head_dim", int(H))
+        H = _count_or_none("head_dim", self.head_dim)
+        if H is not None:
+            object.__setattr__(self, "head_dim", H)
 
     def _check_rope(self, derived: bool) -> None:
         scaling = rope_scaling_of(self.rope_scaling)
