@@ -15,7 +15,7 @@ the output). Float32 only.
 
 import numpy as np
 
-from ._optional import installed, missing
+from ._optional import float32_and_one_width, installed, missing
 
 INSTALL = "pip install ejkernel, where pip install --dry-run ejkernel keeps your jax"
 TABLE_BLOCK = 64  # pages its XLA path reads per block of the page table
@@ -34,11 +34,7 @@ def version() -> str | None:
 
 def unsupported(case, dtype: str) -> str | None:
     """Why the peer does not run ``case`` in ``dtype`` here, or None."""
-    if dtype != "float32":
-        return "ejkernel's ragged paged attention runs here in float32 only"
-    if case.hv != case.head_dim:
-        return "ejkernel's ragged paged attention takes values of the keys' width only"
-    return None
+    return float32_and_one_width(case, dtype, "ejkernel's ragged paged attention")
 
 
 def make_run(inputs):

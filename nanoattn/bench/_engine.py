@@ -40,6 +40,7 @@ import time
 
 from .._base.validate import describe
 from ._alone import run_alone
+from ._markdown import section
 
 TARGET = 5.0  # continuous batching's tokens/s over static batching's, at least
 NAMES = ("engine", "static")
@@ -199,12 +200,11 @@ def engine_targets(result: dict) -> list[dict]:
 
 def engine_markdown(result: dict | None) -> list[str]:
     """The engine's table: each server's tokens/s, steps and cache, and the ratio."""
-    if not result:
-        return []
-    lines = ["", "### Engine: the recall example's continuous batching against static "
-             "batching, same cache memory; a random model, each alone", ""]  # fmt: skip
-    if result["status"] != "ok":
-        return [*lines, result["status"]]
+    lines, measured = section(result, "Engine: the recall example's continuous batching "
+                              "against static batching, same cache memory; a random model, "
+                              "each alone")  # fmt: skip
+    if not measured:
+        return lines
     lines += ["| server | tokens/s | median s (min) | tokens | steps | cache tokens | attention "
               "| compiled |", "|" + " --- |" * 8]  # fmt: skip
     for r in result["rows"]:

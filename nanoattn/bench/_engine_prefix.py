@@ -31,6 +31,7 @@ import sys
 import time
 
 from . import _engine
+from ._markdown import section
 
 PREFILL_TARGET = 0.2  # prompt tokens computed with the prefix cache / without, at most
 TARGET = 2.0  # tokens/s with the prefix cache / without, at least
@@ -154,12 +155,10 @@ def prefix_targets(result: dict | None) -> list[dict]:
 def prefix_markdown(result: dict | None) -> list[str]:
     """The prefix cache's table: each engine's tokens/s, prompt tokens and pages, and
     the ratios."""
-    if not result:
-        return []
-    lines = ["", "### Engine: prefix caching, requests in groups sharing their prompts; a "
-             "random model, each alone", ""]  # fmt: skip
-    if result["status"] != "ok":
-        return [*lines, result["status"]]
+    lines, measured = section(result, "Engine: prefix caching, requests in groups sharing "
+                              "their prompts; a random model, each alone")  # fmt: skip
+    if not measured:
+        return lines
     lines += ["| engine | tokens/s | median s (min) | tokens | steps | prompt tokens computed "
               "| found cached (pages) | evictions | pages held at most |",
               "|" + " --- |" * 9]  # fmt: skip

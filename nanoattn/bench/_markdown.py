@@ -15,3 +15,15 @@ def table(header: str, columns: int, rows, label, cells, status) -> list[str]:
         else:
             lines.append(f"{head} " + " | ".join(cells(r)) + " |")
     return lines
+
+
+def section(result: dict | None, title: str) -> tuple[list[str], bool]:
+    """A part's section: ``(lines, measured)``: no lines for no ``result``, its
+    ``title`` (a "### " heading) between blank lines, then its status when it was not
+    measured (``measured`` False: nothing more to add)."""
+    if not result:
+        return [], False
+    lines = ["", f"### {title}", ""]
+    if result["status"] != "ok":
+        return [*lines, result["status"]], False
+    return lines, True

@@ -17,7 +17,7 @@ float32 and float16: the sweep runs it in float32 only, with a thread per core.
 import numpy as np
 
 from ._bandwidth import cores
-from ._optional import installed, missing
+from ._optional import float32_and_one_width, installed, missing
 
 INSTALL = "pip install 'nanoattn[bench]' (or pip install onnxruntime onnx)"
 
@@ -35,11 +35,8 @@ def version() -> str | None:
 
 def unsupported(case, dtype: str) -> str | None:
     """Why the peer does not run ``case`` in ``dtype`` here, or None."""
-    if dtype != "float32":
-        return "GroupQueryAttention runs here in float32 only (its CPU kernel: float32, float16)"
-    if case.hv != case.head_dim:
-        return "GroupQueryAttention takes values of the keys' width only"
-    return None
+    kernels = " (its CPU kernel: float32, float16)"
+    return float32_and_one_width(case, dtype, "GroupQueryAttention", kernels)
 
 
 def model(N: int, K: int, H: int, window: int | None = None) -> bytes:

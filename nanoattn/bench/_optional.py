@@ -24,3 +24,14 @@ def installed(name: str):
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+def float32_and_one_width(case, dtype: str, who: str, kernels: str = "") -> str | None:
+    """Why peer ``who`` does not run ``case`` in ``dtype``: it runs float32 only here
+    (``kernels``: what its kernel takes, said after), with values of the keys' width;
+    or None."""
+    if dtype != "float32":
+        return f"{who} runs here in float32 only{kernels}"
+    if case.hv != case.head_dim:
+        return f"{who} takes values of the keys' width only"
+    return None
