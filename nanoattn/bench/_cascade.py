@@ -15,23 +15,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._measure import timed_row
+from ._measure import Heads, timed_row
 from ._paged_pair import with_and_without
 
 
 @dataclasses.dataclass(frozen=True)
-class CascadeShape:
+class CascadeShape(Heads):
     """``B`` sequences sharing ``prefix`` tokens, each with ``suffix`` more and one
     decode token, in pages of ``page_size``."""
 
     B: int
     prefix: int
     suffix: int
-    N: int = 32
-    K: int = 8
-    H: int = 128
     page_size: int = 16
-    rounds: int = 7
 
 
 FULL = CascadeShape(B=32, prefix=4096, suffix=64)

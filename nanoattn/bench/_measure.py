@@ -57,6 +57,17 @@ def time_calls(calls: dict, rounds: int) -> dict:
     return row
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Heads:
+    """The heads of a part's shape (keywords, after its own fields): ``N`` query heads
+    on ``K`` key/value heads of width ``H``, each call timed ``rounds`` times."""
+
+    N: int = 32
+    K: int = 8
+    H: int = 128
+    rounds: int = 7
+
+
 def timed_row(shape, calls: dict, implementation, progress=None, label="", omit=()) -> dict:
     """A part's row: the fields of its ``shape`` (a dataclass with ``rounds``) but those
     in ``omit``, ``status`` and ``implementation``, and the median and min ms of its

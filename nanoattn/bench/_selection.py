@@ -22,22 +22,18 @@ import numpy as np
 from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
 from .._layers.caches.page_selection import select_pages
-from ._measure import timed_row
+from ._measure import Heads, timed_row
 from ._v32 import QUICK_V32, V32, measure_v32, v32_markdown, v32_target
 
 PAGE_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class SelectionShape:
+class SelectionShape(Heads):
     """One decode token (B = 1) over ``S`` cached keys, ``k`` of them selected."""
 
     S: int
     k: int
-    N: int = 32
-    K: int = 8
-    H: int = 128
-    rounds: int = 7
     v32: dict | None = None  # DeepSeek-V3.2's layer sizes at context S (None: not timed)
 
 

@@ -16,21 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._measure import timed_row
+from ._measure import Heads, timed_row
 from ._paged_pair import with_and_without
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeShape:
+class TreeShape(Heads):
     """A tree of ``T`` drafts over ``C`` committed keys in pages of ``page_size``."""
 
     T: int
     C: int
-    N: int = 32
-    K: int = 8
-    H: int = 128
     page_size: int = 16
-    rounds: int = 7
 
 
 FULL = TreeShape(T=64, C=4096)
