@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._measure import Heads, timed_row
+from ._markdown import timed_calls
+from ._measure import Heads, ratio_target, timed_row
 from ._paged_pair import with_and_without
 
 
@@ -75,12 +76,9 @@ def cascade_targets(row: dict | None, judged: bool) -> list[dict]:
     """Issue 48's target, judged at the full shape only."""
     if row is None or not judged:
         return []
-    return [{
-        "target": f"{row['B']} sequences sharing {row['prefix']} tokens: the shared call "
-                  f">= {TARGET}x faster than the unshared one",
-        "measured": f"{row['speedup']:.2f}x",
-        "passed": row["speedup"] >= TARGET,
-    }]  # fmt: skip
+    target = (f"{row['B']} sequences sharing {row['prefix']} tokens: the shared call >= "
+              f"{TARGET}x faster than the unshared one")  # fmt: skip
+    return [ratio_target(target, row["speedup"], TARGET, at_most=False)]
 
 
 def cascade_markdown(row: dict | None) -> list[str]:
@@ -88,12 +86,10 @@ def cascade_markdown(row: dict | None) -> list[str]:
     if row is None:
         return []
     shape = f"N={row['N']} on K={row['K']}, H={row['H']}, pages of {row['page_size']}, float32"
+    title = (f"Shared prefixes: {row['B']} sequences sharing {row['prefix']} tokens, "
+             f"{row['suffix']} more each, one decode token each ({shape})")  # fmt: skip
+    calls = [("shared_prefixes (cascade)", "shared"), ("unshared", "unshared")]
     return [
-        "", f"### Shared prefixes: {row['B']} sequences sharing {row['prefix']} tokens, "
-        f"{row['suffix']} more each, one decode token each ({shape})", "",
-        "| call | median ms (min) |", "| --- | --- |",
-        f"| shared_prefixes (cascade) | {row['shared_median_ms']:.3f} "
-        f"({row['shared_min_ms']:.3f}) |",
-        f"| unshared | {row['unshared_median_ms']:.3f} ({row['unshared_min_ms']:.3f}) |",
+        *timed_calls(row, title, calls),
         "", f"unshared / shared: {row['speedup']:.2f}x",
     ]  # fmt: skip

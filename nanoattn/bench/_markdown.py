@@ -27,3 +27,12 @@ def section(result: dict | None, title: str) -> tuple[list[str], bool]:
     if result["status"] != "ok":
         return [*lines, result["status"]], False
     return lines, True
+
+
+def timed_calls(row: dict, title: str, calls: list[tuple[str, str]]) -> list[str]:
+    """A part's ``title`` (a "### " heading) and its table of calls: a line per
+    ``(label, name)`` of ``calls``, the row's ``{name}_median_ms`` and ``_min_ms``."""
+    lines = ["", f"### {title}", "", "| call | median ms (min) |", "| --- | --- |"]
+    for label, name in calls:
+        lines.append(f"| {label} | {row[f'{name}_median_ms']:.3f} ({row[f'{name}_min_ms']:.3f}) |")
+    return lines

@@ -79,6 +79,13 @@ def timed_row(shape, calls: dict, implementation, progress=None, label="", omit=
     return row | time_calls(calls, shape.rounds)
 
 
+def ratio_target(target: str, ratio: float, bound: float, at_most: bool) -> dict:
+    """A target row of a ratio: ``{"target", "measured" (as "1.23x"), "passed"}``,
+    passed when ``ratio`` is at most ``bound`` (``at_most``), else at least."""
+    passed = ratio <= bound if at_most else ratio >= bound
+    return {"target": target, "measured": f"{ratio:.2f}x", "passed": passed}
+
+
 def jax_pass(fn, backward: bool):
     """The forward, or forward+backward, of ``fn`` as one jitted function of (q, k, v)."""
     if not backward:

@@ -22,7 +22,8 @@ import numpy as np
 from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
 from .._layers.caches.page_selection import select_pages
-from ._measure import Heads, timed_row
+from ._markdown import timed_calls
+from ._measure import Heads, ratio_target, timed_row
 from ._v32 import QUICK_V32, V32, measure_v32, v32_markdown, v32_target
 
 PAGE_SIZE = 16
@@ -106,15 +107,13 @@ def selection_targets(row: dict | None, judged: bool) -> list[dict]:
     if row is None or not judged:
         return []
     v32 = [v32_target(row["v32"])] if "v32" in row else []
+    small = f"selected decode <= {TARGET_SMALL}x a decode over {row['k']} keys"
+    dense = f"dense decode over {row['S']} keys >= {TARGET_DENSE}x the selected one"
     return [
-        {"target": f"selected decode <= {TARGET_SMALL}x a decode over {row['k']} keys",
-         "measured": f"{row['selected_vs_small']:.2f}x",
-         "passed": row["selected_vs_small"] <= TARGET_SMALL},
-        {"target": f"dense decode over {row['S']} keys >= {TARGET_DENSE}x the selected one",
-         "measured": f"{row['dense_vs_selected']:.2f}x",
-         "passed": row["dense_vs_selected"] >= TARGET_DENSE},
+        ratio_target(small, row["selected_vs_small"], TARGET_SMALL, at_most=True),
+        ratio_target(dense, row["dense_vs_selected"], TARGET_DENSE, at_most=False),
         *v32,
-    ]  # fmt: skip
+    ]
 
 
 def selection_markdown(row: dict | None) -> list[str]:
@@ -122,17 +121,13 @@ def selection_markdown(row: dict | None) -> list[str]:
     if row is None:
         return []
     shape = f"B=1, one query, N={row['N']} on K={row['K']}, H={row['H']}, float32"
+    held = f"{row['k'] // PAGE_SIZE} of {row['S'] // PAGE_SIZE}"
+    pages = f"page selection: {held} pages of {PAGE_SIZE}"
+    calls = [(f"{row['k']} selected of {row['S']}", "selected"),
+             (f"dense over {row['k']} keys", "small"), (f"dense over {row['S']} keys", "dense"),
+             (pages, "pages")]  # fmt: skip
     return [
-        "", f"### Selected keys: {row['k']} of {row['S']} ({shape})", "",
-        "| call | median ms (min) |", "| --- | --- |",
-        f"| {row['k']} selected of {row['S']} | {row['selected_median_ms']:.3f} "
-        f"({row['selected_min_ms']:.3f}) |",
-        f"| dense over {row['k']} keys | {row['small_median_ms']:.3f} "
-        f"({row['small_min_ms']:.3f}) |",
-        f"| dense over {row['S']} keys | {row['dense_median_ms']:.3f} "
-        f"({row['dense_min_ms']:.3f}) |",
-        f"| page selection: {row['k'] // PAGE_SIZE} of {row['S'] // PAGE_SIZE} pages of "
-        f"{PAGE_SIZE} | {row['pages_median_ms']:.3f} ({row['pages_min_ms']:.3f}) |",
+        *timed_calls(row, f"Selected keys: {row['k']} of {row['S']} ({shape})", calls),
         "", f"selected / dense over {row['k']}: {row['selected_vs_small']:.2f}x; dense over "
         f"{row['S']} / selected: {row['dense_vs_selected']:.2f}x; dense / page selection: "
         f"{row['dense_vs_pages']:.2f}x",

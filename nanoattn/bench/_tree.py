@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._measure import Heads, timed_row
+from ._markdown import timed_calls
+from ._measure import Heads, ratio_target, timed_row
 from ._paged_pair import with_and_without
 
 
@@ -71,12 +72,9 @@ def tree_targets(row: dict | None, judged: bool) -> list[dict]:
     """Issue 49's target, judged at the full shape only."""
     if row is None or not judged:
         return []
-    return [{
-        "target": f"a {row['T']}-node tree's verify call <= {TARGET}x a {row['T']}-token "
-                  f"causal chunk over {row['C']} keys",
-        "measured": f"{row['tree_vs_chunk']:.2f}x",
-        "passed": row["tree_vs_chunk"] <= TARGET,
-    }]  # fmt: skip
+    target = (f"a {row['T']}-node tree's verify call <= {TARGET}x a {row['T']}-token causal "
+              f"chunk over {row['C']} keys")  # fmt: skip
+    return [ratio_target(target, row["tree_vs_chunk"], TARGET, at_most=True)]
 
 
 def tree_markdown(row: dict | None) -> list[str]:
@@ -84,12 +82,9 @@ def tree_markdown(row: dict | None) -> list[str]:
     if row is None:
         return []
     shape = f"N={row['N']} on K={row['K']}, H={row['H']}, pages of {row['page_size']}, float32"
+    calls = [(f"a tree of {row['T']} (branching 4, then chains)", "tree"),
+             (f"a causal chunk of {row['T']}", "chunk")]  # fmt: skip
     return [
-        "", f"### Token trees: {row['T']} drafts over {row['C']} keys ({shape})", "",
-        "| call | median ms (min) |", "| --- | --- |",
-        f"| a tree of {row['T']} (branching 4, then chains) | {row['tree_median_ms']:.3f} "
-        f"({row['tree_min_ms']:.3f}) |",
-        f"| a causal chunk of {row['T']} | {row['chunk_median_ms']:.3f} "
-        f"({row['chunk_min_ms']:.3f}) |",
+        *timed_calls(row, f"Token trees: {row['T']} drafts over {row['C']} keys ({shape})", calls),
         "", f"tree / chunk: {row['tree_vs_chunk']:.2f}x",
     ]  # fmt: skip
