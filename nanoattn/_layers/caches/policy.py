@@ -71,10 +71,10 @@ class StepLayout(NamedTuple):
     positions: jax.Array
     real: jax.Array
     broken: jax.Array
-    start: Any = None
-    lengths: Any = None
-    pages: Any = None
-    tree: Any = None
+    start: jax.Array | None = None
+    lengths: jax.Array | None = None
+    pages: Any = None  # a PagedBatch (paged.py, which builds on this module)
+    tree: Any = None  # a ChunkTree or a PagedTree
 
 
 class CachePolicy(abc.ABC):
