@@ -68,15 +68,19 @@ class Heads:
     rounds: int = 7
 
 
-def timed_row(shape, calls: dict, implementation, progress=None, label="", omit=()) -> dict:
+def timed_row(shape, calls: dict, implementation, progress=None, label="", *, ratios: dict,
+              omit=()) -> dict:  # fmt: skip
     """A part's row: the fields of its ``shape`` (a dataclass with ``rounds``) but those
-    in ``omit``, ``status`` and ``implementation``, and the median and min ms of its
-    ``calls`` (:func:`time_calls`); ``progress(0, 1, label)`` first."""
+    in ``omit``, ``status`` and ``implementation``, the median and min ms of its
+    ``calls`` (:func:`time_calls`), and each of ``ratios``, ``{name: (a, b)}``, the
+    median of call a over call b's; ``progress(0, 1, label)`` first."""
     if progress:
         progress(0, 1, label)
     fields = {k: v for k, v in dataclasses.asdict(shape).items() if k not in omit}
     row = fields | {"status": "ok", "implementation": implementation}
-    return row | time_calls(calls, shape.rounds)
+    row |= time_calls(calls, shape.rounds)
+    return row | {name: row[f"{a}_median_ms"] / row[f"{b}_median_ms"]
+                  for name, (a, b) in ratios.items()}  # fmt: skip
 
 
 def ratio_target(target: str, ratio: float, bound: float, at_most: bool) -> dict:

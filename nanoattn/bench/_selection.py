@@ -89,15 +89,17 @@ def measure_selection(shape: SelectionShape, progress=None, implementation=None)
     """Median and min ms of each call, and the two ratios; ``progress(i, n, label)``
     before the measurement."""
     label = f"selection: {shape.k} of {shape.S} keys"
+    ratios = {
+        "selected_vs_small": ("selected", "small"),
+        "dense_vs_selected": ("dense", "selected"),
+        "dense_vs_pages": ("dense", "pages"),
+    }
     row = timed_row(shape, _calls(shape, implementation), implementation, progress, label,
-                    omit=("v32",))  # fmt: skip
+                    ratios=ratios, omit=("v32",))  # fmt: skip
     if shape.v32 is not None:
         if progress:
             progress(0, 1, f"selection: DeepSeek-V3.2 decode at {shape.S} keys")
         row["v32"] = measure_v32(shape.S, shape.v32, rounds=min(shape.rounds, 5))
-    row["selected_vs_small"] = row["selected_median_ms"] / row["small_median_ms"]
-    row["dense_vs_selected"] = row["dense_median_ms"] / row["selected_median_ms"]
-    row["dense_vs_pages"] = row["dense_median_ms"] / row["pages_median_ms"]
     return row
 
 
