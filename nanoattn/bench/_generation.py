@@ -40,6 +40,8 @@ timed in turn against its baseline:
   against a one-token step.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -222,9 +224,9 @@ def measure_generation(
         "prefill_vs_forward": row["prefill_min_ms"] / row["recompute_min_ms"],
     }
     if context == TARGET_CONTEXT and long:
-        shape = dict(d_model=d_model, n_heads=n_heads, batch=batch, dtype=dtype, rounds=rounds)
-        row["rolling"] = measure_rolling(full_context=context, **shape)
-        row["speculative"] = measure_speculative(context, **shape)
+        layer = Layer(d_model, n_heads, batch, dtype, rounds)
+        row["rolling"] = measure_rolling(full_context=context, layer=layer)
+        row["speculative"] = measure_speculative(context, layer=layer)
     return row
 
 
@@ -275,6 +277,18 @@ def rolling_decoder(layer, params, x, context: int, capacity: int, chunk: int):
     return Decoder(step, params, cache, inputs)
 
 
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """The layer the rolling and speculative measurements decode with (width, heads,
+    batch, dtype) and how many rounds they time."""
+
+    d_model: int = 128
+    n_heads: int = 4
+    batch: int = 1
+    dtype: str = "float32"
+    rounds: int = ROUNDS
+
+
 def measure_rolling(
     long_context: int = LONG_CONTEXT,
     full_context: int = TARGET_CONTEXT,
@@ -282,14 +296,11 @@ def measure_rolling(
     window: int = WINDOW,
     chunk: int = ROLLING_CHUNK,
     sinks: int = SINK_TOKENS,
-    d_model: int = 128,
-    n_heads: int = 4,
-    batch: int = 1,
-    dtype: str = "float32",
-    rounds: int = ROUNDS,
+    layer: Layer = Layer(),
 ) -> dict:
     """ms per token of a rolling cache at ``long_context`` and of a full cache at
     ``full_context`` (same windowed layer and parameters), and their slot bytes."""
+    d_model, n_heads, batch, dtype, rounds = dataclasses.astuple(layer)
     capacity = window + chunk + sinks
     steps = PAIRS * (rounds + 1)
     row = {
@@ -325,18 +336,11 @@ def measure_rolling(
     }
 
 
-def measure_speculative(
-    context: int = TARGET_CONTEXT,
-    *,
-    draft: int = DRAFT,
-    d_model: int = 128,
-    n_heads: int = 4,
-    batch: int = 1,
-    dtype: str = "float32",
-    rounds: int = ROUNDS,
-) -> dict:
+def measure_speculative(context: int = TARGET_CONTEXT, *, draft: int = DRAFT,
+                        layer: Layer = Layer()) -> dict:  # fmt: skip
     """ms of a step verifying ``draft`` tokens in one chunk and of a one-token step, both
     through a full cache at ``context``."""
+    d_model, n_heads, batch, dtype, rounds = dataclasses.astuple(layer)
     row = {"context": context, "draft": draft}
     try:
         capacity = context + draft * PAIRS * (rounds + 1)

@@ -771,7 +771,8 @@ def test_cli_bench_only_masks(tmp_path, capsys, monkeypatch):
 
 
 def test_speculative_step_row_at_a_tiny_size():
-    row = _generation.measure_speculative(C, draft=3, d_model=D, n_heads=N, rounds=1)
+    layer = _generation.Layer(d_model=D, n_heads=N, rounds=1)
+    row = _generation.measure_speculative(C, draft=3, layer=layer)
     assert row["status"] == "ok", row
     assert row["verify_vs_one"] == row["verify_median_ms"] / row["one_token_median_ms"]
     assert 0 < row["verify_min_ms"] <= row["verify_median_ms"]
