@@ -128,7 +128,7 @@ def test_kv_heads_audits_grouped_query_shapes(capsys):
         (["--batch", "-2"], "--batch must be >= 1, got -2"),
         (["--kv-len", "0"], "--kv-len must be >= 1"),
         (["--kv-heads", "3"], "n_kv_heads=3 does not divide n_heads=4"),
-        (["--kv-heads", "0"], "n_kv_heads must be >= 1 or None, got n_kv_heads=0"),
+        (["--kv-heads", "0"], "n_kv_heads must be an int >= 1 or None, got n_kv_heads=0"),
         (["--d-model", "x"], "invalid int value: 'x'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
