@@ -46,17 +46,15 @@ def test_each_planted_latent_bug_is_caught(bug):
 
 
 def test_a_quantized_latent_cache_passes_within_its_error_and_reports_it():
-    """An int8 latent cache (full and paged, linen and NNX): with a tolerance above its
-    error every check passes, and the quantization check measures that error against
-    the same layer's float cache, whose own error against float64 is float32's."""
+    """An int8 latent cache (paged through linen, full through NNX): with a tolerance
+    above its error every check passes, and the quantization check measures that error
+    against the same layer's float cache, whose own error against float64 is
+    float32's."""
     atol = 0.05  # measured 0.008-0.01 on this layer
     quantized = dataclasses.replace(CONFIG, kv_cache_dtype="int8")
-    found = []
-    for page_size in (None, 2):
-        layer = LatentAttention(dataclasses.replace(quantized, page_size=page_size))
-        params = layer.init(jax.random.key(0), jnp.ones((1, 2, 16)))
-        found.append(check_decoding(decoders.linen(layer, params), d_model=16, seq_len=7,
-                                    atol=atol))  # fmt: skip
+    layer = LatentAttention(dataclasses.replace(quantized, page_size=2))
+    params = layer.init(jax.random.key(0), jnp.ones((1, 2, 16)))
+    found = [check_decoding(decoders.linen(layer, params), d_model=16, seq_len=7, atol=atol)]
     module = nanoattn.nnx.LatentAttention(quantized, rngs=nnx.Rngs(0))
     found.append(check_decoding(decoders.nnx(module), d_model=16, seq_len=7, atol=atol))
     for report in found:
