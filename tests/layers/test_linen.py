@@ -260,8 +260,10 @@ def test_config_options_are_validated_with_one_line_errors():
         (dict(n_kv_heads=4), ValueError, r"^n_kv_heads=4 does not divide n_heads=6, so the query "
          r"heads cannot share key/value heads in equal groups; key/value head counts that "
          r"divide 6: 1, 2, 3, 6$"),
-        (dict(n_kv_heads=0), ValueError, r"^n_kv_heads must be an int >= 1 or None, got n_kv_heads=0$"),
-        (dict(n_kv_heads=2.0), TypeError, r"^n_kv_heads must be an int >= 1 or None, got n_kv_heads=2.0$"),
+        (dict(n_kv_heads=0), ValueError, r"^n_kv_heads must be an int >= 1 or None, got "
+         r"n_kv_heads=0$"),
+        (dict(n_kv_heads=2.0), TypeError, r"^n_kv_heads must be an int >= 1 or None, got "
+         r"n_kv_heads=2.0$"),
         (dict(rope_base=0.0), ValueError, r"^rope_base must be a finite float > 0, got "
          r"rope_base=0.0$"),
         (dict(rope_base=float("inf")), ValueError, "rope_base must be a finite float > 0"),
