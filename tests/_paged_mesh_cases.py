@@ -311,15 +311,16 @@ def _quantized(group):
 # ---- the layers -----------------------------------------------------------------------
 
 D, LN, LK = 32, 8, 4  # a layer of N = 8 query heads and K = 4 key/value heads of width 4
-LPS, LPAGES, LSEQS, LMAX, LTQ = 5, 13, 3, 5, 11  # a group's pool, rows and step
+LPS, LPAGES, LSEQS, LMAX, LTQ = 5, 13, 3, 5, 24  # a group's pool, rows and step
 
 
 def group_steps(g: int):
     """Group g's two steps, x (1, LTQ, D) and its batch, from an allocator of its own:
-    two prompts, then a decode token, a chunk and a third prompt."""
+    two prompts, then a decode token (its sequence's 22nd: five pages, so that a layer
+    selecting one page and the last ranks four), a chunk and a third prompt."""
     alloc = nanoattn.PageAllocator(LPAGES, LPS, max_sequences=LSEQS, max_pages=LMAX, seed=g)
     steps = []
-    for s, rows in enumerate(([("a", 7), ("b", 3)], [("a", 1), ("b", 2), ("c", 4 + g)])):
+    for s, rows in enumerate(([("a", 21), ("b", 3)], [("a", 1), ("b", 2), ("c", 4 + g)])):
         for seq, n in rows:
             (alloc.extend if seq in alloc.sequences() else alloc.allocate)(seq, n)
         batch = alloc.batch(rows, tokens=LTQ)
@@ -328,10 +329,12 @@ def group_steps(g: int):
     return steps
 
 
-def layer_parts(family: str, head_axis, pages: int, kv_heads: int = LK, mesh=None):
+def layer_parts(family: str, head_axis, pages: int, kv_heads: int = LK, mesh=None,
+                page_selection=None):  # fmt: skip
     """(step(params, cache, x, pages) -> (y, cache), params, an empty cache of ``pages``
-    pages) of a paged layer: the same random parameters for every family and head_axis,
-    placed by their logical axes (``nanoattn.parallel.logical_rules``) on ``mesh``."""
+    pages) of a paged layer (selecting ``page_selection`` pages at a decode token, or
+    not): the same random parameters for every family and head_axis, placed by their
+    logical axes (``nanoattn.parallel.logical_rules``) on ``mesh``."""
     from flax import linen as nn
     from flax import nnx
 
@@ -343,7 +346,7 @@ def layer_parts(family: str, head_axis, pages: int, kv_heads: int = LK, mesh=Non
 
     def config(axis):
         return nl.AttentionConfig(D, LN, n_kv_heads=kv_heads, rope_base=100.0, page_size=LPS,
-                                  head_axis=axis)  # fmt: skip
+                                  head_axis=axis, page_selection=page_selection)  # fmt: skip
 
     plain, layer = nl.CausalSelfAttention(config(None)), nl.CausalSelfAttention(config(head_axis))
     init = functools.partial(plain.init, decode=True)
@@ -419,20 +422,23 @@ def pool_specs(cache) -> list[str]:
 
 
 @functools.cache
-def one_device(family: str):
+def one_device(family: str, page_selection=None):
     """Each group's outputs of its two steps on one device, its own pool."""
-    step, params, cache = layer_parts(family, None, LPAGES)
+    step, params, cache = layer_parts(family, None, LPAGES, page_selection=page_selection)
     return [run(step, params, cache, group_steps(g))[0] for g in range(G)]
 
 
-def layer_steps(family: str, split: str, kv_heads: int = LK) -> dict:
-    """The paged layer's two steps on the mesh against one device, per group."""
+def layer_steps(family: str, split: str, kv_heads: int = LK, page_selection=None) -> dict:
+    """The paged layer's two steps on the mesh against one device, per group; with
+    ``page_selection``, also how far the one-device steps are from reading every page
+    (a positive control: the decode token's selection changes its output)."""
     data_axis, head_axis = SPLITS[split]
     groups = G if data_axis else 1
-    wanted = one_device(family) if kv_heads == LK else None
+    wanted = one_device(family, page_selection) if kv_heads == LK else None
     mesh = mesh_of()
     with jax.set_mesh(mesh):
-        step, params, cache = layer_parts(family, head_axis, groups * LPAGES, kv_heads, mesh)
+        step, params, cache = layer_parts(family, head_axis, groups * LPAGES, kv_heads, mesh,
+                                          page_selection)  # fmt: skip
         cache = jax.device_put(cache, cache_shardings(cache, mesh, head_axis=head_axis,
                                                       data_axis=data_axis))  # fmt: skip
         by_group = [group_steps(g) for g in range(groups)]
@@ -446,8 +452,14 @@ def layer_steps(family: str, split: str, kv_heads: int = LK) -> dict:
     error = max(
         float(np.abs(got[i][g] - wanted[g][i]).max()) for i in range(2) for g in range(groups)
     )
-    return {
-        "case": f"layer-{split}-{family}",
+    selected = {}
+    if page_selection is not None:
+        plain = one_device(family)
+        selected["selection_changed"] = max(
+            float(np.abs(wanted[g][1] - plain[g][1]).max()) for g in range(groups)
+        )  # fmt: skip
+    return selected | {
+        "case": f"layer-{split}-{family}" + ("-selection" if page_selection else ""),
         "error": error,
         "real": float(np.abs(wanted[0][1]).max()),
         "collectives": collectives(text),
@@ -528,6 +540,7 @@ def cases(which: str):
         yield calls(sharded_gradients, "flash")
         yield refusals
         yield from (calls(layer_steps, "linen", split) for split in SPLITS)
+        yield calls(layer_steps, "linen", "both", page_selection=1)
         yield latent_groups
     elif which == "slow":
         yield from (calls(heads_split, "xla", explicit) for explicit in (False, True))

@@ -127,6 +127,16 @@ def test_the_paged_linen_layer_on_the_mesh_equals_one_device(fast, split):
         assert case["collectives"] == [], case
 
 
+def test_page_selection_on_the_mesh_ranks_over_every_head_as_one_device(fast):
+    """A layer selecting one page and the last at a decode token, its heads and groups
+    split: each group's decode token reads the pages one device's layer reads (the
+    ranking takes the maximum over all query heads, across the "model" axis), and that
+    selection does change its output (the control: reading every page differs)."""
+    case = fast["layer-both-linen-selection"]
+    _check_layer(case)
+    assert case["selection_changed"] > 1e-3, case
+
+
 def test_the_latent_layers_pool_shards_by_groups(fast):
     _check_layer(fast["latent-groups"])
 
