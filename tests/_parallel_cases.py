@@ -622,8 +622,6 @@ CASES = [
     # the lengths leave empty (tests/parallel/test_ring_segments.py counts the skips)
     lambda: compare("p4-contiguous-causal-window-chunk-documents", 4, "contiguous", T=12,
                     is_causal=True, window=(4, 0), lengths=True, ids="chunks"),
-    lambda: compare("p2-contiguous-causal-window", 2, "contiguous", T=16, is_causal=True,
-                    window=(5, 0)),
     lambda: compare("p2-zigzag-causal-value-width", 2, "zigzag", is_causal=True, lengths=True,
                     value_width=5),  # values narrower than keys (docs/latent.md)
     # Windows whose edges fall inside chunk pairs, C = 3 (test_parallel.py checks that
@@ -668,6 +666,10 @@ SLOW_CASES = (
     ]
     + [
         lambda: compare("p2-zigzag-window-two-sided", 2, "zigzag", T=16, window=(3, 6)),
+        # a causal window on 2 contiguous chunks (fast: on 4 with documents, test_parallel)
+        lambda: compare(
+            "p2-contiguous-causal-window", 2, "contiguous", T=16, is_causal=True, window=(5, 0)
+        ),
         lambda: compare(
             "p4-zigzag-causal-window-edges",
             4,

@@ -97,19 +97,8 @@ def _plain_audit():
 
 @pytest.fixture(scope="session")
 def default_audit(tmp_path_factory):
-    """Exit status and stdout of a plain `nanoattn audit`, run once per run: under
-    xdist the first worker that asks runs it (about 10 s) and leaves it in the run's
-    shared temporary folder for the other, which waits on a lock meanwhile."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: nothing to share
-        return _plain_audit()
-    import fcntl
-    import json
+    """Exit status and stdout of a plain `nanoattn audit` (about 10 s), run once per
+    run (:func:`_once.once_per_run`)."""
+    from _once import once_per_run
 
-    shared = tmp_path_factory.getbasetemp().parent
-    done = shared / "default_audit.json"
-    with open(shared / "default_audit.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            done.write_text(json.dumps(_plain_audit()))
-        code, out = json.loads(done.read_text())
-    return code, out
+    return tuple(once_per_run(tmp_path_factory, "default_audit", _plain_audit))

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from _once import once_per_run
 from _paths import ROOT, TESTS
 
 
@@ -31,8 +32,8 @@ def _run(which: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fast():
-    return _run("fast")
+def fast(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "paged_mesh_fast", lambda: _run("fast"))
 
 
 @pytest.fixture(scope="module")
