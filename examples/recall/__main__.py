@@ -179,10 +179,14 @@ def _options(parser, args, cls, skip=(), **given):
         parser.error(re.sub(rf"\b({fields})=", lambda m: _flag(m[1]) + "=", str(e)))
 
 
-def _run_option(parser):
+def _command(commands, name: str, **texts) -> argparse.ArgumentParser:
+    """The subcommand ``name`` (``help`` and ``description`` in ``texts``) with the
+    ``--run`` option every subcommand takes: the run directory it reads or writes."""
+    parser = commands.add_parser(name, **texts)
     parser.add_argument(
         "--run", type=Path, default=DEFAULT_RUN, help=f"run directory ({DEFAULT_RUN})"
     )
+    return parser
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -192,7 +196,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    p = commands.add_parser(
+    p = _command(
+        commands,
         "train",
         help="train the decoder (resumes from the latest checkpoint in --run)",
         description="Trains the decoder on associative recall and copy, evaluates exact "
@@ -200,7 +205,6 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
         "Resumes from the latest checkpoint in --run, with the results of an "
         "uninterrupted run.",
     )
-    _run_option(p)
     p.add_argument("--restart", action="store_true", help="discard the run's checkpoints first")
     p.add_argument(
         "--stop-at",
@@ -214,7 +218,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     _add_dataclass_options(p, model.ModelConfig, skip=("vocab",))
     _add_dataclass_options(p, data.TaskConfig)
 
-    p = commands.add_parser(
+    p = _command(
+        commands,
         "generate",
         help="greedy generation from a checkpoint, with and without the KV cache",
         description="Greedy generation from the latest checkpoint in --run for a batch of "
@@ -223,7 +228,6 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
         "cache. By default both with the KV cache and without it (the whole context "
         "recomputed per token), timed side by side, and the tokens compared.",
     )
-    _run_option(p)
     p.add_argument(
         "--no-cache",
         action="store_true",
@@ -246,7 +250,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     _serve_parser(commands)
     _speculate_parser(commands)
 
-    p = commands.add_parser(
+    p = _command(
+        commands,
         "quantized",
         help="int8 and float8 KV caches: greedy tokens and each layer's error",
         description="Decodes held-out recall sequences with the model of the latest "
@@ -258,7 +263,6 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
         "its float64 forward. A progress bar names each stage as it runs (each decoding "
         "compiles first). Exit status 1 when int8 misses the target.",
     )
-    _run_option(p)
     p.add_argument(
         "--sequences", type=positive_int, default=200, help="held-out recall sequences (200)"
     )
@@ -266,14 +270,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
 
     _selection_parser(commands)
 
-    p = commands.add_parser(
+    p = _command(
+        commands,
         "verify",
         help="nanoattn.verify on the trained model: causality, padding, decoding",
         description="Runs nanoattn.verify's causality (token ids), padding and "
         "decoding checks on the model of the latest checkpoint in --run. Exit status 1 "
         "when a check fails.",
     )
-    _run_option(p)
     p.add_argument(
         "--seq-lens",
         type=_lengths,
@@ -286,7 +290,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
 def _selection_parser(commands) -> None:
     from .selection import PAGE_SIZE, SELECTIONS
 
-    p = commands.add_parser(
+    p = _command(
+        commands,
         "selection",
         help="query-aware page selection: greedy tokens and step time against every page",
         description="Decodes held-out recall sequences with the model of the latest "
@@ -298,7 +303,6 @@ def _selection_parser(commands) -> None:
         "equals the decoding of every page and the answer, and the time of a decode step. "
         "Page selection changes the answer: this says by how much.",
     )
-    _run_option(p)
     p.add_argument(
         "--sequences", type=positive_int, default=200, help="held-out recall sequences (200)"
     )
@@ -314,7 +318,8 @@ def _selection_parser(commands) -> None:
 
 
 def _speculate_parser(commands) -> None:
-    p = commands.add_parser(
+    p = _command(
+        commands,
         "speculate",
         help="speculative decoding with prompt-lookup token trees against plain greedy",
         description="Generates from held-out recall prompts (sequences laid end to end) "
@@ -325,7 +330,6 @@ def _speculate_parser(commands) -> None:
         "warm-up. Prints the drafts accepted per step and tokens/s of both. Exit status "
         "1 when the tokens differ.",
     )
-    _run_option(p)
     p.add_argument("--prompts", type=positive_int, default=4, help="prompts (4)")
     p.add_argument(
         "--prompt-length", type=positive_int, default=256, help="tokens per prompt (256)"
@@ -346,7 +350,8 @@ def _serve_parser(commands) -> None:
     """The ``serve`` subcommand's parser and options."""
     from . import engine
 
-    p = commands.add_parser(
+    p = _command(
+        commands,
         "serve",
         help="continuous batching over a paged KV cache, against static batches",
         description="Serves a seeded queue of requests (prompts of held-out recall "
@@ -363,7 +368,6 @@ def _serve_parser(commands) -> None:
         "shared, prompt tokens computed and tokens/s of both, their ratios against "
         "the targets. Exit status 1 when a ratio misses its target or tokens differ.",
     )
-    _run_option(p)
     p.add_argument(
         "--implementation",
         type=_implementation,
