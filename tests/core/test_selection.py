@@ -166,16 +166,22 @@ def _paged_case(seed: int):
     return arrays, indices, allowed, sequence, keys, values
 
 
+def _paged_truth(query, allowed, sequence, keys, values):
+    """float64 attention of each query token (Tq, N, H) over its own sequence's keys
+    and values, ``allowed`` (Tq, S) its mask: (Tq, N, H)."""
+    return np.stack([
+        np_attention(query[t][None, None], keys[b][None], values[b][None],
+                     allowed=allowed[t][None, None, None])[0, 0]
+        for t, b in enumerate(sequence)
+    ])  # fmt: skip
+
+
 def test_a_paged_selection_reads_its_own_sequence_on_every_backend():
     """Each query token of a paged call (a chunk and a decode row, pages shuffled in the
     pool) equals float64 attention over its own sequence's keys with its selection as a
     mask; a key of a page no token selects is NaN and never read."""
     arrays, indices, allowed, sequence, keys, values = _paged_case(11)
-    want = np.stack([
-        np_attention(arrays[0][t][None, None], keys[b][None], values[b][None],
-                     allowed=allowed[t][None, None, None])[0, 0]
-        for t, b in enumerate(sequence)
-    ])  # fmt: skip
+    want = _paged_truth(arrays[0], allowed, sequence, keys, values)
     key_pages = arrays[1].copy()
     read = {int(arrays[3][b, j // PAGE]) for t, b in enumerate(sequence) for j in indices[t]
             if j >= 0}  # fmt: skip
@@ -218,11 +224,7 @@ def test_both_reads_of_a_selection_equal_float64_quantized_and_paged(gather, mon
     wide = [np.asarray(x, np.float64) * np.asarray(s, np.float64)[..., None]
             for x, s in ((kq, ks), (vq, vs))]  # fmt: skip
     arrays, paged_indices, paged_allowed, sequence, keys, values = _paged_case(13)
-    paged_want = np.stack([
-        np_attention(arrays[0][t][None, None], keys[b][None], values[b][None],
-                     allowed=paged_allowed[t][None, None, None])[0, 0]
-        for t, b in enumerate(sequence)
-    ])  # fmt: skip
+    paged_want = _paged_truth(arrays[0], paged_allowed, sequence, keys, values)
     for name in ("flash", "native"):
         out = nanoattn.dot_product_attention(q, k, v, key_indices=indices, **rules,
                                              implementation=name)  # fmt: skip
