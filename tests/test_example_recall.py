@@ -205,10 +205,19 @@ def test_prompt_lookup_drafts_a_trie_and_keeps_the_path_greedy_decoding_confirms
     assert lookup.draft_tree([4, 3, 4], nodes=8, depth=3) == ([3, 4], [-1, 0])  # to the end
     chunk = lookup.chunk_parents(parents)  # [newest 6, 9, 1, 5, 7, 8, 5]
     assert chunk == [-1, 0, 1, 2, 0, 4, 5]
+
+    def path(greedy):  # the chunk padded to 9, the padding greedy's first token: not kept
+        padded = [6, *tokens, greedy[0], greedy[0]]
+        kept = np.asarray(lookup.accepted_path(padded, chunk + [-1, -1], greedy + [5, 5], 7))
+        assert (kept[: (kept >= 0).sum()] >= 0).all()  # the path first, then -1s
+        return kept[kept >= 0].tolist()
+
     # greedy after 6 is 7 (a draft), after 6 7 is 8 (a draft), after 6 7 8 is 2 (not 5)
-    assert lookup.accepted_path(tokens, parents, [7, 0, 0, 0, 8, 2, 0]) == [0, 4, 5]
-    assert lookup.accepted_path(tokens, parents, [3, 1, 5, 0, 0, 0, 0]) == [0]
-    assert lookup.accepted_path(tokens, parents, [9, 1, 5, 0, 0, 0, 0]) == [0, 1, 2, 3]
+    assert path([7, 0, 0, 0, 8, 2, 0]) == [0, 4, 5]
+    assert path([3, 1, 5, 0, 0, 0, 0]) == [0]
+    assert path([9, 1, 5, 0, 0, 0, 0]) == [0, 1, 2, 3]
+    assert path([9, 0, 5, 0, 0, 0, 0]) == [0, 1]  # 5 matches under 1, but 1 is not kept
+    assert path([9, 1, 5, 0, 8, 5, 5]) == [0, 1, 2, 3]  # 7 8 5 would match, 7 is not kept
 
 
 def test_speculative_trees_give_exactly_the_greedy_tokens(monkeypatch):

@@ -317,6 +317,20 @@ def _selection_parser(commands) -> None:
     )
 
 
+def _implementation_option(p) -> None:
+    """``--implementation``: the attention backend of a command that serves (both of
+    what it compares)."""
+    p.add_argument(
+        "--implementation",
+        type=_implementation,
+        default=None,
+        metavar="NAME",
+        help=f"nanoattn's attention backend for both: {', '.join(_backend_names())}, or "
+        "none: nanoattn's automatic choice (the default; not the backend the checkpoint "
+        "was trained with)",
+    )
+
+
 def _speculate_parser(commands) -> None:
     p = _command(
         commands,
@@ -326,10 +340,12 @@ def _speculate_parser(commands) -> None:
         "with the model of the latest checkpoint in --run, one prompt at a time: by "
         "speculative decoding (each step drafts a token tree by prompt lookup, verifies "
         "it in one call through the KV cache and keeps the path greedy decoding "
-        "confirms) and by plain greedy decoding (one token per call), each timed after a "
-        "warm-up. Prints the drafts accepted per step and tokens/s of both. Exit status "
-        "1 when the tokens differ.",
+        "confirms, all in one call) and by plain greedy decoding (one token per call), "
+        "each timed after a warm-up, both with their attention on --implementation. "
+        "Prints the drafts accepted per step and tokens/s of both. Exit status 1 when "
+        "the tokens differ.",
     )
+    _implementation_option(p)
     p.add_argument("--prompts", type=positive_int, default=4, help="prompts (4)")
     p.add_argument(
         "--prompt-length", type=positive_int, default=256, help="tokens per prompt (256)"
@@ -368,15 +384,7 @@ def _serve_parser(commands) -> None:
         "shared, prompt tokens computed and tokens/s of both, their ratios against "
         "the targets. Exit status 1 when a ratio misses its target or tokens differ.",
     )
-    p.add_argument(
-        "--implementation",
-        type=_implementation,
-        default=None,
-        metavar="NAME",
-        help=f"nanoattn's attention backend for both: {', '.join(_backend_names())}, or "
-        "none: nanoattn's automatic choice (the default; not the backend the checkpoint "
-        "was trained with)",
-    )
+    _implementation_option(p)
     p.add_argument(
         "--target",
         type=non_negative_float,
@@ -638,12 +646,7 @@ def _serve(parser, args) -> int:
         f"{lengths[0]}-{lengths[-1]} tokens, {min(r.new_tokens for r in requests)}-"
         f"{max(r.new_tokens for r in requests)} new tokens each, {tokens} in all"
     )
-    backend = ("nanoattn's automatic choice" if args.implementation is None
-               else f"implementation={args.implementation!r}")  # fmt: skip
-    print(
-        f"attention: {backend} (--implementation; the checkpoint was trained with "
-        f"implementation={run.model.implementation!r})"
-    )
+    print(f"attention: {_backend(args, run)}")
     serving = _Serving(parser, args, requests, tokens, {})
     bytes_per_token = 2 * sum(  # keys and values of every layer, float32
         b.attn.config.kv_heads * b.attn.config.head_dim * 4 for b in model.blocks
@@ -870,13 +873,22 @@ def _quantized(parser, args) -> int:
     return 0 if found.passed else 1
 
 
+def _backend(args, run) -> str:
+    """The attention backend a serving command runs on, in words."""
+    backend = ("nanoattn's automatic choice" if args.implementation is None
+               else f"implementation={args.implementation!r}")  # fmt: skip
+    return (f"{backend} (--implementation; the checkpoint was trained with "
+            f"implementation={run.model.implementation!r})")  # fmt: skip
+
+
 def _speculate(parser, args) -> int:
-    from . import generate, speculate, train
+    from . import engine, generate, speculate, train
 
     if args.prompt_length < 2:
         parser.error(f"--prompt-length must be at least 2, got {args.prompt_length}")
-    model, run, step = train.restore(_checkpoints(parser, args))
-    print(f"model of step {step} in {args.run}")
+    trained, run, step = train.restore(_checkpoints(parser, args))
+    model = engine.with_implementation(trained, args.implementation)
+    print(f"model of step {step} in {args.run}; attention: {_backend(args, run)}")
     lengths = [args.prompt_length] * args.prompts
     prompts = generate.long_prompts(run.train.seed, run.task, lengths)
     result = speculate.compare(model, prompts, args.new_tokens, nodes=args.nodes,

@@ -9,9 +9,11 @@ is the task where this shines: a context is a list of pairs and queries that rep
 
 A tree is two lists of the same length: ``tokens`` (the drafts' ids) and ``parents``
 (each draft's parent's index among them, before it, or -1 for a child of the newest
-token). Plain Python and numpy, on the host.
+token). The drafting is plain Python and numpy, on the host; the path kept is found
+on the device (:func:`accepted_path`).
 """
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -64,14 +66,28 @@ def chunk_parents(parents) -> list:
     return [-1, *(p + 1 for p in parents)]
 
 
-def accepted_path(tokens, parents, greedy) -> list:
-    """The longest root-to-leaf path of the chunk ``[newest, *tokens]`` that greedy
-    decoding confirms: chunk indices, 0 (the newest token) first, then each draft whose
-    token is the target's greedy choice after the path before it. ``greedy`` (the
-    chunk's length) holds the target's greedy token after each chunk token; the token
-    after the path is ``greedy[path[-1]]``."""
-    child = {(p + 1, t): i + 1 for i, (t, p) in enumerate(zip(tokens, parents))}
-    path = [0]
-    while (path[-1], int(greedy[path[-1]])) in child:
-        path.append(child[path[-1], int(greedy[path[-1]])])
-    return path
+def accepted_path(chunk, parents, greedy, length):
+    """The longest root-to-leaf path of a verify chunk that greedy decoding confirms, in
+    jax (the verify call finds it on the device, where it keeps it: speculate.py).
+
+    Args:
+      chunk: int (L,), the newest token then the drafts (padding past ``length``).
+      parents: int (L,), :func:`chunk_parents` (padded with -1).
+      greedy: int (L,), the target's greedy token after each chunk token.
+      length: the chunk's real tokens.
+
+    Returns:
+      int32 (L,): the path's chunk indices in order, 0 (the newest token) first, then
+      each draft whose token is the greedy token after its parent, its parent on the
+      path; -1 after the path. The token after the path is ``greedy[path[-1]]``.
+      (A trie's siblings hold different tokens, so the confirmed drafts are one chain.)
+    """
+    chunk, parents, greedy = (jnp.asarray(x, jnp.int32) for x in (chunk, parents, greedy))
+    L = chunk.shape[0]
+    index = jnp.arange(L)
+    up = jnp.where(index == 0, 0, jnp.maximum(parents, 0))  # the newest token: its own
+    kept = (index < length) & ((index == 0) | (chunk == greedy[up]))
+    for _ in range(max(1, (L - 1).bit_length())):  # pointer doubling up the ancestors
+        kept &= kept[up]
+        up = up[up]
+    return jnp.nonzero(kept, size=L, fill_value=-1)[0].astype(jnp.int32)

@@ -7,6 +7,7 @@ drafts and the target's token after it. The tokens are exactly greedy decoding's
 """
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -24,30 +25,43 @@ class Speculative:
 
     The cache holds ``max_len`` tokens (the prompt, the ``n`` new ones and one tree:
     ``len(prompt) + n + nodes + 1`` at most); trees of at most ``nodes`` drafts,
-    ``depth`` deep, from the last ``ngram`` tokens' earlier occurrences. Every verify
-    call is one compiled program: the chunk is right-padded to ``nodes + 1``."""
+    ``depth`` deep, from the last ``ngram`` tokens' earlier occurrences. A step is ONE
+    compiled call, the chunk right-padded to ``nodes + 1``: the tree verified, the path
+    greedy decoding confirms found and kept (``Decoder.accept``) on the device, the cache
+    donated; the host then reads the path's tokens (it drafts the next tree from them).
+    The operands are flat lists of arrays, as the engine's (engine.py)."""
 
     def __init__(self, model: Decoder, max_len: int, *, nodes: int = 16, depth: int = 4,
                  ngram: int = 3):  # fmt: skip
         model = nnx.clone(model)
         model.eval()
         model.init_cache(1, max_len)
-        graphdef, self.empty = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        self.empty, state_def = jax.tree.flatten(state)
         self.max_len, self.nodes, self.depth, self.ngram = max_len, nodes, depth, ngram
 
-        @jax.jit
-        def feed(state, tokens, lengths, parents):
-            model = nnx.merge(graphdef, state)
+        def feed(state, tokens, lengths, parents):  # -> the model, greedy tokens (L,)
+            model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state))
             logits = model(tokens, decode=True, lengths=lengths, tree_parents=parents)
-            return nnx.state(model), jnp.argmax(logits[0], -1).astype(jnp.int32)  # (L,)
+            return model, jnp.argmax(logits[0], -1).astype(jnp.int32)
 
         @jax.jit
-        def accept(state, kept):
-            model = nnx.merge(graphdef, state)
-            model.accept(kept)
-            return nnx.state(model)
+        def prefill(state, tokens, lengths, parents):
+            return jax.tree.leaves(nnx.state(feed(state, tokens, lengths, parents)[0]))
 
-        self.feed, self.accept_path = feed, accept
+        @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place
+        def verify(state, tokens, lengths, parents):
+            # -> state, the path's tokens after the newest and the greedy one after
+            # them (then -1s), and their count
+            model, greedy = feed(state, tokens, lengths, parents)
+            kept = lookup.accepted_path(tokens[0], parents[0], greedy, lengths[0])
+            model.accept(kept[None])
+            n = (kept >= 0).sum()
+            gained = jnp.where(kept >= 0, tokens[0, jnp.maximum(kept, 0)], -1)
+            gained = jnp.roll(gained, -1).at[n - 1].set(greedy[kept[n - 1]])
+            return jax.tree.leaves(nnx.state(model)), gained, n
+
+        self.prefill, self.verify = prefill, verify
 
     def __call__(self, prompt: list, n: int) -> tuple[list, list]:
         if len(prompt) < 2 or len(prompt) + n + self.nodes + 1 > self.max_len:
@@ -58,7 +72,7 @@ class Speculative:
         width = self.nodes + 1
         committed = np.asarray([prompt[:-1]], np.int32)  # the cache holds all but the newest
         chain = np.arange(-1, committed.shape[1] - 1, dtype=np.int32)[None]
-        state, _ = self.feed(self.empty, committed, np.array([committed.shape[1]]), chain)
+        state = self.prefill(self.empty, committed, np.array([committed.shape[1]]), chain)
         history, out, accepted = list(prompt), [], []
         while len(out) < n:
             tokens, parents = lookup.draft_tree(history, self.nodes, self.depth, self.ngram)
@@ -66,15 +80,12 @@ class Speculative:
             chunk[0, : len(tokens) + 1] = [history[-1], *tokens]
             tree = np.full((1, width), -1, np.int32)
             tree[0, : len(tokens) + 1] = lookup.chunk_parents(parents)
-            state, greedy = self.feed(state, chunk, np.array([len(tokens) + 1]), tree)
-            path = lookup.accepted_path(tokens, parents, np.asarray(greedy))
-            kept = np.full((1, width), -1, np.int32)
-            kept[0, : len(path)] = path
-            state = self.accept_path(state, kept)
-            new = [int(chunk[0, i]) for i in path[1:]] + [int(greedy[path[-1]])]
+            state, gained, kept = self.verify(state, chunk, np.array([len(tokens) + 1]), tree)
+            gained, kept = jax.device_get((gained, kept))
+            new = gained[:kept].tolist()
             history += new
             out += new
-            accepted.append(len(path) - 1)
+            accepted.append(int(kept) - 1)
         return out[:n], accepted
 
 
