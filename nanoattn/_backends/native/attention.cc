@@ -247,10 +247,9 @@ ffi::Error paged_problem(const QBuf& q, const PoolBuf& key_pages, const PoolBuf&
   const int64_t given = static_cast<int64_t>(offsets.element_count());
   if (given != 0 && given != p.B) return bad("offsets need (B,) or nothing");
   p.offsets = given ? offsets.typed_data() : nullptr;
-  const auto trd = tree.dimensions();  // (Tq, 1 + W) with W * 32 >= Tq, or (0, 1)
-  if (trd.size() != 2 || trd[1] < 1 || (trd[0] != 0 && (trd[0] != p.Tq || (trd[1] - 1) * 32 < p.Tq)))
-    return bad("the tree needs (Tq, 1 + W), W * 32 >= Tq, or (0, 1)");
-  if (trd[0] != 0 && p.offsets) return bad("a tree needs no offsets");
+  const auto trd = tree.dimensions();  // (Tq, 1 + W), or (0, 1)
+  if (trd.size() != 2 || trd[1] < 1 || (trd[0] != 0 && trd[0] != p.Tq))
+    return bad("the tree needs (Tq, 1 + W) or (0, 1)");
   p.tree = trd[0] ? tree.typed_data() : nullptr;
   p.tree_stride = trd[1];
   p.G = p.N / p.K;

@@ -3,8 +3,10 @@ float32 or bfloat16, no dense mask, bias, ``score_fn`` or dropout, a Python numb
 ``scale``; ``mask_fn`` served from its block classification and the bits of its partial
 blocks (a traced one while those bits stay small); built on the first call it may serve.
 Paged calls (``nanoattn.paged_attention``) by its paged forward pass (:mod:`.paged`),
-every rule above but ``mask_fn``. A token tree (``tree_parents``): dense as a
-``mask_fn``, paged as each row's position and ancestry bits (:mod:`.tree`). Values of a
+every rule above but ``mask_fn``. A token tree (``tree_parents``): paged, and dense
+where causal without ``mask_fn`` (a verify step over a cache), as each row's position
+and ancestry bits read by the paged pass (:mod:`.tree`); other dense ones as a
+``mask_fn``. Values of a
 width Hv of their own (multi-head latent attention): read as they are by the paged pass;
 a dense call pads the narrower width with zeros. Quantized keys and values (int8,
 float8_e4m3fn with their scales) dense and paged, read and scaled as the blocks are
@@ -19,6 +21,7 @@ from ..interface import NO_DROPOUT, unserved
 from .build import load
 from .kernel import mask_fn_unsupported, native_attention
 from .paged import native_paged_attention
+from .tree import tree_decode, tree_in_place
 
 # Where it can serve the call, from this many score cells per batch row and head
 # (T * S): in float32 it beat the reference on forward and forward+backward from
@@ -68,6 +71,8 @@ class Native:
                  tiles=None):  # fmt: skip
         if rules.key_indices is not None:  # only the selected keys: pages of one key
             return read_selected(self.paged, dense_as_pages, query, key, value, rules)
+        if tree_in_place(rules):  # a token tree over a cache: the paged pass in place
+            return _run(tree_decode, query, key, value, rules)
         rules = tree_as_mask(rules)  # a token tree: its positions and ancestry as mask_fn
         if rules.Hv == rules.H:
             return _run(native_attention, query, key, value, rules)

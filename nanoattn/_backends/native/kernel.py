@@ -98,18 +98,20 @@ def _decode(query, key, value, rules: Rules):
     return _decoded(query, key, value, _rows(rules), static_rules(rules))
 
 
-def _decode_forward(operands, offsets, lengths, attributes):
+def _decode_forward(operands, offsets, lengths, attributes, tree=None):
     """(out (B, T, N, Hv), lse (B, T, N)), float32: the paged pass over the dense cache;
     ``operands``: q (B, T, N, H), k, v (B, S, K, H|Hv), and the scales (B, S, K) of
-    quantized keys and values."""
+    quantized keys and values; ``tree``: a token tree's rows (B * T, 1 + W) (tree.py's
+    ``dense_tree_rows``) or None."""
     q = operands[0]
     B, T, N, _ = q.shape
     table = jnp.arange(B, dtype=jnp.int32)[:, None]  # row b: page b, one page of S slots
     starts = jnp.arange(B + 1, dtype=jnp.int32) * T
     real = jnp.ones((B * T,), jnp.uint8)
     out, lse = paged_forward_call(
-        q.reshape(B * T, N, -1), operands[1:], table, lengths, starts, real, offsets, attributes
-    )
+        q.reshape(B * T, N, -1), operands[1:], table, lengths, starts, real, offsets,
+        attributes, tree=tree,
+    )  # fmt: skip
     return out.reshape(B, T, N, -1), lse.reshape(B, T, N)
 
 

@@ -89,12 +89,15 @@ struct Paged {
   const float* value_scales = nullptr;
   // a token tree (tree_parents): row t's position (its sequence's committed length plus
   // its depth) at tree[t * tree_stride], then the bits of its ancestors (itself
-  // included) among its chunk's tokens, chunk token i at bit i % 32 of word 1 + i / 32;
-  // null: no tree (a row's position is its slot)
+  // included) among its chunk's tokens, chunk token i at bit i % 32 of word 1 + i / 32
+  // (a token past the row's words: not an ancestor); null: no tree (a row's position is
+  // its slot). With offsets (a dense cache read in place) a row's chunk starts at its
+  // offset, and its band must end by its chunk's last slot (the caller's: causal).
   const int32_t* tree = nullptr;
   int64_t tree_stride = 0;
   int64_t tree_position(int64_t t) const { return tree[t * tree_stride]; }
   bool tree_sees(int64_t t, int64_t i) const {
+    if (i / 32 >= tree_stride - 1) return false;
     return (static_cast<uint32_t>(tree[t * tree_stride + 1 + i / 32]) >> (i % 32)) & 1u;
   }
   // sequence b's rows [first, end), clamped into [0, Tq] and never decreasing
@@ -356,7 +359,7 @@ inline float paged_mask(const Paged& p, const PagedWork& w, int64_t t, int64_t p
     float mx = -kInf;
     for (int64_t c = 0; c < kPagedKeys; ++c) {
       const int64_t j = j0 + c, i = j - w.chunk;  // i: the key's token of the chunk
-      const int64_t key = i < 0 ? j : p.tree_position(w.first_row + i);
+      const int64_t key = i < 0 ? j : p.tree_position(std::min(w.first_row + i, p.Tq - 1));
       const bool seen = c < n && j < w.hi && (i < 0 || p.tree_sees(t, i)) &&
                         (p.left < 0 || key >= pos - p.left) &&
                         (p.right < 0 || key <= pos + p.right);

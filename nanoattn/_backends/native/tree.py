@@ -1,16 +1,23 @@
 """A token tree (``tree_parents``) as the native paged pass reads it: per query row its
-position and the bits of its ancestors in its chunk (paged.h, ``paged_mask``).
+position and the bits of its ancestors in its chunk (paged.h, ``paged_mask``), for a
+paged call and for a dense one read in place.
 
 Axis letters: Tq query rows, W words of 32 bits (W * 32 >= Tq: a chunk is at most
 every row of the call).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from ..._base.paged import returned_reads
 from ..._base.rules import Rules
-from ..._base.tree import paged_tree
+from ..._base.tree import dense_tree, paged_tree, tree_as_mask
+from .kernel import _attend_bwd as dense_backward
+from .kernel import _decode_forward as decode_forward
+from .kernel import _rows as dense_rows
+from .kernel import static_rules
 
 
 def tree_rows(rules: Rules):
@@ -30,15 +37,40 @@ def tree_rows(rules: Rules):
     committed = rules.kv_lengths.astype(jnp.int32) - q_lens
     positions = committed[layout.sequence] + tree.depth
     Tq = rules.T
-    words = -(-Tq // 32)
-    token = jnp.arange(words * 32, dtype=jnp.int32)[None]  # (1, W * 32): chunk tokens
+    token = jnp.arange(_words(Tq) * 32, dtype=jnp.int32)[None]  # (1, W * 32): chunk tokens
     columns = jnp.clip(first_row[:, None] + token, 0, max(Tq - 1, 0))
     bits = jnp.take_along_axis(tree.ancestors, columns, axis=1)
     bits &= token < q_lens[layout.sequence][:, None]
+    return positions, _packed_rows(positions, bits)
+
+
+def dense_tree_rows(rules: Rules):
+    """(B * T, 1 + W) int32: a dense call's tree as the paged pass reads it over the
+    cache in place (row b of the cache a page, its chunk at slots ``q_offset[b]`` on),
+    as :func:`tree_rows` lays out a paged call's: row b * T + i holds token i's position
+    (``q_offset[b]`` plus its depth), then the bits of its ancestors among row b's T
+    chunk tokens."""
+    B, T = rules.tree_parents.shape
+    tree = dense_tree(rules.tree_parents)
+    committed = jnp.broadcast_to(jnp.asarray(rules.index_offset, jnp.int32), (B,))
+    positions = (committed[:, None] + tree.depth).reshape(B * T)
+    bits = jnp.pad(tree.ancestors, ((0, 0), (0, 0), (0, _words(T) * 32 - T)))
+    return _packed_rows(positions, bits.reshape(B * T, -1))
+
+
+def _words(T: int) -> int:
+    """The 32-bit words that hold the bits of a chunk of at most T tokens."""
+    return -(-T // 32)
+
+
+def _packed_rows(positions, bits):
+    """(R, 1 + W) int32: each row's position (R,), then its bits (R, W * 32) packed, bit
+    i at bit ``i % 32`` of word ``i // 32``."""
+    R = bits.shape[0]
     shifts = jnp.arange(32, dtype=jnp.uint32)[None, None]
-    packed = (bits.reshape(Tq, words, 32).astype(jnp.uint32) << shifts).sum(-1, jnp.uint32)
+    packed = (bits.reshape(R, -1, 32).astype(jnp.uint32) << shifts).sum(-1, jnp.uint32)
     packed = jax.lax.bitcast_convert_type(packed, jnp.int32)
-    return positions, jnp.concatenate([positions[:, None], packed], axis=1)
+    return jnp.concatenate([positions[:, None].astype(jnp.int32), packed], axis=1)
 
 
 def tree_returned_reads(rules: Rules, positions):
@@ -50,3 +82,57 @@ def tree_returned_reads(rules: Rules, positions):
     reads = returned_reads(rules.page_table, rules.kv_lengths, layout, rules.page_size,
                            rules.band)  # fmt: skip
     return reads.any(axis=1)
+
+
+def tree_in_place(rules: Rules) -> bool:
+    """Whether a dense call with a tree is served by the paged pass over its cache in
+    place (:func:`tree_decode`): causal (its band ends at each query's position, so that
+    no row reads a slot past its chunk's), no ``mask_fn`` or segment ids, float keys and
+    values of one width."""
+    band = rules.band
+    return (
+        rules.tree_parents is not None
+        and not rules.paged
+        and rules.T >= 1
+        and rules.S >= 1
+        and band is not None
+        and band[1] <= 0
+        and rules.mask_fn is None
+        and rules.q_segment_ids is None
+        and rules.key_scales is None
+        and rules.Hv == rules.H
+    )
+
+
+def tree_decode(query, key, value, rules: Rules):
+    """A dense call with a tree (:func:`tree_in_place`) by the paged pass, row b of the
+    cache (S, K, H) a page read in place (as a decoding step's, kernel.py's ``_decode``)
+    with each query's tree position and ancestry (:func:`dense_tree_rows`): no key block
+    is packed and no mask bits are computed. Returns (out (B, T, N, H), lse (B, T, N)),
+    float32. The gradients are the dense backward pass's over the tree as a ``mask_fn``
+    (``tree_as_mask``), whose bits are computed only where a gradient is taken."""
+    masked = tree_as_mask(rules)
+    offsets, lengths = dense_rows(rules)[:2]
+    key, value = key.astype(query.dtype), value.astype(query.dtype)
+    rows = (offsets, lengths, dense_tree_rows(rules))
+    attributes = (static_rules(rules), static_rules(masked))
+    return _decoded(query, key, value, rows, dense_rows(masked), attributes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _decoded(q, k, v, rows, masked_rows, attributes):
+    return decode_forward((q, k, v), *rows[:2], attributes[0], tree=rows[2])
+
+
+def _decoded_fwd(q, k, v, rows, masked_rows, attributes):
+    out, lse = decode_forward((q, k, v), *rows[:2], attributes[0], tree=rows[2])
+    return (out, lse), (q, k, v, out, lse, masked_rows, rows)
+
+
+def _decoded_bwd(attributes, residuals, cotangents):
+    *dense, rows = residuals
+    grads = dense_backward(attributes[1], tuple(dense), cotangents)
+    return (*grads[:3], (None,) * len(rows), grads[3:])
+
+
+_decoded.defvjp(_decoded_fwd, _decoded_bwd)
