@@ -354,10 +354,10 @@ struct PagedTiles {
 // the chunk: column by column, a chunk key seen where it is an ancestor of the row and
 // inside the band at its own tree position (keys before the chunk: the band).
 inline float paged_mask(const Paged& p, const PagedWork& w, int64_t t, int64_t pos, int64_t j0,
-                        int64_t n, float* row) {
+                        int64_t n, int64_t cols, float* row) {
   if (p.tree && j0 + n > w.chunk) {
     float mx = -kInf;
-    for (int64_t c = 0; c < kPagedKeys; ++c) {
+    for (int64_t c = 0; c < cols; ++c) {
       const int64_t j = j0 + c, i = j - w.chunk;  // i: the key's token of the chunk
       const int64_t key = i < 0 ? j : p.tree_position(std::min(w.first_row + i, p.Tq - 1));
       const bool seen = c < n && j < w.hi && (i < 0 || p.tree_sees(t, i)) &&
@@ -375,7 +375,7 @@ inline float paged_mask(const Paged& p, const PagedWork& w, int64_t t, int64_t p
   vi col;
   for (int c = 0; c < VW; ++c) col[c] = c;
   vf mx = splat(-kInf);
-  for (int c = 0; c < kPagedKeys; c += VW, col += VW) {
+  for (int c = 0; c < cols; c += VW, col += VW) {
     const vf x = (col < from) | (col > to) ? splat(-kInf) : load(row + c);
     store(row + c, x);
     mx = nan_max(x, mx);
@@ -394,7 +394,7 @@ void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t t, int
   constexpr bool quantized = kQuantized<In>;
   if (p.soft_cap > 0)
     for (int64_t c = 0; c < n; ++c) row[c] = p.soft_cap * std::tanh(row[c] / p.soft_cap);
-  const float m_new = nan_max(w.m[v], paged_mask(p, w, t, pos, j0, n, row));
+  const float m_new = nan_max(w.m[v], paged_mask(p, w, t, pos, j0, n, tile_keys<In>(), row));
   if (m_new == -kInf) {
     std::fill(row, row + kPagedKeys, 0.0f);
     return;
@@ -402,7 +402,7 @@ void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t t, int
   const float alpha = std::exp(w.m[v] - m_new);  // 0 when m was -inf
   vf sum = vf{};
   const vf shift = splat(m_new);
-  for (int c = 0; c < kPagedKeys; c += VW) {
+  for (int c = 0; c < tile_keys<In>(); c += VW) {
     const vf e = vexp(load(row + c) - shift);
     sum += e;
     // the weights of quantized values times their scales (the sum is the
