@@ -208,7 +208,7 @@ def test_prompt_lookup_drafts_a_trie_and_keeps_the_path_greedy_decoding_confirms
 
     def path(greedy):  # the chunk padded to 9, the padding greedy's first token: not kept
         padded = [6, *tokens, greedy[0], greedy[0]]
-        kept = np.asarray(lookup.accepted_path(padded, chunk + [-1, -1], greedy + [5, 5], 7))
+        kept = np.asarray(lookup.accepted_path(padded, [*chunk, -1, -1], [*greedy, 5, 5], 7))
         assert (kept[: (kept >= 0).sum()] >= 0).all()  # the path first, then -1s
         return kept[kept >= 0].tolist()
 
