@@ -19,9 +19,9 @@ from ..._base.selection import dense_as_pages, paged_as_pages, read_selected
 from ..._base.tree import tree_as_mask
 from ..interface import NO_DROPOUT, unserved
 from .build import load
-from .kernel import mask_fn_unsupported, native_attention
+from .kernel import mask_fn_unsupported, native_attention, tree_decode
 from .paged import native_paged_attention
-from .tree import tree_decode, tree_in_place
+from .tree import tree_in_place
 
 # Where it can serve the call, from this many score cells per batch row and head
 # (T * S): in float32 it beat the reference on forward and forward+backward from

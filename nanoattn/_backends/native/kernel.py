@@ -29,7 +29,9 @@ from ..._base.mask_fn import evaluate_mask, grid
 from ..._base.quantized import NO_QUANTIZED_GRADIENTS
 from ..._base.rules import Rules
 from ..._base.shard_map import sum_to_varying, varying_like
+from ..._base.tree import tree_as_mask
 from .build import load
+from .tree import dense_tree_rows
 
 _F32 = jnp.dtype(jnp.float32)
 # The element types the kernel serves, and the suffix of their FFI targets.
@@ -95,7 +97,24 @@ def _decode(query, key, value, rules: Rules):
                     rules.value_scales.astype(_F32))  # fmt: skip
         return _decode_quantized(operands, offsets, lengths, static_rules(rules))
     key, value = key.astype(query.dtype), value.astype(query.dtype)
-    return _decoded(query, key, value, _rows(rules), static_rules(rules))
+    rows, attributes = _rows(rules), static_rules(rules)
+    return _decoded(query, key, value, (*rows[:2], None), rows, (attributes, attributes))
+
+
+def tree_decode(query, key, value, rules: Rules):
+    """A dense call with a token tree that the paged pass serves over its cache in place
+    (tree.py's ``tree_in_place``: causal, no mask_fn), as :func:`_decode` serves a
+    decoding step, each query at its tree position and seeing only its ancestors in its
+    chunk (tree.py's ``dense_tree_rows``): no key block packed, no mask bits computed.
+    Returns (out (B, T, N, H), lse (B, T, N)), float32. The gradients are the dense
+    backward pass's over the tree as a ``mask_fn`` (``tree_as_mask``), whose bits are
+    computed only where a gradient is taken (unused otherwise, so compiled away)."""
+    masked = tree_as_mask(rules)
+    offsets, lengths = _rows(rules)[:2]
+    key, value = key.astype(query.dtype), value.astype(query.dtype)
+    rows = (offsets, lengths, dense_tree_rows(rules))
+    attributes = (static_rules(rules), static_rules(masked))
+    return _decoded(query, key, value, rows, _rows(masked), attributes)
 
 
 def _decode_forward(operands, offsets, lengths, attributes, tree=None):
@@ -220,19 +239,23 @@ def _check_heads(mesh, pool_sharding, K: int) -> None:
         )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _decoded(q, k, v, rows, attributes):
-    return _decode_forward((q, k, v), rows[0], rows[1], attributes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _decoded(q, k, v, rows, dense_rows, attributes):
+    """The paged pass over a dense cache: ``rows`` (offsets, lengths, a tree's rows or
+    None) with ``attributes[0]``; its gradients the dense backward pass's over
+    ``dense_rows`` (:func:`_rows`) with ``attributes[1]``."""
+    return _decode_forward((q, k, v), *rows[:2], attributes[0], tree=rows[2])
 
 
-def _decoded_fwd(q, k, v, rows, attributes):
-    out, lse = _decode_forward((q, k, v), rows[0], rows[1], attributes)
-    return (out, lse), (q, k, v, out, lse, rows)
+def _decoded_fwd(q, k, v, rows, dense_rows, attributes):
+    out, lse = _decode_forward((q, k, v), *rows[:2], attributes[0], tree=rows[2])
+    return (out, lse), (q, k, v, out, lse, dense_rows, rows)
 
 
 def _decoded_bwd(attributes, residuals, cotangents):
-    dq, dk, dv = _attend_bwd(attributes, residuals, cotangents)[:3]
-    return dq, dk, dv, (None,) * len(residuals[-1])
+    *dense, rows = residuals
+    grads = _attend_bwd(attributes[1], tuple(dense), cotangents)
+    return (*grads[:3], (None,) * len(rows), grads[3:])
 
 
 _decoded.defvjp(_decoded_fwd, _decoded_bwd)

@@ -6,18 +6,12 @@ Axis letters: Tq query rows, W words of 32 bits (W * 32 >= Tq: a chunk is at mos
 every row of the call).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from ..._base.paged import returned_reads
 from ..._base.rules import Rules
-from ..._base.tree import dense_tree, paged_tree, tree_as_mask
-from .kernel import _attend_bwd as dense_backward
-from .kernel import _decode_forward as decode_forward
-from .kernel import _rows as dense_rows
-from .kernel import static_rules
+from ..._base.tree import dense_tree, paged_tree
 
 
 def tree_rows(rules: Rules):
@@ -86,9 +80,9 @@ def tree_returned_reads(rules: Rules, positions):
 
 def tree_in_place(rules: Rules) -> bool:
     """Whether a dense call with a tree is served by the paged pass over its cache in
-    place (:func:`tree_decode`): causal (its band ends at each query's position, so that
-    no row reads a slot past its chunk's), no ``mask_fn`` or segment ids, float keys and
-    values of one width."""
+    place (kernel.py's ``tree_decode``): causal (its band ends at each query's position,
+    so that no row reads a slot past its chunk's), no ``mask_fn`` or segment ids, float
+    keys and values of one width."""
     band = rules.band
     return (
         rules.tree_parents is not None
@@ -102,37 +96,3 @@ def tree_in_place(rules: Rules) -> bool:
         and rules.key_scales is None
         and rules.Hv == rules.H
     )
-
-
-def tree_decode(query, key, value, rules: Rules):
-    """A dense call with a tree (:func:`tree_in_place`) by the paged pass, row b of the
-    cache (S, K, H) a page read in place (as a decoding step's, kernel.py's ``_decode``)
-    with each query's tree position and ancestry (:func:`dense_tree_rows`): no key block
-    is packed and no mask bits are computed. Returns (out (B, T, N, H), lse (B, T, N)),
-    float32. The gradients are the dense backward pass's over the tree as a ``mask_fn``
-    (``tree_as_mask``), whose bits are computed only where a gradient is taken."""
-    masked = tree_as_mask(rules)
-    offsets, lengths = dense_rows(rules)[:2]
-    key, value = key.astype(query.dtype), value.astype(query.dtype)
-    rows = (offsets, lengths, dense_tree_rows(rules))
-    attributes = (static_rules(rules), static_rules(masked))
-    return _decoded(query, key, value, rows, dense_rows(masked), attributes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _decoded(q, k, v, rows, masked_rows, attributes):
-    return decode_forward((q, k, v), *rows[:2], attributes[0], tree=rows[2])
-
-
-def _decoded_fwd(q, k, v, rows, masked_rows, attributes):
-    out, lse = decode_forward((q, k, v), *rows[:2], attributes[0], tree=rows[2])
-    return (out, lse), (q, k, v, out, lse, masked_rows, rows)
-
-
-def _decoded_bwd(attributes, residuals, cotangents):
-    *dense, rows = residuals
-    grads = dense_backward(attributes[1], tuple(dense), cotangents)
-    return (*grads[:3], (None,) * len(rows), grads[3:])
-
-
-_decoded.defvjp(_decoded_fwd, _decoded_bwd)
