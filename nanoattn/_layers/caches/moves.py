@@ -10,7 +10,8 @@ copies and before its writes, every moved slot read as the pool was before the s
 since handed to another sequence. Two moves into one slot, or a slot outside the
 pool, is a bad move list (:data:`.transfers.MOVES`): one line when concrete; under
 ``jit`` the move is dropped and the sequences holding its target page are broken (NaN,
-never written), as a bad copy's. Axis letters: V moves, B sequences, M pages per sequence, P pages.
+never written), as a bad copy's. Axis letters: V moves, B sequences, M pages per
+sequence, P pages.
 """
 
 import jax
