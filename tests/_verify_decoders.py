@@ -355,6 +355,7 @@ def latent(bug: str | None = None):
     r = 7, Hn = 3, Hr = 4, Hv = 5): ``full`` the layer's forward; ``step`` an absorbed
     decode over a cache of latents and RoPE keys (B, C, r + Hr) written here on the core,
     with ``bug`` planted (None: correct)."""
+    from nanoattn._layers import absorbed
     from nanoattn._layers import latent as mla
     from nanoattn.linen import LatentAttention, LatentConfig
 
@@ -408,7 +409,7 @@ def latent(bug: str | None = None):
         slots = jnp.where(jnp.arange(L)[None] < lengths[:, None], positions, C)  # C: dropped
         cache = state["latent"].at[jnp.arange(B)[:, None], slots].set(entry, mode="drop")
         q_nope, q_rope, _ = mla.query(params, cfg, chunk, chunk.dtype)
-        w = mla.up_projections(params, cfg, chunk.dtype)
+        w = absorbed.up_projections(params, cfg, chunk.dtype)
         w_uk, w_uv = w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
         q = jnp.concatenate(
             [jnp.einsum("BLNh,rNh->BLNr", q_nope, w_uk), mla.rotate(cfg, q_rope, positions)], -1

@@ -21,6 +21,7 @@ the indexer's heads, Hi_d its head width, Hr the RoPE width, k the keys kept.
 import jax
 import jax.numpy as jnp
 
+from .._backends.native.layer_ops import native_index_scores, serves_layer_ops
 from .._core.rope import apply_rope
 from .latent_config import LatentConfig
 
@@ -58,6 +59,16 @@ def key_scores(q, weights, keys):
     scale = q.shape[-1] ** -0.5
     scores = jax.nn.relu(jnp.einsum("BThd,BSd->BThS", q, keys.astype(jnp.float32)) * scale)
     return jnp.einsum("BTh,BThS->BTS", weights, scores)
+
+
+def cached_key_scores(cfg: LatentConfig, q, weights, keys):
+    """:func:`key_scores` for a decoding step, by the native kernel where it serves the
+    layer's ``implementation`` on a CPU (it reads the cached keys in place), else by
+    XLA: q (B, T, Hi, Hi_d), weights (B, T, Hi), keys (B, S, 1, Hi_d) (as the cache
+    holds them: a slice would be a copy of the cache) -> (B, T, S)."""
+    if serves_layer_ops(cfg.implementation):
+        return native_index_scores(q, weights, keys, q.shape[-1] ** -0.5)
+    return key_scores(q, weights, keys[:, :, 0])
 
 
 def index_scores(params, cfg: LatentConfig, x, low, positions, dtype):

@@ -37,10 +37,18 @@ from .._base.validate import expect_floating, expect_integer, expect_shape
 from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
 from .._core.rope import apply_rope
+from .absorbed import key_absorbed, up_projections, values_projected
 from .caches import kv_cache
 from .caches.kinds import policy_of
 from .caches.tree import parents_of
-from .indexer import index_key, index_query, index_scores, key_scores, top_keys, visible_top_keys
+from .indexer import (
+    cached_key_scores,
+    index_key,
+    index_query,
+    index_scores,
+    top_keys,
+    visible_top_keys,
+)
 from .latent_config import LatentConfig
 
 
@@ -101,32 +109,6 @@ def rotate(cfg: LatentConfig, x, positions):
         x, positions, base=cfg.rope_base, rope_scaling=cfg.rope_scaling,
         rope_layout=cfg.rope_layout,
     )  # fmt: skip
-
-
-def up_projections(params: LatentParameters, cfg: LatentConfig, dtype):
-    """``kv_b``'s kernel (r, N (Hn + Hv)) as (r, N, Hn + Hv): each head's columns are
-    its key part W_uk (``[..., :Hn]``) then its value part W_uv (``[..., Hn:]``), not
-    sliced here (a slice is a copy of the kernel; :func:`per_head` takes each head's)."""
-    r, N, Hn = cfg.kv_lora_rank, cfg.n_heads, cfg.qk_nope_head_dim
-    return params.kernel("kv_b").astype(dtype).reshape(r, N, Hn + cfg.v_head_dim)
-
-
-def per_head(spec: str, x, w, columns: slice):
-    """``einsum(spec, x[..., n, :], w[:, n, columns])`` for every head n, stacked on x's
-    head axis: x (B, T, N, a), w (r, N, Hn + Hv) (``kv_b``'s kernel, whole). One product
-    per head in a loop (``lax.map``), each taking its head's columns of w as it goes: an
-    einsum batched over the heads has XLA transpose W_uk and W_uv (in the middle of the
-    kernel's layout), and slicing them first copies them, on every call (on a CPU about
-    60 of the 170 ms of a DeepSeek-size decoding step at 32768 keys)."""
-    heads = jnp.moveaxis(x, -2, 0)  # (N, B, T, a)
-
-    def head(args):
-        n, xn = args
-        wn = jax.lax.dynamic_index_in_dim(w, n, 1, keepdims=False)[:, columns]  # (r, c)
-        return jnp.einsum(spec, xn, wn)
-
-    out = jax.lax.map(head, (jnp.arange(x.shape[-2]), heads))  # (N, B, T, c)
-    return jnp.moveaxis(out, 0, -2)
 
 
 def _out(params: LatentParameters, cfg: LatentConfig, out, dtype):
@@ -248,9 +230,8 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
     selection = {}
     if cfg.indexed:  # DeepSeek-V3.2: each query reads its indexer's top cached keys
         selection["key_indices"] = cached_top_keys(params, cfg, x, low, cache, layout, dtype)
-    Hn = cfg.qk_nope_head_dim
     w = up_projections(params, cfg, dtype)  # (r, N, Hn + Hv)
-    q_lat = per_head("BTh,rh->BTr", q_nope, w, slice(None, Hn))  # the key projection absorbed
+    q_lat = key_absorbed(cfg, q_nope, w)  # the key projection absorbed (B, T, N, r)
     q = jnp.concatenate([q_lat, rotate(cfg, q_rope, layout.positions)], axis=-1)  # (.., r+Hr)
     r = cfg.kv_lora_rank
 
@@ -275,7 +256,7 @@ def decode(params: LatentParameters, cfg: LatentConfig, x, cache: kv_cache.KVCac
     o_lat = policy.attention(
         cache, layout, q, dense=dense, paged=paged, mask=mask, mask_fn=mask_fn, score_fn=score_fn
     )  # (B, T, N, r)
-    out = per_head("BTr,rv->BTv", o_lat, w, slice(Hn, None))  # the value projection after
+    out = values_projected(cfg, o_lat, w)  # the value projection after (B, T, N, Hv)
     y = _out(params, cfg, out, dtype)
     y = jnp.where(layout.real[..., None], y, 0)
     y = jnp.where(layout.broken[..., None], jnp.nan, y).astype(y.dtype)  # only under jit
@@ -294,7 +275,7 @@ def cached_top_keys(params: LatentParameters, cfg: LatentConfig, x, low, cache, 
     if cache.value_scales is not None:
         keys = keys * cache.value_scales[..., None]
     if layout.pages is None:  # a full cache: slot = position
-        scores = key_scores(q, weights, keys[:, :, 0])  # (B, T, C)
+        scores = cached_key_scores(cfg, q, weights, keys)  # (B, T, C)
         return visible_top_keys(scores, layout.positions, cfg.index_topk)
     pages = layout.pages
     P, ps = keys.shape[:2]
@@ -304,7 +285,5 @@ def cached_top_keys(params: LatentParameters, cfg: LatentConfig, x, low, cache, 
     own = keys[table].reshape(table.shape[0], -1, keys.shape[-1])[
         tokens.sequence
     ]  # (Tq, M ps, Hi_d)
-    scores = jax.vmap(lambda q, w, k: key_scores(q[None, None], w[None, None], k[None])[0, 0])(
-        q[0], weights[0], own
-    )  # (Tq, M ps)
+    scores = cached_key_scores(cfg, q[0][:, None], weights[0][:, None], own[:, :, None])[:, 0]
     return visible_top_keys(scores, tokens.position, cfg.index_topk)

@@ -246,15 +246,18 @@ def test_the_avx2_build_serves_too_on_an_avx512_machine(tmp_path):
                NANOATTN_CACHE_DIR=str(tmp_path))  # fmt: skip
     tests = pathlib.Path(__file__)
     # the base's cases native serves ("values of their own width": Hv != H, it refuses),
-    # every test of the paged pass, and native's over quantized keys: one build for all
+    # every test of the paged pass, native's over quantized keys and the layer ops: one
+    # build for all
     served = "match_float64 and not dense and not bias and not score_fn and not own"
     selection = (
         f"lengths_across or ragged or short_calls or groups_or_alone or bfloat16 or ({served}) or "
-        "(test_native_paged and not avx2) or (test_quantized_attention and native)"
+        "(test_native_paged and not avx2) or (test_quantized_attention and native) or "
+        "test_native_layer_ops"
     )
     files = [
         tests,
         tests.with_name("test_native_paged.py"),
+        tests.with_name("test_native_layer_ops.py"),
         tests.parent.parent / "core" / "test_quantized_attention.py",
     ]
     done = subprocess.run(

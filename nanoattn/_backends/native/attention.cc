@@ -28,7 +28,8 @@
 // The headers: pack.h (the scratch, the tiles shared by a call's tasks, the packers),
 // logits.h (the soft cap and the mask on a row of logits), forward.h and backward.h
 // (the two passes), paged.h (the forward pass of nanoattn.paged_attention, keys read
-// through a page table) and quantized.h (the int8 and float8 keys and values that both
+// through a page table), indexer.h (DeepSeek-V3.2's indexer scores, for its top-k keys),
+// absorbed.h (multi-head latent attention's per-head products with its up-projection) and quantized.h (the int8 and float8 keys and values that both
 // forward passes read with their scales: one more forward handler each, float32
 // queries over quantized keys); the generic pieces: simd.h (vectors, bfloat16), gemm.h
 // (the block products' micro-kernels), threads.h (work sharing on XLA's thread pool)
@@ -42,8 +43,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "absorbed.h"
 #include "backward.h"
 #include "forward.h"
+#include "indexer.h"
 #include "paged.h"
 #include "quantized.h"
 #include "visibility.h"
@@ -446,3 +449,75 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnPagedForwardQuantized, PagedForwardQuantiz
                                   .Arg<ffi::Buffer<ffi::F32>>() /* key_scales */
                                   .Arg<ffi::Buffer<ffi::F32>>() /* value_scales */
                                       NANOATTN_PAGED_ARGS NANOATTN_RULES NANOATTN_FORWARD_OUTPUTS);
+
+// DeepSeek-V3.2's indexer scores (indexer.h): q (..., T, Hi, d), weights (..., T, Hi),
+// keys (..., S, 1, d) (one key a token, as a cache holds them), out (..., T, S), the
+// leading axes flattened (as a vmapped call arrives) and equal in number of rows.
+ffi::Error IndexScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                       ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::F32> keys, float scale,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), wd = weights.dimensions(), kd = keys.dimensions();
+  const size_t rank = qd.size();
+  if (rank < 3 || wd.size() != rank - 1 || kd.size() != rank)
+    return ffi::Error::InvalidArgument(
+        "nanoattn native: index scores need q (..., T, Hi, d), weights (..., T, Hi), keys "
+        "(..., S, 1, d)");
+  IndexProblem p{1, qd[rank - 3], qd[rank - 2], qd[rank - 1], kd[rank - 3], scale};
+  for (size_t a = 0; a + 3 < rank; ++a) {
+    if (qd[a] != wd[a] || qd[a] != kd[a])
+      return ffi::Error::InvalidArgument("nanoattn native: index scores' batch axes differ");
+    p.G *= qd[a];
+  }
+  if (wd[rank - 3] != p.T || wd[rank - 2] != p.Hi || kd[rank - 2] != 1 ||
+      kd[rank - 1] != p.d || static_cast<int64_t>(out->element_count()) != p.G * p.T * p.S)
+    return ffi::Error::InvalidArgument("nanoattn native: index scores' shapes disagree");
+  index_scores(pool, p, q.typed_data(), weights.typed_data(), keys.typed_data(),
+               out->typed_data());
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NanoattnIndexScores, IndexScores,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* q */
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* weights */
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* keys */
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()); /* out */
+
+// Multi-head latent attention's absorbed products (absorbed.h): x (..., N, A), w (R, N, C),
+// the columns [c0, c0 + width) of each head; rows: A = width, out (..., N, R); columns:
+// A = R, out (..., N, width).
+template <bool kColumns>
+ffi::Error Absorbed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                    int64_t c0, int64_t width, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  const size_t rank = xd.size();
+  if (rank < 2 || wd.size() != 3)
+    return ffi::Error::InvalidArgument("nanoattn native: absorbed products need x (..., N, A), "
+                                       "w (R, N, C)");
+  AbsorbedProblem p{1, xd[rank - 2], wd[0], wd[2], c0, width};
+  for (size_t a = 0; a + 2 < rank; ++a) p.M *= xd[a];
+  const int64_t takes = kColumns ? p.R : width, gives = kColumns ? width : p.R;
+  if (wd[1] != p.N || c0 < 0 || width < 0 || c0 + width > p.C || xd[rank - 1] != takes ||
+      static_cast<int64_t>(out->element_count()) != p.M * p.N * gives)
+    return ffi::Error::InvalidArgument("nanoattn native: absorbed products' shapes disagree");
+  if (kColumns)
+    absorbed_columns(pool, p, x.typed_data(), w.typed_data(), out->typed_data());
+  else
+    absorbed_rows(pool, p, x.typed_data(), w.typed_data(), out->typed_data());
+  return ffi::Error::Success();
+}
+
+#define NANOATTN_ABSORBED_HANDLER(NAME, COLUMNS)                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, Absorbed<COLUMNS>,                \
+                                ffi::Ffi::Bind()                        \
+                                    .Ctx<ffi::ThreadPool>()             \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* x */ \
+                                    .Arg<ffi::Buffer<ffi::F32>>() /* w */ \
+                                    .Attr<int64_t>("c0")                \
+                                    .Attr<int64_t>("width")             \
+                                    .Ret<ffi::Buffer<ffi::F32>>()); /* out */
+
+NANOATTN_ABSORBED_HANDLER(NanoattnAbsorbedRows, false)
+NANOATTN_ABSORBED_HANDLER(NanoattnAbsorbedColumns, true)

@@ -62,6 +62,9 @@ TARGETS = {
     "nanoattn_paged_forward_bf16": "NanoattnPagedForwardBf16",
     "nanoattn_forward_quantized": "NanoattnForwardQuantized",
     "nanoattn_paged_forward_quantized": "NanoattnPagedForwardQuantized",
+    "nanoattn_index_scores": "NanoattnIndexScores",
+    "nanoattn_absorbed_rows": "NanoattnAbsorbedRows",
+    "nanoattn_absorbed_columns": "NanoattnAbsorbedColumns",
 }
 
 
