@@ -16,9 +16,12 @@ from .._backends.native.layer_ops import native_absorbed, serves_layer_ops
 from .latent_config import LatentConfig
 
 ROWS, COLUMNS = "BTh,rh->BTr", "BTr,rv->BTv"  # q_n W_uk^T, o W_uv per head
-# The most rows (B * T) the native products serve: a decoding step's few, whose cost is
-# reading the kernel; more rows are matrix products, XLA's per head (docs/latent.md).
-NATIVE_MOST_ROWS = 16
+# The most rows (B * T) the native products serve, the key product's and the value
+# product's: a decoding step's few, whose cost is reading the kernel; with more, XLA's
+# matrix products per head win (at DeepSeek's widths on a 2-core AMD EPYC Zen 4, the
+# native key product 1.3 against 4.2 ms at 1 row, 7.0 against 12.3 at 32; the value
+# product 2.2 against 4.1 at 1 row, even at 4, 1.5x slower at 16).
+NATIVE_MOST_ROWS = {"key": 32, "value": 2}
 
 
 def up_projections(params, cfg: LatentConfig, dtype):
@@ -61,13 +64,8 @@ def _product(cfg: LatentConfig, x, w, c0: int, width: int, *, columns: bool):
     """Each head's x times its columns ``[c0, c0 + width)`` of w: by the native kernel
     (reading w in place) for a decoding step's few float32 rows on a CPU, else by
     :func:`per_head`."""
-    rows = math.prod(x.shape[:-2])
-    f32 = jnp.dtype(jnp.float32)
-    if (
-        rows <= NATIVE_MOST_ROWS
-        and x.dtype == w.dtype == f32
-        and serves_layer_ops(cfg.implementation)
-    ):
+    few = math.prod(x.shape[:-2]) <= NATIVE_MOST_ROWS["value" if columns else "key"]
+    if few and x.dtype == w.dtype == jnp.float32 and serves_layer_ops(cfg.implementation):
         return _native(x, w, (c0, width, columns))
     return per_head(COLUMNS if columns else ROWS, x, w, slice(c0, c0 + width))
 
