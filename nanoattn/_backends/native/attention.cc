@@ -28,12 +28,13 @@
 // The headers: pack.h (the scratch, the tiles shared by a call's tasks, the packers),
 // logits.h (the soft cap and the mask on a row of logits), forward.h and backward.h
 // (the two passes), paged.h (the forward pass of nanoattn.paged_attention, keys read
-// through a page table), indexer.h (DeepSeek-V3.2's indexer scores, for its top-k keys),
-// absorbed.h (multi-head latent attention's per-head products with its up-projection) and quantized.h (the int8 and float8 keys and values that both
+// through a page table), quantized.h (the int8 and float8 keys and values that both
 // forward passes read with their scales: one more forward handler each, float32
-// queries over quantized keys); the generic pieces: simd.h (vectors, bfloat16), gemm.h
-// (the block products' micro-kernels), threads.h (work sharing on XLA's thread pool)
-// and visibility.h (the problem, the blocks, who sees what).
+// queries over quantized keys), and two ops a latent layer's decoding step calls beside
+// its attention: indexer.h (DeepSeek-V3.2's indexer scores, for its top-k keys) and
+// absorbed.h (the per-head products with the up-projection); the generic pieces:
+// simd.h (vectors, bfloat16), gemm.h (the block products' micro-kernels), threads.h
+// (work sharing on XLA's thread pool) and visibility.h (the problem, the blocks, who sees what).
 
 #include <algorithm>
 #include <cstdint>
