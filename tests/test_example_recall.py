@@ -93,6 +93,26 @@ def test_copy_sequences_and_their_answers():
     assert np.flatnonzero(answers[0]).tolist() == [4, 5, 6]  # the copy and the stop token
 
 
+def test_copies_are_at_most_as_long_as_the_distinct_symbols():
+    """A sequence longer than twice the symbols copies at most all of them once (its
+    recall sequences ask more queries of the same pairs)."""
+    long = dataclasses.replace(TASK, seq_len=60)
+    assert long.max_copy == TASK.n_keys + TASK.n_values == 18 and TASK.max_copy == 5
+    tokens, answers = data.copy(np.random.default_rng(5), long, 3)
+    for row in range(3):
+        n = int(answers[row].sum()) - 1  # the copy, then the stop token
+        assert 1 <= n <= 18 and len(set(tokens[row, 1 : 1 + n].tolist())) == n
+    tokens, answers = data.recall(np.random.default_rng(6), long, 2)
+    assert answers.sum(1).tolist() == [long.queries] * 2 == [(60 - 2 - 6) // 2] * 2
+
+
+def test_global_rope_off_leaves_rope_to_the_local_blocks():
+    config = ModelConfig(vocab=11, n_layers=3, global_rope=False)
+    assert config.attention(0).rope_base == 10000.0 and config.attention(0).window == (1, 0)
+    assert config.attention(1).rope_base is None and config.attention(2).rope_base is None
+    assert ModelConfig(vocab=11).attention(1).rope_base == 10000.0
+
+
 def test_batches_are_a_function_of_seed_and_step():
     a, b = data.train_batch(0, 7, TASK, 8), data.train_batch(0, 7, TASK, 8)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
@@ -576,6 +596,30 @@ def test_page_selection_on_the_trained_model(trained, capsys):
     assert re.search(r"  1 and the last +\d+/18 ", out), out
 
 
+def test_page_selection_on_longer_sequences_prefills_in_groups(trained, capsys, monkeypatch):
+    """Longer held-out sequences than the run's, their prompts prefilled a few at a time
+    (the last group short), decode the last tokens as the full forward does; the
+    command takes --length and --decoded."""
+    model, run, directory = trained
+    monkeypatch.setattr(selection, "PREFILL_TOKENS", 2 * 17)  # groups of 2, 2, 1 prompts
+    long = dataclasses.replace(TASK, seq_len=22)
+    tokens, _ = data.held_out(run.train.seed, long, 5, 1)["recall"]
+    full = np.asarray(model(jnp.asarray(tokens)))[:, 16:-1].argmax(-1)  # (5, 5)
+    decoder = selection.with_selection(model, 2, 11, implementation=None)
+    greedy, _ = selection.paged_greedy(decoder, tokens, 17)
+    np.testing.assert_array_equal(greedy, full)
+    found = selection.measure(model, TASK, run.train.seed, 5, 2, (1,), length=22, decoded=5)
+    assert [s.agreement.steps for s in found] == [25, 25] and found[0].agreement.fraction == 1
+    argv = ["selection", "--run", str(directory), "--sequences", "2", "--page-size", "2",
+            "--select", "1", "--length", "22", "--decoded", "6"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 held-out recall sequences of 22 tokens (11 pages of 2), 6 decoding steps" in out
+    assert re.search(r"  every page +12/12 100\.00%", out), out
+    for bad, flag in ((["--length", "21"], "--length=21"), (["--decoded", "1"], "--decoded=1")):
+        assert flag in usage_error(capsys, ["selection", "--run", str(directory), *bad])
+
+
 def _measured(int8_fraction: float) -> quantized.Measured:
     fractions = {None: 1.0, "int8": int8_fraction, "float8_e4m3fn": 0.9}
     agree = {d: quantized.Agreement(100, round(100 * f), 50, 50, 49) for d, f in fractions.items()}
@@ -701,7 +745,6 @@ BAD_OPTIONS = [
     (["train", "--pairs", "0"], ["--pairs"]),
     (["train", "--pairs", "70"], ["--pairs", "--n-keys"]),
     (["train", "--seq-len", "33"], ["--seq-len", "--pairs"]),
-    (["train", "--seq-len", "300"], ["--seq-len", "--n-keys", "--n-values"]),
     (["train", "--copy-fraction", "1.5"], ["--copy-fraction"]),
     (["train", "--stop-at", "0"], ["--stop-at"]),
     (["train", "--no-such-option"], ["--no-such-option"]),

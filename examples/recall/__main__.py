@@ -315,6 +315,13 @@ def _selection_parser(commands) -> None:
         default=list(SELECTIONS),
         help=f"the pages k read besides the last, comma-separated ({default})",
     )
+    p.add_argument("--length", type=positive_int, default=None,
+                   help="tokens of a held-out sequence (the run's --seq-len; longer ones "
+                   "ask more queries of the same pairs)")  # fmt: skip
+    p.add_argument("--decoded", type=positive_int, default=None,
+                   help="decode only the last this many tokens a step each, the rest "
+                   "prefilled (every token after the pairs and SEP)")  # fmt: skip
+    _implementation_option(p)
 
 
 def _implementation_option(p) -> None:
@@ -913,14 +920,21 @@ def _selection(parser, args) -> int:
     from . import selection, train
 
     model, run, step = train.restore(_checkpoints(parser, args))
-    prompt, T = 2 + 2 * run.task.pairs, run.task.seq_len
+    T = args.length or run.task.seq_len
+    decoded = args.decoded or T - 2 - 2 * run.task.pairs
     pages = -(-T // args.page_size)
     print(
         f"model of step {step} in {args.run}; {args.sequences} held-out recall sequences of "
-        f"{T} tokens ({pages} pages of {args.page_size}), {T - prompt} decoding steps each"
+        f"{T} tokens ({pages} pages of {args.page_size}), {decoded} decoding steps each; "
+        f"{_backend(args, run)}"
     )
-    found = selection.measure(model, run.task, run.train.seed, args.sequences,
-                              args.page_size, args.select)  # fmt: skip
+    try:
+        found = selection.measure(model, run.task, run.train.seed, args.sequences,
+                                  args.page_size, args.select, length=args.length,
+                                  decoded=args.decoded,
+                                  implementation=args.implementation)  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e).replace("decoded=", "--decoded=").replace("seq_len=", "--length="))
     print(f"  {'pages read':22}{'equal to every page':>22}{'answers right':>16}{'ms a step':>12}")
     for s in found:
         a = s.agreement

@@ -19,7 +19,7 @@ order, and so on until the sequence is full)::
 
     RECALL v1 k1 v2 k2 ... vP kP SEP q1 a1 q2 a2 ... qQ aQ        a_i = value of key q_i
 
-Copy, backwards (n distinct symbols from keys and values, 1 <= n <= (T - 3) // 2;
+Copy, backwards (n distinct symbols from keys and values, 1 <= n <= ``max_copy``;
 right-padded): the sequence written again from its last symbol to its first::
 
     COPY s1 s2 ... sn COPY sn ... s2 s1 COPY PAD ...
@@ -45,8 +45,8 @@ class TaskConfig:
       pairs: P, key-value pairs per recall sequence.
       seq_len: T, the length of every sequence (even, at least 2 + 4P: every key
         is queried at least once).
-      n_keys, n_values: how many distinct key and value tokens there are (together
-        at least ``max_copy``: a copied sequence has distinct symbols).
+      n_keys, n_values: how many distinct key and value tokens there are (a copied
+        sequence has distinct symbols: at most n_keys + n_values of them).
       copy_fraction: the share of copy sequences in a training batch.
     """
 
@@ -71,11 +71,6 @@ class TaskConfig:
                 f"seq_len={self.seq_len} must be even and >= 2 + 4 * pairs = "
                 f"{2 + 4 * self.pairs} (pairs={self.pairs}: every key queried once)"
             )
-        if self.n_keys + self.n_values < self.max_copy:
-            raise ValueError(
-                f"seq_len={self.seq_len} holds copies of up to {self.max_copy} distinct "
-                f"symbols, more than n_keys={self.n_keys} + n_values={self.n_values}"
-            )
         if not 0.0 <= self.copy_fraction <= 1.0:
             raise ValueError(f"copy_fraction={self.copy_fraction} must be in [0, 1]")
 
@@ -91,8 +86,9 @@ class TaskConfig:
 
     @property
     def max_copy(self) -> int:
-        """The longest copied sequence that fits in T tokens with its three markers."""
-        return (self.seq_len - 3) // 2
+        """The longest copied sequence: one that fits in T tokens with its three
+        markers, and of distinct symbols (at most n_keys + n_values)."""
+        return min((self.seq_len - 3) // 2, self.n_keys + self.n_values)
 
 
 def _permutations(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:

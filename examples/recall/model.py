@@ -35,6 +35,9 @@ class ModelConfig:
         residual branches; only in training (``deterministic=False``).
       rope_base: the RoPE frequency base.
       qk_norm: RMS-normalise every query and key head (a learned scale) before RoPE.
+      global_rope: False: the global blocks take no rotary embedding (NoPE), so their
+        lookup is by content alone and reads contexts longer than the training
+        sequences (the local blocks keep RoPE: they only tell the previous token).
       local_window: None, or w: blocks 0, 2, 4, ... (never the last) attend only to
         the w tokens before each token and itself, as Gemma's local layers; the
         others attend to the whole context. A local first block finds the previous
@@ -54,6 +57,7 @@ class ModelConfig:
     dropout: float = 0.0
     rope_base: float = 10000.0
     qk_norm: bool = True
+    global_rope: bool = True
     local_window: int | None = 1
     implementation: str | None = "xla"
 
@@ -88,7 +92,7 @@ class ModelConfig:
             d_model=self.d_model,
             n_heads=self.n_heads,
             n_kv_heads=self.n_kv_heads,
-            rope_base=self.rope_base,
+            rope_base=self.rope_base if local or self.global_rope else None,
             dropout=self.dropout,
             qk_norm=self.qk_norm,
         )

@@ -31,12 +31,16 @@ from .quantized import Agreement
 
 PAGE_SIZE = 4
 SELECTIONS = (1, 2, 4, 8)
+PREFILL_TOKENS = 1 << 16
 
 
-def with_selection(model: Decoder, page_size: int, page_selection: int | None) -> Decoder:
+def with_selection(model: Decoder, page_size: int, page_selection: int | None,
+                   implementation: str | None = "xla") -> Decoder:  # fmt: skip
     """``model``'s parameters in a decoder with a paged cache of ``page_size`` tokens a
-    page and ``page_selection`` (None: every page read) in its global blocks."""
-    other = Decoder(model.config, page_size=page_size, page_selection=page_selection,
+    page and ``page_selection`` (None: every page read) in its global blocks, its
+    attention on nanoattn's backend ``implementation`` (None: the automatic choice)."""
+    config = dataclasses.replace(model.config, implementation=implementation)
+    other = Decoder(config, page_size=page_size, page_selection=page_selection,
                     rngs=nnx.Rngs(0))  # fmt: skip
     nnx.update(other, nnx.state(model, nnx.Param))
     other.eval()
@@ -47,7 +51,8 @@ def paged_greedy(model: Decoder, tokens, prefix: int) -> tuple[np.ndarray, float
     """Teacher-forced greedy decoding of ``tokens`` (B, T) through ``model``'s paged
     cache (module doc): the greedy token of every step (B, T - prefix), step i
     predicting token ``prefix + i``, and the seconds of a one-token step (the mean over
-    the steps after the first, which compiles)."""
+    the steps after the first, which compiles). The prompts (``prefix`` tokens) are
+    prefilled in calls of at most ``PREFILL_TOKENS`` tokens (one prompt at least)."""
     tokens = np.asarray(tokens, np.int32)
     B, T = tokens.shape
     page_size = model.blocks[0].attn.config.page_size
@@ -57,12 +62,20 @@ def paged_greedy(model: Decoder, tokens, prefix: int) -> tuple[np.ndarray, float
     alloc = nanoattn.PageAllocator(B * per_sequence, page_size, max_sequences=B,
                                    max_pages=per_sequence)  # fmt: skip
     graphdef, state = nnx.split(model)
-    for b in range(B):
-        alloc.allocate(b, prefix)
-    batch = alloc.batch([(b, prefix) for b in range(B)], tokens=B * prefix)
-    state, greedy = _step(graphdef, state, tokens[:, :prefix].reshape(1, -1), batch)
-    alloc.confirm(batch)
-    out = [np.asarray(greedy)[prefix - 1 :: prefix]]  # each prompt's last token's
+    state = jax.tree.map(jnp.copy, state)  # donated to the steps: the caller's stay whole
+    rows = max(1, min(B, PREFILL_TOKENS // prefix))  # prompts a prefill call
+    first = []
+    for start in range(0, B, rows):
+        group = range(start, min(start + rows, B))
+        for b in group:
+            alloc.allocate(b, prefix)
+        batch = alloc.batch([(b, prefix) for b in group], tokens=rows * prefix)
+        x = np.zeros((rows, prefix), np.int32)  # a short last group is padded
+        x[: len(group)] = tokens[group.start : group.stop, :prefix]
+        state, greedy = _step(graphdef, state, x.reshape(1, -1), batch)
+        alloc.confirm(batch)
+        first.append(np.asarray(greedy)[prefix - 1 :: prefix][: len(group)])
+    out = [np.concatenate(first)]  # each prompt's last token's
     start = None
     for t in range(prefix, T - 1):
         for b in range(B):
@@ -77,9 +90,10 @@ def paged_greedy(model: Decoder, tokens, prefix: int) -> tuple[np.ndarray, float
     return np.stack(out, axis=1), seconds
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _step(graphdef, state, x, pages):
-    """One paged step of the decoder: (new state, the greedy token after each of x's)."""
+    """One paged step of the decoder: (new state, the greedy token after each of x's);
+    the state is donated (the pool is written in place, not copied a step)."""
     model = nnx.merge(graphdef, state)
     logits = model(jnp.asarray(x), decode=True, pages=pages)  # (1, Tq, V)
     return nnx.state(model), jnp.argmax(logits[0], -1).astype(jnp.int32)
@@ -96,19 +110,38 @@ class Selected:
 
 
 def measure(model: Decoder, task: data.TaskConfig, seed: int, sequences: int,
-            page_size: int = PAGE_SIZE, selections=SELECTIONS, progress=None) -> list:  # fmt: skip
+            page_size: int = PAGE_SIZE, selections=SELECTIONS, progress=None, *,
+            length: int | None = None, decoded: int | None = None,
+            implementation: str | None = "xla") -> list:  # fmt: skip
     """:class:`Selected` for every page read (None first, then each k of ``selections``)
     on ``sequences`` held-out recall sequences of the run's stream; ``progress(k)`` is
-    called as each decoding begins."""
+    called as each decoding begins.
+
+    ``length``: the sequences' tokens (None: the task's ``seq_len``; longer ones ask
+    more queries of the same pairs). ``decoded``: decode only the last this many
+    tokens a step each, the rest prefilled (None: every token after the pairs and
+    SEP). ``implementation``: nanoattn's backend of every decoding (the reference
+    ``"xla"`` gathers each sequence's pages: None, the automatic choice, for long
+    sequences)."""
+    if length is not None:
+        task = dataclasses.replace(task, seq_len=length)
     tokens, answers = data.held_out(seed, task, sequences, 1)["recall"]
     prefix = 2 + 2 * task.pairs  # RECALL, the pairs, SEP
+    if decoded is not None:
+        if not 2 <= decoded <= task.seq_len - prefix:
+            raise ValueError(
+                f"decoded={decoded} must be in [2, {task.seq_len - prefix}] (the tokens "
+                f"after the pairs and SEP of {task.seq_len})"
+            )
+        prefix = task.seq_len - decoded
     graded = np.asarray(answers)[:, prefix:]
     truth = np.asarray(tokens)[:, prefix:]
     found, reference = [], None
     for k in (None, *selections):
         if progress:
             progress(k)
-        greedy, seconds = paged_greedy(with_selection(model, page_size, k), tokens, prefix)
+        decoder = with_selection(model, page_size, k, implementation)
+        greedy, seconds = paged_greedy(decoder, tokens, prefix)
         reference = greedy if k is None else reference
         found.append(Selected(k, Agreement.of(greedy, reference, truth, graded), seconds))
     return found
