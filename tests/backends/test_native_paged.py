@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 N, K, H = 8, 2, 20  # G = 4; H = 20: whole vectors and a tail on AVX2 and AVX-512
 
 
-def _pool(lengths, q_lens, page_size, seed, M=None, garbage=True, kv_heads=K):
+def _pool(lengths, q_lens, page_size, seed, M=None, garbage=True, kv_heads=K, n_heads=N):
     """A paged batch of ``kv_heads`` key/value heads: pages in shuffled physical order,
     NaN in every slot no sequence holds, and (``garbage``) stale ids in every entry of
     the table past the held pages (negative, past the pool, and pages of other
@@ -50,7 +50,7 @@ def _pool(lengths, q_lens, page_size, seed, M=None, garbage=True, kv_heads=K):
             readable[table[b, j], : min(page_size, n - j * page_size)] = True
     kp[~readable], vp[~readable] = np.nan, np.inf
     starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = randn(seed + 3, int(starts[-1]) + 2, N, H)  # two padding rows
+    q = randn(seed + 3, int(starts[-1]) + 2, n_heads, H)  # two padding rows
     return q, kp, vp, table, np.asarray(lengths, np.int32), starts
 
 
@@ -95,6 +95,22 @@ def test_a_prefill_chunk_and_decode_tokens_equal_each_sequence_alone(page_size):
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"{window}")
         np.testing.assert_allclose(lse[:end], want_lse[:end], atol=2e-5, rtol=2e-5)
         assert (np.asarray(out[end:]) == 0).all() and (np.asarray(lse[end:]) == -np.inf).all()
+
+
+@pytest.mark.parametrize("n_heads, kv_heads", [(8, 8), (6, 2), (8, 4)])
+def test_groups_that_fill_part_of_a_register_tile_equal_each_sequence_alone(n_heads, kv_heads):
+    """G = 1, 3 and 2: a decode row's query heads fill part of a register tile of four
+    query vectors (computed a vector at a time), chunks of 2 and 3 rows fill some tiles
+    whole and one in part; sequences of 70 and 33 keys (tiles, chunks of four keys and a
+    tail), a window starting mid-tile."""
+    arrays = _pool([70, 33, 5, 19], [1, 3, 1, 2], 16, seed=41, kv_heads=kv_heads,
+                   n_heads=n_heads)  # fmt: skip
+    end = arrays[-1][-1]
+    for window in (None, 11):
+        out, lse = _native(arrays, window=None if window is None else (window, 0))
+        want, want_lse = _truth(arrays, window)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"{window}")
+        np.testing.assert_allclose(lse[:end], want_lse[:end], atol=2e-5, rtol=2e-5)
 
 
 def test_stale_ids_past_the_held_pages_of_a_large_table_are_never_read():

@@ -54,6 +54,7 @@ namespace {
 constexpr int kPagedVectors = 64;  // query vectors (rows x heads of a group) per task
 constexpr int kPagedKeys = 32;     // keys per tile, at most (the scratch's columns)
 constexpr int kPagedBlock = 4;     // query vectors per register tile of the products
+constexpr int kPagedChunk = 4;     // keys of a tile whose every head is computed before the next
 constexpr int kPagedAhead = 1;     // tiles whose lines are fetched ahead of the one computed
 // Over pages of one key (a selection of scattered keys) the bytes of each row fetched
 // ahead: its first lines only, from which the hardware streams the rest of the row; every
@@ -170,8 +171,9 @@ void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, in
   for (; c + 2 <= n; c += 2) {
     vf acc[kPagedBlock][2] = {};
     for (int64_t h = 0; h < Hp; h += VW) {
-      const vf k0 = row_vector<kWhole>(krow[c] + h, H - h);
-      const vf k1 = row_vector<kWhole>(krow[c + 1] + h, H - h);
+      vf k0 = row_vector<kWhole>(krow[c] + h, H - h);
+      vf k1 = row_vector<kWhole>(krow[c + 1] + h, H - h);
+      in_register(k0), in_register(k1);
       for (int i = 0; i < kPagedBlock; ++i) {
         const vf x = load(q + i * Hp + h);
         acc[i][0] += x * k0;
@@ -230,6 +232,42 @@ void paged_values(const float* p, const In* const* vrow, int64_t n, int64_t Hp, 
       for (int i = 0; i < kPagedBlock; ++i) acc[i] += splat(p[i * kPagedKeys + c]) * v0;
     }
     for (int i = 0; i < kPagedBlock; ++i) store(o + i * Hp + h, acc[i]);
+  }
+}
+
+// paged_dots for one query vector (the rest of a register tile that is padding: a
+// decode row of one query head a key/value head), up to kPagedChunk keys.
+template <bool kWhole, class In>
+void paged_dots1(const float* q, int64_t Hp, int64_t H, const In* const* krow, int64_t n,
+                 const float* kscale, float* s) {
+  static_assert(kPagedChunk == 4, "four keys at once");
+  vf acc[8] = {};
+  if (n == 4) {
+    for (int64_t h = 0; h < Hp; h += VW) {
+      const vf x = load(q + h);
+      for (int c = 0; c < 4; ++c) acc[c] += x * row_vector<kWhole>(krow[c] + h, H - h);
+    }
+  } else {
+    for (int64_t h = 0; h < Hp; h += VW) {
+      const vf x = load(q + h);
+      for (int64_t c = 0; c < n; ++c) acc[c] += x * row_vector<kWhole>(krow[c] + h, H - h);
+    }
+  }
+  alignas(32) float sums[8];
+  hsum8(acc, sums);
+  for (int64_t c = 0; c < n; ++c) s[c] = sums[c] * (kscale ? kscale[c] : 1.0f);
+}
+
+// paged_values for one query vector, up to kPagedChunk values.
+template <bool kWhole, class In>
+void paged_values1(const float* p, const In* const* vrow, int64_t n, int64_t Hp, int64_t H,
+                   float* o) {
+  vf w[kPagedChunk];
+  for (int64_t c = 0; c < n; ++c) w[c] = splat(p[c]);
+  for (int64_t h = 0; h < Hp; h += VW) {
+    vf acc = load(o + h);
+    for (int64_t c = 0; c < n; ++c) acc += w[c] * row_vector<kWhole>(vrow[c] + h, H - h);
+    store(o + h, acc);
   }
 }
 
@@ -330,9 +368,9 @@ struct PagedTiles {
     const int64_t value_bytes = heads * p.Hv * static_cast<int64_t>(sizeof(In));
     // over pages of one key only a row's first lines: enough to start the hardware
     // streaming the rest of it (kScatteredAhead)
-    const int64_t ahead_keys = p.page_size == 1 ? std::min(key_bytes, kScatteredAhead) : key_bytes;
+    const int64_t ahead_keys = std::min(key_bytes, kScatteredAhead);
     const int64_t ahead_values =
-        p.page_size == 1 ? std::min(value_bytes, kScatteredAhead) : value_bytes;
+        std::min(value_bytes, kScatteredAhead);
     const int64_t n = std::min<int64_t>(tile_keys<In>(), hi - j0);
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
@@ -430,43 +468,80 @@ void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t t, int
   }
 }
 
-// Head kh0 + hh of the task against the tile of keys [j0, j0 + n) at `parity`: every
-// query vector's scores, their online softmax, then the values.
+// The task's heads against the tile of keys [j0, j0 + n) at `parity`: every query
+// vector's scores, their online softmax, then the values. The products walk the tile in
+// the order of memory: kPagedChunk keys at a time, every head of those token rows (side
+// by side in them) before the next keys, so that each row is read front to back and the
+// hardware streams it ahead of the loads.
 template <class In>
 void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
-                const PagedTiles<In>& tiles, int64_t hh, int parity, int64_t j0, int64_t n) {
+                const PagedTiles<In>& tiles, int parity, int64_t j0, int64_t n) {
   constexpr bool quantized = kQuantized<In>;
   const int64_t G = p.G, Hp = p.Hp, H = p.H, Hvp = p.Hvp, padded = w.padded;
-  const In* krow[kPagedKeys];
-  const In* vrow[kPagedKeys];
-  for (int64_t c = 0; c < n; ++c) {  // head kh0 + hh within the token rows
-    krow[c] = tiles.rows_of[parity][0][c] + hh * H;
-    vrow[c] = tiles.rows_of[parity][1][c] + hh * p.Hv;
-  }
-  const float* kscale = quantized ? tiles.scales_at(parity, 0, hh) : nullptr;
-  const float* vscale = tiles.scales_at(parity, 1, hh);
-  float* qh = w.qs + hh * padded * Hp;
-  float* oh = w.o + hh * padded * Hvp;
-  for (int64_t i = 0; i < padded; i += kPagedBlock)
-    if (H == Hp)
-      paged_dots<true>(qh + i * Hp, Hp, H, krow, n, kscale, w.s + i * kPagedKeys);
-    else
-      paged_dots<false>(qh + i * Hp, Hp, H, krow, n, kscale, w.s + i * kPagedKeys);
-  for (int64_t i = 0; i < padded; ++i) {
-    float* row = w.s + i * kPagedKeys;
-    const int64_t r = i / G;
-    if (r >= w.rows || !p.real[task.r0 + r]) {  // a padding vector or a row not written
-      std::fill(row, row + kPagedKeys, 0.0f);
-      continue;
+  const In* const* keys = tiles.rows_of[parity][0];
+  const In* const* values = tiles.rows_of[parity][1];
+  for (int64_t c0 = 0; c0 < n; c0 += kPagedChunk) {
+    const int64_t m = std::min<int64_t>(kPagedChunk, n - c0);
+    for (int64_t hh = 0; hh < w.heads; ++hh) {
+      const In* krow[kPagedChunk];
+      for (int64_t c = 0; c < m; ++c) krow[c] = keys[c0 + c] + hh * H;
+      const float* kscale = quantized ? tiles.scales_at(parity, 0, hh) + c0 : nullptr;
+      const float* qh = w.qs + hh * padded * Hp;
+      float* sh = w.s + hh * padded * kPagedKeys + c0;
+      for (int64_t i = 0; i < padded; i += kPagedBlock) {
+        const int64_t real = std::min<int64_t>(kPagedBlock, w.rows * G - i);
+        if (real == kPagedBlock) {
+          if (H == Hp)
+            paged_dots<true>(qh + i * Hp, Hp, H, krow, m, kscale, sh + i * kPagedKeys);
+          else
+            paged_dots<false>(qh + i * Hp, Hp, H, krow, m, kscale, sh + i * kPagedKeys);
+          continue;
+        }
+        for (int64_t v = i; v < i + real; ++v)  // the rest is padding, never softmaxed
+          if (H == Hp)
+            paged_dots1<true>(qh + v * Hp, Hp, H, krow, m, kscale, sh + v * kPagedKeys);
+          else
+            paged_dots1<false>(qh + v * Hp, Hp, H, krow, m, kscale, sh + v * kPagedKeys);
+      }
     }
-    const int64_t t = task.r0 + r, pos = p.tree ? p.tree_position(t) : w.base + r;
-    paged_softmax<In>(p, w, hh * padded + i, t, pos, j0, n, vscale, row);
   }
-  for (int64_t i = 0; i < padded; i += kPagedBlock)
-    if (p.Hv == Hvp)
-      paged_values<true>(w.s + i * kPagedKeys, vrow, n, Hvp, p.Hv, oh + i * Hvp);
-    else
-      paged_values<false>(w.s + i * kPagedKeys, vrow, n, Hvp, p.Hv, oh + i * Hvp);
+  for (int64_t hh = 0; hh < w.heads; ++hh) {
+    const float* vscale = tiles.scales_at(parity, 1, hh);
+    for (int64_t i = 0; i < padded; ++i) {
+      float* row = w.s + (hh * padded + i) * kPagedKeys;
+      const int64_t r = i / G;
+      if (r >= w.rows || !p.real[task.r0 + r]) {  // a padding vector or a row not written
+        std::fill(row, row + kPagedKeys, 0.0f);
+        continue;
+      }
+      const int64_t t = task.r0 + r, pos = p.tree ? p.tree_position(t) : w.base + r;
+      paged_softmax<In>(p, w, hh * padded + i, t, pos, j0, n, vscale, row);
+    }
+  }
+  for (int64_t c0 = 0; c0 < n; c0 += kPagedChunk) {
+    const int64_t m = std::min<int64_t>(kPagedChunk, n - c0);
+    for (int64_t hh = 0; hh < w.heads; ++hh) {
+      const In* vrow[kPagedChunk];
+      for (int64_t c = 0; c < m; ++c) vrow[c] = values[c0 + c] + hh * p.Hv;
+      const float* sh = w.s + hh * padded * kPagedKeys + c0;
+      float* oh = w.o + hh * padded * Hvp;
+      for (int64_t i = 0; i < padded; i += kPagedBlock) {
+        const int64_t real = std::min<int64_t>(kPagedBlock, w.rows * G - i);
+        if (real == kPagedBlock) {
+          if (p.Hv == Hvp)
+            paged_values<true>(sh + i * kPagedKeys, vrow, m, Hvp, p.Hv, oh + i * Hvp);
+          else
+            paged_values<false>(sh + i * kPagedKeys, vrow, m, Hvp, p.Hv, oh + i * Hvp);
+          continue;
+        }
+        for (int64_t v = i; v < i + real; ++v)
+          if (p.Hv == Hvp)
+            paged_values1<true>(sh + v * kPagedKeys, vrow, m, Hvp, p.Hv, oh + v * Hvp);
+          else
+            paged_values1<false>(sh + v * kPagedKeys, vrow, m, Hvp, p.Hv, oh + v * Hvp);
+      }
+    }
+  }
 }
 
 // Query head `head` of row t's output o / l and log-sum-exp m + log l, or zeros and -inf
@@ -541,7 +616,7 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
     const int parity = tile % (kPagedAhead + 1);
     if (j0 + kPagedAhead * width < w.hi)
       tiles.locate(j0 + kPagedAhead * width, (tile + kPagedAhead) % (kPagedAhead + 1), true);
-    for (int64_t hh = 0; hh < w.heads; ++hh) paged_tile(p, task, w, tiles, hh, parity, j0, n);
+    paged_tile(p, task, w, tiles, parity, j0, n);
   }
   paged_finish(p, task, w, pieces, out, lse);
 }

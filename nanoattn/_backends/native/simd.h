@@ -29,6 +29,11 @@ typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_a
 inline vf splat(float x) { return x - vf{}; }
 inline vi splat_int(int32_t x) { return x - vi{}; }
 
+// Keeps x in a register where it is: the compiler would rather load it again from
+// memory at each use (once per query vector of a register tile of products), which
+// makes the products wait on loads.
+inline void in_register(vf& x) { asm volatile("" : "+v"(x)); }
+
 // One lane from all: op folded over halves (16 -> 8 -> 4 -> 2 -> 1 lanes), log2(VW)
 // vector steps instead of VW scalar ones.
 typedef float v8 __attribute__((vector_size(32)));
