@@ -168,6 +168,30 @@ template <bool kWhole, class In>
 void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, int64_t n,
                 const float* kscale, float* s) {
   int64_t c = 0;
+#if defined(__AVX512F__)
+  // four keys at once: 16 sums in one vector (hsum16), stored four to a query vector
+  for (; c + 4 <= n; c += 4) {
+    vf acc[16] = {};
+    for (int64_t h = 0; h < Hp; h += VW) {
+      vf k[4];
+      for (int j = 0; j < 4; ++j) k[j] = row_vector<kWhole>(krow[c + j] + h, H - h);
+      for (int j = 0; j < 4; ++j) in_register(k[j]);
+      for (int i = 0; i < kPagedBlock; ++i) {
+        const vf x = load(q + i * Hp + h);
+        for (int j = 0; j < 4; ++j) acc[4 * i + j] += x * k[j];
+      }
+    }
+    vf sums = hsum16(acc);
+    if (kscale) {
+      v4 scale;
+      std::memcpy(&scale, kscale + c, sizeof(scale));
+      sums *= __builtin_shufflevector(scale, scale, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    }
+    alignas(64) float all[16];
+    store(all, sums);
+    for (int i = 0; i < kPagedBlock; ++i) std::memcpy(s + i * kPagedKeys + c, all + 4 * i, 16);
+  }
+#endif
   for (; c + 2 <= n; c += 2) {
     vf acc[kPagedBlock][2] = {};
     for (int64_t h = 0; h < Hp; h += VW) {

@@ -100,6 +100,33 @@ inline void hsum8(const vf (&x)[8], float* sums) {
   for (int k = 0; k < 8; ++k) sums[k] = sum[k];
 }
 
+#if defined(__AVX512F__)
+// The lane sums of sixteen vectors as one vector, lane k the sum of x[k]: hsum8's
+// three steps, then a fourth that joins the two halves (no lane leaves a register).
+inline vf hsum16(const vf (&x)[16]) {
+  vf h[8], q[4], e[2];
+  for (int k = 0; k < 8; ++k)  // [a 8 | b 8]
+    h[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * k], x[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)  // [a 4 | b 4 | c 4 | d 4]
+    q[k] = __builtin_shufflevector(h[2 * k], h[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                   18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(h[2 * k], h[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // [a 2 | b 2 | ... | h 2]
+    e[k] = __builtin_shufflevector(q[2 * k], q[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(q[2 * k], q[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+#endif
+
 // ---------------------------------------------------------------------------
 // Element types: float32, or bfloat16 (uint16_t, the FFI's storage for it: the high
 // half of a float32). Inputs are widened to float32 when packed; outputs are rounded
