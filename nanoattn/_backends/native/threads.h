@@ -18,6 +18,8 @@
 #include <numeric>
 #include <vector>
 
+#include <sched.h>
+
 #include "xla/ffi/api/ffi.h"
 
 namespace {
@@ -32,11 +34,25 @@ struct Job {
   std::condition_variable cv;
 };
 
-// The threads a call shares its work among: XLA's pool and the caller's, or
-// NANOATTN_NUM_THREADS when set (tests take every count from 1 to twice the cores; a count
-// above the pool's runs its lanes on the pool's threads in turn).
+// The CPUs this process may run on (its affinity mask), once.
+int usable_cpus() {
+  static const int count = [] {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) return 0;
+    return CPU_COUNT(&set);
+  }();
+  return count;
+}
+
+// The threads a call shares its work among: XLA's pool and the caller's, at most one a
+// CPU (XLA's pool has one thread a CPU: the caller as well would put two threads on one
+// CPU, each stopped in turn; on 2-core Zen 4, 2 threads against 3 gave the float32
+// backward at T = 4096 1.2x, a decode over 32768 keys 1.1x), or NANOATTN_NUM_THREADS when
+// set (tests take every count from 1 to twice the cores; a count above the pool's runs
+// its lanes on the pool's threads in turn).
 int max_threads(xla::ffi::ThreadPool& pool) {
   int n = static_cast<int>(pool.num_threads()) + 1;
+  if (const int cpus = usable_cpus(); cpus > 0) n = std::min(n, cpus);
   if (const char* env = std::getenv("NANOATTN_NUM_THREADS")) {
     int count = std::atoi(env);
     if (count > 0) n = count;
