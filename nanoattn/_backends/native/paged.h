@@ -17,8 +17,9 @@
 // (bfloat16, int8 and float8 widened in registers), then the online softmax
 // (FlashAttention-2) in float32. A decode step's task takes several key/value heads
 // (those side by side in a token row: one run of memory a token, which the hardware
-// streams, where one head's rows are scattered K * H apart), and a long task is cut
-// along its keys into pieces merged after (split_tasks).
+// streams, where one head's rows are scattered K * H apart), its products walk a tile's
+// rows front to back (paged_tile), and a long task is cut along its keys into pieces
+// merged after (split_tasks).
 // A task reads only the keys its rows may see (keys 0 .. kv_lengths[b] - 1, narrowed by
 // the causal band or the window): never a page past those the sequence holds, nor a
 // slot past its length. Every page id is clamped into [0, P), lengths into [0, M *
@@ -56,22 +57,22 @@ constexpr int kPagedKeys = 32;     // keys per tile, at most (the scratch's colu
 constexpr int kPagedBlock = 4;     // query vectors per register tile of the products
 constexpr int kPagedChunk = 4;     // keys of a tile whose every head is computed before the next
 constexpr int kPagedAhead = 1;     // tiles whose lines are fetched ahead of the one computed
-// Over pages of one key (a selection of scattered keys) the bytes of each row fetched
-// ahead: its first lines only, from which the hardware streams the rest of the row; every
-// line of the tile's 16 rows of 4 KiB asked for at once was slower (2048 selected of 32768
-// keys, N = 32 on K = 8, a 2-core AMD EPYC Zen 4, caches cold: 1.04x-1.19x a decode over
-// 2048 keys with 256 bytes, 1.15x-1.27x with 128, 1.19x-1.49x with 1024, 1.32x-1.36x
-// with the whole row).
+// The bytes of each token row of the next tile fetched ahead: its first lines only, from
+// which the hardware streams the rest of the row as the products read it front to back;
+// every line of the tile's rows asked for at once stalled the core until they arrived
+// (2-core AMD EPYC Zen 4: 2048 selected of 32768 keys, N = 32 on K = 8, caches cold,
+// 1.04x-1.19x a decode over 2048 keys with 256 bytes, 1.15x-1.27x with 128, 1.19x-1.49x
+// with 1024, 1.32x-1.36x with the whole row; pages of 16, float32 decode of the B = 16
+// batch 22 GB/s with 256 bytes, 19 with whole rows, 20 with none).
 constexpr int64_t kScatteredAhead = 256;
 static_assert(kPagedKeys % VW == 0 && kPagedKeys % 2 == 0, "tiles must hold whole vectors");
-static_assert(kPagedBlock == 4, "paged_dots sums 4 query vectors x 2 keys at once (hsum8)");
+static_assert(kPagedBlock == 4 && kPagedChunk == 4,
+              "paged_dots sums 4 query vectors x 4 keys (hsum16) or x 2 keys (hsum8)");
 
 // The keys of a tile of pools of type In: 16 for float32 and bfloat16 (one order of
 // summation: a widened bfloat16 step equals the float32 step on the widened numbers), 32
-// for int8 and float8, so that the tile fetched ahead stays near 128 KiB for a step's 8
-// heads of width 128 (a 2-core AMD EPYC Zen 4, float32 decode at B = 1: 9.4 GB/s with 32
-// keys and 2 tiles ahead, 20 with 16 and one; the quantized, bound by their widening and
-// scales, gain from the longer tile).
+// for int8 and float8 (bound by their widening and scales, they gain from the longer
+// tile; float32 with 32 keys measured no faster on a 2-core AMD EPYC Zen 4).
 template <class In>
 constexpr int64_t tile_keys() {
   constexpr int64_t keys = kQuantized<In> ? 32 : 16;
@@ -390,8 +391,8 @@ struct PagedTiles {
     const int32_t* pages = p.table + task.b * p.M;
     const int64_t key_bytes = heads * p.H * static_cast<int64_t>(sizeof(In));
     const int64_t value_bytes = heads * p.Hv * static_cast<int64_t>(sizeof(In));
-    // over pages of one key only a row's first lines: enough to start the hardware
-    // streaming the rest of it (kScatteredAhead)
+    // only a row's first lines: enough to start the hardware streaming the rest of it
+    // (kScatteredAhead)
     const int64_t ahead_keys = std::min(key_bytes, kScatteredAhead);
     const int64_t ahead_values =
         std::min(value_bytes, kScatteredAhead);
