@@ -543,10 +543,13 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
       paged_softmax<In>(p, w, hh * padded + i, t, pos, j0, n, vscale, row);
     }
   }
-  for (int64_t c0 = 0; c0 < n; c0 += kPagedChunk) {
-    const int64_t m = std::min<int64_t>(kPagedChunk, n - c0);
+  // one head: its rows are in memory order already, and the tile's values at once keep
+  // the outputs in registers across them
+  const int64_t chunk = w.heads > 1 ? kPagedChunk : n;
+  for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+    const int64_t m = std::min<int64_t>(chunk, n - c0);
     for (int64_t hh = 0; hh < w.heads; ++hh) {
-      const In* vrow[kPagedChunk];
+      const In* vrow[kPagedKeys];
       for (int64_t c = 0; c < m; ++c) vrow[c] = values[c0 + c] + hh * p.Hv;
       const float* sh = w.s + hh * padded * kPagedKeys + c0;
       float* oh = w.o + hh * padded * Hvp;
@@ -560,10 +563,14 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
           continue;
         }
         for (int64_t v = i; v < i + real; ++v)
-          if (p.Hv == Hvp)
-            paged_values1<true>(sh + v * kPagedKeys, vrow, m, Hvp, p.Hv, oh + v * Hvp);
-          else
-            paged_values1<false>(sh + v * kPagedKeys, vrow, m, Hvp, p.Hv, oh + v * Hvp);
+          for (int64_t c1 = 0; c1 < m; c1 += kPagedChunk) {
+            const int64_t m1 = std::min<int64_t>(kPagedChunk, m - c1);
+            const float* sv = sh + v * kPagedKeys + c1;
+            if (p.Hv == Hvp)
+              paged_values1<true>(sv, vrow + c1, m1, Hvp, p.Hv, oh + v * Hvp);
+            else
+              paged_values1<false>(sv, vrow + c1, m1, Hvp, p.Hv, oh + v * Hvp);
+          }
       }
     }
   }
