@@ -64,26 +64,49 @@ inline float nan_max(float a, float b) {
 inline float hmax(vf x) { return reduce(x, [](auto a, auto b) { return nan_max(a, b); }); }
 inline float hsum(vf x) { return reduce(x, [](auto a, auto b) { return a + b; }); }
 
+#if defined(__AVX512F__)
+// The steps of hsum8 and hsum16 on AVX-512: each adds the two halves of every lane group
+// of a and of b, a's sums in the low half of the result, b's in the high.
+inline vf fold8(vf a, vf b) {  // [a 8 | b 8]
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                 31);
+}
+inline vf fold4(vf a, vf b) {  // [a 4 | b 4 | c 4 | d 4] from a = [a 8 | b 8], b = [c 8 | d 8]
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                 31);
+}
+inline vf fold2(vf a, vf b) {  // [a 2 | b 2 | ... | h 2]
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                 31);
+}
+inline vf fold1(vf a, vf b) {  // [a | b | ... | p]: one sum a lane
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                 31);
+}
+
+// The lane sums of sixteen vectors as one vector, lane k the sum of x[k]: pairs of
+// vectors folded in a tree (no lane leaves a register).
+inline vf hsum16(const vf (&x)[16]) {
+  vf h[8], q[4];
+  for (int k = 0; k < 8; ++k) h[k] = fold8(x[2 * k], x[2 * k + 1]);
+  for (int k = 0; k < 4; ++k) q[k] = fold4(h[2 * k], h[2 * k + 1]);
+  return fold1(fold2(q[0], q[1]), fold2(q[2], q[3]));
+}
+#endif
+
 // The lane sums of eight vectors at once, sums[k] of x[k]: halves of pairs of vectors
 // added in a tree (3 steps of shuffles shared by all eight, then one within a vector),
 // about a third of the work of eight hsum.
 inline void hsum8(const vf (&x)[8], float* sums) {
 #if defined(__AVX512F__)
-  vf h[4], q[2];
-  for (int k = 0; k < 4; ++k)  // [a 8 | b 8]
-    h[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(x[2 * k], x[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
-  for (int k = 0; k < 2; ++k)  // [a 4 | b 4 | c 4 | d 4]
-    q[k] = __builtin_shufflevector(h[2 * k], h[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
-                                   18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(h[2 * k], h[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
-                                   22, 23, 28, 29, 30, 31);
-  const vf e = __builtin_shufflevector(q[0], q[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21,
-                                       24, 25, 28, 29) +
-               __builtin_shufflevector(q[0], q[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23,
-                                       26, 27, 30, 31);  // [a 2 | b 2 | ... | h 2]
+  vf h[4];
+  for (int k = 0; k < 4; ++k) h[k] = fold8(x[2 * k], x[2 * k + 1]);
+  const vf e = fold2(fold4(h[0], h[1]), fold4(h[2], h[3]));
   const v8 sum = __builtin_shufflevector(e, e, 0, 2, 4, 6, 8, 10, 12, 14) +
                  __builtin_shufflevector(e, e, 1, 3, 5, 7, 9, 11, 13, 15);
 #else
@@ -99,33 +122,6 @@ inline void hsum8(const vf (&x)[8], float* sums) {
 #endif
   for (int k = 0; k < 8; ++k) sums[k] = sum[k];
 }
-
-#if defined(__AVX512F__)
-// The lane sums of sixteen vectors as one vector, lane k the sum of x[k]: hsum8's
-// three steps, then a fourth that joins the two halves (no lane leaves a register).
-inline vf hsum16(const vf (&x)[16]) {
-  vf h[8], q[4], e[2];
-  for (int k = 0; k < 8; ++k)  // [a 8 | b 8]
-    h[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(x[2 * k], x[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
-  for (int k = 0; k < 4; ++k)  // [a 4 | b 4 | c 4 | d 4]
-    q[k] = __builtin_shufflevector(h[2 * k], h[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
-                                   18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(h[2 * k], h[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
-                                   22, 23, 28, 29, 30, 31);
-  for (int k = 0; k < 2; ++k)  // [a 2 | b 2 | ... | h 2]
-    e[k] = __builtin_shufflevector(q[2 * k], q[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
-                                   21, 24, 25, 28, 29) +
-           __builtin_shufflevector(q[2 * k], q[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
-                                   23, 26, 27, 30, 31);
-  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
-}
-#endif
 
 // ---------------------------------------------------------------------------
 // Element types: float32, or bfloat16 (uint16_t, the FFI's storage for it: the high
