@@ -83,17 +83,27 @@ def _native(arrays, dtype=jnp.float32, **rules):
     )
 
 
+def _each_alone_with_and_without_a_window(arrays):
+    """Native's outputs and log-sum-exps of the real rows equal each sequence alone in
+    float64, without a window and with one of 11 keys; returns both calls' (out, lse)."""
+    end = arrays[-1][-1]
+    calls = []
+    for window in (None, 11):
+        out, lse = _native(arrays, window=None if window is None else (window, 0))
+        want, want_lse = _truth(arrays, window)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"{window}")
+        np.testing.assert_allclose(lse[:end], want_lse[:end], atol=2e-5, rtol=2e-5)
+        calls.append((out, lse))
+    return calls
+
+
 @pytest.mark.parametrize("page_size", [1, 7, 16])
 def test_a_prefill_chunk_and_decode_tokens_equal_each_sequence_alone(page_size):
     """A 41-token chunk (three tasks of 16 rows at G = 4) over 70 keys (three tiles),
     decode tokens, a sequence with no query; keys of a window start mid-tile."""
     arrays = _pool([70, 1, 33, 5], [41, 1, 1, 0], page_size, seed=page_size)
     end = arrays[-1][-1]
-    for window in (None, 11):
-        out, lse = _native(arrays, window=None if window is None else (window, 0))
-        want, want_lse = _truth(arrays, window)
-        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"{window}")
-        np.testing.assert_allclose(lse[:end], want_lse[:end], atol=2e-5, rtol=2e-5)
+    for out, lse in _each_alone_with_and_without_a_window(arrays):
         assert (np.asarray(out[end:]) == 0).all() and (np.asarray(lse[end:]) == -np.inf).all()
 
 
@@ -105,12 +115,7 @@ def test_groups_that_fill_part_of_a_register_tile_equal_each_sequence_alone(n_he
     tail), a window starting mid-tile."""
     arrays = _pool([70, 33, 5, 19], [1, 3, 1, 2], 16, seed=41, kv_heads=kv_heads,
                    n_heads=n_heads)  # fmt: skip
-    end = arrays[-1][-1]
-    for window in (None, 11):
-        out, lse = _native(arrays, window=None if window is None else (window, 0))
-        want, want_lse = _truth(arrays, window)
-        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"{window}")
-        np.testing.assert_allclose(lse[:end], want_lse[:end], atol=2e-5, rtol=2e-5)
+    _each_alone_with_and_without_a_window(arrays)
 
 
 def test_stale_ids_past_the_held_pages_of_a_large_table_are_never_read():

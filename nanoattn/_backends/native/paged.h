@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -399,8 +400,7 @@ struct PagedTiles {
     // only a row's first lines: enough to start the hardware streaming the rest of it
     // (kScatteredAhead)
     const int64_t ahead_keys = std::min(key_bytes, kScatteredAhead);
-    const int64_t ahead_values =
-        std::min(value_bytes, kScatteredAhead);
+    const int64_t ahead_values = std::min(value_bytes, kScatteredAhead);
     const int64_t n = std::min<int64_t>(tile_keys<In>(), hi - j0);
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
@@ -498,6 +498,16 @@ void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t t, int
   }
 }
 
+// f(std::true_type{}) where rows are whole vectors (their width a multiple of VW), else
+// f(std::false_type{}): the products' kWhole, chosen once at run time.
+template <class F>
+void with_whole(bool whole, const F& f) {
+  if (whole)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
 // The task's heads against the tile of keys [j0, j0 + n) at `parity`: every query
 // vector's scores, their online softmax, then the values. The products walk the tile in
 // the order of memory: kPagedChunk keys at a time (kValuesChunk for the values), every
@@ -520,18 +530,14 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
       float* sh = w.s + hh * padded * kPagedKeys + c0;
       for (int64_t i = 0; i < padded; i += kPagedBlock) {
         const int64_t real = std::min<int64_t>(kPagedBlock, w.rows * G - i);
-        if (real == kPagedBlock) {
-          if (H == Hp)
-            paged_dots<true>(qh + i * Hp, Hp, H, krow, m, kscale, sh + i * kPagedKeys);
-          else
-            paged_dots<false>(qh + i * Hp, Hp, H, krow, m, kscale, sh + i * kPagedKeys);
-          continue;
-        }
-        for (int64_t v = i; v < i + real; ++v)  // the rest is padding, never softmaxed
-          if (H == Hp)
-            paged_dots1<true>(qh + v * Hp, Hp, H, krow, m, kscale, sh + v * kPagedKeys);
-          else
-            paged_dots1<false>(qh + v * Hp, Hp, H, krow, m, kscale, sh + v * kPagedKeys);
+        with_whole(H == Hp, [&](auto whole) {
+          if (real == kPagedBlock) {
+            paged_dots<whole()>(qh + i * Hp, Hp, H, krow, m, kscale, sh + i * kPagedKeys);
+            return;
+          }
+          for (int64_t v = i; v < i + real; ++v)  // the rest is padding, never softmaxed
+            paged_dots1<whole()>(qh + v * Hp, Hp, H, krow, m, kscale, sh + v * kPagedKeys);
+        });
       }
     }
   }
@@ -560,22 +566,18 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
       float* oh = w.o + hh * padded * Hvp;
       for (int64_t i = 0; i < padded; i += kPagedBlock) {
         const int64_t real = std::min<int64_t>(kPagedBlock, w.rows * G - i);
-        if (real == kPagedBlock) {
-          if (p.Hv == Hvp)
-            paged_values<true>(sh + i * kPagedKeys, vrow, m, Hvp, p.Hv, oh + i * Hvp);
-          else
-            paged_values<false>(sh + i * kPagedKeys, vrow, m, Hvp, p.Hv, oh + i * Hvp);
-          continue;
-        }
-        for (int64_t v = i; v < i + real; ++v)
-          for (int64_t c1 = 0; c1 < m; c1 += kPagedChunk) {
-            const int64_t m1 = std::min<int64_t>(kPagedChunk, m - c1);
-            const float* sv = sh + v * kPagedKeys + c1;
-            if (p.Hv == Hvp)
-              paged_values1<true>(sv, vrow + c1, m1, Hvp, p.Hv, oh + v * Hvp);
-            else
-              paged_values1<false>(sv, vrow + c1, m1, Hvp, p.Hv, oh + v * Hvp);
+        with_whole(p.Hv == Hvp, [&](auto whole) {
+          if (real == kPagedBlock) {
+            paged_values<whole()>(sh + i * kPagedKeys, vrow, m, Hvp, p.Hv, oh + i * Hvp);
+            return;
           }
+          for (int64_t v = i; v < i + real; ++v)
+            for (int64_t c1 = 0; c1 < m; c1 += kPagedChunk) {
+              const int64_t m1 = std::min<int64_t>(kPagedChunk, m - c1);
+              const float* sv = sh + v * kPagedKeys + c1;
+              paged_values1<whole()>(sv, vrow + c1, m1, Hvp, p.Hv, oh + v * Hvp);
+            }
+        });
       }
     }
   }
