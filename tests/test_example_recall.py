@@ -70,13 +70,18 @@ def params(model) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def test_recall_answers_are_the_values_of_the_queried_keys():
-    tokens, answers = data.recall(np.random.default_rng(3), TASK, 5)
+@pytest.mark.parametrize("key_first", [False, True])
+def test_recall_answers_are_the_values_of_the_queried_keys(key_first):
+    task = dataclasses.replace(TASK, key_first=key_first)
+    tokens, answers = data.recall(np.random.default_rng(3), task, 5)
     P = TASK.pairs
     assert tokens.shape == (5, 14) and answers.sum(1).tolist() == [TASK.queries] * 5
     assert (tokens[:, 0] == data.RECALL).all() and (tokens[:, 1 + 2 * P] == data.SEP).all()
     for row in range(5):
-        values, keys = tokens[row, 1 : 1 + 2 * P : 2], tokens[row, 2 : 2 + 2 * P : 2]
+        first, second = tokens[row, 1 : 1 + 2 * P : 2], tokens[row, 2 : 2 + 2 * P : 2]
+        keys, values = (first, second) if key_first else (second, first)
+        is_key = (keys >= data.FIRST_KEY) & (keys < data.FIRST_KEY + TASK.n_keys)
+        assert is_key.all() and (values >= data.FIRST_KEY + TASK.n_keys).all()
         assert len(set(keys.tolist())) == P  # distinct keys
         lookup = dict(zip(keys.tolist(), values.tolist()))
         queries = tokens[row, 2 + 2 * P :: 2]

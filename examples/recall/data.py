@@ -19,6 +19,10 @@ order, and so on until the sequence is full)::
 
     RECALL v1 k1 v2 k2 ... vP kP SEP q1 a1 q2 a2 ... qQ aQ        a_i = value of key q_i
 
+With ``TaskConfig(key_first=True)`` the pairs are written ``k1 v1 ... kP vP``: the
+lookup then reads the token just after the match (an induction head), so every token
+it lands on (a pair's value, an earlier answer) carries the answer.
+
 Copy, backwards (n distinct symbols from keys and values, 1 <= n <= ``max_copy``;
 right-padded): the sequence written again from its last symbol to its first::
 
@@ -48,6 +52,11 @@ class TaskConfig:
       n_keys, n_values: how many distinct key and value tokens there are (a copied
         sequence has distinct symbols: at most n_keys + n_values of them).
       copy_fraction: the share of copy sequences in a training batch.
+      key_first: write each pair key first (``k v``) instead of value first (``v k``).
+        The value-first lookup lands on the earlier copies of the query's key, whose
+        tokens carry nothing of the answer, and reads the value from them only on
+        average; key first, it lands on the values and earlier answers themselves
+        (what page selection needs: examples/recall/README.md, "Page selection").
     """
 
     pairs: int = 8
@@ -55,6 +64,7 @@ class TaskConfig:
     n_keys: int = 64
     n_values: int = 64
     copy_fraction: float = 0.25
+    key_first: bool = False
 
     def __post_init__(self):
         # Every message names a field as ``name=value``: the command line shows it as
@@ -108,7 +118,8 @@ def recall(rng: np.random.Generator, task: TaskConfig, rows: int):
     answers = np.take_along_axis(values, order, axis=1)
     tokens = np.empty((rows, task.seq_len), np.int32)
     tokens[:, 0], tokens[:, 1 + 2 * P] = RECALL, SEP
-    tokens[:, 1 : 1 + 2 * P : 2], tokens[:, 2 : 2 + 2 * P : 2] = values, keys
+    first, second = (keys, values) if task.key_first else (values, keys)
+    tokens[:, 1 : 1 + 2 * P : 2], tokens[:, 2 : 2 + 2 * P : 2] = first, second
     tokens[:, 2 + 2 * P :: 2], tokens[:, 3 + 2 * P :: 2] = queries, answers
     is_answer = np.zeros(tokens.shape, bool)
     is_answer[:, 3 + 2 * P :: 2] = True
