@@ -78,6 +78,17 @@ def test_automatic_choice_on_cpu():
     assert choose(None, spec_for(big), jnp.float16, 0.0) == "flash"
     assert choose(None, spec_for(big - 1), jnp.float16, 0.0) == "xla"
     assert choose(None, spec_for(big), jnp.float32, 0.1) == "xla"  # dropout
+    # A decoding step over a small cache (key lengths, keys >= 4x the queries) goes to
+    # the native kernel at any size; the same call without lengths, or with as many
+    # queries as keys (a padded batch), by the cells.
+    ratio = native_backend.CACHE_READ_RATIO
+    lengths = dict(kv_lengths=jnp.array([3]))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        assert choose(None, spec_for(2, 2 * ratio, **lengths), dtype, 0.0) == (
+            "native" if built else "xla"
+        )
+        assert choose(None, spec_for(2, 2 * ratio - 1, **lengths), dtype, 0.0) == "xla"
+        assert choose(None, spec_for(2, 2 * ratio), dtype, 0.0) == "xla"
 
 
 def test_explicit_flash_with_dropout_raises_and_auto_falls_back():
