@@ -57,11 +57,7 @@ def with_implementation(model: Decoder, implementation: str | None) -> Decoder:
     A checkpoint's ``ModelConfig`` keeps the backend it was trained with (by default
     the reference ``"xla"``, the fastest for training at these sizes on CPU, which
     gathers every sequence's pages in a paged step); serving names its own."""
-    config = dataclasses.replace(model.config, implementation=implementation)
-    other = Decoder(config, rngs=nnx.Rngs(0))
-    nnx.update(other, nnx.state(model, nnx.Param))
-    other.eval()
-    return other
+    return model.rebuilt(dataclasses.replace(model.config, implementation=implementation))
 
 
 @contextlib.contextmanager
@@ -283,9 +279,7 @@ class Engine:
         self.config = config
         self.max_pages = config.pages_for(max_len)  # the page table's width M
         self.sizes = step_sizes(config)
-        paged = Decoder(model.config, page_size=config.page_size, rngs=nnx.Rngs(0))
-        nnx.update(paged, nnx.state(model, nnx.Param))
-        paged.eval()
+        paged = model.rebuilt(page_size=config.page_size)
         paged.init_cache(1, config.cache_tokens)
         graphdef, params, cache = nnx.split(paged, nnx.Param, ...)
         params, params_def = jax.tree.flatten(params)

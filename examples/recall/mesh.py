@@ -88,9 +88,7 @@ class MeshEngine(Engine):
         self.max_pages = config.pages_for(max_len)
         self.sizes = step_sizes(config)
         heads = HeadParallel(**dataclasses.asdict(model.config), head_axis="model")
-        paged = Decoder(heads, page_size=config.page_size, rngs=nnx.Rngs(0))
-        nnx.update(paged, nnx.state(model, nnx.Param))
-        paged.eval()
+        paged = model.rebuilt(heads, page_size=config.page_size)
         paged.init_cache(1, self.groups * config.cache_tokens)  # the groups' pools end to end
         graphdef, params, cache = nnx.split(paged, nnx.Param, ...)
         # from the host's copies: every process puts its own devices' parts (and the

@@ -182,6 +182,15 @@ class Decoder(nnx.Module):
         )
         self.norm = nnx.RMSNorm(config.d_model, rngs=rngs)
 
+    def rebuilt(self, config: ModelConfig | None = None, **options) -> "Decoder":
+        """This decoder's parameters in a new one of ``config`` (None: this one's) with
+        ``options`` (``page_size``, ``kv_cache_dtype``, ``page_selection``), in
+        evaluation mode: the same weights behind another cache or backend."""
+        other = Decoder(self.config if config is None else config, **options, rngs=nnx.Rngs(0))
+        nnx.update(other, nnx.state(self, nnx.Param))
+        other.eval()
+        return other
+
     def init_cache(self, batch: int, max_len: int) -> None:
         """An empty KV cache of ``max_len`` tokens for ``batch`` rows in every layer
         (with ``page_size``: a pool of ``max_len / page_size`` pages that any number

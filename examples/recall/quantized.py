@@ -40,10 +40,7 @@ TARGET = 0.99  # int8's greedy tokens equal the float cache's on at least this s
 def with_cache(model: Decoder, kv_cache_dtype: str | None) -> Decoder:
     """``model``'s parameters in a decoder whose every layer keeps its KV cache in
     ``kv_cache_dtype`` (None: the float cache), in evaluation mode."""
-    other = Decoder(model.config, kv_cache_dtype=kv_cache_dtype, rngs=nnx.Rngs(0))
-    nnx.update(other, nnx.state(model, nnx.Param))
-    other.eval()
-    return other
+    return model.rebuilt(kv_cache_dtype=kv_cache_dtype)
 
 
 def decode(module, x, prefix: int) -> np.ndarray:

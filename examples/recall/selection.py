@@ -40,11 +40,7 @@ def with_selection(model: Decoder, page_size: int, page_selection: int | None,
     page and ``page_selection`` (None: every page read) in its global blocks, its
     attention on nanoattn's backend ``implementation`` (None: the automatic choice)."""
     config = dataclasses.replace(model.config, implementation=implementation)
-    other = Decoder(config, page_size=page_size, page_selection=page_selection,
-                    rngs=nnx.Rngs(0))  # fmt: skip
-    nnx.update(other, nnx.state(model, nnx.Param))
-    other.eval()
-    return other
+    return model.rebuilt(config, page_size=page_size, page_selection=page_selection)
 
 
 def paged_greedy(model: Decoder, tokens, prefix: int) -> tuple[np.ndarray, float]:
