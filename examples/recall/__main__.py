@@ -155,7 +155,10 @@ def _add_dataclass_options(parser, cls, skip=()):
             continue
         if field.type is bool:
             group.add_argument(
-                _flag(field.name), action=argparse.BooleanOptionalAction, default=field.default
+                _flag(field.name),
+                action=argparse.BooleanOptionalAction,
+                default=field.default,
+                help=f"default {field.default}",
             )
         else:
             group.add_argument(
