@@ -32,7 +32,7 @@ CPU_MIN_CELLS_BF16 = 64 * 64
 # A chunk of queries reading a KV cache (key lengths given, keys at least this many
 # times the queries) pays off at any size: the pass reads the cache where it lies, while
 # the reference computes every slot's score (float32 and bfloat16, B = 1-16 rows of 1-16
-# queries over 100-1000 slots: 1.5x-4x faster; level at one row of one query).
+# queries over 100-1000 slots, each backend alone: 1.3x-4.4x faster; docs/performance.md).
 CACHE_READ_RATIO = 4
 # bfloat16 is widened to float32 as the kernel packs its blocks (docs/performance.md).
 SERVED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
