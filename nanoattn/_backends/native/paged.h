@@ -75,13 +75,14 @@ static_assert(kPagedKeys % VW == 0 && kPagedKeys % 2 == 0, "tiles must hold whol
 static_assert(kPagedBlock == 4 && kPagedChunk == 4,
               "paged_dots sums 4 query vectors x 4 keys (hsum16) or x 2 keys (hsum8)");
 
-// The keys of a tile of pools of type In: 16 for float32 and bfloat16 (one order of
-// summation: a widened bfloat16 step equals the float32 step on the widened numbers), 32
-// for int8 and float8 (bound by their widening and scales, they gain from the longer
-// tile; float32 with 32 keys measured no faster on a 2-core AMD EPYC Zen 4).
+// The keys of a tile of pools of type In: 32 for every type (one order of summation: a
+// widened bfloat16 step equals the float32 step on the widened numbers). The longer tile
+// halves the online softmax's bookkeeping a key (maxima, rescaled outputs, a scalar
+// exp): 2-core AMD EPYC Zen 4, the B = 16 decode with its pages in cache 9.2 against
+// 9.9 ms (float32) and 9.6 against 10.8 (bfloat16) with 16.
 template <class In>
 constexpr int64_t tile_keys() {
-  constexpr int64_t keys = kQuantized<In> ? 32 : 16;
+  constexpr int64_t keys = 32;
   static_assert(keys <= kPagedKeys && keys % VW == 0 && keys % 2 == 0, "whole vectors");
   return keys;
 }
@@ -176,17 +177,23 @@ void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, in
                 const float* kscale, float* s) {
   int64_t c = 0;
 #if defined(__AVX512F__)
-  // four keys at once: 16 sums in one vector (hsum16), stored four to a query vector
+  // four keys at once: 16 sums in one vector (hsum16), stored four to a query vector.
+  // The four keys' and the four queries' vectors each loaded once a step and held
+  // (in_register): left to itself the compiler loaded a query vector once a product,
+  // 20 loads for 16 products (2-core AMD EPYC Zen 4, the B = 16 decode with its pages
+  // in cache: 9.9 against 12.5 ms in float32).
   for (; c + 4 <= n; c += 4) {
     vf acc[16] = {};
     for (int64_t h = 0; h < Hp; h += VW) {
-      vf k[4];
-      for (int j = 0; j < 4; ++j) k[j] = row_vector<kWhole>(krow[c + j] + h, H - h);
-      for (int j = 0; j < 4; ++j) in_register(k[j]);
-      for (int i = 0; i < kPagedBlock; ++i) {
-        const vf x = load(q + i * Hp + h);
-        for (int j = 0; j < 4; ++j) acc[4 * i + j] += x * k[j];
-      }
+      vf k0 = row_vector<kWhole>(krow[c] + h, H - h), k1 = row_vector<kWhole>(krow[c + 1] + h, H - h);
+      vf k2 = row_vector<kWhole>(krow[c + 2] + h, H - h), k3 = row_vector<kWhole>(krow[c + 3] + h, H - h);
+      in_register(k0), in_register(k1), in_register(k2), in_register(k3);
+      vf x0 = load(q + h), x1 = load(q + Hp + h), x2 = load(q + 2 * Hp + h), x3 = load(q + 3 * Hp + h);
+      in_register(x0), in_register(x1), in_register(x2), in_register(x3);
+      acc[0] += x0 * k0, acc[1] += x0 * k1, acc[2] += x0 * k2, acc[3] += x0 * k3;
+      acc[4] += x1 * k0, acc[5] += x1 * k1, acc[6] += x1 * k2, acc[7] += x1 * k3;
+      acc[8] += x2 * k0, acc[9] += x2 * k1, acc[10] += x2 * k2, acc[11] += x2 * k3;
+      acc[12] += x3 * k0, acc[13] += x3 * k1, acc[14] += x3 * k2, acc[15] += x3 * k3;
     }
     vf sums = hsum16(acc);
     if (kscale) {
@@ -233,11 +240,44 @@ void paged_dots(const float* q, int64_t Hp, int64_t H, const In* const* krow, in
 }
 
 // o[i] += sum_c p[i, c] v_c for kPagedBlock query vectors (o rows Hp wide) and the
-// values c < n (rows of H elements at vrow[c]), two vectors of the width at a time
-// (kWhole: as paged_dots).
+// values c < n (rows of H elements at vrow[c]), in the order of c (kWhole: as
+// paged_dots). With AVX-512, four values at a time, their 16 weights held in registers
+// across the width (2-core AMD EPYC Zen 4, the B = 16 decode with its pages in cache:
+// 8.1 against 9.2 ms in float32, 8.2 against 9.6 in bfloat16); AVX2's 16 registers
+// cannot hold them: there, two vectors of the width at a time over every value (the
+// four-value order measured 1.05x-1.10x slower in bfloat16 on the same CPU built for AVX2).
 template <bool kWhole, class In>
 void paged_values(const float* p, const In* const* vrow, int64_t n, int64_t Hp, int64_t H,
                   float* o) {
+#if defined(__AVX512F__)
+  int64_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    vf w[kPagedBlock][4];
+    for (int i = 0; i < kPagedBlock; ++i)
+      for (int j = 0; j < 4; ++j) w[i][j] = splat(p[i * kPagedKeys + c + j]);
+    for (int64_t h = 0; h < Hp; h += VW) {
+      const vf v0 = row_vector<kWhole>(vrow[c] + h, H - h);
+      const vf v1 = row_vector<kWhole>(vrow[c + 1] + h, H - h);
+      const vf v2 = row_vector<kWhole>(vrow[c + 2] + h, H - h);
+      const vf v3 = row_vector<kWhole>(vrow[c + 3] + h, H - h);
+      for (int i = 0; i < kPagedBlock; ++i) {
+        float* oi = o + i * Hp + h;
+        store(oi, load(oi) + w[i][0] * v0 + w[i][1] * v1 + w[i][2] * v2 + w[i][3] * v3);
+      }
+    }
+  }
+  for (; c < n; ++c) {
+    vf w[kPagedBlock];
+    for (int i = 0; i < kPagedBlock; ++i) w[i] = splat(p[i * kPagedKeys + c]);
+    for (int64_t h = 0; h < Hp; h += VW) {
+      const vf v0 = row_vector<kWhole>(vrow[c] + h, H - h);
+      for (int i = 0; i < kPagedBlock; ++i) {
+        float* oi = o + i * Hp + h;
+        store(oi, load(oi) + w[i] * v0);
+      }
+    }
+  }
+#else
   int64_t h = 0;
   for (; h + 2 * VW <= Hp; h += 2 * VW) {
     vf acc[kPagedBlock][2];
@@ -264,6 +304,7 @@ void paged_values(const float* p, const In* const* vrow, int64_t n, int64_t Hp, 
     }
     for (int i = 0; i < kPagedBlock; ++i) store(o + i * Hp + h, acc[i]);
   }
+#endif
 }
 
 // paged_dots for one query vector (the rest of a register tile that is padding: a
@@ -384,6 +425,24 @@ struct PagedTiles {
   int64_t heads, hi;  // the task's heads and the end of its keys
   float* scales;      // (kPagedAhead + 1, 2, heads, kPagedKeys)
   const In* rows_of[kPagedAhead + 1][2][kPagedKeys];  // [parity][keys, values][key]
+  int64_t count[kPagedAhead + 1] = {};                 // keys located at each parity
+
+  // Every line of the keys (kind 0) or values (1) [c0, c0 + m) of head hh at `parity`:
+  // a quantized pool's next tile, fetched a few rows at a time as the tile before it is
+  // computed (its token rows, 1 KiB at K = 8 heads of 128, are too short for the
+  // hardware's streams to start; asked for at once, they stalled the core). 2-core AMD
+  // EPYC Zen 4, the B = 16 int8 decode: 12.2 ms against 15.4 with only the first lines
+  // of the next tile's rows (kScatteredAhead); float32 and bfloat16 were slower so
+  // (22.3 against 22.2 ms, 18.9 against 18.3).
+  void fetch(int parity, int kind, int64_t c0, int64_t m, int64_t hh) const {
+    const int64_t width = kind == 0 ? p.H : p.Hv;
+    const int64_t bytes = width * static_cast<int64_t>(sizeof(In));
+    const int64_t end = std::min(c0 + m, count[parity]);
+    for (int64_t c = c0; c < end; ++c) {
+      const char* row = reinterpret_cast<const char*>(rows_of[parity][kind][c] + hh * width);
+      for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+    }
+  }
 
   float* scales_at(int parity, int kind, int64_t hh) const {
     return scales + ((parity * 2 + kind) * heads + hh) * kPagedKeys;
@@ -402,6 +461,8 @@ struct PagedTiles {
     const int64_t ahead_keys = std::min(key_bytes, kScatteredAhead);
     const int64_t ahead_values = std::min(value_bytes, kScatteredAhead);
     const int64_t n = std::min<int64_t>(tile_keys<In>(), hi - j0);
+    count[parity] = n;
+    if (kQuantized<In>) prefetch = false;  // every line, by paged_tile (PagedTiles::fetch)
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
       const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
@@ -520,9 +581,12 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
   const int64_t G = p.G, Hp = p.Hp, H = p.H, Hvp = p.Hvp, padded = w.padded;
   const In* const* keys = tiles.rows_of[parity][0];
   const In* const* values = tiles.rows_of[parity][1];
+  const int next = (parity + 1) % (kPagedAhead + 1);
+  const bool ahead = kQuantized<In> && j0 + n < w.hi;
   for (int64_t c0 = 0; c0 < n; c0 += kPagedChunk) {
     const int64_t m = std::min<int64_t>(kPagedChunk, n - c0);
     for (int64_t hh = 0; hh < w.heads; ++hh) {
+      if (ahead) tiles.fetch(next, 0, c0, kPagedChunk, hh);
       const In* krow[kPagedChunk];
       for (int64_t c = 0; c < m; ++c) krow[c] = keys[c0 + c] + hh * H;
       const float* kscale = quantized ? tiles.scales_at(parity, 0, hh) + c0 : nullptr;
@@ -560,6 +624,7 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
   for (int64_t c0 = 0; c0 < n; c0 += chunk) {
     const int64_t m = std::min<int64_t>(chunk, n - c0);
     for (int64_t hh = 0; hh < w.heads; ++hh) {
+      if (ahead) tiles.fetch(next, 1, c0, chunk, hh);
       const In* vrow[kPagedKeys];
       for (int64_t c = 0; c < m; ++c) vrow[c] = values[c0 + c] + hh * p.Hv;
       const float* sh = w.s + hh * padded * kPagedKeys + c0;
