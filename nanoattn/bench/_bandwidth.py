@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._backends.native import build
 from .._base.validate import describe
 
 BANDWIDTH_FRACTION = 0.6  # the decode targets: of the read bandwidth, at least (#47)
@@ -84,6 +85,39 @@ def measure_read(mib: int, rounds: int) -> dict:
         "how": how,
         "measures": measures,
     }
+
+
+def measure_page_walk(mib: int, chunks: dict[str, int], rounds: int) -> dict:
+    """The read bandwidth of a walk over ``mib`` MiB of float32 in chunks of a page's
+    bytes, in a shuffled order, as a decoding step walks a pool whose pages sit
+    anywhere: for each ``name: chunk_bytes`` of ``chunks``, the native kernel's
+    ``NanoattnReadWalk`` (vector loads into sums, a thread per core, each a part of the
+    order; numpy's gathers measured a third of it). ``{"case": "page walk", "cores",
+    "status", "gb_per_s": {name: GB/s}, "chunk_bytes": chunks}``, or a status saying why
+    not (no native kernel, an error).
+
+    Not judged: it says how far below the read bandwidth (whose reads run in order) the
+    pages' size alone keeps a decode on this machine. Each walk is checked before it is
+    timed: the array is ones, so the sum it returns is the count of numbers it read."""
+    n = cores()
+    row = {"case": "page walk", "cores": n, "chunk_bytes": dict(chunks)}
+    try:
+        x = np.ones(mib * 2**18, np.float32)
+        measures = {}
+        for name, nbytes in chunks.items():
+            floats = nbytes // 4
+            count = x.size // floats
+            order = np.random.default_rng(0).permutation(count).astype(np.int64)
+            read = build.read_walk(x, floats, order, n)
+            if read is None:
+                return row | {"status": "not measured: the native kernel is not available"}
+            if read != count * floats:
+                raise RuntimeError(f"the walk read {read:g} of {count * floats} numbers")
+            seconds = _best(lambda f=floats, o=order: build.read_walk(x, f, o, n), rounds)
+            measures[name] = count * nbytes / seconds / 1e9
+    except Exception as e:  # reported, not fatal to the rest of the bench
+        return row | {"status": f"error: {describe(e)[:200]}"}
+    return row | {"status": "ok", "gb_per_s": measures}
 
 
 def bandwidth_target(what: str, amount: str, name: str, row: dict, read: dict) -> dict:

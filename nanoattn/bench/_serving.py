@@ -11,6 +11,9 @@ their refusal):
 * ``read``: the machine's memory read bandwidth, measured in the same run: the best
   of a jitted sum and numpy sums in a thread per core over ``read_mib`` MiB of float32
   (:mod:`nanoattn.bench._bandwidth`).
+* ``page walk``: the same reads over chunks of one page of one pool (int8, bfloat16,
+  float32) in a shuffled order: how far the pages' size alone keeps a walk of the
+  pool below the read bandwidth on this machine (reported, not judged).
 * ``quantized``: the cache's bytes per token per layer per dtype, and the decode batch
   below over int8 pages against bfloat16 pages (:mod:`nanoattn.bench._quantized`).
 * ``decode``: one query token per sequence through ``paged_attention``; the bytes of
@@ -45,7 +48,7 @@ from .._base.validate import describe
 from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
 from . import _quantized
-from ._bandwidth import bandwidth_target, measure_read
+from ._bandwidth import bandwidth_target, measure_page_walk, measure_read
 from ._decode_cases import page_table
 from ._markdown import table
 from ._masks import refusal_of_first_call
@@ -192,6 +195,12 @@ def measure_case(case: str, implementation: str, dtype: str, shape: Shape = FULL
     return row
 
 
+def page_bytes(shape: Shape) -> dict[str, int]:
+    """The bytes of one page of one pool (keys or values), int8, bfloat16 and float32."""
+    tokens = shape.page_size * shape.kv_heads * shape.head_dim
+    return {"int8": tokens, "bfloat16": 2 * tokens, "float32": 4 * tokens}
+
+
 def jobs(shape: Shape = FULL, dtypes=DTYPES, implementations=None) -> list[tuple[str, tuple]]:
     """(progress label, the measuring function and its arguments) of the read bandwidth,
     the cache's bytes per dtype, the int8 decode of every implementation (default: every
@@ -200,6 +209,7 @@ def jobs(shape: Shape = FULL, dtypes=DTYPES, implementations=None) -> list[tuple
     names = registry.names() if implementations is None else implementations
     items = [
         ("read bandwidth", (measure_read, shape.read_mib, shape.rounds)),
+        ("page walk", (measure_page_walk, shape.read_mib, page_bytes(shape), shape.rounds)),
         ("cache bytes per dtype", (_quantized.cache_row, shape.n_heads, shape.kv_heads,
                                    shape.head_dim)),
     ]  # fmt: skip
@@ -221,7 +231,7 @@ def measure_serving(shape: Shape = FULL, report=None, **options) -> dict:
         if report:
             report(i, len(items), label)
         rows.append(fn(*args))
-    read, cache, *cases = rows
+    read, walk, cache, *cases = rows
     bandwidth = read.get("gb_per_s")
     for row in cases:
         if row["status"] == "ok" and row["case"] == "decode" and bandwidth:
@@ -229,7 +239,8 @@ def measure_serving(shape: Shape = FULL, report=None, **options) -> dict:
     quantized = _quantized.with_bandwidth([r for r in cases if r["case"] == "quantized"],
                                           bandwidth)  # fmt: skip
     return {
-        "shape": dataclasses.asdict(shape), "bandwidth": read, "cache_bytes": cache,
+        "shape": dataclasses.asdict(shape), "bandwidth": read, "page_walk": walk,
+        "cache_bytes": cache,
         "quantized": quantized, "rows": [r for r in cases if r["case"] != "quantized"],
     }  # fmt: skip
 
@@ -266,6 +277,23 @@ def _status(row: dict) -> str:
     return f"{row['status']} ({row['reason']})" if "reason" in row else row["status"]
 
 
+def _walk_line(walk: dict | None) -> list[str]:
+    """The page walk's bandwidths (not judged), one line."""
+    if not walk:
+        return []
+    if walk["status"] != "ok":
+        return ["", f"Page walk: {walk['status']}."]
+    each = ", ".join(
+        f"{walk['chunk_bytes'][name] / 1024:g} KiB ({name}) {gb:.1f} GB/s"
+        for name, gb in walk["gb_per_s"].items()
+    )
+    return [
+        "",
+        f"Page walk (chunks of one page of one pool, in a shuffled order, a thread per "
+        f"core; not judged): {each}.",
+    ]
+
+
 def serving_markdown(result: dict | None) -> list[str]:
     """The serving tables: the read bandwidth, the cache bytes per dtype, the int8
     decode rows, the decode rows, the mixed rows."""
@@ -289,6 +317,7 @@ def serving_markdown(result: dict | None) -> list[str]:
         "",
         f"Read bandwidth (a jitted sum and numpy sums in a thread per core over float32): "
         f"{bandwidth}.",
+        *_walk_line(result.get("page_walk")),
         *_quantized.quantized_markdown(
             result.get("cache_bytes"), result.get("quantized", []), _status
         ),

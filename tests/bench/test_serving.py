@@ -14,6 +14,7 @@ import pytest
 
 from nanoattn import dequantize_kv, paged_attention
 from nanoattn._backends import registry
+from nanoattn._backends.native import build
 from nanoattn.bench import _bandwidth, _quantized, _run, _serving
 from nanoattn.cli import main
 
@@ -29,6 +30,14 @@ def test_the_part_reports_every_case_dtype_and_implementation():
     assert read["status"] == "ok" and read["bytes"] == 2**20  # 1 MiB of float32
     assert read["gb_per_s"] == max(read["measures"].values()) > 0
     assert sorted(read["measures"]) == ["jit sum", "numpy threads"]
+    walk = result["page_walk"]  # a page of one pool: 4 tokens of K = 2 heads of H = 8
+    assert walk["chunk_bytes"] == {"int8": 64, "bfloat16": 128, "float32": 256}
+    if build.load()[0] is None:
+        assert walk["status"] == "not measured: the native kernel is not available"
+    else:
+        assert walk["status"] == "ok", walk
+        assert list(walk["gb_per_s"]) == ["int8", "bfloat16", "float32"]
+        assert all(gb > 0 for gb in walk["gb_per_s"].values())
     # One token of one layer: K = 2 heads of H = 8, keys and values (+ float32 scales).
     assert result["cache_bytes"]["bytes"] == {
         "float32": 2 * 2 * 8 * 4, "bfloat16": 2 * 2 * 8 * 2, "int8": 2 * 2 * 8 + 2 * 2 * 4,
@@ -138,6 +147,23 @@ def test_the_read_bandwidth_is_the_best_of_its_measures():
     assert read["status"] == "ok" and read["bytes"] == 3 * 2**20
     assert read["cores"] == _bandwidth.cores() >= 1
     assert read["gb_per_s"] == read["measures"][read["how"]] == max(read["measures"].values())
+
+
+def test_the_page_walk_reads_every_chunk_once():
+    """The native walk sums every number of each chunk once (the array is ones: the
+    sum is the count read; the walk checks it before timing): chunks of 96 bytes (no
+    whole vector: the tail path) and of 4 KiB (vectors only); a walk that skips or
+    repeats chunks, or a tail, reads a status saying so."""
+    if build.load()[0] is None:
+        pytest.skip("the native kernel is not available")
+    walk = _bandwidth.measure_page_walk(3, {"odd": 96, "page": 4096}, rounds=1)
+    assert walk["status"] == "ok", walk
+    assert walk["cores"] == _bandwidth.cores() and walk["chunk_bytes"]["odd"] == 96
+    assert sorted(walk["gb_per_s"]) == ["odd", "page"]
+    x = np.arange(12, dtype=np.float32)  # chunks of 3: [0 1 2] [3 4 5] [6 7 8] [9 10 11]
+    assert build.read_walk(x, 3, np.array([3, 1], np.int64), 2) == 30 + 12
+    with pytest.raises(ValueError, match="order: contiguous int64"):
+        build.read_walk(x, 3, np.array([3, 1], np.int32), 2)
 
 
 def test_the_int8_cache_bytes_at_the_serving_shape_meet_both_targets():

@@ -32,7 +32,8 @@
 // forward passes read with their scales: one more forward handler each, float32
 // queries over quantized keys), and two ops a latent layer's decoding step calls beside
 // its attention: indexer.h (DeepSeek-V3.2's indexer scores, for its top-k keys) and
-// absorbed.h (the per-head products with the up-projection); the generic pieces:
+// absorbed.h (the per-head products with the up-projection); read_walk.h, the bench's
+// yardstick of a paged decode (a walk of pages in a shuffled order); the generic pieces:
 // simd.h (vectors, bfloat16), gemm.h (the block products' micro-kernels), threads.h
 // (work sharing on XLA's thread pool) and visibility.h (the problem, the blocks, who sees what).
 
@@ -50,6 +51,7 @@
 #include "indexer.h"
 #include "paged.h"
 #include "quantized.h"
+#include "read_walk.h"
 #include "visibility.h"
 
 namespace ffi = xla::ffi;
@@ -395,6 +397,14 @@ extern "C" void NanoattnClassify(int64_t T, int64_t S, int32_t q_offset, int32_t
       kinds[qb * p.n_k() + kb] =
           kind == Block::kSkip ? kFnEmpty : kind == Block::kFull ? kFnFull : kFnPartial;
     }
+}
+
+// The read bandwidth's yardstick of a paged decode (read_walk.h): the sum of `count`
+// chunks of `chunk_floats` floats at data + order[i] *
+// chunk_floats, read by `threads` threads.
+extern "C" double NanoattnReadWalk(const float* data, int64_t count, int64_t chunk_floats,
+                                   const int64_t* order, int threads) {
+  return read_walk(data, count, chunk_floats, order, std::max(threads, 1));
 }
 
 // The instruction set this build's vectors and tiles were chosen for.

@@ -41,6 +41,7 @@ import warnings
 
 import jax
 import jaxlib
+import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("attention.cc")  # the one file compiled
 FLAGS = (
@@ -159,6 +160,25 @@ def isa() -> str | None:
         return None
     library.NanoattnIsa.restype = ctypes.c_char_p
     return library.NanoattnIsa().decode()
+
+
+def read_walk(data: np.ndarray, chunk_floats: int, order: np.ndarray, threads: int) -> float | None:
+    """The sum of the float32 chunks ``data[order[i] * chunk_floats:][:chunk_floats]``,
+    read by ``threads`` native threads (``NanoattnReadWalk``: the bench's page walk),
+    or None when the kernel is not available. ``data`` float32 and ``order`` int64,
+    both contiguous; ids are not checked (the caller's permutation of the chunks)."""
+    library, _ = load()
+    if library is None:
+        return None
+    walk = library.NanoattnReadWalk
+    walk.restype = ctypes.c_double
+    walk.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                     ctypes.c_int]  # fmt: skip
+    if not (data.dtype == np.float32 and data.flags.c_contiguous):
+        raise ValueError(f"data: contiguous float32 wanted, got {data.dtype}")
+    if not (order.dtype == np.int64 and order.flags.c_contiguous):
+        raise ValueError(f"order: contiguous int64 wanted, got {order.dtype}")
+    return walk(data.ctypes.data, len(order), chunk_floats, order.ctypes.data, threads)
 
 
 @functools.cache
