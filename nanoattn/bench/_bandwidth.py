@@ -96,8 +96,9 @@ def measure_page_walk(mib: int, chunks: dict[str, int], rounds: int) -> dict:
     "status", "gb_per_s": {name: GB/s}, "chunk_bytes": chunks}``, or a status saying why
     not (no native kernel, an error).
 
-    Not judged: it says how far below the read bandwidth (whose reads run in order) the
-    pages' size alone keeps a decode on this machine. Each walk is checked before it is
+    Not judged: it says how far below the read bandwidth (whose reads run in order) runs
+    of memory that short stay on this machine (a decode's tile reads none longer: 32
+    tokens of keys, then of values). Each walk is checked before it is
     timed: the array is ones, so the sum it returns is the count of numbers it read."""
     n = cores()
     row = {"case": "page walk", "cores": n, "chunk_bytes": dict(chunks)}

@@ -12,8 +12,9 @@ their refusal):
   of a jitted sum and numpy sums in a thread per core over ``read_mib`` MiB of float32
   (:mod:`nanoattn.bench._bandwidth`).
 * ``page walk``: the same reads over chunks of one page of one pool (int8, bfloat16,
-  float32) in a shuffled order: how far the pages' size alone keeps a walk of the
-  pool below the read bandwidth on this machine (reported, not judged).
+  float32) in a shuffled order: how far runs of memory that short (a decode's tile
+  reads no longer ones) stay below the in-order read bandwidth on this machine
+  (reported, not judged).
 * ``quantized``: the cache's bytes per token per layer per dtype, and the decode batch
   below over int8 pages against bfloat16 pages (:mod:`nanoattn.bench._quantized`).
 * ``decode``: one query token per sequence through ``paged_attention``; the bytes of
