@@ -19,6 +19,14 @@ steps), and donate their cache, as a generation loop would. Their caches are
 filled without timing; nanoattn's prefill (one call with the C-token prompt)
 is timed separately.
 
+At the target context the two cached steps are also timed each **alone**, in a fresh
+process of its own (:func:`measure_step_here` there, through
+:func:`~._alone.run_alone`): ``ALONE_STEPS`` tokens decoded one a call after a warm-up
+call, with no other implementation's threads spinning beside it; the flax target is
+judged on that ratio (64 tokens a measure moved it from 1.3x to 3.2x between runs on a
+2-core AMD EPYC Zen 4; 256 kept it within 2.7x-3.4x). The interleaved timing below
+stays beside it.
+
 The three are timed in turn, in one process, so that load on a shared
 machine falls on all alike. A round decodes ``PAIRS`` tokens with each cached
 step, alternating (nanoattn first), recomputes once, decodes ``PAIRS`` more
@@ -41,6 +49,9 @@ timed in turn against its baseline:
 """
 
 import dataclasses
+import json
+import os
+import sys
 
 import flax.linen as nn
 import jax
@@ -48,6 +59,7 @@ import jax.numpy as jnp
 
 from .._base.validate import describe
 from ..linen import AttentionConfig, CausalSelfAttention
+from ._alone import run_alone
 from ._measure import time_interleaved, time_runs
 
 CONTEXTS = (1024, 4096)
@@ -60,6 +72,7 @@ ROLLING_CHUNK = 64  # the rolling cache's chunk limit, C - W - sinks (its prefil
 SINK_TOKENS = 4
 DRAFT = 4  # draft tokens a speculative step verifies in one chunk
 FLAX_SPEEDUP = 1.5  # nanoattn's cached step against flax's, at least (issue #47; 1.0 before)
+ALONE_STEPS = 256  # tokens a cached step decodes when timed alone
 
 
 def round_order() -> list[str]:
@@ -175,6 +188,38 @@ def flax_decoder(layer: nn.MultiHeadDotProductAttention, x, context: int, capaci
     return Decoder(step, params, cache, inputs)
 
 
+def measure_step_here(spec: dict) -> dict:
+    """``spec["which"]``'s cached step (``"cached"``: nanoattn's, ``"flax"``) at
+    ``spec["context"]``, timed in this process: ``spec["steps"]`` tokens decoded one per
+    call after a warm-up call; median and min seconds and this process's id."""
+    context, steps = spec["context"], spec["steps"]
+    B, D, N, dtype = spec["batch"], spec["d_model"], spec["n_heads"], spec["dtype"]
+    x = tokens(B, context + steps + 1, D, dtype)
+    if spec["which"] == "flax":
+        decoder = flax_decoder(flax_layer(D, N, dtype), x, context, x.shape[1])
+    else:
+        layer = nanoattn_layer(D, N)
+        params = init_params(layer, x[:, :1], True)
+        decoder, _ = nanoattn_decoder(layer, params, x, context, x.shape[1])
+    median, best = time_runs(decoder, min_runs=steps, max_runs=steps, budget_s=0.0)
+    return {"median_s": median, "min_s": best, "pid": os.getpid()}
+
+
+def measure_alone(row: dict, steps: int = ALONE_STEPS) -> dict:
+    """The two cached steps of ``row``'s sizes, each alone in a fresh process:
+    ``{name}_alone_median_ms`` and ``_min_ms`` for ``cached`` and ``flax``, and
+    ``flax_vs_cached_alone`` (medians)."""
+    out = {}
+    for which in ("cached", "flax"):
+        spec = {"which": which, "steps": steps, "context": row["context"], "batch": row["B"],
+                "d_model": row["D"], "n_heads": row["N"], "dtype": row["dtype"]}  # fmt: skip
+        got = run_alone("nanoattn.bench._generation", spec, what=f"{which} step")
+        out[f"{which}_alone_median_ms"] = got["median_s"] * 1e3
+        out[f"{which}_alone_min_ms"] = got["min_s"] * 1e3
+    out["flax_vs_cached_alone"] = out["flax_alone_median_ms"] / out["cached_alone_median_ms"]
+    return out
+
+
 def measure_generation(
     context: int,
     *,
@@ -224,6 +269,10 @@ def measure_generation(
         "prefill_vs_forward": row["prefill_min_ms"] / row["recompute_min_ms"],
     }
     if context == TARGET_CONTEXT and long:
+        try:
+            row |= measure_alone(row)
+        except Exception as e:  # reported beside the interleaved ratio, which stays
+            row["alone_status"] = f"error: {describe(e)[:200]}"
         layer = Layer(d_model, n_heads, batch, dtype, rounds)
         row["rolling"] = measure_rolling(full_context=context, layer=layer)
         row["speculative"] = measure_speculative(context, layer=layer)
@@ -415,6 +464,27 @@ def long_targets(rolling: dict, speculative: dict) -> list[dict]:
     return out
 
 
+def flax_target(row: dict) -> dict:
+    """nanoattn's step at least FLAX_SPEEDUP x faster than flax's: judged on the two
+    steps each alone where the row has them, else on the interleaved timing."""
+    target = (f"generation C={row['context']}: nanoattn step >= {FLAX_SPEEDUP}x faster than "
+              "flax's decode=True step")  # fmt: skip
+    if row["status"] != "ok":
+        return {"target": target, "measured": row["status"], "passed": None}
+    interleaved = (f"flax {row['flax_median_ms']:.2f} ms/token, nanoattn cached "
+                   f"{row['cached_median_ms']:.2f}: {row['flax_vs_cached']:.2f}x")  # fmt: skip
+    if "flax_vs_cached_alone" not in row:
+        why = row.get("alone_status", "not timed alone")
+        return {"target": target, "measured": f"{interleaved} in turn ({why})",
+                "passed": row["flax_vs_cached"] >= FLAX_SPEEDUP}  # fmt: skip
+    alone = (
+        f"each alone: flax {row['flax_alone_median_ms']:.2f} ms/token, nanoattn cached "
+        f"{row['cached_alone_median_ms']:.2f}: {row['flax_vs_cached_alone']:.2f}x"
+    )
+    return {"target": target, "measured": f"{alone}; in turn: {interleaved}",
+            "passed": row["flax_vs_cached_alone"] >= FLAX_SPEEDUP}  # fmt: skip
+
+
 def generation_targets(rows: list[dict]) -> list[dict]:
     """The targets at context 4096: the cache >= 10x faster per token than
     recomputing, nanoattn's step at least FLAX_SPEEDUP x faster than flax's (its full
@@ -430,7 +500,6 @@ def generation_targets(rows: list[dict]) -> list[dict]:
         if ok:
             cached = f"nanoattn cached {row['cached_median_ms']:.2f} ms/token"
             speedup = f"{row['recompute_vs_cached']:.1f}x"
-            flax = f"{row['flax_vs_cached']:.2f}x"
         out += [
             {
                 "target": f"generation C={C}: cached step >= 10x faster than recomputing",
@@ -441,17 +510,7 @@ def generation_targets(rows: list[dict]) -> list[dict]:
                 ),
                 "passed": row["recompute_vs_cached"] >= 10 if ok else None,
             },
-            {
-                "target": f"generation C={C}: nanoattn step >= {FLAX_SPEEDUP}x faster than "
-                "flax's decode=True step",
-                "measured": (
-                    f"flax {row['flax_median_ms']:.2f} ms/token, {cached}: flax takes {flax} "
-                    "nanoattn's time"
-                    if ok
-                    else row["status"]
-                ),
-                "passed": row["flax_vs_cached"] >= FLAX_SPEEDUP if ok else None,
-            },
+            flax_target(row),
         ]
         out.append(
             {
@@ -468,3 +527,7 @@ def generation_targets(rows: list[dict]) -> list[dict]:
         if "rolling" in row and "speculative" in row:
             out += long_targets(row["rolling"], row["speculative"])
     return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure_step_here(json.loads(sys.argv[1]))), flush=True)

@@ -191,6 +191,16 @@ def generation_markdown(rows: list[dict]) -> list[str]:
             f"| {row['context']} | {row['capacity']} | {times} | "
             f"{row['recompute_vs_cached']:.1f}x | {row['flax_vs_cached']:.2f}x |"
         )
+    for row in rows:  # the target context's two steps, each alone in its own process
+        if "flax_vs_cached_alone" in row:
+            lines += ["", (
+                f"Each alone in a fresh process (context {row['context']}): cached "
+                f"{row['cached_alone_median_ms']:.2f} ({row['cached_alone_min_ms']:.2f}) ms, "
+                f"flax {row['flax_alone_median_ms']:.2f} ({row['flax_alone_min_ms']:.2f}) ms: "
+                f"flax / cached {row['flax_vs_cached_alone']:.2f}x (the target's measure)."
+            )]  # fmt: skip
+        elif "alone_status" in row:
+            lines += ["", f"Each alone (context {row['context']}): {row['alone_status']}."]
     return lines
 
 

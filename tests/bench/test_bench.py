@@ -301,9 +301,43 @@ def test_generation_targets_compare_the_right_way_round():
         [generation_row(2.0, 2.9, 19.0, prefill=21.0)]
     )
     assert recompute["passed"] is False and flax["passed"] is False and prefill["passed"] is False
-    assert "flax takes 1.45x nanoattn's time" in flax["measured"]
+    assert "flax 2.90 ms/token, nanoattn cached 2.00: 1.45x in turn" in flax["measured"]
     rows = _generation.generation_targets([generation_row(1, 1, 1, status="error: boom")])
     assert [r["passed"] for r in rows] == [None, None, None]
+
+
+def test_the_flax_target_is_judged_on_the_steps_each_alone():
+    """Where the row has the two steps timed each alone, they judge (either way round
+    from the interleaved ratio); a failed alone measure is said, and the interleaved
+    ratio judges."""
+    row = generation_row(2.0, 2.0, 20.0)  # in turn: 1.0x
+    alone = {"cached_alone_median_ms": 1.0, "flax_alone_median_ms": 1.6,
+             "flax_vs_cached_alone": 1.6}  # fmt: skip
+    flax = _generation.flax_target(row | alone)
+    assert flax["passed"] is True
+    assert flax["measured"] == (
+        "each alone: flax 1.60 ms/token, nanoattn cached 1.00: 1.60x; "
+        "in turn: flax 2.00 ms/token, nanoattn cached 2.00: 1.00x"
+    )
+    slow = alone | {"flax_alone_median_ms": 1.4, "flax_vs_cached_alone": 1.4}
+    assert _generation.flax_target(generation_row(1.0, 3.0, 20.0) | slow)["passed"] is False
+    failed = _generation.flax_target(row | {"alone_status": "error: boom"})
+    assert failed["passed"] is False and failed["measured"].endswith("in turn (error: boom)")
+    row |= {"status": "ok", "B": 1, "D": D, "N": N, "dtype": "float32", "prefill_median_ms": 1,
+            "cached_min_ms": 1, "flax_min_ms": 1}  # fmt: skip
+    times = {"cached_alone_min_ms": 0.9, "flax_alone_min_ms": 1.5}
+    text = "\n".join(_report.generation_markdown([row | alone | times]))
+    assert "cached 1.00 (0.90) ms, flax 1.60 (1.50) ms: flax / cached 1.60x" in text
+
+
+def test_a_cached_step_timed_here_decodes_its_tokens():
+    """measure_step_here (what a fresh process runs for the alone timing): both steps
+    at a small size, each call feeding the next token."""
+    for which in ("cached", "flax"):
+        spec = {"which": which, "steps": 3, "context": 8, "batch": 1, "d_model": D,
+                "n_heads": N, "dtype": "float32"}  # fmt: skip
+        got = _generation.measure_step_here(spec)
+        assert 0 < got["min_s"] <= got["median_s"] and got["pid"] > 0
 
 
 def test_measure_window_row_and_targets():
