@@ -8,7 +8,8 @@ ones, and one with the same inputs reuses it without compiling; and where the ke
 cannot be had (no compiler, a compile that fails, a compiler that exits 0 but writes no
 library) nanoattn warns once and the automatic choice serves every call with the
 pure-JAX kernels. Fake compilers (shell scripts in tmp_path) stand in for the real one:
-nothing here compiles the kernel.
+nothing here compiles the kernel but the one test that asks that, with a compiler on
+the machine, the real kernel builds (the native tests skip where it does not).
 """
 
 import json
@@ -177,6 +178,19 @@ for name, cxx in compilers.items():
 print(json.dumps(said))
 """
 B, T, N, K, H = 2, 37, 6, 2, 8  # T * T cells: enough for the native kernel to pay off
+
+
+def test_the_kernel_builds_wherever_a_compiler_is():
+    """Where a C++ compiler is found and the kernel is not turned off, it builds and
+    loads: the native tests skip where it is not available, so a compile error on this
+    machine's instruction set (a kernel that no longer builds) must fail here instead
+    of turning them into skips."""
+    if native_build.compiler() is None:
+        pytest.skip("no C++ compiler: the kernel's absence is the expected state here")
+    if os.environ.get("NANOATTN_NATIVE", "1") == "0":
+        pytest.skip("NANOATTN_NATIVE=0 turns the kernel off")
+    library, reason = native_build.load()
+    assert library is not None, reason
 
 
 def test_without_the_kernel_it_says_so_once_and_the_pure_jax_kernels_serve(tmp_path):
