@@ -92,6 +92,11 @@ def test_the_part_reports_every_case_dtype_and_implementation():
     assert "| mixed: 8-token chunk + 2 decodes | dtype | mixed ms | chunk alone ms |" in text
     assert "| int8 | 48 | 1.000x |" in text and "| float32 | 128 | 0.375x |" in text
     assert "| decode: int8 pages against bfloat16 and float32 | int8 ms |" in text
+    assert "| of read bandwidth | of its page walk |" in text
+    if walk["status"] == "ok":  # the decode rows' GB/s over their dtype's walk
+        row = next(r for r in result["rows"] if r["case"] == "decode" and r["status"] == "ok")
+        share = row["paged_gb_per_s"] / walk["gb_per_s"][row["dtype"]]
+        assert f"{row['fraction_of_bandwidth']:.0%} | {share:.0%} |" in text
     assert _serving.serving_targets(result) == []  # judged at the full shape only
 
 
