@@ -13,7 +13,7 @@
 // One task per (sequence b, key/value head kh, block of up to kPagedVectors / G of b's
 // query rows): the G query heads of kh and the block's rows are its query vectors, so
 // each key and value row of the pool is read once per task (once per (b, kh) in a decode
-// step), a tile of keys at a time (tile_keys), and dotted with every query vector
+// step), a tile of keys at a time (kPagedKeys), and dotted with every query vector
 // (bfloat16, int8 and float8 widened in registers), then the online softmax
 // (FlashAttention-2) in float32. A decode step's task takes several key/value heads
 // (those side by side in a token row: one run of memory a token, which the hardware
@@ -54,7 +54,12 @@
 namespace {
 
 constexpr int kPagedVectors = 64;  // query vectors (rows x heads of a group) per task
-constexpr int kPagedKeys = 32;     // keys per tile, at most (the scratch's columns)
+// The keys of a tile (the scratch's columns), in every type (one order of summation: a
+// widened bfloat16 step equals the float32 step on the widened numbers). 32 rather than
+// 16 halves the online softmax's bookkeeping a key (maxima, rescaled outputs, a scalar
+// exp): 2-core AMD EPYC Zen 4, the B = 16 decode with its pages in cache 9.2 against
+// 9.9 ms (float32) and 9.6 against 10.8 (bfloat16) with 16.
+constexpr int kPagedKeys = 32;
 constexpr int kPagedBlock = 4;     // query vectors per register tile of the products
 constexpr int kPagedChunk = 4;     // keys of a tile whose every head is computed before the next
 // The keys whose values (every head of the task) are taken before the next ones: 4 on
@@ -75,17 +80,14 @@ static_assert(kPagedKeys % VW == 0 && kPagedKeys % 2 == 0, "tiles must hold whol
 static_assert(kPagedBlock == 4 && kPagedChunk == 4,
               "paged_dots sums 4 query vectors x 4 keys (hsum16) or x 2 keys (hsum8)");
 
-// The keys of a tile of pools of type In: 32 for every type (one order of summation: a
-// widened bfloat16 step equals the float32 step on the widened numbers). The longer tile
-// halves the online softmax's bookkeeping a key (maxima, rescaled outputs, a scalar
-// exp): 2-core AMD EPYC Zen 4, the B = 16 decode with its pages in cache 9.2 against
-// 9.9 ms (float32) and 9.6 against 10.8 (bfloat16) with 16.
+// Whether the next tile's every line is fetched a few rows at a time as a tile is
+// computed (PagedTiles::fetch), instead of its rows' first lines (kScatteredAhead):
+// for int8 and float8, whose token rows (1 KiB at K = 8 heads of 128) are too short for
+// the hardware's streams to start; asked for at once, the lines stalled the core. 2-core
+// AMD EPYC Zen 4, the B = 16 int8 decode: 12.2 ms against 15.4; float32 and bfloat16
+// were slower so (22.3 against 22.2 ms, 18.9 against 18.3).
 template <class In>
-constexpr int64_t tile_keys() {
-  constexpr int64_t keys = 32;
-  static_assert(keys <= kPagedKeys && keys % VW == 0 && keys % 2 == 0, "whole vectors");
-  return keys;
-}
+constexpr bool kFetchEveryLine = kQuantized<In>;
 
 // A paged call: sizes, rules and the run-time inputs. Hv (padded: Hvp) is the values'
 // width, H's unless the values have a width of their own (multi-head latent attention).
@@ -425,20 +427,13 @@ struct PagedTiles {
   int64_t heads, hi;  // the task's heads and the end of its keys
   float* scales;      // (kPagedAhead + 1, 2, heads, kPagedKeys)
   const In* rows_of[kPagedAhead + 1][2][kPagedKeys];  // [parity][keys, values][key]
-  int64_t count[kPagedAhead + 1] = {};                 // keys located at each parity
 
-  // Every line of the keys (kind 0) or values (1) [c0, c0 + m) of head hh at `parity`:
-  // a quantized pool's next tile, fetched a few rows at a time as the tile before it is
-  // computed (its token rows, 1 KiB at K = 8 heads of 128, are too short for the
-  // hardware's streams to start; asked for at once, they stalled the core). 2-core AMD
-  // EPYC Zen 4, the B = 16 int8 decode: 12.2 ms against 15.4 with only the first lines
-  // of the next tile's rows (kScatteredAhead); float32 and bfloat16 were slower so
-  // (22.3 against 22.2 ms, 18.9 against 18.3).
+  // Every line of the keys (kind 0) or values (1) [c0, c0 + m) of head hh at `parity`
+  // (a pool with kFetchEveryLine: the next tile's, as this one is computed).
   void fetch(int parity, int kind, int64_t c0, int64_t m, int64_t hh) const {
     const int64_t width = kind == 0 ? p.H : p.Hv;
     const int64_t bytes = width * static_cast<int64_t>(sizeof(In));
-    const int64_t end = std::min(c0 + m, count[parity]);
-    for (int64_t c = c0; c < end; ++c) {
+    for (int64_t c = c0; c < c0 + m; ++c) {
       const char* row = reinterpret_cast<const char*>(rows_of[parity][kind][c] + hh * width);
       for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
     }
@@ -460,9 +455,8 @@ struct PagedTiles {
     // (kScatteredAhead)
     const int64_t ahead_keys = std::min(key_bytes, kScatteredAhead);
     const int64_t ahead_values = std::min(value_bytes, kScatteredAhead);
-    const int64_t n = std::min<int64_t>(tile_keys<In>(), hi - j0);
-    count[parity] = n;
-    if (kQuantized<In>) prefetch = false;  // every line, by paged_tile (PagedTiles::fetch)
+    const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
+    prefetch = prefetch && !kFetchEveryLine<In>;  // those: every line, by paged_tile
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
       const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
@@ -535,7 +529,7 @@ void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t t, int
   constexpr bool quantized = kQuantized<In>;
   if (p.soft_cap > 0)
     for (int64_t c = 0; c < n; ++c) row[c] = p.soft_cap * std::tanh(row[c] / p.soft_cap);
-  const float m_new = nan_max(w.m[v], paged_mask(p, w, t, pos, j0, n, tile_keys<In>(), row));
+  const float m_new = nan_max(w.m[v], paged_mask(p, w, t, pos, j0, n, kPagedKeys, row));
   if (m_new == -kInf) {
     std::fill(row, row + kPagedKeys, 0.0f);
     return;
@@ -543,7 +537,7 @@ void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t t, int
   const float alpha = std::exp(w.m[v] - m_new);  // 0 when m was -inf
   vf sum = vf{};
   const vf shift = splat(m_new);
-  for (int c = 0; c < tile_keys<In>(); c += VW) {
+  for (int c = 0; c < kPagedKeys; c += VW) {
     const vf e = vexp(load(row + c) - shift);
     sum += e;
     // the weights of quantized values times their scales (the sum is the
@@ -582,11 +576,13 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
   const In* const* keys = tiles.rows_of[parity][0];
   const In* const* values = tiles.rows_of[parity][1];
   const int next = (parity + 1) % (kPagedAhead + 1);
-  const bool ahead = kQuantized<In> && j0 + n < w.hi;
+  // the next tile's keys, whose every line is fetched over this tile (kFetchEveryLine)
+  const int64_t following =
+      kFetchEveryLine<In> ? std::min<int64_t>(kPagedKeys, w.hi - j0 - n) : 0;
   for (int64_t c0 = 0; c0 < n; c0 += kPagedChunk) {
     const int64_t m = std::min<int64_t>(kPagedChunk, n - c0);
     for (int64_t hh = 0; hh < w.heads; ++hh) {
-      if (ahead) tiles.fetch(next, 0, c0, kPagedChunk, hh);
+      if (c0 < following) tiles.fetch(next, 0, c0, std::min<int64_t>(kPagedChunk, following - c0), hh);
       const In* krow[kPagedChunk];
       for (int64_t c = 0; c < m; ++c) krow[c] = keys[c0 + c] + hh * H;
       const float* kscale = quantized ? tiles.scales_at(parity, 0, hh) + c0 : nullptr;
@@ -624,7 +620,7 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
   for (int64_t c0 = 0; c0 < n; c0 += chunk) {
     const int64_t m = std::min<int64_t>(chunk, n - c0);
     for (int64_t hh = 0; hh < w.heads; ++hh) {
-      if (ahead) tiles.fetch(next, 1, c0, chunk, hh);
+      if (c0 < following) tiles.fetch(next, 1, c0, std::min<int64_t>(chunk, following - c0), hh);
       const In* vrow[kPagedKeys];
       for (int64_t c = 0; c < m; ++c) vrow[c] = values[c0 + c] + hh * p.Hv;
       const float* sh = w.s + hh * padded * kPagedKeys + c0;
@@ -712,7 +708,7 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
   if (!paged_keys(p, task, w)) return;  // no real row: nothing to write
   paged_queries(p, q, task, w);
   PagedTiles<In> tiles{p, task, kp, vp, w.heads, w.hi, scratch.scales.data(), {}};
-  constexpr int64_t width = tile_keys<In>();
+  constexpr int64_t width = kPagedKeys;
   for (int a = 0; a < kPagedAhead; ++a)
     if (w.lo + a * width < w.hi) tiles.locate(w.lo + a * width, a, a > 0);
   for (int64_t j0 = w.lo, tile = 0; j0 < w.hi; j0 += width, ++tile) {
