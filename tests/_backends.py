@@ -78,7 +78,7 @@ def paged_refusal(implementation: str, query, key_pages, value_pages, page_table
     """Why the backend ``implementation`` does not serve this ``paged_attention`` call
     (its arrays, concrete and valid, and its rule keywords), or None."""
     arrays = (query, key_pages, value_pages, page_table, kv_lengths, query_starts)
-    spec = Rules.make_paged(*(jnp.asarray(x) for x in arrays), **rules)
+    spec = Rules.make_paged(*(x if x is None else jnp.asarray(x) for x in arrays), **rules)
     dtype = jnp.asarray(query).dtype
     return dispatch.refusal(registry.get(implementation), spec, dtype, 0.0)
 

@@ -105,9 +105,11 @@ def np_paged(q, kp, vp, table, lengths, starts):
     return out
 
 
-def heads_split(implementation: str, explicit: bool = False, quantized: bool = False) -> dict:
+def heads_split(implementation: str, explicit: bool = False, quantized: bool = False,
+                combined: bool = False) -> dict:  # fmt: skip
     """jax.jit(paged_attention) on inputs whose heads are sharded over "model" (int8
-    pools: their scales (P, PS, K) too)."""
+    pools: their scales (P, PS, K) too; ``combined``: one pool (P, PS, 2, K, H), value_pages
+    None, its K sharded)."""
     mesh = mesh_of(explicit)
     group = group_inputs(0)
     q, kp, vp, table, lengths, starts, *scales = _quantized(group) if quantized else group
@@ -119,13 +121,18 @@ def heads_split(implementation: str, explicit: bool = False, quantized: bool = F
 
     one = np.asarray(jax.jit(call)(q, kp, vp, *scales))
     heads, pool = NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P(None, None, "model"))
+    pools = [jax.device_put(x, pool) for x in (kp, vp, *scales)]
+    if combined:
+        split_k = NamedSharding(mesh, P(None, None, None, "model"))
+        pools = [jax.device_put(jnp.stack([kp, vp], 2), split_k), None]
     with jax.set_mesh(mesh):
-        args = [jax.device_put(q, heads)]
-        args += [jax.device_put(x, pool) for x in (kp, vp, *scales)]
+        args = [jax.device_put(q, heads), *pools]
         out = jax.jit(call)(*args)
         text = jax.jit(call).lower(*args).compile().as_text()
-    name = f"{'explicit' if explicit else 'heads'}-{implementation}" + (
-        "-int8" if quantized else ""
+    name = (
+        f"{'explicit' if explicit else 'heads'}-{implementation}"
+        + ("-int8" if quantized else "")
+        + ("-combined" if combined else "")
     )
     case = {
         "case": name,
@@ -410,11 +417,17 @@ def run(step, params, cache, steps):
 
 
 def pool_specs(cache) -> list[str]:
-    """Each pool's partition spec, its trailing None left out ("" off a mesh)."""
+    """Each pool's partition spec, its trailing None left out ("" off a mesh); a
+    combined pool's (P, PS, 2, K, H) without its axis of keys and values, which must
+    stay whole."""
     specs = []
     for a in jax.tree.leaves(cache):
-        if np.ndim(a) == 4 and np.size(a):
+        if np.ndim(a) in (4, 5) and np.size(a):
             spec = list(getattr(a.sharding, "spec", ()))
+            if np.ndim(a) == 5:
+                spec += [None] * (5 - len(spec))
+                if spec.pop(2) is not None:
+                    specs.append("the axis of keys and values split")
             while spec and spec[-1] is None:
                 spec.pop()
             specs.append(str(P(*spec)))
@@ -531,6 +544,7 @@ def cases(which: str):
         yield from (calls(heads_split, b) for b in ("flash", "native"))
         yield from (calls(heads_split, b, True) for b in ("flash", "native"))
         yield calls(heads_split, "native", False, True)
+        yield calls(heads_split, "native", combined=True)
         yield from (calls(sharded_call, "both", b) for b in BACKENDS)
         yield from (calls(sharded_call, split, "xla") for split in ("groups", "heads"))
         yield calls(sharded_call, "both", "native", True)

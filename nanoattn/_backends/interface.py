@@ -67,10 +67,12 @@ class Backend(Protocol):
     def paged(self, query, key_pages, value_pages, rules: Rules):
         """A paged call (``nanoattn.paged_attention``; ``rules.paged``): the output
         (Tq, N, Hv) in the query's dtype for query (Tq, N, H) and the pool's pages
-        (P, page_size, K, H) and (P, page_size, K, Hv), the page table, key lengths and
-        query starts in ``rules``; with ``rules.return_residual`` also the log-sum-exp
-        (Tq, N). Optional: a backend without it must not list ``"page_table"`` in
-        ``serves`` (it then refuses paged calls)."""
+        (P, page_size, K, H) and (P, page_size, K, Hv), or one combined pool (P,
+        page_size, 2, K, H) and None (``nanoattn._base.paged.split_pool`` gives its
+        halves), the page table, key lengths and query starts in ``rules``; with
+        ``rules.return_residual`` also the log-sum-exp (Tq, N). Optional: a backend
+        without it must not list ``"page_table"`` in ``serves`` (it then refuses paged
+        calls)."""
 
 
 def unserved(backend: Backend, rules: Rules) -> str | None:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from . import tree
-from .paged import check_paged, token_layout
+from .paged import check_paged, pool_halves, token_layout
 from .rule_checks import check_lengths as check_lengths
 from .rule_checks import check_sinks as check_sinks
 from .rule_checks import check_sizes
@@ -99,7 +99,8 @@ class _Rules:
             page_size=c.page_size, pool_pages=c.P,
         )  # fmt: skip
         given = dict.fromkeys(ARGUMENTS) | _DEFAULTS | dict(is_causal=True) | arguments
-        context = Context(sizes, c.query, c.key_pages, c.value_pages, given, {}, paged)
+        pools = pool_halves(c.key_pages, c.value_pages)  # a combined pool's: shapes
+        context = Context(sizes, c.query, *pools, given, {}, paged)
         return cls._checked(context)
 
     @classmethod

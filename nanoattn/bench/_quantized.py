@@ -37,6 +37,7 @@ from .._base.validate import describe
 from .._core.paged import paged_attention
 from .._core.quantize import quantize_kv
 from .._layers.caches.kv_cache import cache_bytes
+from .._layers.caches.paged import combines
 from .._layers.config import AttentionConfig
 from .._layers.linen.attention import CausalSelfAttention
 from ._bandwidth import bandwidth_target
@@ -120,13 +121,19 @@ def calls(implementation: str, shape, pool) -> dict:
     starts = np.arange(shape.batch + 1, dtype=np.int32)  # one query each
     table, lengths = data.page_table, data.lengths
     wide = [x.astype(WIDE) for x in (data.query, data.key_pages, data.value_pages)]
+    kq, vq = quantized.key_pages, quantized.value_pages
+    K, H = kq.shape[2:]
+    # each pool as a paged attention layer keeps it (combines)
+    stored = (jnp.stack([kq, vq], axis=2), None) if combines(K, H, kq.dtype) else (kq, vq)
+    baseline = data.layer_pools()
+    if combines(K, H, WIDE):
+        wide = [wide[0], jnp.stack(wide[1:], axis=2), None]
     return {
         STORAGE: lambda: paged(
-            data.query, quantized.key_pages, quantized.value_pages, table, lengths, starts,
+            data.query, *stored, table, lengths, starts,
             key_scales=quantized.key_scales, value_scales=quantized.value_scales,
         ),
-        BASELINE: lambda: paged(data.query, data.key_pages, data.value_pages, table, lengths,
-                                starts),
+        BASELINE: lambda: paged(data.query, *baseline, table, lengths, starts),
         WIDE: lambda: paged(*wide, table, lengths, starts),
     }  # fmt: skip
 

@@ -17,9 +17,13 @@ their refusal):
   (reported, not judged).
 * ``quantized``: the cache's bytes per token per layer per dtype, and the decode batch
   below over int8 pages against bfloat16 pages (:mod:`nanoattn.bench._quantized`).
-* ``decode``: one query token per sequence through ``paged_attention``; the bytes of
+* ``decode``: one query token per sequence through ``paged_attention`` over the pool
+  as a paged attention layer keeps it (one combined pool (P, page_size, 2, K, H) where a
+  token's keys and values take at most 4 KiB, as bfloat16's and int8's here, else two
+  pools: ``nanoattn._layers.caches.paged.combines``); the bytes of
   the pages the sequences hold (keys and values), read once, divided by the call's
-  time, as a fraction of the read bandwidth (target >= 60%). Then the same batch
+  time, as a fraction of the read bandwidth (target >= 60%). A combined pool's step
+  is also timed over the same pages as two pools (reported, not judged). Then the same batch
   through a full cache of capacity 8192 (``dot_product_attention`` with
   ``kv_lengths`` over (16, 8192, 8, 128) keys and values, the same implementation):
   the dense step within 1.1x of the paged one (a decoding step over a full cache reads
@@ -48,6 +52,7 @@ from .._backends import registry
 from .._base.validate import describe
 from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
+from .._layers.caches.paged import combines
 from . import _quantized
 from ._bandwidth import bandwidth_target, measure_page_walk, measure_read
 from ._decode_cases import page_table
@@ -92,12 +97,15 @@ QUICK = Shape(16, 64, 512, 8, 2, 32, PAGE_SIZE, 64, 256, rounds=3)
 
 @dataclasses.dataclass(frozen=True)
 class Pool:
-    """One dtype's inputs: the pool (P, page_size, K, H) twice, the page table (B, M),
-    the lengths (B,), a decode query (B, N, H), a prefill chunk (prefill, N, H), the
-    full cache (B, longest, K, H) twice, and the bytes of the pages held."""
+    """One dtype's inputs: the pool (P, page_size, K, H) twice, and the same pages as
+    one combined pool (P, page_size, 2, K, H) where a paged layer would keep them so
+    (else None), the page table (B, M), the lengths (B,), a decode query (B, N, H), a
+    prefill chunk (prefill, N, H), the full cache (B, longest, K, H) twice, and the
+    bytes of the pages held."""
 
     key_pages: jax.Array
     value_pages: jax.Array
+    combined: jax.Array | None
     page_table: np.ndarray
     lengths: np.ndarray
     query: jax.Array
@@ -105,6 +113,13 @@ class Pool:
     key_cache: jax.Array
     value_cache: jax.Array
     held_bytes: int
+
+    def layer_pools(self) -> tuple:
+        """``(key_pages, value_pages)`` as a paged attention layer keeps them: the
+        combined pool and None where there is one, else the two pools."""
+        if self.combined is not None:
+            return self.combined, None
+        return self.key_pages, self.value_pages
 
 
 @functools.lru_cache(maxsize=1)  # one dtype's arrays at a time: GiBs at the full shape
@@ -126,15 +141,16 @@ def pool(shape: Shape, dtype: str) -> Pool:
     query = jax.random.normal(keys[2], (shape.batch, shape.n_heads, H), dt)
     chunk = jax.random.normal(keys[3], (shape.prefill, shape.n_heads, H), dt)
     held_bytes = 2 * P * ps * K * H * dt.itemsize  # keys and values of the pages held
-    return Pool(key_pages, value_pages, table, lengths, query, chunk, cache(key_pages),
-                cache(value_pages), held_bytes)  # fmt: skip
+    combined = jnp.stack([key_pages, value_pages], axis=2) if combines(K, H, dt) else None
+    return Pool(key_pages, value_pages, combined, table, lengths, query, chunk,
+                cache(key_pages), cache(value_pages), held_bytes)  # fmt: skip
 
 
 def _calls(case: str, shape: Shape, data: Pool, implementation: str) -> dict:
     """The two calls of a case, as functions of nothing: subject first."""
     B = shape.batch
     paged = jax.jit(functools.partial(paged_attention, implementation=implementation))
-    kp, vp, table, lengths = data.key_pages, data.value_pages, data.page_table, data.lengths
+    (kp, vp), table, lengths = data.layer_pools(), data.page_table, data.lengths
     if case == "decode":
         starts = np.arange(B + 1, dtype=np.int32)  # one query each
         full = jax.jit(
@@ -143,10 +159,14 @@ def _calls(case: str, shape: Shape, data: Pool, implementation: str) -> dict:
             )
         )
         q_full = data.query[:, None]  # (B, 1, N, H)
-        return {
+        calls = {
             "paged": lambda: paged(data.query, kp, vp, table, lengths, starts),
             "full": lambda: full(q_full, data.key_cache, data.value_cache, lengths),
         }
+        if data.combined is not None:  # the same pages as two pools
+            k2, v2 = data.key_pages, data.value_pages
+            calls["two"] = lambda: paged(data.query, k2, v2, table, lengths, starts)
+        return calls
     # mixed: sequence 0's prefill chunk of all its keys, one decode token of the others
     if lengths[0] != shape.prefill:
         raise ValueError(f"sequence 0 must hold the {shape.prefill} keys of the prefill chunk")
@@ -190,6 +210,9 @@ def measure_case(case: str, implementation: str, dtype: str, shape: Shape = FULL
         row["held_bytes"] = data.held_bytes
         row["paged_gb_per_s"] = data.held_bytes / (row["paged_median_ms"] / 1e3) / 1e9
         row["full_vs_paged"] = row["full_median_ms"] / row["paged_median_ms"]
+        row["pool"] = "one" if data.combined is not None else "two"
+        if "two_median_ms" in row:
+            row["two_vs_paged"] = row["two_median_ms"] / row["paged_median_ms"]
     else:
         row["parts_median_ms"] = row["alone_median_ms"] + row["decodes_median_ms"]
         row["mixed_vs_parts"] = row["mixed_median_ms"] / row["parts_median_ms"]
@@ -333,8 +356,10 @@ def serving_markdown(result: dict | None) -> list[str]:
 
     def decode(r):
         fraction, ceiling = r.get("fraction_of_bandwidth"), walked.get(r["dtype"])
+        two = r.get("two_vs_paged")
         return [
-            f"{r['paged_median_ms']:.2f} ({r['paged_min_ms']:.2f})",
+            r.get("pool", ""), f"{r['paged_median_ms']:.2f} ({r['paged_min_ms']:.2f})",
+            "" if two is None else f"{r['two_median_ms']:.2f} ({r['two_min_ms']:.2f}): {two:.2f}x",
             f"{r['full_median_ms']:.2f} ({r['full_min_ms']:.2f})", f"{r['full_vs_paged']:.2f}x",
             f"{r['paged_gb_per_s']:.1f}", "" if fraction is None else f"{fraction:.0%}",
             "" if ceiling is None else f"{r['paged_gb_per_s'] / ceiling:.0%}",
@@ -350,8 +375,9 @@ def serving_markdown(result: dict | None) -> list[str]:
 
     rows = {case: [r for r in result["rows"] if r["case"] == case] for case in ("decode", "mixed")}
     lines += table(
-        "| decode | dtype | paged ms | full cache ms | full / paged | pages held GB/s "
-        "| of read bandwidth | of its page walk |", 8, rows["decode"], label, decode, _status,
+        "| decode | dtype | pool | paged ms | over two pools ms: / paged | full cache ms "
+        "| full / paged | pages held GB/s | of read bandwidth | of its page walk |", 10,
+        rows["decode"], label, decode, _status,
     )  # fmt: skip
     lines += ["", *table(
         f"| mixed: {s['prefill']}-token chunk + {s['batch'] - 1} decodes | dtype | mixed ms "

@@ -61,7 +61,8 @@ def _check_alike(name: str, values, hint: str) -> None:
 def cache_shardings(cache, mesh, *, head_axis=None, data_axis=None):
     """The ``NamedSharding`` of every array of a KV cache (a pytree: a linen ``"cache"``
     collection, an ``nnx.State`` of ``nnx.Cache``, or a list of its arrays) on
-    ``mesh``: a pool (G P, page_size, K, H) or a dense cache (B, S, K, H) split by
+    ``mesh``: a pool (G P, page_size, K, H) (a combined one (G P, page_size, 2, K,
+    H)) or a dense cache (B, S, K, H) split by
     groups on its first axis (``data_axis``) and by heads on K (``head_axis``), their
     scales (..., K) alike, a dense cache's positions (B,) by groups, and arrays of no
     element (a paged cache's empty positions) replicated.
@@ -80,6 +81,9 @@ def cache_shardings(cache, mesh, *, head_axis=None, data_axis=None):
         shape = jnp.shape(x)
         if not shape or 0 in shape:
             return NamedSharding(mesh, PartitionSpec())
+        if len(shape) == 5:  # a combined pool (G P, page_size, 2, K, H)
+            check_heads(mesh, head_axis, shape[3])
+            return NamedSharding(mesh, PartitionSpec(data_axis, None, None, head_axis, None))
         if len(shape) >= 3:
             check_heads(mesh, head_axis, shape[2])
             heads = (head_axis,) if len(shape) == 3 else (head_axis, None)

@@ -74,6 +74,9 @@ def test_the_part_reports_every_case_dtype_and_implementation():
         if case == "decode":
             assert row["held_bytes"] == 2 * (2 + 4 + 6) * 4 * 2 * 8 * 4  # pages x ps K H f32
             assert row["fraction_of_bandwidth"] > 0 and row["full_vs_paged"] > 0
+            # 128 bytes a token: one combined pool, as a layer keeps it; and two pools
+            assert row["pool"] == "one"
+            assert row["two_vs_paged"] == row["two_median_ms"] / row["paged_median_ms"]
         else:
             assert row["mixed_vs_parts"] > 0
             assert row["parts_median_ms"] == row["alone_median_ms"] + row["decodes_median_ms"]
@@ -93,6 +96,7 @@ def test_the_part_reports_every_case_dtype_and_implementation():
     assert "| int8 | 48 | 1.000x |" in text and "| float32 | 128 | 0.375x |" in text
     assert "| decode: int8 pages against bfloat16 and float32 | int8 ms |" in text
     assert "| of read bandwidth | of its page walk |" in text
+    assert "| decode | dtype | pool | paged ms | over two pools ms: / paged |" in text
     if walk["status"] == "ok":  # the decode rows' GB/s over their dtype's walk
         row = next(r for r in result["rows"] if r["case"] == "decode" and r["status"] == "ok")
         share = row["paged_gb_per_s"] / walk["gb_per_s"][row["dtype"]]
@@ -111,6 +115,8 @@ def test_the_paired_calls_compute_the_same_attention():
     assert sorted(held.tolist()) == list(range(12))  # every page held once, shuffled
     calls = _serving._calls("decode", TINY, data, "xla")
     np.testing.assert_allclose(calls["paged"](), calls["full"]()[:, 0], rtol=1e-5, atol=1e-5)
+    assert data.combined.shape == (12, 4, 2, 2, 8)  # the same pages, one combined pool
+    np.testing.assert_array_equal(calls["paged"](), calls["two"]())
     calls = _serving._calls("mixed", TINY, data, "xla")
     mixed, alone, decodes = calls["mixed"](), calls["alone"](), calls["decodes"]()
     np.testing.assert_allclose(mixed[: TINY.prefill], alone, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ inf, and rewinds, each sequence equal to its own full forward (docs/decoding.md,
 
 import dataclasses
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from flax import nnx
 
 from nanoattn import PageAllocator
 from nanoattn import nnx as nanoattn_nnx
+from nanoattn._layers.caches import paged as paged_cache
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
 from _layer_configs import paged_step, random_params
@@ -30,11 +32,14 @@ def _config(**options):
 
 
 @functools.cache
-def _layer(**options):
-    """A paged layer, its full-cache twin, random parameters and a jitted step."""
+def _layer(two_pools=False, **options):
+    """A paged layer, its full-cache twin, random parameters and a jitted step; its
+    pool one combined pool (P, PS, 2, K, H), or with ``two_pools`` keys and values of
+    their own (a layer whose token holds more than COMBINED_BYTES keeps them so)."""
     layer = CausalSelfAttention(_config(**options))
     plain = CausalSelfAttention(AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0, **options))
-    params, shapes, step = paged_step(layer, PAGES * PS, 3)
+    with mock.patch.object(paged_cache, "COMBINED_BYTES", 0 if two_pools else 4096):
+        params, shapes, step = paged_step(layer, PAGES * PS, 3)
     full = jax.jit(lambda x: plain.apply({"params": params}, x, True))
     empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     return jax.jit(step), full, empty
@@ -45,14 +50,15 @@ class Driver:
     tokens (a prefill chunk or one decode token each), allocating and extending as it
     goes; keeps every sequence's tokens and outputs."""
 
-    def __init__(self, seed=0, stale=True, **options):
-        self.step, self.full, self.cache = _layer(**options)
+    def __init__(self, seed=0, stale=True, two_pools=False, **options):
+        self.step, self.full, self.cache = _layer(two_pools, **options)
         self.alloc = PageAllocator(PAGES, PS, max_sequences=SEQS, max_pages=MAX_PAGES, seed=seed)
         if stale:  # the pool as a long-running server leaves it: NaN, inf, old keys
             rng = np.random.default_rng(seed)
-            bad = rng.choice([np.nan, np.inf, -np.inf, 3.0], size=self.cache["key"].shape)
-            self.cache = dict(self.cache, key=jnp.asarray(bad, jnp.float32),
-                              value=jnp.asarray(bad[::-1], jnp.float32))  # fmt: skip
+            for name in ("key", "value"):  # a combined pool's "value" is empty
+                shape = self.cache[name].shape
+                bad = rng.choice([np.nan, np.inf, -np.inf, 3.0], size=shape)
+                self.cache = dict(self.cache, **{name: jnp.asarray(bad, jnp.float32)})
         self.tokens, self.outputs = {}, {}
 
     def feed(self, rows):
@@ -86,8 +92,10 @@ def _x(seed, n):
     return np.random.default_rng(seed).standard_normal((n, D)).astype(np.float32)
 
 
-def test_mixed_steps_of_prefill_chunks_and_decode_tokens_equal_each_full_forward():
-    run = Driver()
+@pytest.mark.parametrize("two_pools", [False, True], ids=["one combined pool", "two pools"])
+def test_mixed_steps_of_prefill_chunks_and_decode_tokens_equal_each_full_forward(two_pools):
+    run = Driver(two_pools=two_pools)
+    assert run.cache["key"].ndim == (4 if two_pools else 5)
     a, b, c = _x(1, 14), _x(2, 9), _x(3, 6)
     padding = run.feed([("a", a[:8]), ("b", b[:4])])
     assert (padding == 0).all()
@@ -247,13 +255,15 @@ def test_a_bad_batch_raises_when_concrete_and_poisons_its_rows_under_jit(case):
 
 
 def test_a_fresh_pool_is_buffers_of_its_own_so_a_step_may_donate_it():
-    """The empty pool's keys and values (NNX's init_cache) are two arrays, not one
-    shared: a step that donates the cache would be given the same buffer twice."""
+    """The empty pool (NNX's init_cache: one combined pool of keys and values, and an
+    empty value array) is arrays of their own, not one shared: a step that donates the
+    cache would be given the same buffer twice."""
     module = nanoattn_nnx.CausalSelfAttention(_config(), rngs=nnx.Rngs(0))
     module.init_cache(1, PAGES * PS)
     graphdef, state = nnx.split(module)
     pools = [x for path, x in nnx.to_flat_state(state) if path[-1] in ("key", "value")]
-    assert len(pools) == 2 and pools[0].shape == (PAGES, PS, K, D // N)
+    assert len(pools) == 2 and pools[0].shape == (PAGES, PS, 2, K, D // N)
+    assert pools[1].size == 0
     pointers = {leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(pools)}
     assert len(pointers) == 2
     alloc = PageAllocator(PAGES, PS, max_sequences=SEQS, max_pages=MAX_PAGES)
@@ -266,3 +276,25 @@ def test_a_fresh_pool_is_buffers_of_its_own_so_a_step_may_donate_it():
 
     state, y = step(state, jnp.ones((1, TQ, D)), alloc.batch([("a", 3)], tokens=TQ))
     assert np.isfinite(np.asarray(y)).all() and (np.asarray(y[0, 3:]) == 0).all()
+
+
+@pytest.mark.parametrize(
+    "heads, width, dtype, combined",
+    [(8, 128, "bfloat16", True), (8, 128, "int8", True), (4, 128, "float32", True),
+     (8, 128, "float32", False), (16, 128, "bfloat16", False)],
+)  # fmt: skip
+def test_a_pool_is_combined_where_a_token_holds_at_most_4_kib(heads, width, dtype, combined):
+    """PagedCache.empty: one pool (P, PS, 2, K, H) and an empty "value" where a token's
+    keys and values take at most 4 KiB (bfloat16 at 8 heads of 128: 4 KiB), else two
+    pools (float32 at 8 heads: 8 KiB); quantized scales two arrays (P, PS, K) either way;
+    a latent layer's pool (values of a width of their own) two pools always."""
+    policy = paged_cache.PagedCache(PS)
+    cache = jax.eval_shape(lambda: policy.empty(1, 2 * PS, heads, width, dtype))
+    if combined:
+        assert cache.key.shape == (2, PS, 2, heads, width) and cache.value.shape == (0,)
+    else:
+        assert cache.key.shape == cache.value.shape == (2, PS, heads, width)
+    if dtype == "int8":
+        assert cache.key_scales.shape == cache.value_scales.shape == (2, PS, heads)
+    latent = jax.eval_shape(lambda: policy.empty(1, 2 * PS, 1, 8, dtype, value_dim=4))
+    assert latent.key.shape == (2, PS, 1, 8) and latent.value.shape == (2, PS, 1, 4)

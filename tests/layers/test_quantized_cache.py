@@ -60,11 +60,20 @@ def _decode_linen(kind, kv_cache_dtype, x):
     return np.concatenate(ys, axis=1), cache
 
 
+def _halves(cache) -> dict:
+    """A cache's keys and values: its two arrays, or a combined pool's (P, PS, 2, K, H)
+    halves."""
+    if cache["key"].ndim == 5:
+        return {"key": cache["key"][:, :, 0], "value": cache["key"][:, :, 1]}
+    return {"key": cache["key"], "value": cache["value"]}
+
+
 def _assert_holds_the_quantized_float_cache(quantized, float_cache, dtype, pools=False):
+    got, want = _halves(quantized), _halves(float_cache)
     for name in ("key", "value"):
-        values, scales = nanoattn.quantize_kv(float_cache[name], dtype)
-        assert quantized[name].dtype == jnp.dtype(dtype)
-        np.testing.assert_array_equal(np.asarray(quantized[name], np.float32),
+        values, scales = nanoattn.quantize_kv(want[name], dtype)
+        assert got[name].dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(got[name], np.float32),
                                       np.asarray(values, np.float32), err_msg=name)  # fmt: skip
         np.testing.assert_array_equal(quantized[f"{name}_scales"], scales, err_msg=name)
 

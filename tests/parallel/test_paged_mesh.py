@@ -44,7 +44,7 @@ def slow():
 CALLS = ["heads-flash", "heads-native", "explicit-flash", "explicit-native", "call-both-xla",
          "call-both-flash", "call-both-native", "call-groups-xla", "call-heads-xla",
          "call-both-native-int8", "call-both-flash-per-head", "call-both-xla-shared",
-         "heads-native-int8", "call-both-native-selected"]  # fmt: skip
+         "heads-native-int8", "heads-native-combined", "call-both-native-selected"]  # fmt: skip
 SLOW_CALLS = ["heads-xla", "explicit-xla", "call-groups-flash", "call-groups-native",
               "call-heads-flash", "call-heads-native", "call-both-xla-int8",
               "call-both-flash-int8", "call-both-xla-per-head"]  # fmt: skip

@@ -237,15 +237,22 @@ ffi::Error paged_problem(const QBuf& q, const PoolBuf& key_pages, const PoolBuf&
   auto bad = [](const char* what) {
     return ffi::Error::InvalidArgument(std::string("nanoattn native paged: ") + what);
   };
-  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2)
-    return bad("q needs (Tq, N, H), the pages (P, page_size, K, H), the table (B, M)");
-  for (size_t a = 0; a < 3; ++a)
+  // two pools (P, page_size, K, H) and (P, page_size, K, Hv), or one combined pool
+  // (P, page_size, 2, K, H) given as both (p.combined: the caller starts the values K * H in)
+  p.combined = kd.size() == 5;
+  if (qd.size() != 3 || kd.size() != vd.size() || (kd.size() != 4 && !p.combined) ||
+      (p.combined && kd[2] != 2) || td.size() != 2)
+    return bad("q needs (Tq, N, H), the pages (P, page_size, K, H) or one (P, page_size, 2, K, H), "
+               "the table (B, M)");
+  for (size_t a = 0; a + 1 < kd.size(); ++a)
     if (kd[a] != vd[a]) return bad("key and value pages differ");
-  p.Tq = qd[0], p.N = qd[1], p.H = qd[2], p.Hv = vd[3];
-  p.P = kd[0], p.page_size = kd[1], p.K = kd[2];
+  p.Tq = qd[0], p.N = qd[1], p.H = qd[2], p.Hv = vd[vd.size() - 1];
+  p.P = kd[0], p.page_size = kd[1], p.K = kd[kd.size() - 2];
   p.B = td[0], p.M = td[1];
-  if (kd[3] != p.H || p.K == 0 || p.N % p.K || p.page_size == 0)
+  if (kd[kd.size() - 1] != p.H || p.K == 0 || p.N % p.K || p.page_size == 0)
     return bad("bad head counts, widths or page size");
+  p.key_row = (p.combined ? 2 : 1) * p.K * p.H;
+  p.value_row = p.combined ? p.key_row : p.K * p.Hv;
   if (static_cast<int64_t>(kv_lengths.element_count()) != p.B ||
       static_cast<int64_t>(starts.element_count()) != p.B + 1 ||
       static_cast<int64_t>(real.element_count()) != p.Tq)
@@ -281,8 +288,9 @@ ffi::Error PagedForward(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT>
   ffi::Error err = paged_problem(q, key_pages, value_pages, table, kv_lengths, starts, real,
                                  offsets, tree, scale, soft_cap, left, right, p);
   if (err.failure()) return err;
-  return paged_run(pool, p, q.typed_data(), key_pages.typed_data(), value_pages.typed_data(),
-                   out->typed_data(), lse->typed_data());
+  return paged_run(pool, p, q.typed_data(), key_pages.typed_data(),
+                   value_pages.typed_data() + p.values_start(), out->typed_data(),
+                   lse->typed_data());
 }
 
 // The paged forward pass over quantized pools (int8 or float8_e4m3fn, both the same) with
@@ -310,7 +318,8 @@ ffi::Error PagedForwardQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   bool served = with_storage(key_pages.element_type(), [&](auto stored) {
     using In = std::remove_const_t<std::remove_pointer_t<decltype(stored)>>;
     err = paged_run(pool, p, q.typed_data(), static_cast<const In*>(key_pages.untyped_data()),
-                    static_cast<const In*>(value_pages.untyped_data()), out->typed_data(),
+                    static_cast<const In*>(value_pages.untyped_data()) + p.values_start(),
+                    out->typed_data(),
                     lse->typed_data());
   });
   if (!served)

@@ -15,6 +15,7 @@ packed or loaded (the query widened to float32); no gradients through them."""
 import jax
 import jax.numpy as jnp
 
+from ..._base.paged import split_pool
 from ..._base.selection import dense_as_pages, paged_as_pages, read_selected
 from ..._base.tree import tree_as_mask
 from ..interface import NO_DROPOUT, unserved
@@ -95,6 +96,7 @@ class Native:
 
     def paged(self, query, key_pages, value_pages, rules):
         if rules.key_indices is not None:
+            key_pages, value_pages = split_pool(key_pages, value_pages)
             return read_selected(self.paged, paged_as_pages, query, key_pages, value_pages,
                                  rules)  # fmt: skip
         return _run(native_paged_attention, query, key_pages, value_pages, rules)
@@ -111,8 +113,10 @@ def _run(attention, query, key, value, rules):
     (quantized keys and values are read as stored), its output in the query's dtype."""
     dtype = query.dtype
     quantized = rules.key_scales is not None  # read as stored (int8, float8)
-    if not quantized and not dtype == key.dtype == value.dtype:  # mixed: all float32
-        query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
+    values = key if value is None else value  # None: key is a combined pool
+    if not quantized and not dtype == key.dtype == values.dtype:  # mixed: all float32
+        query, key = query.astype(jnp.float32), key.astype(jnp.float32)
+        value = None if value is None else value.astype(jnp.float32)
     out, lse = attention(query, key, value, rules)
     out = out.astype(dtype)
     return (out, lse) if rules.return_residual else out

@@ -138,7 +138,8 @@ def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attribut
                        tree=None):  # fmt: skip
     """The paged pass (paged.h) by FFI: q (Tq, N, H) float32 or bfloat16 (float32 over
     quantized pools), ``pools`` (key pages (P, page_size, K, H), value pages (P,
-    page_size, K, Hv), and for quantized pools their scales (P, page_size, K)), the page
+    page_size, K, Hv), or a combined pool (P, page_size, 2, K, H) given twice, and for
+    quantized pools their scales (P, page_size, K)), the page
     table (B, M), key lengths (B,), query starts (B + 1,), real rows (Tq,), first query
     positions (B,) or (0,), the static rules, and a token tree's rows (Tq, 1 + W) int32
     (:func:`~nanoattn._backends.native.tree.tree_rows`) or None. Returns (out (Tq, N,
@@ -150,12 +151,13 @@ def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attribut
     between devices; an axis whose size does not divide K is refused in one line. Inside
     ``jax.shard_map`` the results vary over the manual axes its operands vary over."""
     quantized = len(pools) == 4
+    combined = pools[0].ndim == 5
     tree = jnp.zeros((0, 1), jnp.int32) if tree is None else tree
     table, lengths, starts, offsets, tree = (
         x.astype(jnp.int32) for x in (table, lengths, starts, offsets, tree)
     )
-    N, K = q.shape[1], pools[0].shape[2]
-    call = _batchable(quantized, N // K if K > 1 else 0, attributes)
+    N, K = q.shape[1], pools[0].shape[-2]
+    call = _batchable(quantized, combined, N // K if K > 1 else 0, attributes)
     operands = (q, *pools, table, lengths, starts, real.astype(jnp.uint8), offsets, tree)
     # Inside shard_map the FFI call's results vary over no axis by their type: marked as
     # their operands do, or a gradient through them would be summed over the devices.
@@ -163,12 +165,12 @@ def paged_forward_call(q, pools, table, lengths, starts, real, offsets, attribut
 
 
 @functools.cache
-def _batchable(quantized: bool, G: int, attributes):
+def _batchable(quantized: bool, combined: bool, G: int, attributes):
     """:func:`_partitioned` under ``vmap`` too: a batch of calls runs one after another
     (``custom_partitioning`` has no batching rule of its own)."""
     from jax.custom_batching import custom_vmap
 
-    partitioned = _partitioned(quantized, G, attributes)
+    partitioned = _partitioned(quantized, combined, G, attributes)
     local = functools.partial(_local_call, quantized, attributes)
 
     @custom_vmap
@@ -200,33 +202,35 @@ def _local_call(quantized: bool, attributes, q, *operands):
 
 
 @functools.cache
-def _partitioned(quantized: bool, G: int, attributes):
+def _partitioned(quantized: bool, combined: bool, G: int, attributes):
     """:func:`_local_call` under ``custom_partitioning``: the query's heads (K groups of
     G) and the pools' K split alike; every other operand replicated. ``G`` 0: a pool of
     one head (K = 1), which the query's heads may split without (a compound factor of
-    size 1 is no sharding rule)."""
+    size 1 is no sharding rule). ``combined``: one pool (P, page_size, 2, K, H) given
+    twice (its keys and its values)."""
     from jax.experimental.custom_partitioning import custom_partitioning
 
     local = functools.partial(_local_call, quantized, attributes)
     fn = custom_partitioning(local)
-    pools = "p s k h, p s k v" + (", p s k, p s k" if quantized else "")
+    pools = "p s c k h, p s c k h" if combined else "p s k h, p s k v"
+    pools += ", p s k, p s k" if quantized else ""
     heads = {0: "n", 1: "k"}.get(G, "(k g)")
     rule = f"t {heads} h, {pools}, b m, b, c, t, o, r w -> t {heads} v, t {heads}"
 
     def partition(mesh, arg_shapes, result_shape):
         shardings = tuple(a.sharding for a in arg_shapes)
-        _check_heads(mesh, shardings[1], arg_shapes[1].shape[2])
+        _check_heads(mesh, shardings[1], arg_shapes[1].shape[-2], arg_shapes[1].ndim - 2)
         return mesh, local, tuple(r.sharding for r in result_shape), shardings
 
     fn.def_partition(partition=partition, sharding_rule=rule, **({"g": G} if G > 1 else {}))
     return fn
 
 
-def _check_heads(mesh, pool_sharding, K: int) -> None:
-    """Raises ValueError when the pool's key/value heads are split over mesh axes whose
-    size does not divide K."""
+def _check_heads(mesh, pool_sharding, K: int, axis: int = 2) -> None:
+    """Raises ValueError when the pool's key/value heads (its axis ``axis``) are split
+    over mesh axes whose size does not divide K."""
     spec = getattr(pool_sharding, "spec", None)
-    axes = spec[2] if spec is not None and len(spec) > 2 else None
+    axes = spec[axis] if spec is not None and len(spec) > axis else None
     if axes is None:
         return
     axes = axes if isinstance(axes, tuple) else (axes,)

@@ -3,7 +3,9 @@
 // each sequence's page table; no gathered copy of any sequence's keys exists.
 //
 // Shapes (docs/conventions.md's letters): q (Tq, N, H); key and value pages (P,
-// page_size, K, H); table (B, M) int32, sequence b's j-th page; kv_lengths (B,), the keys
+// page_size, K, H), or one combined pool (P, page_size, 2, K, H) whose token rows hold
+// their keys then their values (Paged::key_row, value_row: the strides of token rows);
+// table (B, M) int32, sequence b's j-th page; kv_lengths (B,), the keys
 // sequence b holds; starts (B + 1,), sequence b's queries are rows starts[b] ..
 // starts[b+1] - 1, at positions kv_lengths[b] - q_len + i; real (Tq,) uint8, the rows
 // that belong to exactly one valid sequence (the others are padding, or broken rows the
@@ -93,6 +95,12 @@ constexpr bool kFetchEveryLine = kQuantized<In>;
 // width, H's unless the values have a width of their own (multi-head latent attention).
 struct Paged {
   int64_t Tq, N, K, G, H, Hp, Hv, Hvp, P, page_size, B, M;
+  // The elements from one token's row of a pool to the next: K * H (keys) and K * Hv
+  // (values) for two pools; 2 * K * H for a combined pool (P, page_size, 2, K, H), where
+  // a token's values follow its keys and the values' pointer starts K * H in.
+  int64_t key_row = 0, value_row = 0;
+  bool combined = false;
+  int64_t values_start() const { return combined ? K * H : 0; }
   float scale, soft_cap;  // soft_cap 0: none
   int64_t left, right;    // the band, -1: unbounded
   const int32_t* table;   // (B, M)
@@ -460,9 +468,9 @@ struct PagedTiles {
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
       const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
-      const int64_t token = (page * p.page_size + slot) * p.K + task.kh0;
-      keys[c] = kp + token * p.H;
-      values[c] = vp + token * p.Hv;
+      const int64_t row = page * p.page_size + slot, token = row * p.K + task.kh0;
+      keys[c] = kp + row * p.key_row + task.kh0 * p.H;
+      values[c] = vp + row * p.value_row + task.kh0 * p.Hv;
       if constexpr (quantized)
         for (int64_t hh = 0; hh < heads; ++hh) {
           scales_at(parity, 0, hh)[c] = p.key_scales[token + hh];

@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..._base.paged import split_pool
 from ..._base.rules import Rules
 from ..._base.tree import tree_as_mask
 from ..flash.paged import PagedInputs, PagedPlan, on_auto_axes, paged_gradients, paged_inputs
@@ -53,6 +54,9 @@ def native_paged_attention(query, key_pages, value_pages, rules: Rules):
       differentiable in the query and float pools (quantized pools raise the
       flash kernel's NO_QUANTIZED_GRADIENTS).
     """
+    pool = None  # a combined pool, which the forward pass reads in place
+    if value_pages is None:
+        pool, (key_pages, value_pages) = key_pages, split_pool(key_pages)  # for gradients
     positions, tree = tree_rows(rules)
     plan, inputs = paged_inputs(query, key_pages, value_pages, tree_as_mask(rules))
     if tree is not None:  # rows whose band, at their tree positions, reaches a page given back
@@ -60,13 +64,15 @@ def native_paged_attention(query, key_pages, value_pages, rules: Rules):
         query = jnp.where(reads[:, None, None], jnp.nan, inputs.query)
         inputs = dataclasses.replace(inputs, query=query)
     call = functools.partial(_attend, plan, static_rules(rules))
-    return on_auto_axes(call, inputs.query, inputs, tree)  # a mesh of Explicit axes: Auto
+    return on_auto_axes(call, inputs.query, inputs, tree, pool)  # a mesh of Explicit axes: Auto
 
 
-def _forward(attributes, inputs: PagedInputs, tree):
-    """(out (Tq, N, Hv), lse (Tq, N)), float32, by the C++ pass."""
+def _forward(attributes, inputs: PagedInputs, tree, pool):
+    """(out (Tq, N, Hv), lse (Tq, N)), float32, by the C++ pass: over the combined
+    ``pool`` where there is one (given twice: its keys and its values), so that its
+    halves in ``inputs`` (the gradients') are never formed in a forward pass."""
     q = inputs.query
-    pools = (inputs.key_pages, inputs.value_pages)
+    pools = (inputs.key_pages, inputs.value_pages) if pool is None else (pool, pool)
     if inputs.key_scales is not None:  # float32 queries; the pools as stored, their scales
         q = q.astype(_F32)
         pools += (inputs.key_scales.astype(_F32), inputs.value_scales.astype(_F32))
@@ -77,18 +83,20 @@ def _forward(attributes, inputs: PagedInputs, tree):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(plan: PagedPlan, attributes, inputs: PagedInputs, tree):
-    return _forward(attributes, inputs, tree)
+def _attend(plan: PagedPlan, attributes, inputs: PagedInputs, tree, pool):
+    return _forward(attributes, inputs, tree, pool)
 
 
-def _attend_fwd(plan: PagedPlan, attributes, inputs: PagedInputs, tree):
-    out, lse = _forward(attributes, inputs, tree)
+def _attend_fwd(plan: PagedPlan, attributes, inputs: PagedInputs, tree, pool):
+    out, lse = _forward(attributes, inputs, tree, pool)
     return (out, lse), (inputs, out, lse)
 
 
 def _attend_bwd(plan: PagedPlan, attributes, residuals, cotangents):
-    inputs, out, lse = residuals  # a tree: the plan's mask_fn (tree_as_mask)
-    return paged_gradients(plan, inputs, out, lse, *cotangents), None
+    # A tree: the plan's mask_fn (tree_as_mask). A combined pool's gradient reaches it
+    # through its halves in inputs (the pool itself: none).
+    inputs, out, lse = residuals
+    return paged_gradients(plan, inputs, out, lse, *cotangents), None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -13,7 +13,11 @@ rolling one a ring of slots). A quantized cache
 more arrays, ``"key_scales"`` and ``"value_scales"`` (B, S, K) float32
 (:mod:`.quantized`). A paged cache with page selection keeps one more,
 ``"key_bounds"`` (P, 2, K, H) float32, each page's box of keys (:mod:`.page_selection`).
-A row whose position is negative (``POISONED``) is poisoned (an
+A paged cache of an attention layer keeps one combined pool instead of two:
+``"key"`` (P, page_size, 2, K, H), each token's keys then its values (the layout the
+native kernel reads fastest, ``nanoattn.paged_attention`` with ``value_pages`` None),
+and ``"value"`` empty (:func:`is_combined`). A row whose position is negative
+(``POISONED``) is poisoned (an
 invalid call or rewind under ``jit``): its outputs are NaN until it is reset. The
 linen modules keep the cache in the ``"cache"`` collection, the NNX modules in
 ``nnx.Cache`` variables; both advance it with :func:`decode` of
@@ -41,7 +45,7 @@ class KVCache(NamedTuple):
     its keys with page selection (None otherwise)."""
 
     key: jax.Array
-    value: jax.Array
+    value: jax.Array  # empty where key is a combined pool (is_combined)
     position: jax.Array
     last: jax.Array
     key_scales: Any = None
@@ -86,6 +90,12 @@ def empty(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype,
     values, value_scales = quantized_zeros((batch, capacity, kv_heads, Hv), dtype)
     position, last = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
     return KVCache(keys, values, position, last, key_scales, value_scales)
+
+
+def is_combined(cache: KVCache) -> bool:
+    """Whether ``cache`` keeps one combined pool (``key`` (P, page_size, 2, K, H), each
+    token's keys then its values; ``value`` empty): a paged attention layer's."""
+    return cache.key.ndim == 5
 
 
 def is_concrete(x) -> bool:
