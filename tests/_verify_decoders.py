@@ -33,6 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _caches import halves
 
 from nanoattn import PageAllocator, apply_rope, dot_product_attention, paged_attention
 
@@ -593,13 +594,15 @@ def _quantized_layer():
 
 
 def _requantized(cache):
-    keys = {}
+    keys, stored = {}, halves(cache)
     for name in ("key", "value"):
-        x = cache[name].astype(jnp.float32) * cache[f"{name}_scales"][..., None]  # (B, S, K, H)
+        x = stored[name].astype(jnp.float32) * cache[f"{name}_scales"][..., None]  # (B, S, K, H)
         scale = jnp.max(jnp.abs(x), axis=(1, 3), keepdims=True) / 127  # (B, 1, K, 1)
         safe = jnp.where(scale > 0, scale, 1)
         keys[name] = jnp.round(x / safe).astype(jnp.int8)
         keys[f"{name}_scales"] = jnp.broadcast_to(scale[..., 0], cache[f"{name}_scales"].shape)
+    if cache["key"].ndim == 5:  # a combined cache: its keys and values in "key" again
+        keys["key"], keys["value"] = jnp.stack([keys["key"], keys["value"]], 2), cache["value"]
     return dict(cache, **keys)
 
 

@@ -33,6 +33,10 @@ class Backend(Protocol):
       forward_mode: optional, False when missing: whether jax can differentiate it in
         forward mode (``jax.jvp``, ``jax.jacfwd``); a backend with a ``custom_vjp``
         cannot, and the automatic choice leaves it out of such calls.
+      reads_combined: optional, False when missing: whether its ``__call__`` and
+        ``paged`` take a combined cache or pool (key (B, S, 2, K, H) or (P,
+        page_size, 2, K, H) and value None) as it is; the others get its two halves
+        (``nanoattn._base.paged.split_pool``).
       applies_sinks: optional, False when missing: whether it applies
         ``rules.sinks`` itself; otherwise it is called without them and with
         ``return_residual`` set, and the sinks are merged into its output

@@ -9,6 +9,7 @@ K key/value heads, H head width, Hv the values' head width.
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -77,14 +78,16 @@ def check_sizes(query, key, value) -> tuple[int, ...]:
     """(B, T, S, N, K, H, Hv) of query (B, T, N, H), key (B, S, K, H) and value
     (B, S, K, Hv) (Hv = H without a value)."""
     query = as_array("query", query, "an array (B, T, N, H)")
-    key = as_array("key", key, "an array (B, S, K, H)")
+    if not is_shape(key):  # a combined cache's half: its shape (rules.combined_cache)
+        key = as_array("key", key, "an array (B, S, K, H)")
     expect_shape("query", query.shape, "B T N H", (None,) * 4)
     B, T, N, H = query.shape
     expect_shape("key", key.shape, "B S K H", (B, None, None, H))
     _, S, K, _ = key.shape
     Hv = H
-    if value is not None:
+    if value is not None and not is_shape(value):
         value = as_array("value", value, "an array (B, S, K, Hv)")
+    if value is not None:
         expect_shape("value", value.shape, "B S K Hv", (B, S, K, None))
         Hv = value.shape[3]
     if K == 0 or N % K != 0:
@@ -95,8 +98,14 @@ def check_sizes(query, key, value) -> tuple[int, ...]:
         )
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x is not None and not (name != "query" and is_quantized(x)):  # scales: make
-            expect_floating(name, jnp.result_type(x))
+            expect_floating(name, x.dtype if is_shape(x) else jnp.result_type(x))
     return B, T, S, N, K, H, Hv
+
+
+def is_shape(x) -> bool:
+    """Whether ``x`` stands for an array by its shape and dtype alone
+    (``jax.ShapeDtypeStruct``: a combined cache's half, never sliced for a check)."""
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def as_rank4(x):

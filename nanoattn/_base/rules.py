@@ -30,7 +30,7 @@ from . import tree
 from .paged import check_paged, pool_halves, token_layout
 from .rule_checks import check_lengths as check_lengths
 from .rule_checks import check_sinks as check_sinks
-from .rule_checks import check_sizes
+from .rule_checks import check_sizes, is_shape
 from .rule_checks import check_soft_cap as check_soft_cap
 from .rule_checks import normalize_window as normalize_window
 from .rule_table import FIELDS, KEYWORDS, NAMES, PAGED_KEYWORDS, TABLE, UNSPLIT, Context
@@ -70,8 +70,7 @@ class _Rules:
             raise TypeError(f"unknown rule arguments {unknown}; the rules are {ARGUMENTS}")
         B, T, S, N, K, H, Hv = check_sizes(query, key, value)
         sizes = dict(B=B, T=T, S=S, N=N, K=K, H=H, Hv=Hv)
-        key = jnp.asarray(key)
-        value = None if value is None else jnp.asarray(value)
+        key, value = (x if x is None or is_shape(x) else jnp.asarray(x) for x in (key, value))
         given = dict.fromkeys(ARGUMENTS) | _DEFAULTS | arguments
         return cls._checked(Context(sizes, query, key, value, given, {}))
 
@@ -311,6 +310,26 @@ class Batched(NamedTuple):
     value: Any
     rules: dict
     unbatched: bool
+
+
+def combined_cache(query, key):
+    """A dense call's combined cache ``key`` (B, S, 2, K, H), each slot's keys then its
+    values (``value`` None), as an array, and the shape of either half (B, S, K, H) for
+    the checks of :meth:`Rules.make`.
+
+    Raises:
+      ValueError: a query that is not batched (B, T, N, H), or a key of another shape,
+        naming them.
+    """
+    query = as_array("query", query, "an array (B, T, N, H)")
+    key = as_array("key", key, "an array (B, S, 2, K, H)")
+    if query.ndim != 4 or key.ndim != 5 or key.shape[2] != 2:
+        raise ValueError(
+            f"value is None, so key must be one combined cache (B, S, 2, K, H), each slot's "
+            f"keys then its values, with a query (B, T, N, H); got key {key.shape} and "
+            f"query {query.shape}"
+        )
+    return key, jax.ShapeDtypeStruct(key.shape[:2] + key.shape[3:], key.dtype)
 
 
 def batched(query, key, value, **rules) -> Batched:

@@ -13,8 +13,9 @@ from .._backends.registry import Implementation, get
 from .._base.debug import one_program
 from .._base.dropout import check_dropout
 from .._base.numerics import softmax_dtype
+from .._base.paged import split_pool
 from .._base.quantized import is_quantized
-from .._base.rules import ARGUMENTS, Rules, batched, poison_rows
+from .._base.rules import ARGUMENTS, Rules, batched, combined_cache, poison_rows
 from .._base.validate import check_scale, check_tiles
 from .eager import cacheable, is_eager
 from .merge import add_sinks
@@ -86,8 +87,11 @@ def dot_product_attention(
         and value are (S, K, H), a mask or bias broadcastable to (N, T, S),
         ``kv_lengths`` a scalar, segment ids (T,) and (S,), and the results lose
         the batch axis too); ``jax.vmap`` over a batch axis gives such calls.
-      key: (B, S, K, H), K dividing N (grouped-query attention when K < N).
-      value: (B, S, K, H).
+      key: (B, S, K, H), K dividing N (grouped-query attention when K < N); or one
+        combined cache (B, S, 2, K, H) with ``value`` None: each slot's keys then its
+        values (``key[:, :, 0]`` and ``key[:, :, 1]``), which ``"native"`` reads in
+        place for a decoding step (docs/conventions.md).
+      value: (B, S, K, H), or None with a combined ``key``.
       mask: optional boolean, broadcastable to (B, N, T, S).
       bias: optional float, broadcastable to (B, N, T, S), added to the
         scaled logits.
@@ -172,7 +176,7 @@ def dot_product_attention(
       (2, 5, 4, 32)
     """
     check_dropout(dropout_rate, dropout_rng)
-    call = _Call.of(query, key, value, _rule_arguments(locals()))
+    call = _Call.of(query, key, value, _rule_arguments(locals()), combined=value is None)
     out = attend(
         call.query, call.key, call.value, call.rules, implementation=implementation,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
@@ -304,6 +308,8 @@ def attend(query, key, value, rules: Rules, *, implementation=None, dropout_rate
 def _run(backend, dropout_rate, tiles, query, key, value, rules, dropout_rng):
     """:func:`attend`'s work once its backend is chosen: a paged call through the
     backend's ``paged``, a dense one through the backend itself."""
+    if value is None and not getattr(backend, "reads_combined", False):
+        key, value = split_pool(key)  # a combined cache or pool: its two halves
     if rules.paged:
         kernel = backend.paged
     else:
@@ -339,9 +345,10 @@ def _with_sinks(kernel, query, key, value, rules: Rules, sinks_inside: bool):
     # once: rounding the kernel's output first (and its cotangent on the way back) made
     # the output, dv and dsinks several times less accurate than the reference's.
     dtype = query.dtype
-    wide = softmax_dtype(dtype, key.dtype, value.dtype)
+    wide = softmax_dtype(dtype, key.dtype)  # value None: key a combined cache or pool
     # quantized keys and values stay as they are: the kernel reads them with their scales
-    q, k, v = (x if is_quantized(x) else x.astype(wide) for x in (query, key, value))
+    q, k, v = (x if x is None or is_quantized(x) else x.astype(wide)
+               for x in (query, key, value))  # fmt: skip
     out, lse = kernel(q, k, v, keys_only)
     out, lse = add_sinks(out, lse, rules.sinks)
     out = out.astype(dtype)
@@ -367,9 +374,16 @@ class _Call:
     unbatched: bool
 
     @classmethod
-    def of(cls, query, key, value, arguments: dict) -> "_Call":
-        """The call of ``query``, ``key``, ``value`` and the rule keywords ``arguments``."""
+    def of(cls, query, key, value, arguments: dict, combined: bool = False) -> "_Call":
+        """The call of ``query``, ``key``, ``value`` and the rule keywords ``arguments``;
+        ``combined``: ``key`` one combined cache (B, S, 2, K, H) (value None), checked
+        as its two halves' shapes (no slice taken) and kept whole."""
         arguments = dict(arguments, scale=check_scale(arguments.get("scale")))
+        if combined:
+            cache, half = combined_cache(query, key)
+            call = batched(query, half, half, **arguments)
+            return cls(call.query, cache, None, Rules.make(call.query, half, half, **call.rules),
+                       False)  # fmt: skip
         call = batched(query, key, value, **arguments)
         rules = Rules.make(call.query, call.key, call.value, **call.rules)
         key = jnp.asarray(call.key)

@@ -14,6 +14,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from .._base.paged import split_pool
 from .._base.trace import check_shape
 from .._core.api import attention_weights, dot_product_attention
 from .._core.paged import paged_attention
@@ -137,9 +138,10 @@ def core(params: Parameters, q, k, v, cfg: AttentionConfig, deterministic: bool,
             q, k, v, dropout_rate=rate, dropout_rng=rng, implementation=cfg.implementation,
             **mask_args,
         )  # fmt: skip
-    else:  # sharded over a mesh: nanoattn.parallel
+    else:  # sharded over a mesh: nanoattn.parallel, over a combined cache's halves
+        k, v = split_pool(k, v)
         out = attend_sharded(cfg, q, k, v, dropout_rate=rate, dropout_rng=rng, **mask_args)
-    params.sow_weights(lambda: _weights(q, k, mask_args))
+    params.sow_weights(lambda: _weights(q, split_pool(k, v)[0], mask_args))
     return out
 
 

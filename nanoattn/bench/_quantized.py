@@ -36,8 +36,7 @@ import numpy as np
 from .._base.validate import describe
 from .._core.paged import paged_attention
 from .._core.quantize import quantize_kv
-from .._layers.caches.kv_cache import cache_bytes
-from .._layers.caches.paged import combines
+from .._layers.caches.kv_cache import cache_bytes, combines
 from .._layers.config import AttentionConfig
 from .._layers.linen.attention import CausalSelfAttention
 from ._bandwidth import bandwidth_target

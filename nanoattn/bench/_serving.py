@@ -52,7 +52,7 @@ from .._backends import registry
 from .._base.validate import describe
 from .._core.api import dot_product_attention
 from .._core.paged import paged_attention
-from .._layers.caches.paged import combines
+from .._layers.caches.kv_cache import combines
 from . import _quantized
 from ._bandwidth import bandwidth_target, measure_page_walk, measure_read
 from ._decode_cases import page_table

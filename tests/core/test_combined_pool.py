@@ -19,7 +19,7 @@ from test_paged_attention import MIXED, Layout
 import nanoattn
 from nanoattn._backends import registry
 
-from _backends import require_paged
+from _backends import require, require_paged
 
 
 @functools.cache
@@ -121,3 +121,87 @@ def test_a_combined_pool_of_the_wrong_shape_raises_one_line(pool, message):
             jnp.ones((1, 2, 4)), jnp.ones(pool), None, jnp.zeros((1, 2), jnp.int32),
             jnp.ones((1,), jnp.int32), jnp.arange(2, dtype=jnp.int32),
         )  # fmt: skip
+
+
+# A dense call over one combined cache (B, S, 2, K, H), value None.
+B, S, DN, DK, DH = 3, 37, 6, 2, 8
+
+
+@functools.cache
+def _dense_program(name: str, T: int, quantized: bool):
+    """A call over a cache of S = 37 slots with kv_lengths and causal queries at their
+    rows' ends (a decoding step at T = 1, a chunk at T = 17), with its log-sum-exp and,
+    for float caches, the VJP to the query and the cache(s)."""
+    lengths = jnp.array([37, 11, 20])
+    rules = dict(kv_lengths=lengths, q_offset=lengths - T, is_causal=True, window=(13, 0),
+                 return_residual=True, implementation=name)  # fmt: skip
+
+    def call(q, k, v, scales):
+        return nanoattn.dot_product_attention(q, k, v, **rules, **scales)
+
+    @jax.jit
+    def run(q, k, v, scales, d_out):
+        if quantized:
+            return call(q, k, v, scales), None
+        (out, lse), vjp = jax.vjp(lambda q, k, v: call(q, k, v, scales), q, k, v)
+        return (out, lse), vjp((d_out, jnp.zeros_like(lse)))
+
+    return run, rules
+
+
+@pytest.mark.parametrize("T", [1, 17], ids=["decode", "chunk"])
+@pytest.mark.parametrize("name", registry.names())
+def test_a_combined_dense_cache_equals_its_two_halves(name, T):
+    """Float32, slots past each row's length NaN (never read); a decoding step (read in
+    place by native) and a chunk (native packs the halves); outputs, log-sum-exp and
+    gradients exact."""
+    rng = np.random.default_rng(T)
+    cache = rng.standard_normal((B, S, 2, DK, DH)).astype(np.float32)
+    cache[1, 11:], cache[2, 20:] = np.nan, np.inf
+    cache = jnp.asarray(cache)
+    q = jnp.asarray(rng.standard_normal((B, T, DN, DH)), jnp.float32)
+    d_out = jnp.asarray(rng.standard_normal((B, T, DN, DH)), jnp.float32)
+    run, rules = _dense_program(name, T, False)
+    k, v = cache[:, :, 0], cache[:, :, 1]
+    require(name, q, k, v, **{n: x for n, x in rules.items() if n != "implementation"})
+    (two, (dq, dk, dv)), (one, grads) = run(q, k, v, {}, d_out), run(q, cache, None, {}, d_out)
+    for got, want in zip(one, two):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    np.testing.assert_array_equal(grads[0], dq)
+    np.testing.assert_array_equal(grads[1], np.stack([dk, dv], axis=2))
+    assert grads[2] is None
+
+
+def test_a_combined_int8_dense_cache_decodes_in_place_on_native():
+    rng = np.random.default_rng(3)
+    halves = [jnp.asarray(rng.standard_normal((B, S, DK, DH)), jnp.float32) for _ in "kv"]
+    (k, ks), (v, vs) = (nanoattn.quantize_kv(x, "int8") for x in halves)
+    q = jnp.asarray(rng.standard_normal((B, 1, DN, DH)), jnp.float32)
+    run, _ = _dense_program("native", 1, True)
+    scales = dict(key_scales=ks, value_scales=vs)
+    two, one = run(q, k, v, scales, None)[0], run(q, jnp.stack([k, v], 2), None, scales, None)[0]
+    for got, want in zip(one, two):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_native_dense_decode_reads_the_cache_in_place():
+    shapes = (jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.float32),
+              jax.ShapeDtypeStruct((4, 599, 2, 2, 64), jnp.float32))  # fmt: skip
+    lengths = jnp.array([599, 7, 300, 1])
+    call = functools.partial(nanoattn.dot_product_attention, kv_lengths=lengths,
+                             implementation="native")  # fmt: skip
+    compiled = jax.jit(lambda q, kv: call(q, kv, None)).lower(*shapes).compile()
+    half = 4 * 599 * 2 * 64 * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < half / 4
+
+
+@pytest.mark.parametrize(
+    "key, query, message",
+    [((3, 5, 2, 4), (3, 1, 2, 4), r"value is None, so key must be one combined cache"),
+     ((3, 5, 2, 1, 4), (1, 2, 4), r"value is None, so key must be one combined cache"),
+     ((3, 5, 2, 1, 5), (3, 1, 2, 4), r"key must have shape \(B, S, K, H\)")],
+    ids=["four axes", "unbatched query", "another width"],
+)  # fmt: skip
+def test_a_combined_dense_cache_of_the_wrong_shape_raises_one_line(key, query, message):
+    with pytest.raises(ValueError, match=message):
+        nanoattn.dot_product_attention(jnp.ones(query), jnp.ones(key), None)

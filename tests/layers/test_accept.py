@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _caches import halves
 from _np_latent import np_latent
 from flax import nnx
 
@@ -73,11 +74,13 @@ def test_an_accepted_quantized_row_holds_the_kept_tokens_with_their_scales():
     cache = accept(tree_cache, _kept([kept, kept[:1]], 9))
     for b, start in enumerate((7, 3)):
         keep = kept if b == 0 else kept[:1]
+        arrays = [{**c, **halves(c)} for c in (cache, tree_cache, prompted)]
         for name in ("key", "value", "key_scales", "value_scales"):
-            moved = np.asarray(cache[name][b, start : start + len(keep)])
-            tree_rows = np.asarray(tree_cache[name][b])[start + np.array(keep)]
+            got, tree, before = (a[name] for a in arrays)
+            moved = np.asarray(got[b, start : start + len(keep)])
+            tree_rows = np.asarray(tree[b])[start + np.array(keep)]
             np.testing.assert_array_equal(moved, tree_rows)
-            np.testing.assert_array_equal(cache[name][b, :start], prompted[name][b, :start])
+            np.testing.assert_array_equal(got[b, :start], before[b, :start])
     np.testing.assert_array_equal(cache["position"], [7 + len(kept), 4])
 
 

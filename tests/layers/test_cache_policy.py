@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _caches import halves
 
 import nanoattn
 from nanoattn._layers import positional, steps
@@ -136,8 +137,10 @@ def test_capacity(name):
     else:
         with pytest.raises(ValueError, match=kind.capacity_error):
             policy.check_capacity(kind.least_capacity - 1, HINT)
-    cache = policy.empty(2, C, 1, 3, jnp.float32)
-    assert policy.capacity(cache) == C and cache.key.shape == (2, C, 1, 3)
+    cache = policy.empty(2, C, 1, 3, jnp.float32)  # 24 bytes a token: one combined array
+    assert policy.capacity(cache) == C and cache.key.shape == (2, C, 2, 1, 3)
+    wide = policy.empty(2, C, 1, 1024, jnp.float32)  # 8 KiB a token: two arrays
+    assert policy.capacity(wide) == C and wide.key.shape == wide.value.shape == (2, C, 1, 1024)
     assert (cache.position == 0).all() and (cache.last == 0).all()
 
 
@@ -220,10 +223,13 @@ def test_slots_and_write(name):
     assert np.asarray(kind.policy.slots(start, 3, C)).tolist() == kind.slots
     new = (10 * jnp.arange(2)[:, None] + jnp.arange(3)[None, :] + 1.0)[..., None, None]
     cache = kind.policy.empty(2, C, 1, 1, jnp.float32)
-    written = kind.policy.write(cache, new, -new, start, jnp.array(WRITE_LENGTHS))
-    assert np.asarray(written.key[..., 0, 0]).tolist() == kind.written
-    assert np.asarray(-written.value[..., 0, 0]).tolist() == kind.written
-    assert (written.position == cache.position).all()  # the positions are decode's
+    written = halves(kind.policy.write(cache, new, -new, start, jnp.array(WRITE_LENGTHS)))
+    assert np.asarray(written["key"][..., 0, 0]).tolist() == kind.written
+    assert np.asarray(-written["value"][..., 0, 0]).tolist() == kind.written
+    assert (
+        kind.policy.write(cache, new, -new, start, jnp.array(WRITE_LENGTHS)).position
+        == cache.position
+    ).all()  # the positions are decode's
 
 
 def _weights(policy, kind, mask_fn=None, score_fn=None):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _caches import halves, kv_names, slot_mask
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -141,8 +142,8 @@ def test_init_creates_an_empty_cache_of_the_input_length():
     empty = jnp.zeros((B, CAP, D))
     variables = jax.jit(lambda key: c.layer.init(key, empty, decode=True))(jax.random.key(0))
     assert jax.tree.map(lambda a: (a.shape, a.dtype), variables["cache"]) == {
-        "key": ((B, CAP, K, H), jnp.bfloat16),  # the compute dtype
-        "value": ((B, CAP, K, H), jnp.bfloat16),
+        "key": ((B, CAP, 2, K, H), jnp.bfloat16),  # the compute dtype; keys then values
+        "value": ((0,), jnp.bfloat16),  # a combined cache: a token's 2 K H numbers <= 4 KiB
         "position": ((B,), jnp.int32),
         "last": ((B,), jnp.int32),
     }
@@ -152,8 +153,8 @@ def test_init_creates_an_empty_cache_of_the_input_length():
     y, cache = c.step(c.params, variables["cache"], c.x[:, :WIDTH], jnp.array([2, 5]))
     assert y.dtype == jnp.bfloat16 and cache["key"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(cache["position"], [2, 5])
-    assert case("mqa").cache["key"].shape == (B, CAP, 1, H)
-    assert case("mha").cache["value"].shape == (B, CAP, N, H)
+    assert halves(case("mqa").cache)["key"].shape == (B, CAP, 1, H)
+    assert halves(case("mha").cache)["value"].shape == (B, CAP, N, H)
 
 
 def test_decoding_ands_a_mask_over_the_cache_slots():
@@ -272,8 +273,10 @@ def test_unused_cache_slots_never_change_the_outputs(implementation, garbage):
     clean, _ = c.step(c.params, cache, chunk, lengths)
     unused = np.arange(CAP)[None, :] >= np.asarray(cache["position"])[:, None]  # (B, S)
     dirty = {
-        name: jnp.where(unused[:, :, None, None], garbage, cache[name]).astype(cache[name].dtype)
-        for name in ("key", "value")
+        name: jnp.where(slot_mask(unused, cache[name]), garbage, cache[name]).astype(
+            cache[name].dtype
+        )
+        for name in kv_names(cache)
     }
     got, _ = c.step(c.params, {**cache, **dirty}, chunk, lengths)
     np.testing.assert_array_equal(got, clean)

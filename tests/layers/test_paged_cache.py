@@ -18,6 +18,7 @@ from flax import nnx
 
 from nanoattn import PageAllocator
 from nanoattn import nnx as nanoattn_nnx
+from nanoattn._layers.caches import kv_cache
 from nanoattn._layers.caches import paged as paged_cache
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
@@ -38,7 +39,7 @@ def _layer(two_pools=False, **options):
     their own (a layer whose token holds more than COMBINED_BYTES keeps them so)."""
     layer = CausalSelfAttention(_config(**options))
     plain = CausalSelfAttention(AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0, **options))
-    with mock.patch.object(paged_cache, "COMBINED_BYTES", 0 if two_pools else 4096):
+    with mock.patch.object(kv_cache, "COMBINED_BYTES", 0 if two_pools else 4096):
         params, shapes, step = paged_step(layer, PAGES * PS, 3)
     full = jax.jit(lambda x: plain.apply({"params": params}, x, True))
     empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)

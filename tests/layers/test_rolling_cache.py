@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _caches import halves, kv_names, slot_mask
 from flax import linen as nn
 from flax import nnx
 from hypothesis import example, given, settings
@@ -102,11 +103,11 @@ def in_view(cache, chunk: int, cfg):
 
 def poison(cache, chunk, cfg):
     """NaN in every slot the next call must not read."""
-    stale = ~in_view(cache, chunk, cfg)[:, :, None, None]
+    stale = ~in_view(cache, chunk, cfg)
     planted = {}
-    for name in ("key", "value"):
+    for name in kv_names(cache):  # a combined cache's keys and values in "key"
         a = np.array(cache[name], np.float32)
-        a[np.broadcast_to(stale, a.shape)] = np.nan
+        a[np.broadcast_to(slot_mask(stale, a), a.shape)] = np.nan
         planted[name] = jnp.asarray(a, cache[name].dtype)
     return {**cache, **planted}
 
@@ -160,7 +161,7 @@ def test_one_token_steps_far_past_the_capacity_equal_the_full_forward(name):
     got, cache = run(c, [[1] * T, [1] * (T - 4)], width=1)
     assert T > 3 * c.slots  # several wraps
     assert_full(c, got)
-    assert cache["key"].shape == (B, c.slots, c.cfg.kv_heads, H)
+    assert halves(cache)["key"].shape == (B, c.slots, c.cfg.kv_heads, H)
 
 
 limit_chunks = st.lists(st.integers(1, 3), min_size=T, max_size=T)
@@ -375,7 +376,7 @@ def test_cache_memory_is_o_of_capacity_whatever_the_decoded_length():
 
     def compiled_bytes(slots):
         cache = jax.tree.map(
-            lambda a: jnp.zeros((B, slots, *a.shape[2:]), a.dtype) if a.ndim == 4 else a,
+            lambda a: jnp.zeros((B, slots, *a.shape[2:]), a.dtype) if a.ndim >= 4 else a,
             c.cache,
         )
         m = step.lower(c.params, cache, c.x[:, :1]).compile().memory_analysis()

@@ -4,7 +4,6 @@ kernel's static plan)."""
 
 import jax
 
-from ..._base.paged import split_pool
 from ..._base.selection import dense_as_pages, paged_as_pages, read_selected
 from ..._base.tree import tree_as_mask
 from ..interface import NO_DROPOUT
@@ -52,7 +51,6 @@ class Flash:
         )  # fmt: skip
 
     def paged(self, query, key_pages, value_pages, rules):
-        key_pages, value_pages = split_pool(key_pages, value_pages)
         if rules.key_indices is not None:
             return read_selected(self.paged, paged_as_pages, query, key_pages, value_pages,
                                  rules)  # fmt: skip

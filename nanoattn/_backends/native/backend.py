@@ -20,7 +20,7 @@ from ..._base.selection import dense_as_pages, paged_as_pages, read_selected
 from ..._base.tree import tree_as_mask
 from ..interface import NO_DROPOUT, unserved
 from .build import load
-from .kernel import mask_fn_unsupported, native_attention, tree_decode
+from .kernel import decodes_in_place, mask_fn_unsupported, native_attention, tree_decode
 from .paged import native_paged_attention
 from .tree import tree_in_place
 
@@ -42,6 +42,7 @@ SERVED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 class Native:
     name = "native"
     priority = 2
+    reads_combined = True  # a decode step reads a combined cache or pool in place
     serves = frozenset(
         {"is_causal", "window", "kv_lengths", "segment_ids", "logit_soft_cap", "mask_fn", "sinks",
          "page_table", "kv_scales", "value_width", "tree", "selection"}
@@ -77,11 +78,13 @@ class Native:
 
     def __call__(self, query, key, value, rules, *, dropout_rate: float, dropout_rng,
                  tiles=None):  # fmt: skip
-        if rules.key_indices is not None:  # only the selected keys: pages of one key
-            return read_selected(self.paged, dense_as_pages, query, key, value, rules)
         if tree_in_place(rules):  # a token tree over a cache: the paged pass in place
             return _run(tree_decode, query, key, value, rules)
         rules = tree_as_mask(rules)  # a token tree: its positions and ancestry as mask_fn
+        if value is None and (rules.key_indices is not None or not decodes_in_place(rules)):
+            key, value = split_pool(key)  # a combined cache read in place by decodes only
+        if rules.key_indices is not None:  # only the selected keys: pages of one key
+            return read_selected(self.paged, dense_as_pages, query, key, value, rules)
         if rules.Hv == rules.H:
             return _run(native_attention, query, key, value, rules)
         # values of a width of their own: the narrower of the two widths padded with

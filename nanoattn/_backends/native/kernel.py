@@ -26,6 +26,7 @@ import numpy as np
 
 from ..._base.block_mask import CHUNK_CELLS, EMPTY, FULL, PARTIAL, BlockMask, classify
 from ..._base.mask_fn import evaluate_mask, grid
+from ..._base.paged import split_pool
 from ..._base.quantized import NO_QUANTIZED_GRADIENTS
 from ..._base.rules import Rules
 from ..._base.shard_map import sum_to_varying, varying_like
@@ -92,13 +93,23 @@ def _decode(query, key, value, rules: Rules):
     (float keys and values) are the dense backward pass's, from the same output and
     log-sum-exp."""
     offsets, lengths = _rows(rules)[:2]
-    if rules.key_scales is not None:
-        operands = (query.astype(_F32), key, value, rules.key_scales.astype(_F32),
-                    rules.value_scales.astype(_F32))  # fmt: skip
+    if rules.key_scales is not None:  # no gradients: a combined cache given twice
+        operands = (query.astype(_F32), key, key if value is None else value,
+                    rules.key_scales.astype(_F32), rules.value_scales.astype(_F32))  # fmt: skip
         return _decode_quantized(operands, offsets, lengths, static_rules(rules))
-    key, value = key.astype(query.dtype), value.astype(query.dtype)
+    (key, value), pool = _in_place(query, key, value)
     rows, attributes = _rows(rules), static_rules(rules)
-    return _decoded(query, key, value, (*rows[:2], None), rows, (attributes, attributes))
+    return _decoded(query, key, value, (*rows[:2], None), rows, (attributes, attributes), pool)
+
+
+def _in_place(query, key, value):
+    """``((key, value), pool)`` in the query's type: a combined cache (B, S, 2, K, H)
+    (``value`` None) as ``pool``, which the forward pass reads in place, and its halves
+    for the gradients (never formed without them); or the two arrays and None."""
+    if value is None:
+        pool = key.astype(query.dtype)
+        return split_pool(pool), pool
+    return (key.astype(query.dtype), value.astype(query.dtype)), None
 
 
 def tree_decode(query, key, value, rules: Rules):
@@ -111,10 +122,10 @@ def tree_decode(query, key, value, rules: Rules):
     computed only where a gradient is taken (unused otherwise, so compiled away)."""
     masked = tree_as_mask(rules)
     offsets, lengths = _rows(rules)[:2]
-    key, value = key.astype(query.dtype), value.astype(query.dtype)
+    (key, value), pool = _in_place(query, key, value)
     rows = (offsets, lengths, dense_tree_rows(rules))
     attributes = (static_rules(rules), static_rules(masked))
-    return _decoded(query, key, value, rows, _rows(masked), attributes)
+    return _decoded(query, key, value, rows, _rows(masked), attributes, pool)
 
 
 def _decode_forward(operands, offsets, lengths, attributes, tree=None):
@@ -244,22 +255,24 @@ def _check_heads(mesh, pool_sharding, K: int, axis: int = 2) -> None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _decoded(q, k, v, rows, dense_rows, attributes):
+def _decoded(q, k, v, rows, dense_rows, attributes, pool):
     """The paged pass over a dense cache: ``rows`` (offsets, lengths, a tree's rows or
-    None) with ``attributes[0]``; its gradients the dense backward pass's over
-    ``dense_rows`` (:func:`_rows`) with ``attributes[1]``."""
-    return _decode_forward((q, k, v), *rows[:2], attributes[0], tree=rows[2])
+    None) with ``attributes[0]``, over ``pool`` (a combined cache, given twice) where
+    there is one, else k and v; its gradients the dense backward pass's over k and v
+    and ``dense_rows`` (:func:`_rows`) with ``attributes[1]``."""
+    return _decoded_fwd(q, k, v, rows, dense_rows, attributes, pool)[0]
 
 
-def _decoded_fwd(q, k, v, rows, dense_rows, attributes):
-    out, lse = _decode_forward((q, k, v), *rows[:2], attributes[0], tree=rows[2])
+def _decoded_fwd(q, k, v, rows, dense_rows, attributes, pool):
+    pools = (k, v) if pool is None else (pool, pool)
+    out, lse = _decode_forward((q, *pools), *rows[:2], attributes[0], tree=rows[2])
     return (out, lse), (q, k, v, out, lse, dense_rows, rows)
 
 
 def _decoded_bwd(attributes, residuals, cotangents):
-    *dense, rows = residuals
+    *dense, rows = residuals  # a combined cache's gradient reaches it through k and v
     grads = _attend_bwd(attributes[1], tuple(dense), cotangents)
-    return (*grads[:3], (None,) * len(rows), grads[3:])
+    return (*grads[:3], (None,) * len(rows), grads[3:], None)
 
 
 _decoded.defvjp(_decoded_fwd, _decoded_bwd)

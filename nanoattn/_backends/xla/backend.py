@@ -3,7 +3,6 @@ tensor. Always available, every rule and dropout; it defines the output contract
 other backend is tested against."""
 
 from ..._base.numerics import softmax_dtype
-from ..._base.paged import split_pool
 from ..._base.quantized import dequantized_call
 from ..._base.tree import tree_as_mask
 from ..interface import EVERY_RULE
@@ -34,7 +33,6 @@ class Xla:
         )  # fmt: skip
 
     def paged(self, query, key_pages, value_pages, rules):
-        key_pages, value_pages = split_pool(key_pages, value_pages)
         key_pages, value_pages, rules = dequantized_call(
             key_pages, value_pages, rules, softmax_dtype(query.dtype)
         )

@@ -73,7 +73,8 @@ def accept_path(cache: KVCache, kept, slot_at, extra=()) -> KVCache:
     arrays = {}
     for name in STATE:
         x = getattr(cache, name)
-        if x is not None:  # every moved row is read before any is written
+        if x is not None and x.ndim > 1:  # every moved row is read before any is written
+            # (a combined cache's empty value has no slots)
             arrays[name] = x.at[rows, target].set(x[rows, source], mode="drop")
     accepted = cache._replace(position=(start + count).astype(jnp.int32), last=count, **arrays)
     return kv_cache.poison(accepted, bad)

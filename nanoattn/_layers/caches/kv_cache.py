@@ -13,12 +13,13 @@ rolling one a ring of slots). A quantized cache
 more arrays, ``"key_scales"`` and ``"value_scales"`` (B, S, K) float32
 (:mod:`.quantized`). A paged cache with page selection keeps one more,
 ``"key_bounds"`` (P, 2, K, H) float32, each page's box of keys (:mod:`.page_selection`).
-A paged cache of an attention layer keeps one combined pool instead of two:
-``"key"`` (P, page_size, 2, K, H), each token's keys then its values (the layout the
-native kernel reads fastest, ``nanoattn.paged_attention`` with ``value_pages`` None),
-and ``"value"`` empty (:func:`is_combined`). A row whose position is negative
-(``POISONED``) is poisoned (an
-invalid call or rewind under ``jit``): its outputs are NaN until it is reset. The
+An attention layer's cache whose token holds at most :data:`COMBINED_BYTES` of keys
+and values keeps one combined array instead of two: ``"key"`` (B, S, 2, K, H) (a pool's
+(P, page_size, 2, K, H)), each token's keys then its values (the layout the native
+kernel's decode reads fastest, ``dot_product_attention`` and ``paged_attention`` with
+the values None), and ``"value"`` empty (:func:`kv_arrays`, :func:`is_combined`). A
+row whose position is negative (``POISONED``) is poisoned (an invalid call or rewind
+under ``jit``): its outputs are NaN until it is reset. The
 linen modules keep the cache in the ``"cache"`` collection, the NNX modules in
 ``nnx.Cache`` variables; both advance it with :func:`decode` of
 ``nanoattn._layers.steps``.
@@ -82,19 +83,53 @@ def empty(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype,
           value_dim: int | None = None) -> KVCache:  # fmt: skip
     """A cache of capacity S = ``capacity`` with every row at position 0: keys (B, S, K,
     H) and values (B, S, K, Hv), Hv = ``value_dim`` (None: H; 0 for a latent cache,
-    whose values are a slice of its keys, docs/latent.md); quantized when ``dtype`` is
-    a storage dtype (int8, float8_e4m3fn): zero scales too. Every array a buffer of its
-    own, so that a step may donate the cache."""
-    Hv = head_dim if value_dim is None else value_dim
-    keys, key_scales = quantized_zeros((batch, capacity, kv_heads, head_dim), dtype)
-    values, value_scales = quantized_zeros((batch, capacity, kv_heads, Hv), dtype)
+    whose values are a slice of its keys, docs/latent.md), or one combined array (B, S,
+    2, K, H) (:func:`kv_arrays`); quantized when ``dtype`` is a storage dtype (int8,
+    float8_e4m3fn): zero scales too. Every array a buffer of its own, so that a step
+    may donate the cache."""
+    keys, values, key_scales, value_scales = kv_arrays((batch, capacity), kv_heads, head_dim,
+                                                       dtype, value_dim)  # fmt: skip
     position, last = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
     return KVCache(keys, values, position, last, key_scales, value_scales)
 
 
+def kv_arrays(lead, kv_heads: int, head_dim: int, dtype, value_dim: int | None = None):
+    """``(keys, values, key_scales, value_scales)`` of an empty cache whose slots have
+    the leading axes ``lead`` ((B, S), or a pool's (P, page_size)): keys (*lead, K, H)
+    and values (*lead, K, Hv), Hv = ``value_dim`` (None: H); or, for an attention
+    layer's cache (``value_dim`` None) that :func:`combines`, one combined array
+    (*lead, 2, K, H) and an empty ``values``; the scales of a storage ``dtype``
+    (*lead, K) each (None for a float dtype). Every array a buffer of its own."""
+    Hv = head_dim if value_dim is None else value_dim
+    keys, key_scales = quantized_zeros((*lead, kv_heads, head_dim), dtype)
+    if value_dim is None and combines(kv_heads, head_dim, keys.dtype):
+        keys = jnp.zeros((*lead, 2, kv_heads, head_dim), keys.dtype)
+        values = jnp.zeros((0,), keys.dtype)
+        value_scales = None if key_scales is None else jnp.zeros(key_scales.shape, jnp.float32)
+        return keys, values, key_scales, value_scales
+    values, value_scales = quantized_zeros((*lead, kv_heads, Hv), dtype)
+    return keys, values, key_scales, value_scales
+
+
+# The most bytes of keys and values a token may hold for an attention layer's cache to be
+# one combined pool (its values right after its keys: one run of memory a token): a
+# page of the OS. 2-core AMD EPYC Zen 4, the native B = 16 decode (512-8192 keys, pages
+# of 16, shuffled): combined 1.23x faster than two pools in bfloat16 at K = 8, H = 128
+# (4 KiB a token), 1.25x in float32 at K = 4; 1.05x-1.09x at 2 KiB; but 1.1x-1.2x
+# slower at 8 KiB (float32 at K = 8, bfloat16 at K = 16), in blocks of heads too.
+COMBINED_BYTES = 4096
+
+
+def combines(kv_heads: int, head_dim: int, dtype) -> bool:
+    """Whether an attention layer's cache of K = ``kv_heads`` heads of width H =
+    ``head_dim`` stored in ``dtype`` is one combined array: a token's keys and values,
+    2 K H elements, take at most :data:`COMBINED_BYTES`."""
+    return 2 * kv_heads * head_dim * jnp.dtype(dtype).itemsize <= COMBINED_BYTES
+
+
 def is_combined(cache: KVCache) -> bool:
-    """Whether ``cache`` keeps one combined pool (``key`` (P, page_size, 2, K, H), each
-    token's keys then its values; ``value`` empty): a paged attention layer's."""
+    """Whether ``cache`` keeps one combined array (``key`` (B, S, 2, K, H), or a pool's
+    (P, page_size, 2, K, H), each token's keys then its values; ``value`` empty)."""
     return cache.key.ndim == 5
 
 

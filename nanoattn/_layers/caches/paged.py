@@ -36,7 +36,7 @@ from ..._base.paged import (
 from ..._base.validate import as_array, expect_integer, expect_shape
 from .. import positional
 from . import quantized
-from .kv_cache import KVCache, is_combined, quantized_zeros
+from .kv_cache import KVCache, is_combined, kv_arrays
 from .moves import no_moves
 from .page_selection import empty_bounds, select_pages, update_bounds
 from .policy import CachePolicy, StepLayout
@@ -85,22 +85,6 @@ class PagedBatch:
     shared_prefixes: jax.Array | None = None
 
 
-# The most bytes of keys and values a token may hold for an attention layer's pool to be
-# one combined pool (its values right after its keys: one run of memory a token): a
-# page of the OS. 2-core AMD EPYC Zen 4, the native B = 16 decode (512-8192 keys, pages
-# of 16, shuffled): combined 1.23x faster than two pools in bfloat16 at K = 8, H = 128
-# (4 KiB a token), 1.25x in float32 at K = 4; 1.05x-1.09x at 2 KiB; but 1.1x-1.2x
-# slower at 8 KiB (float32 at K = 8, bfloat16 at K = 16), in blocks of heads too.
-COMBINED_BYTES = 4096
-
-
-def combines(kv_heads: int, head_dim: int, dtype) -> bool:
-    """Whether an attention layer's pool of K = ``kv_heads`` heads of width H =
-    ``head_dim`` stored in ``dtype`` is one combined pool: a token's keys and values,
-    2 K H elements, take at most :data:`COMBINED_BYTES`."""
-    return 2 * kv_heads * head_dim * jnp.dtype(dtype).itemsize <= COMBINED_BYTES
-
-
 @dataclasses.dataclass(frozen=True)
 class PagedCache(CachePolicy):
     """The policy of a paged cache of pages of ``page_size`` tokens, for a layer with
@@ -144,18 +128,15 @@ class PagedCache(CachePolicy):
         """A pool of ``capacity / page_size`` pages (``batch`` is not the pool's: any
         number of sequences share it), with no row state: keys (P, page_size, K, H) and
         values (P, page_size, K, Hv), Hv = ``value_dim`` (None: H), or, for an attention
-        layer's (``value_dim`` None) whose token holds at most :data:`COMBINED_BYTES`
-        of keys and values, one combined pool (P, page_size, 2, K, H), each token's
-        values right after its keys (:func:`~.kv_cache.is_combined`)."""
+        layer's (``value_dim`` None) whose token holds at most
+        :data:`~.kv_cache.COMBINED_BYTES` of keys and values, one combined pool (P,
+        page_size, 2, K, H), each token's values right after its keys
+        (:func:`~.kv_cache.combines`)."""
         self.check_capacity(capacity, "init with a length that is a multiple of page_size")
         pages = (capacity // self.page_size, self.page_size, kv_heads)
-        Hv = head_dim if value_dim is None else value_dim
         # Buffers of their own, so that a step may donate the cache.
-        key, key_scales = quantized_zeros((*pages, head_dim), dtype)
-        value, value_scales = quantized_zeros((*pages, Hv), dtype)
-        if value_dim is None and combines(kv_heads, head_dim, key.dtype):
-            key = jnp.zeros((*pages[:2], 2, kv_heads, head_dim), key.dtype)
-            value = jnp.zeros((0,), key.dtype)  # the scales stay two arrays (P, page_size, K)
+        key, value, key_scales, value_scales = kv_arrays(pages[:2], kv_heads, head_dim, dtype,
+                                                         value_dim)  # fmt: skip
         rows = (jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
         bounds = None
         if self.page_selection is not None:

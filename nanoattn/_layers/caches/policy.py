@@ -219,11 +219,13 @@ class SlotCache(CachePolicy):
 
     def read(self, cache: KVCache, end, *, mask_fn, score_fn, tree=None, start=None):
         """(keys (B, S, K, H), values (B, S, K, H), the core rules of
-        :meth:`read_rules`): what the core attention call of a decoding step reads."""
+        :meth:`read_rules`): what the core attention call of a decoding step reads; a
+        combined cache's keys (B, S, 2, K, H) and None."""
         tree = {} if tree is None else dict(tree=tree, start=start)  # a kind without trees
         rules = self.read_rules(end, self.capacity(cache), mask_fn=mask_fn, score_fn=score_fn,
                                 **tree)  # fmt: skip
-        return cache.key, cache.value, rules
+        values = None if kv_cache.is_combined(cache) else cache.value  # None: key combined
+        return cache.key, values, rules
 
     def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str,
                 tree_parents=None) -> StepLayout:  # fmt: skip
