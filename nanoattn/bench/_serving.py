@@ -27,7 +27,8 @@ their refusal):
   through a full cache of capacity 8192 (``dot_product_attention`` with
   ``kv_lengths`` over (16, 8192, 8, 128) keys and values, the same implementation):
   the dense step within 1.1x of the paged one (a decoding step over a full cache reads
-  only the keys its rows hold, as the paged one does). The two are timed in turn.
+  only the keys its rows hold, as the paged one does), the cache as a layer keeps it
+  (combined where the pool is). The two are timed in turn.
 * ``mixed``: one call with a 512-token prefill chunk (sequence 0, 512 keys) and one
   decode token of each of the 15 others, against the prefill chunk alone and the 15
   decode tokens alone (two calls): at most 1.1x their sum (issue #47; the bound was
@@ -98,10 +99,11 @@ QUICK = Shape(16, 64, 512, 8, 2, 32, PAGE_SIZE, 64, 256, rounds=3)
 @dataclasses.dataclass(frozen=True)
 class Pool:
     """One dtype's inputs: the pool (P, page_size, K, H) twice, and the same pages as
-    one combined pool (P, page_size, 2, K, H) where a paged layer would keep them so
-    (else None), the page table (B, M), the lengths (B,), a decode query (B, N, H), a
-    prefill chunk (prefill, N, H), the full cache (B, longest, K, H) twice, and the
-    bytes of the pages held."""
+    one combined pool (P, page_size, 2, K, H) where a layer would keep them so (else
+    None), the page table (B, M), the lengths (B,), a decode query (B, N, H), a
+    prefill chunk (prefill, N, H), the full cache as a layer keeps it ((B, longest, K,
+    H) twice, or one (B, longest, 2, K, H) and None), and the bytes of the pages
+    held."""
 
     key_pages: jax.Array
     value_pages: jax.Array
@@ -111,7 +113,7 @@ class Pool:
     query: jax.Array
     chunk: jax.Array
     key_cache: jax.Array
-    value_cache: jax.Array
+    value_cache: jax.Array | None
     held_bytes: int
 
     def layer_pools(self) -> tuple:
@@ -134,15 +136,18 @@ def pool(shape: Shape, dtype: str) -> Pool:
     key_pages = jax.random.normal(keys[0], (P, ps, K, H), dt)
     value_pages = jax.random.normal(keys[1], (P, ps, K, H), dt)
 
-    def cache(pages):  # (B, longest, K, H): row b's keys at their positions
-        rows = pages[table].reshape(shape.batch, -1, K, H)  # (B, M * ps, K, H)
+    def cache(pages):  # (B, longest, ...): row b's keys at their positions
+        rows = pages[table].reshape(shape.batch, -1, *pages.shape[2:])  # (B, M * ps, ...)
         return rows[:, : shape.longest]
 
     query = jax.random.normal(keys[2], (shape.batch, shape.n_heads, H), dt)
     chunk = jax.random.normal(keys[3], (shape.prefill, shape.n_heads, H), dt)
     held_bytes = 2 * P * ps * K * H * dt.itemsize  # keys and values of the pages held
-    combined = jnp.stack([key_pages, value_pages], axis=2) if combines(K, H, dt) else None
-    return Pool(key_pages, value_pages, combined, table, lengths, query, chunk,
+    if combines(K, H, dt):  # as a layer keeps them: a combined pool and full cache
+        combined = jnp.stack([key_pages, value_pages], axis=2)
+        return Pool(key_pages, value_pages, combined, table, lengths, query, chunk,
+                    cache(combined), None, held_bytes)  # fmt: skip
+    return Pool(key_pages, value_pages, None, table, lengths, query, chunk,
                 cache(key_pages), cache(value_pages), held_bytes)  # fmt: skip
 
 

@@ -85,7 +85,8 @@ def test_the_part_reports_every_case_dtype_and_implementation():
     data = _serving.pool(TINY, "float32")
     paged = paged_serving(data.query, data.key_pages, data.value_pages, data.page_table,
                           data.lengths, starts)  # fmt: skip
-    dense = serving(data.query[:, None], data.key_cache, data.value_cache,
+    assert data.value_cache is None  # a combined full cache (B, longest, 2, K, H)
+    dense = serving(data.query[:, None], data.key_cache[:, :, 0], data.key_cache[:, :, 1],
                     kv_lengths=data.lengths)  # fmt: skip
     for case, served in (("decode", [n for n in paged if n in dense]), ("mixed", paged)):
         assert [n for n in names if rows[case, n]["status"] == "ok"] == served, case
