@@ -19,7 +19,7 @@ their refusal):
   below over int8 pages against bfloat16 pages (:mod:`nanoattn.bench._quantized`).
 * ``decode``: one query token per sequence through ``paged_attention`` over the pool
   as a paged attention layer keeps it (one combined pool (P, page_size, 2, K, H) where a
-  token's keys and values take at most 4 KiB, as bfloat16's and int8's here, else two
+  token's keys and values take 2-4 KiB, as bfloat16's and int8's here, else two
   pools: ``nanoattn._layers.caches.paged.combines``); the bytes of
   the pages the sequences hold (keys and values), read once, divided by the call's
   time, as a fraction of the read bandwidth (target >= 60%). A combined pool's step

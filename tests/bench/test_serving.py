@@ -15,12 +15,24 @@ import pytest
 from nanoattn import dequantize_kv, paged_attention
 from nanoattn._backends import registry
 from nanoattn._backends.native import build
+from nanoattn._layers.caches import kv_cache
 from nanoattn.bench import _bandwidth, _quantized, _run, _serving
 from nanoattn.cli import main
 
 from _backends import paged_serving, serving
 
 TINY = _serving.Shape(3, 8, 23, 4, 2, 8, 4, 8, 1, rounds=1)  # B, lengths 8-23, N, K, H
+
+
+@pytest.fixture(autouse=True)
+def combined_at_tiny_sizes(monkeypatch):
+    """TINY's tokens (128 bytes of float32 keys and values) kept as a layer keeps 2-4
+    KiB ones (one combined pool and full cache), so that the part's combined path runs;
+    the inputs built afresh under it."""
+    monkeypatch.setattr(kv_cache, "COMBINED_BYTES", (0, 4096))
+    _serving.pool.cache_clear(), _quantized.quantized_pool.cache_clear()
+    yield
+    _serving.pool.cache_clear(), _quantized.quantized_pool.cache_clear()
 
 
 def test_the_part_reports_every_case_dtype_and_implementation():

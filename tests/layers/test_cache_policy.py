@@ -137,10 +137,10 @@ def test_capacity(name):
     else:
         with pytest.raises(ValueError, match=kind.capacity_error):
             policy.check_capacity(kind.least_capacity - 1, HINT)
-    cache = policy.empty(2, C, 1, 3, jnp.float32)  # 24 bytes a token: one combined array
-    assert policy.capacity(cache) == C and cache.key.shape == (2, C, 2, 1, 3)
-    wide = policy.empty(2, C, 1, 1024, jnp.float32)  # 8 KiB a token: two arrays
-    assert policy.capacity(wide) == C and wide.key.shape == wide.value.shape == (2, C, 1, 1024)
+    cache = policy.empty(2, C, 1, 3, jnp.float32)  # 24 bytes a token: two arrays
+    assert policy.capacity(cache) == C and cache.key.shape == cache.value.shape == (2, C, 1, 3)
+    combined = policy.empty(2, C, 1, 512, jnp.float32)  # 4 KiB a token: one combined array
+    assert policy.capacity(combined) == C and combined.key.shape == (2, C, 2, 1, 512)
     assert (cache.position == 0).all() and (cache.last == 0).all()
 
 

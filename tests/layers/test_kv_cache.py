@@ -6,6 +6,7 @@ axis fails. Every function under test is jitted once per configuration and
 reused across examples, so the hypothesis runs stay cheap.
 """
 
+import copy
 import functools
 
 import jax
@@ -17,6 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nanoattn import padding_mask
+from nanoattn._layers.caches import kv_cache
 from nanoattn._layers.caches.full import FullCache
 from nanoattn.linen import AttentionConfig, CausalSelfAttention
 
@@ -142,8 +144,8 @@ def test_init_creates_an_empty_cache_of_the_input_length():
     empty = jnp.zeros((B, CAP, D))
     variables = jax.jit(lambda key: c.layer.init(key, empty, decode=True))(jax.random.key(0))
     assert jax.tree.map(lambda a: (a.shape, a.dtype), variables["cache"]) == {
-        "key": ((B, CAP, 2, K, H), jnp.bfloat16),  # the compute dtype; keys then values
-        "value": ((0,), jnp.bfloat16),  # a combined cache: a token's 2 K H numbers <= 4 KiB
+        "key": ((B, CAP, K, H), jnp.bfloat16),  # the compute dtype
+        "value": ((B, CAP, K, H), jnp.bfloat16),
         "position": ((B,), jnp.int32),
         "last": ((B,), jnp.int32),
     }
@@ -395,3 +397,23 @@ def test_nnx_decode_without_a_cache_raises_how_to_make_one():
         with pytest.raises(ValueError, match=r"^decode=True needs a cache: call "
                            r"module.init_cache\(batch, max_len\) first"):  # fmt: skip
             call()
+
+
+@pytest.mark.parametrize("name", ["gqa", "bfloat16"])
+def test_a_combined_cache_decodes_as_two_arrays_do(name, monkeypatch):
+    """The layer's cache as one combined array (B, S, 2, K, H), as it is kept where a
+    token's keys and values take 2-4 KiB (forced here at small sizes): ragged chunks,
+    then a rewind and more, give exactly the outputs and the halves of two arrays."""
+    c = case(name)
+    monkeypatch.setattr(kv_cache, "COMBINED_BYTES", (0, 4096))
+    init = jax.jit(lambda key: c.layer.init(key, jnp.zeros((B, CAP, D), c.x.dtype), decode=True))
+    combined = copy.copy(c)
+    combined.cache = init(jax.random.key(0))["cache"]
+    two = halves(c.cache)["key"].shape  # (B, CAP, K, H)
+    assert combined.cache["key"].shape == (*two[:2], 2, *two[2:])
+    assert combined.cache["value"].size == 0 and c.cache["key"].shape == two
+    results = [run_ragged(x, [[3, 1, 5, 2], [4, 4, 1]]) for x in (c, combined)]
+    for got, want in zip(results[1][0], results[0][0]):
+        np.testing.assert_array_equal(got, want)
+    for name_, half in halves(results[1][1]).items():
+        np.testing.assert_array_equal(half, halves(results[0][1])[name_])

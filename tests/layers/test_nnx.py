@@ -212,7 +212,7 @@ def test_unpadded_chunks_and_the_cache_state():
     module, x, full = decode_case("everything-flash")
     cache = nnx.state(module, nnx.Cache)
     assert jax.tree.map(jnp.shape, nnx.to_pure_dict(cache)) == {
-        "cache": {"key": (B, CAP, 2, K, H), "value": (0,), "position": (B,), "last": (B,)}
+        "cache": {"key": (B, CAP, K, H), "value": (B, CAP, K, H), "position": (B,), "last": (B,)}
     }
     assert module.cache.key[...].dtype == jnp.float32
     y = nnx.jit(lambda m, x: m(x, decode=True))(module, x)  # the whole sequence as one chunk

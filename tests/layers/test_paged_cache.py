@@ -36,10 +36,10 @@ def _config(**options):
 def _layer(two_pools=False, **options):
     """A paged layer, its full-cache twin, random parameters and a jitted step; its
     pool one combined pool (P, PS, 2, K, H), or with ``two_pools`` keys and values of
-    their own (a layer whose token holds more than COMBINED_BYTES keeps them so)."""
+    their own (as a layer keeps them unless its token holds 2-4 KiB, COMBINED_BYTES)."""
     layer = CausalSelfAttention(_config(**options))
     plain = CausalSelfAttention(AttentionConfig(D, N, n_kv_heads=K, rope_base=100.0, **options))
-    with mock.patch.object(kv_cache, "COMBINED_BYTES", 0 if two_pools else 4096):
+    with mock.patch.object(kv_cache, "COMBINED_BYTES", (0, 0 if two_pools else 4096)):
         params, shapes, step = paged_step(layer, PAGES * PS, 3)
     full = jax.jit(lambda x: plain.apply({"params": params}, x, True))
     empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
@@ -256,15 +256,13 @@ def test_a_bad_batch_raises_when_concrete_and_poisons_its_rows_under_jit(case):
 
 
 def test_a_fresh_pool_is_buffers_of_its_own_so_a_step_may_donate_it():
-    """The empty pool (NNX's init_cache: one combined pool of keys and values, and an
-    empty value array) is arrays of their own, not one shared: a step that donates the
-    cache would be given the same buffer twice."""
+    """The empty pool's keys and values (NNX's init_cache) are two arrays, not one
+    shared: a step that donates the cache would be given the same buffer twice."""
     module = nanoattn_nnx.CausalSelfAttention(_config(), rngs=nnx.Rngs(0))
     module.init_cache(1, PAGES * PS)
     graphdef, state = nnx.split(module)
     pools = [x for path, x in nnx.to_flat_state(state) if path[-1] in ("key", "value")]
-    assert len(pools) == 2 and pools[0].shape == (PAGES, PS, 2, K, D // N)
-    assert pools[1].size == 0
+    assert len(pools) == 2 and pools[0].shape == pools[1].shape == (PAGES, PS, K, D // N)
     pointers = {leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(pools)}
     assert len(pointers) == 2
     alloc = PageAllocator(PAGES, PS, max_sequences=SEQS, max_pages=MAX_PAGES)
@@ -282,13 +280,15 @@ def test_a_fresh_pool_is_buffers_of_its_own_so_a_step_may_donate_it():
 @pytest.mark.parametrize(
     "heads, width, dtype, combined",
     [(8, 128, "bfloat16", True), (8, 128, "int8", True), (4, 128, "float32", True),
-     (8, 128, "float32", False), (16, 128, "bfloat16", False)],
+     (8, 128, "float32", False), (16, 128, "bfloat16", False), (1, 128, "float32", False),
+     (K, D // N, "float32", False)],
 )  # fmt: skip
-def test_a_pool_is_combined_where_a_token_holds_at_most_4_kib(heads, width, dtype, combined):
+def test_a_pool_is_combined_where_a_token_holds_2_to_4_kib(heads, width, dtype, combined):
     """PagedCache.empty: one pool (P, PS, 2, K, H) and an empty "value" where a token's
-    keys and values take at most 4 KiB (bfloat16 at 8 heads of 128: 4 KiB), else two
-    pools (float32 at 8 heads: 8 KiB); quantized scales two arrays (P, PS, K) either way;
-    a latent layer's pool (values of a width of their own) two pools always."""
+    keys and values take 2-4 KiB (bfloat16 at 8 heads of 128: 4 KiB; int8: 2 KiB), else
+    two pools (float32 at 8 heads: 8 KiB; at 1 head: 1 KiB; this file's layers: 64 B);
+    quantized scales two arrays (P, PS, K) either way; a latent layer's pool (values of
+    a width of their own) two pools always."""
     policy = paged_cache.PagedCache(PS)
     cache = jax.eval_shape(lambda: policy.empty(1, 2 * PS, heads, width, dtype))
     if combined:

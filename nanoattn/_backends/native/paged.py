@@ -42,7 +42,8 @@ def native_paged_attention(query, key_pages, value_pages, rules: Rules):
     """A paged call by the native kernel.
 
     Args:
-      query: (Tq, N, H); key_pages, value_pages: (P, page_size, K, H), all float32 or
+      query: (Tq, N, H); key_pages, value_pages: (P, page_size, K, H), or one combined
+        pool (P, page_size, 2, K, H) and None (read in place), all float32 or
         all bfloat16, or int8 / float8_e4m3fn pools with ``rules.key_scales`` and
         ``rules.value_scales`` (P, page_size, K); ``rules`` from
         :meth:`Rules.make_paged`, without mask_fn or score_fn

@@ -13,9 +13,9 @@ rolling one a ring of slots). A quantized cache
 more arrays, ``"key_scales"`` and ``"value_scales"`` (B, S, K) float32
 (:mod:`.quantized`). A paged cache with page selection keeps one more,
 ``"key_bounds"`` (P, 2, K, H) float32, each page's box of keys (:mod:`.page_selection`).
-An attention layer's cache whose token holds at most :data:`COMBINED_BYTES` of keys
-and values keeps one combined array instead of two: ``"key"`` (B, S, 2, K, H) (a pool's
-(P, page_size, 2, K, H)), each token's keys then its values (the layout the native
+An attention layer's cache whose token holds 2-4 KiB of keys and values
+(:data:`COMBINED_BYTES`) keeps one combined array instead of two: ``"key"`` (B, S, 2,
+K, H) (a pool's (P, page_size, 2, K, H)), each token's keys then its values (the layout the native
 kernel's decode reads fastest, ``dot_product_attention`` and ``paged_attention`` with
 the values None), and ``"value"`` empty (:func:`kv_arrays`, :func:`is_combined`). A
 row whose position is negative (``POISONED``) is poisoned (an invalid call or rewind
@@ -111,20 +111,23 @@ def kv_arrays(lead, kv_heads: int, head_dim: int, dtype, value_dim: int | None =
     return keys, values, key_scales, value_scales
 
 
-# The most bytes of keys and values a token may hold for an attention layer's cache to be
-# one combined pool (its values right after its keys: one run of memory a token): a
-# page of the OS. 2-core AMD EPYC Zen 4, the native B = 16 decode (512-8192 keys, pages
-# of 16, shuffled): combined 1.23x faster than two pools in bfloat16 at K = 8, H = 128
-# (4 KiB a token), 1.25x in float32 at K = 4; 1.05x-1.09x at 2 KiB; but 1.1x-1.2x
-# slower at 8 KiB (float32 at K = 8, bfloat16 at K = 16), in blocks of heads too.
-COMBINED_BYTES = 4096
+# The bytes of keys and values a token holds, (least, most), for an attention layer's
+# cache to be one combined array (its values right after its keys: one run of memory a
+# token), as measured on one machine: 2-core AMD EPYC Zen 4, the native B = 16 decode
+# (512-8192 keys, pages of 16, shuffled), combined against two pools: 1.23x faster in
+# bfloat16 at K = 8, H = 128 (4 KiB a token; 1.24x built for AVX2), 1.25x in float32
+# at K = 4 (4 KiB), 1.05x-1.09x at 2 KiB; but 1.1x-1.2x slower at 8 KiB (float32 at K =
+# 8, bfloat16 at K = 16, in blocks of heads too), 1.1x slower at 1 KiB (float32 at K =
+# 1), the same at 512 B, and the recall example's engine (256 B a token) 10-25% slower.
+COMBINED_BYTES = (2048, 4096)
 
 
 def combines(kv_heads: int, head_dim: int, dtype) -> bool:
     """Whether an attention layer's cache of K = ``kv_heads`` heads of width H =
     ``head_dim`` stored in ``dtype`` is one combined array: a token's keys and values,
-    2 K H elements, take at most :data:`COMBINED_BYTES`."""
-    return 2 * kv_heads * head_dim * jnp.dtype(dtype).itemsize <= COMBINED_BYTES
+    2 K H elements, take from ``COMBINED_BYTES[0]`` to ``COMBINED_BYTES[1]`` bytes."""
+    least, most = COMBINED_BYTES
+    return least <= 2 * kv_heads * head_dim * jnp.dtype(dtype).itemsize <= most
 
 
 def is_combined(cache: KVCache) -> bool:

@@ -128,8 +128,8 @@ class PagedCache(CachePolicy):
         """A pool of ``capacity / page_size`` pages (``batch`` is not the pool's: any
         number of sequences share it), with no row state: keys (P, page_size, K, H) and
         values (P, page_size, K, Hv), Hv = ``value_dim`` (None: H), or, for an attention
-        layer's (``value_dim`` None) whose token holds at most
-        :data:`~.kv_cache.COMBINED_BYTES` of keys and values, one combined pool (P,
+        layer's (``value_dim`` None) whose token holds 2-4 KiB
+        (:data:`~.kv_cache.COMBINED_BYTES`) of keys and values, one combined pool (P,
         page_size, 2, K, H), each token's values right after its keys
         (:func:`~.kv_cache.combines`)."""
         self.check_capacity(capacity, "init with a length that is a multiple of page_size")

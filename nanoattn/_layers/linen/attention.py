@@ -224,9 +224,9 @@ class CausalSelfAttention(nn.Module):
       >>> # init with decode=True: the parameters, and an empty cache of capacity 8.
       >>> init = jax.jit(lambda key: layer.init(key, jnp.zeros((2, 8, 128)), decode=True))
       >>> variables = init(jax.random.key(0))
-      >>> # qkv: (N + 2K) H = 256 columns; the cache's keys then values of each slot
-      >>> jax.tree.map(jnp.shape, variables)  # (B, S, 2, K, H), a value of none
-      {'cache': {'key': (2, 8, 2, 2, 32), 'last': (2,), 'position': (2,), 'value': (0,)},
+      >>> jax.tree.map(jnp.shape, variables)  # qkv: (N + 2K) H = 256 columns
+      {'cache': {'key': (2, 8, 2, 32), 'last': (2,), 'position': (2,),
+                 'value': (2, 8, 2, 32)},
        'params': {'out': {'bias': (128,), 'kernel': (128, 128)},
                   'qkv': {'bias': (256,), 'kernel': (128, 256)}}}
       >>> params = {"params": variables["params"]}
