@@ -174,3 +174,21 @@ def test_the_recall_engine_across_two_processes_gives_the_one_device_tokens(tmp_
     got = json.loads(out.read_text())
     assert got["steps"] >= 2, got
     assert {int(k): v for k, v in got["outputs"].items()} == one.outputs, (got, one.outputs)
+
+
+def test_cache_shardings_split_a_combined_pool_by_heads_not_by_its_pair_axis():
+    """cache_shardings on a combined pool (G P, page_size, 2, K, H): groups on its first
+    axis, heads on K (its axis 3), the axis of keys and values whole; the empty value
+    replicated (the specs, on a 1 x 1 mesh of this process's device)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+
+    from nanoattn.parallel import cache_shardings
+
+    mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
+    cache = {"key": jnp.zeros((4, 2, 2, 2, 8)), "value": jnp.zeros((0,))}
+    shardings = cache_shardings(cache, mesh, head_axis="model", data_axis="data")
+    specs = {name: s.spec for name, s in shardings.items()}
+    assert specs == {"key": PartitionSpec("data", None, None, "model", None),
+                     "value": PartitionSpec()}  # fmt: skip
