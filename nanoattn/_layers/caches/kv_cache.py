@@ -101,12 +101,12 @@ def kv_arrays(lead, kv_heads: int, head_dim: int, dtype, value_dim: int | None =
     (*lead, 2, K, H) and an empty ``values``; the scales of a storage ``dtype``
     (*lead, K) each (None for a float dtype). Every array a buffer of its own."""
     Hv = head_dim if value_dim is None else value_dim
+    if value_dim is None and combines(kv_heads, head_dim, dtype):
+        keys, _ = quantized_zeros((*lead, 2, kv_heads, head_dim), dtype)
+        _, key_scales = quantized_zeros((*lead, kv_heads, 0), dtype)  # (*lead, K) or None
+        _, value_scales = quantized_zeros((*lead, kv_heads, 0), dtype)
+        return keys, jnp.zeros((0,), keys.dtype), key_scales, value_scales
     keys, key_scales = quantized_zeros((*lead, kv_heads, head_dim), dtype)
-    if value_dim is None and combines(kv_heads, head_dim, keys.dtype):
-        keys = jnp.zeros((*lead, 2, kv_heads, head_dim), keys.dtype)
-        values = jnp.zeros((0,), keys.dtype)
-        value_scales = None if key_scales is None else jnp.zeros(key_scales.shape, jnp.float32)
-        return keys, values, key_scales, value_scales
     values, value_scales = quantized_zeros((*lead, kv_heads, Hv), dtype)
     return keys, values, key_scales, value_scales
 
@@ -128,6 +128,12 @@ def combines(kv_heads: int, head_dim: int, dtype) -> bool:
     2 K H elements, take from ``COMBINED_BYTES[0]`` to ``COMBINED_BYTES[1]`` bytes."""
     least, most = COMBINED_BYTES
     return least <= 2 * kv_heads * head_dim * jnp.dtype(dtype).itemsize <= most
+
+
+def values_of(cache: KVCache):
+    """What a step's attention call takes as its values: the cache's, or None where
+    ``key`` is a combined array (:func:`is_combined`) that holds them."""
+    return None if is_combined(cache) else cache.value
 
 
 def is_combined(cache: KVCache) -> bool:

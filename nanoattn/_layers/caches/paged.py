@@ -36,7 +36,7 @@ from ..._base.paged import (
 from ..._base.validate import as_array, expect_integer, expect_shape
 from .. import positional
 from . import quantized
-from .kv_cache import KVCache, is_combined, kv_arrays
+from .kv_cache import KVCache, is_combined, kv_arrays, values_of
 from .moves import no_moves
 from .page_selection import empty_bounds, select_pages, update_bounds
 from .policy import CachePolicy, StepLayout
@@ -295,8 +295,7 @@ class PagedCache(CachePolicy):
             rules["tree_parents"] = layout.tree.parents  # (Tq,)
         if pages.shared_prefixes is not None:  # each group's pages read once
             rules["shared_prefixes"] = pages.shared_prefixes
-        values = None if is_combined(cache) else cache.value  # None: key the combined pool
-        keys, values, scales = quantized.read(cache, cache.key, values, q.dtype)
+        keys, values, scales = quantized.read(cache, cache.key, values_of(cache), q.dtype)
         return paged(q, keys, values, pages, **rules, **scales)
 
     @property

@@ -224,8 +224,7 @@ class SlotCache(CachePolicy):
         tree = {} if tree is None else dict(tree=tree, start=start)  # a kind without trees
         rules = self.read_rules(end, self.capacity(cache), mask_fn=mask_fn, score_fn=score_fn,
                                 **tree)  # fmt: skip
-        values = None if kv_cache.is_combined(cache) else cache.value  # None: key combined
-        return cache.key, values, rules
+        return cache.key, kv_cache.values_of(cache), rules
 
     def prepare(self, cache: KVCache, shape, *, lengths, pages, hint: str,
                 tree_parents=None) -> StepLayout:  # fmt: skip
