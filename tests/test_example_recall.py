@@ -604,7 +604,9 @@ def test_page_selection_on_the_trained_model(trained, capsys):
 def test_page_selection_on_longer_sequences_prefills_in_groups(trained, capsys, monkeypatch):
     """Longer held-out sequences than the run's, their prompts prefilled a few at a time
     (the last group short), decode the last tokens as the full forward does; the
-    command takes --length and --decoded."""
+    command takes --length and --decoded (and --implementation: asked for the measure
+    call's sequences and backend, it reuses that call's compiled steps, 5 s less; the
+    command's automatic choice runs in the test above)."""
     model, run, directory = trained
     monkeypatch.setattr(selection, "PREFILL_TOKENS", 2 * 17)  # groups of 2, 2, 1 prompts
     long = dataclasses.replace(TASK, seq_len=22)
@@ -615,12 +617,13 @@ def test_page_selection_on_longer_sequences_prefills_in_groups(trained, capsys, 
     np.testing.assert_array_equal(greedy, full)
     found = selection.measure(model, TASK, run.train.seed, 5, 2, (1,), length=22, decoded=5)
     assert [s.agreement.steps for s in found] == [25, 25] and found[0].agreement.fraction == 1
-    argv = ["selection", "--run", str(directory), "--sequences", "2", "--page-size", "2",
-            "--select", "1", "--length", "22", "--decoded", "6"]  # fmt: skip
+    argv = ["selection", "--run", str(directory), "--sequences", "5", "--page-size", "2",
+            "--select", "1", "--length", "22", "--decoded", "5",
+            "--implementation", "xla"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "2 held-out recall sequences of 22 tokens (11 pages of 2), 6 decoding steps" in out
-    assert re.search(r"  every page +12/12 100\.00%", out), out
+    assert "5 held-out recall sequences of 22 tokens (11 pages of 2), 5 decoding steps" in out
+    assert re.search(r"  every page +25/25 100\.00%", out), out
     for bad, flag in ((["--length", "21"], "--length=21"), (["--decoded", "1"], "--decoded=1")):
         assert flag in usage_error(capsys, ["selection", "--run", str(directory), *bad])
 
