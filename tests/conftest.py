@@ -53,26 +53,56 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # test_verify_mask and test_window: 66 s to 43 s in one process), and every test
 # passes either way. Both emitters compute the same operations; their float32
 # results differ in the last bit or so. test_nonfinite.py's OPTIMIZED compiles with
-# XLA's defaults, these emitters too. A jaxlib that no longer knows the flag would
-# abort on it, so it is set only after a subprocess has started a CPU client with it
-# (0.4 s, once: the xdist workers inherit the result); a caller's own setting is kept.
-_EMITTERS = "xla_cpu_use_fusion_emitters"
-if _EMITTERS not in os.environ.get("XLA_FLAGS", "") and not os.environ.get(
-    "NANOATTN_TEST_NO_EMITTERS_FLAG"
-):
+# XLA's defaults, these emitters too.
+#
+# And with each program's LLVM module compiled whole, not split into up to 32 parts
+# for a thread pool to compile side by side (xla_cpu_parallel_codegen_split_count=1):
+# `make test` keeps both cores busy with its two workers, so the parts gain no
+# parallelism and their splitting and linking is pure cost. It changes how a program
+# is compiled, not the machine code's operations. On the 2-core machine (jaxlib
+# 0.10.2) a sample of test_mask_fn, test_tree, test_paged_programs and test_flash
+# under -n 2 went from 113 to 102 s.
+#
+# A jaxlib that no longer knows a flag would abort on it, so each is set only after a
+# subprocess has started a CPU client with it (0.4 s, once: the xdist workers inherit
+# the result); a caller's own setting of either is kept.
+_PROBED = {  # flag: the variable that says this jaxlib refused it (no probe per worker)
+    "xla_cpu_use_fusion_emitters=false": "NANOATTN_TEST_NO_EMITTERS_FLAG",
+    "xla_cpu_parallel_codegen_split_count=1": "NANOATTN_TEST_NO_SPLIT_FLAG",
+}
+
+
+def _probe(flags: str) -> bool:
+    """Whether this jaxlib starts a CPU client with XLA_FLAGS=``flags``."""
     import subprocess
 
-    _flags = f"{os.environ.get('XLA_FLAGS', '')} --{_EMITTERS}=false".strip()
-    _probe = subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-c", "import jaxlib._jax as j; j.get_tfrt_cpu_client()"],
-        env={**os.environ, "XLA_FLAGS": _flags},
+        env={**os.environ, "XLA_FLAGS": flags},
         capture_output=True,
         timeout=120,
     )
-    if _probe.returncode == 0:
-        os.environ["XLA_FLAGS"] = _flags
-    else:  # this jaxlib does not take it: the default emitters, and no probe per worker
-        os.environ["NANOATTN_TEST_NO_EMITTERS_FLAG"] = "1"
+    return done.returncode == 0
+
+
+_wanted = [
+    flag
+    for flag, refused in _PROBED.items()
+    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and not os.environ.get(refused)
+]
+if _wanted:
+
+    def _with(*flags):
+        return " ".join([os.environ.get("XLA_FLAGS", ""), *(f"--{f}" for f in flags)]).strip()
+
+    if _probe(_with(*_wanted)):  # one probe where this jaxlib takes them all
+        os.environ["XLA_FLAGS"] = _with(*_wanted)
+    else:
+        for _flag in _wanted:
+            if _probe(_with(_flag)):
+                os.environ["XLA_FLAGS"] = _with(_flag)
+            else:  # this jaxlib does not take it: XLA's default, and no probe per worker
+                os.environ[_PROBED[_flag]] = "1"
 
 
 @pytest.fixture
