@@ -26,6 +26,10 @@ the other, every case and dtype in turn:
   absorbed decode (one key/value head of width 576, values its first 512 columns) at
   B = 1 and 32768 keys, on 2 threads (``NANOATTN_NUM_THREADS=2``), as it is and with
   ``NANOATTN_SPLIT_KEYS=0`` (the unsplit kernel), each in its own process.
+* huge pages: the native kernel on the widest long case and the batch with its pools
+  on 4 KiB pages of memory and on 2 MiB ones (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``,
+  :mod:`~._huge_pages`), each in its own process; each row says how many MiB of the
+  process were on huge pages. Not judged: the issue asks what they give.
 
 Targets, judged at :data:`~._decode_cases.FULL` only: on every float32 case, nanoattn's
 step at least 2x faster than ONNX Runtime's and 5x faster than ejkernel's (each alone);
@@ -45,7 +49,7 @@ from .._backends import dispatch, registry
 from .._base.rules import Rules
 from .._base.validate import describe
 from .._core.paged import paged_attention
-from . import _ejkernel, _onnx
+from . import _ejkernel, _huge_pages, _onnx
 from ._alone import run_alone
 from ._bandwidth import measure_read
 from ._decode_cases import FULL, QUICK, Case, Sweep, inputs
@@ -57,7 +61,7 @@ PEER_SPEEDUP = {"onnxruntime": 2.0, "ejkernel": 5.0}  # nanoattn's step faster, 
 SPLIT_SPEEDUP = 1.8  # split-key decode against the unsplit kernel, at least
 SPLIT_THREADS = "2"
 SPLIT = {"split": {"NANOATTN_SPLIT_KEYS": "1"}, "unsplit": {"NANOATTN_SPLIT_KEYS": "0"}}
-ENVIRONMENT = ("NANOATTN_NUM_THREADS", "NANOATTN_SPLIT_KEYS")  # recorded in each row
+ENVIRONMENT = ("NANOATTN_NUM_THREADS", "NANOATTN_SPLIT_KEYS", "GLIBC_TUNABLES")  # in each row
 MAX_RUNS, BUDGET_S = 50, 1.0  # a step timed at least `rounds` times, more within the budget
 __all__ = ["FULL", "QUICK"]
 
@@ -119,10 +123,11 @@ def measure_one(name: str, case: Case, dtype: str, sweep: Sweep) -> dict:
             if reason := refusal_of_first_call(run):  # compiles, or the backend refuses
                 return row | {"status": f"{name} does not serve it", "reason": reason}
         median, best = time_runs(run, min_runs=sweep.rounds, max_runs=MAX_RUNS, budget_s=BUDGET_S)
+        huge_mib = _huge_pages.mib()  # while the case's pools are alive
     except Exception as e:  # reported in the table, not fatal to the rest of the bench
         return row | {"status": f"error: {describe(e)[:200]}"}
     return row | {"status": "ok", "median_us": median * 1e6, "min_us": best * 1e6,
-                  "gb_per_s": row["read_bytes"] / median / 1e9}  # fmt: skip
+                  "gb_per_s": row["read_bytes"] / median / 1e9, "huge_mib": huge_mib}  # fmt: skip
 
 
 def _sweep(spec: dict) -> Sweep:
@@ -131,11 +136,16 @@ def _sweep(spec: dict) -> Sweep:
     return Sweep(**fields)
 
 
+def _cases(sweep: Sweep, kind: str) -> list[Case]:
+    """The cases of a process: ``kind`` "main", "split" or "huge"."""
+    return {"main": sweep.cases, "split": sweep.split_cases, "huge": sweep.huge_cases}[kind]()
+
+
 def measure_here(spec: dict) -> dict:
-    """Every case of ``spec`` (``"cases"``: ``"main"`` or ``"split"``) and dtype on
-    ``spec["impl"]``, in this process."""
+    """Every case of ``spec`` (``"cases"``: ``"main"``, ``"split"`` or ``"huge"``) and
+    dtype on ``spec["impl"]``, in this process."""
     sweep = _sweep(spec)
-    cases = sweep.cases() if spec["cases"] == "main" else sweep.split_cases()
+    cases = _cases(sweep, spec["cases"])
     rows = [measure_one(spec["impl"], case, dtype, sweep)
             for case in cases for dtype in sweep.dtypes]  # fmt: skip
     env = {name: os.environ.get(name) for name in ENVIRONMENT}
@@ -152,19 +162,25 @@ def paged_refusal(name: str) -> str | None:
 
 def jobs(sweep: Sweep, implementations=None) -> list[tuple[str, dict, dict]]:
     """(label, spec, environment) of each process: every backend (default: every
-    registered one), every peer, then the split and the unsplit kernel."""
+    registered one), every peer, the split and the unsplit kernel, then the kernel on
+    4 KiB and on huge pages."""
     names = registry.names() if implementations is None else implementations
     base = {"sweep": dataclasses.asdict(sweep), "cases": "main"}
     out = [(name, base | {"impl": name}, {}) for name in (*names, *PEERS)]
     for label, env in SPLIT.items():
         spec = base | {"impl": "native", "cases": "split", "label": label}
         out.append((f"native {label}", spec, {"NANOATTN_NUM_THREADS": SPLIT_THREADS, **env}))
+    for label, env in _huge_pages.ENV.items():
+        spec = base | {"impl": "native", "cases": "huge", "label": label}
+        out.append((f"native {label}", spec, env))
     return out
 
 
 def _without_process(sweep: Sweep, spec: dict) -> str | None:
     """Why ``spec``'s process is not started (its rows get the status), or None."""
     name = spec["impl"]
+    if spec["cases"] == "huge" and (reason := _huge_pages.refusal()):
+        return f"skipped: {reason}"
     if name in PEERS:
         reason = PEERS[name].available()
         return None if reason is None else f"skipped: {reason}"
@@ -175,7 +191,7 @@ def _without_process(sweep: Sweep, spec: dict) -> str | None:
 def _rows_of(sweep: Sweep, label: str, spec: dict, env: dict) -> list[dict]:
     """The rows of one process (or, where it is not started or fails, its cases with
     the status)."""
-    cases = sweep.cases() if spec["cases"] == "main" else sweep.split_cases()
+    cases = _cases(sweep, spec["cases"])
     status = _without_process(sweep, spec)
     if status is None:
         try:
@@ -189,28 +205,28 @@ def _rows_of(sweep: Sweep, label: str, spec: dict, env: dict) -> list[dict]:
 
 def measure_decode(sweep: Sweep = FULL, report=None, implementations=None) -> dict:
     """The read bandwidth, then every process of :func:`jobs` (``report(i, n, label)``
-    before each): ``{"sweep", "bandwidth", "rows", "split", "peers"}``."""
+    before each): ``{"sweep", "bandwidth", "rows", "split", "huge", "peers"}``."""
     items = jobs(sweep, implementations)
     if report:
         report(0, len(items) + 1, "read bandwidth")
     read = measure_read(sweep.read_mib, sweep.rounds)
-    rows, split = [], []
+    rows, extra = [], {"split": [], "huge": []}
     for i, (label, spec, env) in enumerate(items):
         if report:
             report(i + 1, len(items) + 1, f"{label}, alone")
         got = _rows_of(sweep, label, spec, env)
-        if spec["cases"] == "split":
-            split += [r | {"impl": f"native {spec['label']}"} for r in got]
+        if spec["cases"] in extra:
+            extra[spec["cases"]] += [r | {"impl": f"native {spec['label']}"} for r in got]
         else:
             rows += got
     bandwidth = read.get("gb_per_s")
-    for row in (*rows, *split):
+    for row in (*rows, *extra["split"], *extra["huge"]):
         if row["status"] == "ok" and bandwidth:
             row["fraction"] = row["gb_per_s"] / bandwidth
     peers = {name: {"version": peer.version(), "status": peer.available()}
              for name, peer in PEERS.items()}  # fmt: skip
-    return {"sweep": dataclasses.asdict(sweep), "bandwidth": read, "rows": rows,
-            "split": split, "peers": peers}  # fmt: skip
+    return {"sweep": dataclasses.asdict(sweep), "bandwidth": read, "rows": rows, **extra,
+            "peers": peers}  # fmt: skip
 
 
 if __name__ == "__main__":

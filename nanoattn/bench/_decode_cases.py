@@ -101,6 +101,12 @@ class Sweep:
         lengths = np.linspace(shortest, longest, B).round().astype(int)
         return [*out, Case("batch", tuple(int(n) for n in lengths), *self.batch_heads)]
 
+    def huge_cases(self) -> list[Case]:
+        """The widest long case (G the largest) and the batch: the pool on 2 MiB pages of
+        memory against 4 KiB ones."""
+        H, G, K = self.widths[-1], self.groups[-1], self.kv_heads
+        return [Case("long", (self.long,), K * G, K, H), self.cases()[-1]]
+
     def split_cases(self) -> list[Case]:
         """MQA and MLA at ``long`` keys: split-key decode against the unsplit kernel."""
         N, H = self.mqa

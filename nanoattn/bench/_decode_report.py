@@ -40,19 +40,34 @@ def peer_targets(result: dict) -> list[dict]:
     return out
 
 
+def paired_rows(rows: list[dict], subject: str, baseline: str, key: str) -> list[dict]:
+    """Each (case, dtype) of ``subject``'s rows with ``baseline``'s: both rows and
+    baseline / subject (``key``, None where either was not measured)."""
+    by, out = _by(rows), []
+    for r in rows:
+        if r["impl"] != subject:
+            continue
+        base = by.get((baseline, r["case"], r["dtype"]))
+        ok = r["status"] == "ok" and base is not None and base["status"] == "ok"
+        status = r["status"] if r["status"] != "ok" else (base or {}).get("status", "missing")
+        out.append({"case": r["case"], "dtype": r["dtype"], "subject": r, "baseline": base,
+                    "status": "ok" if ok else status,
+                    key: base["median_us"] / r["median_us"] if ok else None})  # fmt: skip
+    return out
+
+
 def split_rows(result: dict) -> list[dict]:
     """Each (case, dtype) of the split job: the split and unsplit rows and the ratio."""
-    by, out = _by(result["split"]), []
-    for r in result["split"]:
-        if r["impl"] != "native split":
-            continue
-        unsplit = by.get(("native unsplit", r["case"], r["dtype"]))
-        ok = r["status"] == "ok" and unsplit is not None and unsplit["status"] == "ok"
-        status = r["status"] if r["status"] != "ok" else (unsplit or {}).get("status", "missing")
-        out.append({"case": r["case"], "dtype": r["dtype"], "split": r, "unsplit": unsplit,
-                    "status": "ok" if ok else status,
-                    "speedup": unsplit["median_us"] / r["median_us"] if ok else None})  # fmt: skip
-    return out
+    return [
+        p | {"split": p["subject"], "unsplit": p["baseline"]}
+        for p in paired_rows(result["split"], "native split", "native unsplit", "speedup")
+    ]
+
+
+def huge_rows(result: dict) -> list[dict]:
+    """Each (case, dtype) of the huge-pages job: the rows on huge and on 4 KiB pages and
+    the speed-up (older results have none)."""
+    return paired_rows(result.get("huge", []), "native huge pages", "native 4 KiB pages", "speedup")
 
 
 def split_targets(result: dict) -> list[dict]:
@@ -118,7 +133,7 @@ def _main_table(result: dict) -> list[str]:
 def _notes(result: dict) -> list[str]:
     """Each implementation's reasons for what it did not measure, once each."""
     seen = {}
-    for r in [*result["rows"], *result["split"]]:
+    for r in [*result["rows"], *result["split"], *result.get("huge", [])]:
         if r["status"] != "ok":
             text = r["status"] + (f" ({r['reason']})" if "reason" in r else "")
             seen.setdefault((r["impl"], text), None)
@@ -126,7 +141,8 @@ def _notes(result: dict) -> list[str]:
 
 
 def decode_markdown(result: dict | None) -> list[str]:
-    """The read bandwidth, the sweep's table, the split-key table and the notes."""
+    """The read bandwidth, the sweep's table, the split-key and huge-pages tables and
+    the notes."""
     if not result:
         return []
     read = result["bandwidth"]
@@ -150,5 +166,14 @@ def decode_markdown(result: dict | None) -> list[str]:
                    f"{s['split']['gb_per_s']:.1f}", f"{s['split'].get('fraction', 0):.0%}"],
         lambda s: s["status"],
     )  # fmt: skip
+    huge = huge_rows(result)
+    lines += [] if not huge else ["", *table(
+        "| huge pages for the pool | dtype | 4 KiB pages us | huge pages us | speed-up "
+        "| MiB on huge pages |", 6, huge,
+        lambda s: f"| {s['case']} | {s['dtype']} |",
+        lambda s: [_us(s["baseline"]), _us(s["subject"]), f"{s['speedup']:.2f}x",
+                   str(s["subject"].get("huge_mib"))],
+        lambda s: s["status"],
+    )]  # fmt: skip
     notes = _notes(result)
     return [*lines, *(["", "Not measured:", *notes] if notes else [])]

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 
 from nanoattn import dequantize_kv, paged_attention
-from nanoattn.bench import _decode, _decode_cases, _decode_report, _ejkernel, _onnx, _run
+from nanoattn.bench import (
+    _decode,
+    _decode_cases,
+    _decode_report,
+    _ejkernel,
+    _huge_pages,
+    _onnx,
+    _run,
+)
 from nanoattn.cli import main
 
 from _backends import paged_serving
@@ -131,7 +139,7 @@ def test_a_backend_runs_alone_with_the_environment_it_was_given():
     rows = _decode._rows_of(TINY, "xla unsplit", spec, env)
     assert len(rows) == 2 * 3 and {r["pid"] for r in rows} != {os.getpid()}
     assert len({r["pid"] for r in rows}) == 1
-    assert all(r["env"] == env for r in rows)
+    assert all(r["env"] == env | {"GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES")} for r in rows)
     assert [(r["kind"], r["dtype"]) for r in rows] == [
         (kind, dtype) for kind in ("mqa", "mla") for dtype in ("float32", "bfloat16", "int8")
     ]
@@ -159,8 +167,9 @@ def test_the_part_gives_lines_not_processes_where_nothing_can_run(monkeypatch):
     def fake_alone(module, spec, *, what, env=None):
         started.append((spec["impl"], spec["cases"], env))
         sweep = _decode._sweep(spec)
-        cases = sweep.cases() if spec["cases"] == "main" else sweep.split_cases()
-        rows = [_decode._row(spec["impl"], c, d) | {"status": "ok", "median_us": 10.0,
+        cases = _decode._cases(sweep, spec["cases"])
+        us = 8.0 if spec.get("label") == "huge pages" else 10.0
+        rows = [_decode._row(spec["impl"], c, d) | {"status": "ok", "median_us": us,
                 "min_us": 9.0, "gb_per_s": 1.0, "chosen": spec["impl"] == "native"}
                 for c in cases for d in sweep.dtypes]  # fmt: skip
         return {"rows": rows, "pid": 1}
@@ -171,14 +180,18 @@ def test_the_part_gives_lines_not_processes_where_nothing_can_run(monkeypatch):
     monkeypatch.setattr(_onnx, "available", lambda: "onnxruntime is not installed (how)")
     monkeypatch.setattr(_ejkernel, "available", lambda: None)  # installed or not: its process fakes
     monkeypatch.setattr(_decode, "paged_refusal", lambda name: "no" if name == "cudnn" else None)
+    monkeypatch.setattr(_huge_pages, "refusal", lambda: None)
     labels = []
     result = _decode.measure_decode(TINY, lambda i, n, label: labels.append(label),
                                     implementations=("xla", "native", "cudnn"))  # fmt: skip
     assert labels[0] == "read bandwidth" and "native split, alone" in labels
     assert [s[:2] for s in started] == [("xla", "main"), ("native", "main"), ("ejkernel", "main"),
-                                        ("native", "split"), ("native", "split")]  # fmt: skip
-    assert started[-2][2] == {"NANOATTN_NUM_THREADS": "2", "NANOATTN_SPLIT_KEYS": "1"}
-    assert started[-1][2] == {"NANOATTN_NUM_THREADS": "2", "NANOATTN_SPLIT_KEYS": "0"}
+                                        ("native", "split"), ("native", "split"),
+                                        ("native", "huge"), ("native", "huge")]  # fmt: skip
+    assert started[-4][2] == {"NANOATTN_NUM_THREADS": "2", "NANOATTN_SPLIT_KEYS": "1"}
+    assert started[-3][2] == {"NANOATTN_NUM_THREADS": "2", "NANOATTN_SPLIT_KEYS": "0"}
+    assert started[-2][2] == {"GLIBC_TUNABLES": ""}
+    assert started[-1][2] == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     rows = {(r["impl"], r["case"], r["dtype"]): r for r in result["rows"]}
     assert len(rows) == 5 * len(TINY.cases()) * 3
     cudnn = [r for r in result["rows"] if r["impl"] == "cudnn"]
@@ -187,11 +200,15 @@ def test_the_part_gives_lines_not_processes_where_nothing_can_run(monkeypatch):
     assert {r["status"] for r in onnx} == {"skipped: onnxruntime is not installed (how)"}
     assert all(r["fraction"] == 0.25 for r in result["rows"] if r["status"] == "ok")
     assert {r["impl"] for r in result["split"]} == {"native split", "native unsplit"}
+    assert {r["impl"] for r in result["huge"]} == {"native huge pages", "native 4 KiB pages"}
+    assert len(result["huge"]) == 2 * len(TINY.huge_cases()) * 3
     assert result["peers"]["onnxruntime"]["status"] == "onnxruntime is not installed (how)"
     text = "\n".join(_decode_report.decode_markdown(result))
     assert "- onnxruntime: skipped: onnxruntime is not installed (how)" in text
     assert "| xla us | native us | ejkernel us | nanoattn |" in text
     assert "| split-key decode, 2 threads | dtype | split us | unsplit us |" in text
+    huge = [line for line in text.splitlines() if "| 8 (9) |" in line]
+    assert len(huge) == 2 * 3 and all("| 10 (9) | 8 (9) | 1.25x |" in line for line in huge), huge
     assert _decode_report.decode_targets(result) == []  # judged at the full sweep only
 
 
@@ -266,3 +283,22 @@ def test_cli_bench_only_decode(tmp_path, capsys, monkeypatch):
     assert "| MQA | float32 | 100 (100) | 180 (180) | 1.80x | 1.0 | 50% |" in out
     assert main(argv) == 1  # judged at the full sweep: 1.5x misses ONNX Runtime's 2x
     assert sweeps[-1] == _decode_cases.FULL
+
+
+def test_huge_pages_are_refused_where_the_kernel_has_none(monkeypatch, tmp_path):
+    """Transparent huge pages off: the huge-pages processes give a line each, not a
+    process; on: none (this machine's glibc and setting decide), and a process's MiB on
+    huge pages is read from /proc (Linux)."""
+    off = tmp_path / "enabled"
+    off.write_text("always madvise [never]\n")
+    monkeypatch.setattr(_huge_pages, "THP", off)
+    assert "transparent huge pages are off" in _huge_pages.refusal()
+    spec = {"sweep": dataclasses.asdict(TINY), "cases": "huge", "impl": "native",
+            "label": "huge pages"}  # fmt: skip
+    monkeypatch.setattr(_decode, "run_alone", lambda *a, **k: pytest.fail("a process started"))
+    rows = _decode._rows_of(TINY, "native huge pages", spec, {})
+    assert len(rows) == len(TINY.huge_cases()) * len(TINY.dtypes)
+    assert all(r["status"].startswith("skipped: transparent huge pages are off") for r in rows)
+    off.write_text("always [madvise] never\n")
+    assert _huge_pages.refusal() is None or "glibc" in _huge_pages.refusal()
+    assert _huge_pages.mib() is None or _huge_pages.mib() >= 0
