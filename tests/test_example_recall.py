@@ -10,6 +10,7 @@ verification shows. The full training run is not here (examples/recall/README.md
 import ast
 import collections
 import dataclasses
+import functools
 import importlib.metadata
 import os
 import re
@@ -218,16 +219,30 @@ def test_prefix_cached_requests_equal_the_run_without(trained):
 
 def test_prompt_lookup_drafts_a_trie_and_keeps_the_path_greedy_decoding_confirms():
     """The tree of drafts: the continuations of the last 2 tokens' earlier occurrences,
-    the most recent first, then the last token's (merged where they agree: a trie),
-    at most ``nodes`` drafts ``depth`` deep; the path kept is the drafts the target's
-    greedy tokens confirm, from the newest token on."""
+    the most recent first, then the last token's, forward and mirrored in turns (merged
+    where they agree: a trie), at most ``nodes`` drafts ``depth`` deep; the path kept is
+    the drafts the target's greedy tokens confirm, from the newest token on."""
     history = [5, 6, 7, 8, 5, 6, 9, 1, 5, 6]  # [5, 6] before 9 (at 6) and before 7 (at 2)
-    tokens, parents = lookup.draft_tree(history, nodes=8, depth=3)
+    tokens, parents = lookup.draft_tree(history, nodes=6, depth=3)
     assert (tokens, parents) == ([9, 1, 5, 7, 8, 5], [-1, 0, 1, -1, 3, 4])
+    # then the last token 6 retraced: 5 8 7 before the 6 at 5 (its 5 is a new root)
+    assert lookup.draft_tree(history, nodes=9, depth=3) == (
+        [9, 1, 5, 7, 8, 5, 5, 8, 7],
+        [-1, 0, 1, -1, 3, 4, -1, 6, 7],
+    )
     assert lookup.draft_tree(history, nodes=4, depth=3) == ([9, 1, 5, 7], [-1, 0, 1, -1])
-    assert lookup.draft_tree(history, nodes=8, depth=1) == ([9, 7], [-1, -1])
+    assert lookup.draft_tree(history, nodes=8, depth=1) == ([9, 7, 5], [-1, -1, -1])
+    assert lookup.draft_tree(history, nodes=8, depth=3, per_match=1) == (
+        [9, 1, 5, 5, 8, 7],  # one occurrence of each kind: 6 at 5 retraced
+        [-1, 0, 1, -1, 3, 4],
+    )
     assert lookup.draft_tree([1, 2, 3], nodes=8, depth=3) == ([], [])  # nothing repeats
     assert lookup.draft_tree([4, 3, 4], nodes=8, depth=3) == ([3, 4], [-1, 0])  # to the end
+    # mirrored: [5, 4, 3] reversed is [3, 4, 5] at 2: the tokens before it, backwards
+    assert lookup.draft_tree([1, 2, 3, 4, 5, 4, 3], nodes=8, depth=3) == (
+        [2, 1, 4, 5, 4],  # then the 3 at 2 forward: 4 5 4
+        [-1, 0, -1, 2, 3],
+    )
     chunk = lookup.chunk_parents(parents)  # [newest 6, 9, 1, 5, 7, 8, 5]
     assert chunk == [-1, 0, 1, 2, 0, 4, 5]
 
@@ -245,34 +260,64 @@ def test_prompt_lookup_drafts_a_trie_and_keeps_the_path_greedy_decoding_confirms
     assert path([9, 1, 5, 0, 8, 5, 5]) == [0, 1, 2, 3]  # 7 8 5 would match, 7 is not kept
 
 
-def test_speculative_trees_give_exactly_the_greedy_tokens(monkeypatch):
-    """Prompt-lookup trees verified in one call each, the confirmed path accepted
-    (examples/recall/speculate.py): the tokens of plain greedy decoding through the
-    cache, on an untrained model (its greedy tokens repeat, so drafts are accepted) and
-    a prompt whose tokens never repeat (nothing to draft); then with a decoy draft put
-    first in every tree, so that an accepted path skips a sibling (chunk indices 0, 2,
-    ...: its keys move, and the decoy must stay unseen)."""
-    model = Decoder(ModelConfig(vocab=TASK.vocab, d_model=24, n_heads=6, n_kv_heads=2,
-                                n_layers=2, mlp_ratio=2), rngs=nnx.Rngs(0))  # fmt: skip
+def test_the_device_drafts_the_host_tree():
+    """``draft_tree_on_device`` (jax, inside the compiled step) gives exactly
+    ``draft_tree``'s tree (the plain-Python definition) on random histories over small
+    vocabularies (many repeats, forward and mirrored), of every length from 2 up in a
+    buffer with garbage past it, for two shapes of tree."""
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(TASK.vocab, size=6).tolist() * 3, list(range(5))]
-    spec = speculate.Speculative(model, 48, nodes=8, depth=3)
-    greedy = generate.Cached(model, 1, 48)
+    for nodes, depth, ngram, per_match in [(9, 3, 3, 2), (16, 5, 2, 4)]:
+        shape = dict(nodes=nodes, depth=depth, ngram=ngram, per_match=per_match)
+        draft = jax.jit(functools.partial(lookup.draft_tree_on_device, **shape))
+        for _ in range(12):
+            L = int(rng.integers(2, 29))
+            history = rng.integers(int(rng.integers(2, 6)), size=31).astype(np.int32)
+            tokens, parents, count = jax.device_get(draft(history, L))
+            want = lookup.draft_tree(history[:L], nodes, depth, ngram, per_match)
+            assert (tokens[:count].tolist(), parents[:count].tolist()) == want, (history, L)
+            assert (tokens[count:] == 0).all() and (parents[count:] == -1).all()
+
+
+def test_speculative_trees_give_exactly_the_greedy_tokens(monkeypatch):
+    """Prompt-lookup trees drafted, verified and accepted on the device, one call a step
+    or every step in one call (examples/recall/speculate.py): the tokens of plain greedy
+    decoding through the cache (one call a token, or all in one call), on an untrained
+    model (its greedy tokens repeat, so drafts are accepted) and a prompt whose tokens
+    never repeat (nothing to draft); then with a decoy draft put first in every tree,
+    so that an accepted path skips a sibling (chunk indices 0, 2, ...: its keys move,
+    and the decoy must stay unseen)."""
+    model = Decoder(ModelConfig(vocab=TASK.vocab, d_model=24, n_heads=6, n_kv_heads=2,
+                                n_layers=2, mlp_ratio=2), rngs=nnx.Rngs(1))  # fmt: skip
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(TASK.vocab, size=6).tolist() * 3, list(range(5)),
+               rng.integers(5, size=12).tolist()]  # fmt: skip  # (a draft's root must see
+    greedy = generate.Cached(model, 1, 48)  # the newest token: the last prompt fails else)
     wants = [greedy(*generate.right_pad([p], len(p)), 12)[0].tolist() for p in prompts]
+    for prompt, want in zip(prompts, wants):
+        looped = greedy(*generate.right_pad([prompt], len(prompt)), 12, one_call=True)
+        assert looped[0].tolist() == want
+    spec = speculate.Speculative(model, 48, nodes=8, depth=3)
     for prompt, want in zip(prompts, wants):
         tokens, accepted = spec(prompt, 12)
         assert tokens == want, (prompt, accepted)
-        assert sum(accepted) + len(accepted) >= 12
+        assert sum(accepted) + len(accepted) >= 12 > sum(accepted[:-1]) + len(accepted) - 1
+        assert spec(prompt, 12, one_call=True)[0] == want
+    assert sum(spec(prompts[0], 12)[1]) > 0  # drafts accepted: fewer calls than tokens
     with pytest.raises(ValueError, match="prompt must hold at least 2 tokens"):
         spec([3], 4)
-    real = lookup.draft_tree
+    real = lookup.draft_tree_on_device
 
-    def decoyed(history, nodes, depth, ngram):
-        tokens, parents = real(history, nodes - 1, depth, ngram)
-        return [TASK.vocab - 1, *tokens], [-1, *(p + 1 if p >= 0 else -1 for p in parents)]
+    def decoyed(history, length, nodes, depth, ngram, per_match):
+        tokens, parents, count = real(history, length, nodes - 1, depth, ngram, per_match)
+        tokens = jnp.concatenate([jnp.full(1, TASK.vocab - 1, jnp.int32), tokens])
+        parents = jnp.concatenate(
+            [jnp.full(1, -1, jnp.int32), jnp.where(parents < 0, -1, parents + 1)]
+        )
+        return tokens, parents, count + 1
 
-    monkeypatch.setattr(speculate.lookup, "draft_tree", decoyed)
-    tokens, accepted = spec(prompts[0], 12)
+    monkeypatch.setattr(speculate.lookup, "draft_tree_on_device", decoyed)
+    decoy = speculate.Speculative(model, 48, nodes=8, depth=3)  # traced with the decoy
+    tokens, accepted = decoy(prompts[0], 12)
     assert tokens == wants[0], accepted
     assert sum(accepted) > 0  # drafts past the decoy accepted: fewer calls than tokens
 
@@ -289,21 +334,25 @@ def test_speculate_prints_acceptance_and_both_speeds(trained, capsys):
     for _, n, accepted in steps:  # each step gains its accepted drafts and one token
         assert len(accepted.split(",")) == int(n)
         assert sum(map(int, accepted.split(","))) + int(n) >= 6
-    assert re.search(r"tokens/s: speculative [\d,]+, greedy [\d,]+ \([\d.]+x\); tokens "
-                     r"equal to greedy decoding: yes", out), out  # fmt: skip
+    speeds = r"speculative [\d,]+, greedy [\d,]+ \([\d.]+x\)"
+    assert re.search(rf"tokens/s, one call a step: {speeds}; each prompt in one call: "
+                     rf"{speeds}; tokens equal to greedy decoding: yes", out), out  # fmt: skip
 
 
 def test_speculate_fails_when_its_tokens_differ_from_greedy(trained, capsys, monkeypatch):
     _, _, directory = trained
 
     def differing(model, prompts, n, **options):
-        return speculate.Compared([[1] * n], [[2] * n], [[0] * n], 1.0, 2.0)
+        return speculate.Compared([[1] * n], [[2] * n], [[0] * n], 1.0, 2.0, 1.0, 0.5)
 
     monkeypatch.setattr(speculate, "compare", differing)
     argv = ["speculate", "--run", str(directory), "--prompts", "1", "--new-tokens", "3"]
     assert main(argv) == 1
     out = capsys.readouterr().out
-    assert "tokens/s: speculative 3, greedy 2 (2.00x); tokens equal to greedy decoding: NO" in out
+    assert (
+        "tokens/s, one call a step: speculative 3, greedy 2 (2.00x); each prompt in one "
+        "call: speculative 3, greedy 6 (0.50x); tokens equal to greedy decoding: NO"
+    ) in out
 
 
 # A workload the tiny run serves in seconds (the engine test's pool and steps).

@@ -32,39 +32,61 @@ def right_pad(prompts: list, width: int) -> tuple[np.ndarray, np.ndarray]:
 class Cached:
     """Greedy generation through the KV cache of capacity ``max_len``: ``self(tokens,
     lengths, n)`` prefills the right-padded prompts (B, L) in one call and generates
-    ``n`` tokens per row, returning them (B, n)."""
+    ``n`` tokens per row, returning them (B, n): one call per token (dispatched without
+    waiting for the last, as a server steps), or with ``one_call=True`` all ``n - 1``
+    after the prefill's in one compiled loop (no host between the steps)."""
 
     def __init__(self, model: Decoder, batch: int, max_len: int):
         model = nnx.clone(model)
         model.eval()
         model.init_cache(batch, max_len)
-        self.graphdef, self.empty = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        # the calls take and return the state as a flat list of arrays, as the engine's:
+        # flattening nnx's nested state costs more than a small model's step
+        self.empty, state_def = jax.tree.flatten(state)
+
+        def run(state, tokens, lengths=None):  # -> the state after the chunk, its logits
+            model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state))
+            logits = model(tokens, decode=True, lengths=lengths)  # (B, L, V)
+            return jax.tree.leaves(nnx.state(model)), logits
 
         @jax.jit
         def prefill(state, tokens, lengths):
-            model = nnx.merge(self.graphdef, state)
-            logits = model(tokens, decode=True, lengths=lengths)  # (B, L, V)
+            state, logits = run(state, tokens, lengths)
             last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-            return nnx.state(model), jnp.argmax(last, -1).astype(jnp.int32)  # (B,)
+            return state, jnp.argmax(last, -1).astype(jnp.int32)  # (B,)
 
-        @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place
-        def step(state, token):
-            model = nnx.merge(self.graphdef, state)
-            logits = model(token[:, None], decode=True)  # (B, 1, V)
-            return nnx.state(model), jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+        def advance(state, token):
+            state, logits = run(state, token[:, None])  # (B, 1, V)
+            return state, jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
 
-        self.prefill, self.step = prefill, step
+        step = functools.partial(jax.jit, donate_argnums=0)(advance)  # the cache in place
 
-    def __call__(self, tokens, lengths, n: int, timings: dict | None = None):
+        @functools.partial(jax.jit, static_argnums=2)
+        def looped(state, token, n: int):  # (B, n - 1): the tokens after ``token``
+            def one(carry, _):
+                state, token = advance(*carry)
+                return (state, token), token
+
+            return jax.lax.scan(one, (state, token), length=n - 1)[1].T
+
+        self.prefill, self.step, self.looped = prefill, step, looped
+
+    def __call__(self, tokens, lengths, n: int, timings: dict | None = None, *,
+                 one_call: bool = False):  # fmt: skip
         start = time.perf_counter()
         state, token = self.prefill(self.empty, tokens, lengths)
         token.block_until_ready()
         prefilled = time.perf_counter()
-        out = [token]
-        for _ in range(n - 1):
-            state, token = self.step(state, token)
-            out.append(token)
-        out = np.stack(jax.device_get(out), axis=1)
+        if one_call:
+            rest = self.looped(state, token, n) if n > 1 else np.zeros((len(token), 0))
+            out = np.concatenate([np.asarray(token)[:, None], np.asarray(rest)], axis=1)
+        else:
+            out = [token]
+            for _ in range(n - 1):
+                state, token = self.step(state, token)
+                out.append(token)
+            out = np.stack(jax.device_get(out), axis=1)
         if timings is not None:
             timings["prefill"] = prefilled - start
             timings["per token"] = (time.perf_counter() - prefilled) / max(n - 1, 1)
