@@ -38,7 +38,8 @@ class Speculative:
     device (:func:`lookup.draft_tree_on_device`), verified, the path greedy decoding
     confirms found and kept (``Decoder.accept``) and its tokens appended to the
     sequence's, the cache donated. With ``one_call=True`` every step runs in one
-    compiled loop until the ``n`` tokens are there."""
+    compiled loop until the ``n`` tokens are there (and ``accepted`` is empty: the
+    loop keeps no count per step)."""
 
     def __init__(self, model: Decoder, max_len: int, *, nodes: int = 16, depth: int = 8,
                  ngram: int = 3, per_match: int = 4):  # fmt: skip
@@ -124,7 +125,7 @@ class Compared:
       tokens, greedy: per prompt, the n tokens of each (one call per step).
       accepted: per prompt, the drafts each speculative step accepted.
       seconds, greedy_seconds: each one's time for all the prompts, one call a step
-        (the last repeat).
+        (the best repeat after the first).
       looped_seconds, looped_greedy_seconds: the same, each prompt's steps in one call;
         ``looped_equal``: those tokens equal too.
     """
