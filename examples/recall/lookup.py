@@ -31,7 +31,7 @@ import numpy as np
 
 
 def draft_tree(history, nodes: int, depth: int, ngram: int = 3,
-               per_match: int = 8) -> tuple[list, list]:  # fmt: skip
+               per_match: int = 4) -> tuple[list, list]:  # fmt: skip
     """A tree of at most ``nodes`` drafts, each at most ``depth`` deep, that continues
     ``history`` (int (L,), the sequence's tokens, its newest last) by prompt lookup.
 
@@ -92,7 +92,7 @@ def _mirrored(history: np.ndarray, n: int) -> np.ndarray:
 
 
 def draft_tree_on_device(history, length, nodes: int, depth: int, ngram: int = 3,
-                         per_match: int = 8):  # fmt: skip
+                         per_match: int = 4):  # fmt: skip
     """:func:`draft_tree` in jax, for a compiled step: the same tree, of the history
     ``history[:length]`` (int (Lmax,), a buffer whose first ``length`` tokens are the
     sequence's; ``length`` may be traced, at least 2).
