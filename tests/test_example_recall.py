@@ -280,12 +280,14 @@ def test_the_device_drafts_the_host_tree():
 
 def test_speculative_trees_give_exactly_the_greedy_tokens(monkeypatch):
     """Prompt-lookup trees drafted, verified and accepted on the device, one call a step
-    (examples/recall/speculate.py): the tokens of plain greedy decoding through the
-    cache, on an untrained
-    model (its greedy tokens repeat, so drafts are accepted) and a prompt whose tokens
-    never repeat (nothing to draft); then with a decoy draft put first in every tree,
-    so that an accepted path skips a sibling (chunk indices 0, 2, ...: its keys move,
-    and the decoy must stay unseen)."""
+    (examples/recall/speculate.py), each tree with a decoy draft put first (so that an
+    accepted path skips a sibling: chunk indices 0, 2, ...; its keys move, and the decoy
+    must stay unseen): the tokens of plain greedy decoding through the cache, on an
+    untrained model (its greedy tokens repeat, so drafts are accepted), a prompt whose
+    tokens never repeat (nothing to draft but the decoy) and one of few symbols. The
+    drafter itself is test_the_device_drafts_the_host_tree's; undecoyed trees on the
+    trained model and both generators in one compiled loop are
+    test_speculate_prints_acceptance_and_both_speeds' (one compiled step fewer here)."""
     model = Decoder(ModelConfig(vocab=TASK.vocab, d_model=24, n_heads=6, n_kv_heads=2,
                                 n_layers=2, mlp_ratio=2), rngs=nnx.Rngs(1))  # fmt: skip
     rng = np.random.default_rng(1)
@@ -293,15 +295,6 @@ def test_speculative_trees_give_exactly_the_greedy_tokens(monkeypatch):
                rng.integers(5, size=12).tolist()]  # fmt: skip  # (a draft's root must see
     greedy = generate.Cached(model, 1, 48)  # the newest token: the last prompt fails else)
     wants = [greedy(*generate.right_pad([p], len(p)), 12)[0].tolist() for p in prompts]
-    spec = speculate.Speculative(model, 48, nodes=8, depth=3)
-    for prompt, want in zip(prompts, wants):
-        tokens, accepted = spec(prompt, 12)
-        assert tokens == want, (prompt, accepted)
-        assert sum(accepted) + len(accepted) >= 12 > sum(accepted[:-1]) + len(accepted) - 1
-    # each in one compiled loop: test_speculate_prints_acceptance_and_both_speeds
-    assert sum(spec(prompts[0], 12)[1]) > 0  # drafts accepted: fewer calls than tokens
-    with pytest.raises(ValueError, match="prompt must hold at least 2 tokens"):
-        spec([3], 4)
     real = lookup.draft_tree_on_device
 
     def decoyed(history, length, nodes, depth, ngram, per_match):
@@ -313,10 +306,14 @@ def test_speculative_trees_give_exactly_the_greedy_tokens(monkeypatch):
         return tokens, parents, count + 1
 
     monkeypatch.setattr(speculate.lookup, "draft_tree_on_device", decoyed)
-    decoy = speculate.Speculative(model, 48, nodes=8, depth=3)  # traced with the decoy
-    tokens, accepted = decoy(prompts[0], 12)
-    assert tokens == wants[0], accepted
-    assert sum(accepted) > 0  # drafts past the decoy accepted: fewer calls than tokens
+    spec = speculate.Speculative(model, 48, nodes=8, depth=3)  # traced with the decoy
+    for prompt, want in zip(prompts, wants):
+        tokens, accepted = spec(prompt, 12)
+        assert tokens == want, (prompt, accepted)
+        assert sum(accepted) + len(accepted) >= 12 > sum(accepted[:-1]) + len(accepted) - 1
+    assert sum(spec(prompts[0], 12)[1]) > 0  # drafts past the decoy: fewer calls than tokens
+    with pytest.raises(ValueError, match="prompt must hold at least 2 tokens"):
+        spec([3], 4)
 
 
 def test_speculate_prints_acceptance_and_both_speeds(trained, capsys):
