@@ -337,7 +337,7 @@ def test_speculate_fails_when_its_tokens_differ_from_greedy(trained, capsys, mon
     _, _, directory = trained
 
     def differing(model, prompts, n, **options):
-        return speculate.Compared([[1] * n], [[2] * n], [[0] * n], 1.0, 2.0, 1.0, 0.5)
+        return speculate.Compared([[1] * n], [[2] * n], [[0] * n], 1.0, 2.0, 1.0, 0.5, True)
 
     monkeypatch.setattr(speculate, "compare", differing)
     argv = ["speculate", "--run", str(directory), "--prompts", "1", "--new-tokens", "3"]

@@ -29,6 +29,20 @@ def right_pad(prompts: list, width: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens, lengths
 
 
+def flat_decoder(model: Decoder, batch: int, max_len: int):
+    """An eval copy of ``model`` with an empty cache of ``max_len`` tokens for ``batch``
+    rows, as compiled steps take it: ``(empty, rebuild)``, its state as a flat list of
+    arrays and ``rebuild(state) -> Decoder`` (inside a step; the state after it is
+    ``jax.tree.leaves(nnx.state(model))``). Flat, as the engine's: flattening nnx's
+    nested state in every call costs more than a small model's step."""
+    model = nnx.clone(model)
+    model.eval()
+    model.init_cache(batch, max_len)
+    graphdef, state = nnx.split(model)
+    empty, state_def = jax.tree.flatten(state)
+    return empty, lambda state: nnx.merge(graphdef, jax.tree.unflatten(state_def, state))
+
+
 class Cached:
     """Greedy generation through the KV cache of capacity ``max_len``: ``self(tokens,
     lengths, n)`` prefills the right-padded prompts (B, L) in one call and generates
@@ -37,16 +51,10 @@ class Cached:
     after the prefill's in one compiled loop (no host between the steps)."""
 
     def __init__(self, model: Decoder, batch: int, max_len: int):
-        model = nnx.clone(model)
-        model.eval()
-        model.init_cache(batch, max_len)
-        graphdef, state = nnx.split(model)
-        # the calls take and return the state as a flat list of arrays, as the engine's:
-        # flattening nnx's nested state costs more than a small model's step
-        self.empty, state_def = jax.tree.flatten(state)
+        self.empty, rebuild = flat_decoder(model, batch, max_len)
 
         def run(state, tokens, lengths=None):  # -> the state after the chunk, its logits
-            model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state))
+            model = rebuild(state)
             logits = model(tokens, decode=True, lengths=lengths)  # (B, L, V)
             return jax.tree.leaves(nnx.state(model)), logits
 
@@ -79,7 +87,7 @@ class Cached:
         token.block_until_ready()
         prefilled = time.perf_counter()
         if one_call:
-            rest = self.looped(state, token, n) if n > 1 else np.zeros((len(token), 0))
+            rest = self.looped(state, token, n)  # (B, 0) for n = 1
             out = np.concatenate([np.asarray(token)[:, None], np.asarray(rest)], axis=1)
         else:
             out = [token]

@@ -43,16 +43,12 @@ class Speculative:
 
     def __init__(self, model: Decoder, max_len: int, *, nodes: int = 16, depth: int = 8,
                  ngram: int = 3, per_match: int = 4):  # fmt: skip
-        model = nnx.clone(model)
-        model.eval()
-        model.init_cache(1, max_len)
-        graphdef, state = nnx.split(model)
-        self.empty, state_def = jax.tree.flatten(state)
+        self.empty, rebuild = generate.flat_decoder(model, 1, max_len)
         self.max_len, self.nodes = max_len, nodes
         width = nodes + 1  # the newest token, then the drafts
 
         def feed(state, tokens, lengths, parents):  # -> the model, greedy tokens (L,)
-            model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state))
+            model = rebuild(state)
             logits = model(tokens, decode=True, lengths=lengths, tree_parents=parents)
             return model, jnp.argmax(logits[0], -1).astype(jnp.int32)
 
@@ -135,9 +131,9 @@ class Compared:
     accepted: list
     seconds: float
     greedy_seconds: float
-    looped_seconds: float = float("nan")
-    looped_greedy_seconds: float = float("nan")
-    looped_equal: bool = True
+    looped_seconds: float
+    looped_greedy_seconds: float
+    looped_equal: bool
 
     @property
     def equal(self) -> bool:
