@@ -70,26 +70,21 @@ constexpr int kPagedChunk = 4;     // keys of a tile whose every head is compute
 // float32, 8 measured the same as 4).
 constexpr int kValuesChunk = VW == 8 ? 8 : 4;
 constexpr int kPagedAhead = 1;     // tiles whose lines are fetched ahead of the one computed
-// The bytes of each token row of the next tile fetched ahead: its first lines only, from
-// which the hardware streams the rest of the row as the products read it front to back;
-// every line of the tile's rows asked for at once stalled the core until they arrived
-// (2-core AMD EPYC Zen 4: 2048 selected of 32768 keys, N = 32 on K = 8, caches cold,
-// 1.04x-1.19x a decode over 2048 keys with 256 bytes, 1.15x-1.27x with 128, 1.19x-1.49x
-// with 1024, 1.32x-1.36x with the whole row; pages of 16, float32 decode of the B = 16
-// batch 22 GB/s with 256 bytes, 19 with whole rows, 20 with none).
-constexpr int64_t kScatteredAhead = 256;
 static_assert(kPagedKeys % VW == 0 && kPagedKeys % 2 == 0, "tiles must hold whole vectors");
 static_assert(kPagedBlock == 4 && kPagedChunk == 4,
               "paged_dots sums 4 query vectors x 4 keys (hsum16) or x 2 keys (hsum8)");
 
-// Whether the next tile's every line is fetched a few rows at a time as a tile is
-// computed (PagedTiles::fetch), instead of its rows' first lines (kScatteredAhead):
-// for int8 and float8, whose token rows (1 KiB at K = 8 heads of 128) are too short for
-// the hardware's streams to start; asked for at once, the lines stalled the core. 2-core
-// AMD EPYC Zen 4, the B = 16 int8 decode: 12.2 ms against 15.4; float32 and bfloat16
-// were slower so (22.3 against 22.2 ms, 18.9 against 18.3).
-template <class In>
-constexpr bool kFetchEveryLine = kQuantized<In>;
+// The next tile's every line is fetched a few rows at a time as a tile is computed
+// (PagedTiles::fetch, spread over paged_tile's chunks): asked for at once, the lines
+// stalled the core, and only the first lines of each row (256 bytes, leaving the
+// hardware to stream the rest) left bfloat16 rows unfetched. The B = 16 decode (N = 32
+// on K = 8, H = 128, 512-8192 keys, pages of 16), 2-core Intel Xeon (family 6 model 207,
+// AVX-512), each way alone in turn, three rounds: bfloat16 16.2-20.0 ms against
+// 23.3-31.0 with the first lines, float32 25.7-29.9 against 27.9-32.0; built for AVX2,
+// 23.0-24.9 against 36.4-41.6 and 30.0-32.0 against 33.9-35.8; MHA (N = K = 8) float32
+// 26.8-27.6 against 32.4-33.3; B = 1 at 32768 keys bfloat16 8.4-8.7 against 14.3-15.0.
+// On the AMD EPYC Zen 4 int8 went from 15.4 to 12.2 ms so, float32 and bfloat16 within
+// 3% (22.3 against 22.2 ms, 18.9 against 18.3).
 
 // A paged call: sizes, rules and the run-time inputs. Hv (padded: Hvp) is the values'
 // width, H's unless the values have a width of their own (multi-head latent attention).
@@ -437,7 +432,7 @@ struct PagedTiles {
   const In* rows_of[kPagedAhead + 1][2][kPagedKeys];  // [parity][keys, values][key]
 
   // Every line of the keys (kind 0) or values (1) [c0, c0 + m) of head hh at `parity`
-  // (a pool with kFetchEveryLine: the next tile's, as this one is computed).
+  // (the next tile's, as this one is computed).
   void fetch(int parity, int kind, int64_t c0, int64_t m, int64_t hh) const {
     const int64_t width = kind == 0 ? p.H : p.Hv;
     const int64_t bytes = width * static_cast<int64_t>(sizeof(In));
@@ -451,20 +446,13 @@ struct PagedTiles {
     return scales + ((parity * 2 + kind) * heads + hh) * kPagedKeys;
   }
 
-  // The tile of keys from j0 as `parity`, its lines prefetched if `prefetch`.
-  void locate(int64_t j0, int parity, bool prefetch) {
+  // The tile of keys from j0 as `parity` (its lines are fetched by paged_tile).
+  void locate(int64_t j0, int parity) {
     constexpr bool quantized = kQuantized<In>;
     const In** keys = rows_of[parity][0];
     const In** values = rows_of[parity][1];
     const int32_t* pages = p.table + task.b * p.M;
-    const int64_t key_bytes = heads * p.H * static_cast<int64_t>(sizeof(In));
-    const int64_t value_bytes = heads * p.Hv * static_cast<int64_t>(sizeof(In));
-    // only a row's first lines: enough to start the hardware streaming the rest of it
-    // (kScatteredAhead)
-    const int64_t ahead_keys = std::min(key_bytes, kScatteredAhead);
-    const int64_t ahead_values = std::min(value_bytes, kScatteredAhead);
     const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
-    prefetch = prefetch && !kFetchEveryLine<In>;  // those: every line, by paged_tile
     int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
     for (int64_t c = 0; c < n; ++c) {
       const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
@@ -476,12 +464,6 @@ struct PagedTiles {
           scales_at(parity, 0, hh)[c] = p.key_scales[token + hh];
           scales_at(parity, 1, hh)[c] = p.value_scales[token + hh];
         }
-      if (prefetch) {
-        for (int64_t byte = 0; byte < ahead_keys; byte += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(keys[c]) + byte);
-        for (int64_t byte = 0; byte < ahead_values; byte += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(values[c]) + byte);
-      }
       if (++slot == p.page_size) slot = 0, ++entry;
     }
     if constexpr (quantized)
@@ -584,9 +566,8 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
   const In* const* keys = tiles.rows_of[parity][0];
   const In* const* values = tiles.rows_of[parity][1];
   const int next = (parity + 1) % (kPagedAhead + 1);
-  // the next tile's keys, whose every line is fetched over this tile (kFetchEveryLine)
-  const int64_t following =
-      kFetchEveryLine<In> ? std::min<int64_t>(kPagedKeys, w.hi - j0 - n) : 0;
+  // the next tile's keys, whose every line is fetched over this tile
+  const int64_t following = std::min<int64_t>(kPagedKeys, w.hi - j0 - n);
   for (int64_t c0 = 0; c0 < n; c0 += kPagedChunk) {
     const int64_t m = std::min<int64_t>(kPagedChunk, n - c0);
     for (int64_t hh = 0; hh < w.heads; ++hh) {
@@ -718,12 +699,12 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
   PagedTiles<In> tiles{p, task, kp, vp, w.heads, w.hi, scratch.scales.data(), {}};
   constexpr int64_t width = kPagedKeys;
   for (int a = 0; a < kPagedAhead; ++a)
-    if (w.lo + a * width < w.hi) tiles.locate(w.lo + a * width, a, a > 0);
+    if (w.lo + a * width < w.hi) tiles.locate(w.lo + a * width, a);
   for (int64_t j0 = w.lo, tile = 0; j0 < w.hi; j0 += width, ++tile) {
     const int64_t n = std::min<int64_t>(width, w.hi - j0);
     const int parity = tile % (kPagedAhead + 1);
     if (j0 + kPagedAhead * width < w.hi)
-      tiles.locate(j0 + kPagedAhead * width, (tile + kPagedAhead) % (kPagedAhead + 1), true);
+      tiles.locate(j0 + kPagedAhead * width, (tile + kPagedAhead) % (kPagedAhead + 1));
     paged_tile(p, task, w, tiles, parity, j0, n);
   }
   paged_finish(p, task, w, pieces, out, lse);
