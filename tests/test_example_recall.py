@@ -244,7 +244,7 @@ def test_prompt_lookup_drafts_a_trie_and_keeps_the_path_greedy_decoding_confirms
         [-1, 0, -1, 2, 3],
     )
     chunk = lookup.chunk_parents(parents)  # [newest 6, 9, 1, 5, 7, 8, 5]
-    assert chunk == [-1, 0, 1, 2, 0, 4, 5]
+    assert chunk.tolist() == [-1, 0, 1, 2, 0, 4, 5]
 
     def path(greedy):  # the chunk padded to 9, the padding greedy's first token: not kept
         padded = [6, *tokens, greedy[0], greedy[0]]

@@ -72,23 +72,26 @@ def draft_tree(history, nodes: int, depth: int, ngram: int = 3,
 def _occurrences(history: np.ndarray, n: int) -> np.ndarray:
     """Where the tokens after each earlier occurrence of ``history``'s last ``n``
     tokens start, the most recent first (never the end of the history itself)."""
-    L = len(history)
-    match = np.ones(L - n, bool)  # match[p]: history[p : p + n] is the last n tokens
-    for k in range(n):
-        match &= history[k : L - n + k] == history[L - n + k]
-    return (np.flatnonzero(match) + n)[::-1]
+    return (np.flatnonzero(_windows_equal(history, history[len(history) - n :])) + n)[::-1]
 
 
 def _mirrored(history: np.ndarray, n: int) -> np.ndarray:
     """Where each earlier occurrence of ``history``'s last ``n`` tokens reversed starts,
     the most recent first: p in [1, L - 1 - n] (a token before it to propose, and the
     occurrence ends before the newest token)."""
-    L = len(history)
-    match = np.ones(max(L - n, 0), bool)  # match[p]: history[p + k] == history[L - 1 - k]
-    for k in range(n):
-        match &= history[k : L - n + k] == history[L - 1 - k]
+    match = _windows_equal(history, history[len(history) - n :][::-1])
     match[:1] = False
     return np.flatnonzero(match)[::-1]
+
+
+def _windows_equal(history: np.ndarray, pattern: np.ndarray) -> np.ndarray:
+    """match (L - n,): ``match[p]`` where ``history[p : p + n]`` equals ``pattern`` (n
+    tokens), for the windows that end before the newest token."""
+    L, n = len(history), len(pattern)
+    match = np.ones(max(L - n, 0), bool)
+    for k in range(n):
+        match &= history[k : L - n + k] == pattern[k]
+    return match
 
 
 def draft_tree_on_device(history, length, nodes: int, depth: int, ngram: int = 3,
@@ -165,10 +168,11 @@ def _most_recent(hits, C: int):
     return jnp.stack(found, axis=1)
 
 
-def chunk_parents(parents) -> list:
-    """A verify chunk's parents: the newest token (index 0, its parent the last token
-    in the cache: -1) and then the drafts, their indices shifted by one."""
-    return [-1, *(p + 1 for p in parents)]
+def chunk_parents(parents):
+    """A verify chunk's parents, int32 (1 + len(parents),): the newest token (index 0,
+    its parent the last token in the cache: -1) and then the drafts (``parents``, a
+    tree's), their indices shifted by one."""
+    return jnp.concatenate([jnp.full(1, -1, jnp.int32), jnp.asarray(parents, jnp.int32) + 1])
 
 
 def accepted_path(chunk, parents, greedy, length):

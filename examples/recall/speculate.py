@@ -62,7 +62,7 @@ class Speculative:
                 history, length, nodes, depth, ngram, per_match
             )
             chunk = jnp.concatenate([history[length - 1][None], drafts])
-            tree = jnp.concatenate([jnp.full(1, -1, jnp.int32), parents + 1])
+            tree = lookup.chunk_parents(parents)
             model, greedy = feed(state, chunk[None], (count + 1)[None], tree[None])
             kept = lookup.accepted_path(chunk, tree, greedy, count + 1)
             model.accept(kept[None])
