@@ -3,6 +3,7 @@
 interface (:mod:`.backend`)."""
 
 from .backend import BACKEND as BACKEND
+from .build import amx as amx
 from .build import isa as isa
 from .build import load as load
 from .kernel import native_attention as native_attention

@@ -416,6 +416,11 @@ extern "C" double NanoattnReadWalk(const float* data, int64_t count, int64_t chu
   return read_walk(data, count, chunk_floats, order, std::max(threads, 1));
 }
 
+// Whether the paged pass's tasks of many query vectors over bfloat16 pools run on AMX
+// tiles in this process (paged_amx.h): built for them, the CPU has them, Linux grants
+// their state and NANOATTN_AMX is not "0".
+extern "C" int NanoattnAmx() { return amx_ready() ? 1 : 0; }
+
 // The instruction set this build's vectors and tiles were chosen for.
 extern "C" const char* NanoattnIsa() {
 #if defined(__AVX512BF16__)

@@ -24,6 +24,7 @@ Environment:
     ``-DNANOATTN_BQ=128 -DNANOATTN_BK=64`` to try other block sizes).
   NANOATTN_NATIVE_SANITIZE: e.g. ``address,undefined``: build with those
     sanitizers (the process must preload their runtimes; see docs/testing.md).
+  NANOATTN_AMX=0: keep the paged pass off AMX tiles (:func:`amx`), read at each call.
 """
 
 import ctypes
@@ -160,6 +161,15 @@ def isa() -> str | None:
         return None
     library.NanoattnIsa.restype = ctypes.c_char_p
     return library.NanoattnIsa().decode()
+
+
+def amx() -> bool:
+    """Whether the paged pass's tasks of many query vectors over bfloat16 pools (prefill
+    chunks, the group pass of shared prefixes) run on AMX tiles in this process: the
+    kernel built for them (``-march=native`` on a CPU with AMX-BF16), Linux granting
+    their state, and ``NANOATTN_AMX`` not ``0`` (read at each call)."""
+    library, _ = load()
+    return library is not None and bool(library.NanoattnAmx())
 
 
 def read_walk(data: np.ndarray, chunk_floats: int, order: np.ndarray, threads: int) -> float | None:

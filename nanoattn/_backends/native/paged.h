@@ -128,7 +128,10 @@ struct Paged {
   int64_t length(int64_t b) const {
     return P == 0 ? 0 : std::clamp<int64_t>(kv_lengths[b], 0, M * page_size);
   }
-  int64_t rows_per_task() const { return std::max<int64_t>(1, kPagedVectors / G); }
+  // query vectors (rows x G) a task of several rows: kPagedVectors, or kAmxVectors
+  // where the tiles serve the call (paged_amx.h)
+  int64_t vectors_per_task = kPagedVectors;
+  int64_t rows_per_task() const { return std::max<int64_t>(1, vectors_per_task / G); }
 };
 
 // One task: sequence b, key/value heads [kh0, kh1), rows [r0, r1) of the query, and the
@@ -679,6 +682,12 @@ inline void paged_finish(const Paged& p, const PagedTask& task, const PagedWork&
     }
 }
 
+}  // namespace
+
+#include "paged_amx.h"
+
+namespace {
+
 // One task, queries of type Q, pools of type In (float32 and bfloat16 alike, or int8 and
 // float8 with their scales). Its heads kh0 .. kh1 - 1 sit side by side in every token
 // row of the pool, so a tile of keys is read as one run of memory per token; the tiles
@@ -689,13 +698,30 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
   PagedWork w;
   w.heads = task.kh1 - task.kh0, w.rows = task.r1 - task.r0;
   w.padded = (w.rows * p.G + kPagedBlock - 1) / kPagedBlock * kPagedBlock;
+#if NANOATTN_AMX
+  constexpr bool bfloat16 = std::is_same_v<Q, uint16_t> && std::is_same_v<In, uint16_t>;
+  const bool amx = bfloat16 && amx_serves(p, w.heads, w.rows * p.G);
+  if (amx) w.padded = (w.rows * p.G + 31) / 32 * 32;  // whole 2 x 2 blocks of tiles
+#endif
   w.vectors = w.heads * w.padded;
   thread_local PagedScratch scratch;
   scratch.fit(w.vectors, p.Hp, p.Hvp, w.heads);
   w.qs = scratch.q.data(), w.s = scratch.s.data(), w.o = scratch.o.data();
   w.m = scratch.m.data(), w.l = scratch.l.data();
+#if NANOATTN_AMX
+  thread_local AmxScratch operands;
+  if (amx) operands.fit(w.padded, p.H, p.Hv), w.o = operands.o.data();  // rows on 64 bytes
+#endif
   if (!paged_keys(p, task, w)) return;  // no real row: nothing to write
   paged_queries(p, q, task, w);
+#if NANOATTN_AMX
+  if constexpr (bfloat16)
+    if (amx) {
+      paged_task_amx(p, q, kp, vp, task, w, operands);
+      paged_finish(p, task, w, pieces, out, lse);
+      return;
+    }
+#endif
   PagedTiles<In> tiles{p, task, kp, vp, w.heads, w.hi, scratch.scales.data(), {}};
   constexpr int64_t width = kPagedKeys;
   for (int a = 0; a < kPagedAhead; ++a)
@@ -846,17 +872,10 @@ inline void paged_merge(const Paged& p, const std::vector<PagedTask>& tasks, int
     }
 }
 
-// The paged pass of a checked problem: queries of type Q, pools of type In.
+// paged_run's tasks on `threads` threads.
 template <class Q, class In>
-xla::ffi::Error paged_run(xla::ffi::ThreadPool& pool, const Paged& p, const Q* qp, const In* kp,
-                          const In* vp, float* o, float* l) {
-  // Rows no task writes (padding, broken): zeros and -inf.
-  for (int64_t t = 0; t < p.Tq; ++t) {
-    if (p.real[t]) continue;
-    std::fill(o + t * p.N * p.Hv, o + (t + 1) * p.N * p.Hv, 0.0f);
-    std::fill(l + t * p.N, l + (t + 1) * p.N, -kInf);
-  }
-  const int threads = max_threads(pool);
+xla::ffi::Error paged_run_tasks(xla::ffi::ThreadPool& pool, const Paged& p, const Q* qp,
+                                const In* kp, const In* vp, float* o, float* l, int threads) {
   PagedPieces pieces;
   std::vector<std::pair<int64_t, int64_t>> groups;  // split tasks: (first piece, count)
   const std::vector<PagedTask> tasks = split_tasks(p, paged_tasks(p, threads), threads,
@@ -877,6 +896,28 @@ xla::ffi::Error paged_run(xla::ffi::ThreadPool& pool, const Paged& p, const Q* q
     paged_merge(p, tasks, groups[g].first, groups[g].second, pieces, o, l);
   });
   return xla::ffi::Error::Success();
+}
+
+// The paged pass of a checked problem: queries of type Q, pools of type In.
+template <class Q, class In>
+xla::ffi::Error paged_run(xla::ffi::ThreadPool& pool, const Paged& p, const Q* qp, const In* kp,
+                          const In* vp, float* o, float* l) {
+  // Rows no task writes (padding, broken): zeros and -inf.
+  for (int64_t t = 0; t < p.Tq; ++t) {
+    if (p.real[t]) continue;
+    std::fill(o + t * p.N * p.Hv, o + (t + 1) * p.N * p.Hv, 0.0f);
+    std::fill(l + t * p.N, l + (t + 1) * p.N, -kInf);
+  }
+  const int threads = max_threads(pool);
+#if NANOATTN_AMX
+  if constexpr (std::is_same_v<Q, uint16_t> && std::is_same_v<In, uint16_t>)
+    if (amx_serves(p, 1, kAmxVectors)) {  // tasks of kAmxVectors vectors
+      Paged tiled = p;
+      tiled.vectors_per_task = kAmxVectors;
+      return paged_run_tasks(pool, tiled, qp, kp, vp, o, l, threads);
+    }
+#endif
+  return paged_run_tasks(pool, p, qp, kp, vp, o, l, threads);
 }
 
 }  // namespace

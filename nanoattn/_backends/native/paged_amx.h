@@ -1,0 +1,161 @@
+// The paged pass's task on AMX tiles (amx.h): one key/value head's many query vectors
+// (a prefill chunk's rows x the head's G query heads, or the group pass of shared
+// prefixes, whose rows are every member's decode token) over a bfloat16 pool, with
+// bfloat16 queries. The same task as paged_task's, in steps of kAmxKeys keys:
+//
+//   1. the step's key and value rows located through the page table (as PagedTiles);
+//   2. the scores of every vector against the step's keys (amx_scores);
+//   3. each vector's row masked (paged_mask: band, tree, keys past the step) and its
+//      online softmax, whose weights go to the tiles as three bfloat16 pieces;
+//   4. the outputs (float32, in memory between steps) += weights x values (amx_values).
+//
+// The running maximum moves lazily: only when a step's maximum exceeds it by more than
+// kAmxLazy (or it is -inf or NaN) are the sum and the outputs rescaled to a new one, so
+// the weights stay below e^kAmxLazy and most steps rescale nothing. Any maximum gives the
+// same softmax; the log-sum-exp is m + log l whichever m is kept.
+//
+// Included by paged.h after the task's types (attention.cc's one translation unit,
+// unnamed namespace).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "amx.h"
+#include "simd.h"
+
+namespace {
+
+#if NANOATTN_AMX
+
+constexpr float kAmxLazy = 12.0f;  // in units of log2 e: weights below 2^12
+constexpr int64_t kAmxVectors = 128;  // query vectors a task (rows x G)
+
+// Whether the tiles serve a task of `heads` key/value heads and `vectors` query vectors
+// (rows x G) of this call: one head, a register tile of vectors at least, rows that are
+// whole slices of 32 numbers, and a process that may use the tiles.
+inline bool amx_serves(const Paged& p, int64_t heads, int64_t vectors) {
+  return heads == 1 && vectors >= 16 && p.scale > 0 && p.H == p.Hp && p.H % 32 == 0 && p.Hv == p.Hvp &&
+         p.Hv % 32 == 0 && amx_ready();
+}
+
+// The step's softmax: each real vector's scores a.s[v] against keys [j0, j0 + n) masked,
+// its maximum, sum and output row moved on (lazily), its weights into a.w as pieces;
+// vectors that are padding or rows not written get weights 0.
+inline void amx_weights(const Paged& p, const PagedTask& task, const PagedWork& w,
+                        AmxScratch& a, int64_t j0, int64_t n, int64_t v0) {
+  const int64_t cols = (n + 31) / 32 * 32, piece = 32 * kAmxKeys;
+  const float scale = p.scale * kLog2e, cap = p.soft_cap * kLog2e;
+  for (int64_t v = v0; v < v0 + 32; ++v) {
+    float* row = a.s.data() + v * kAmxKeys;
+    uint16_t* weights = a.w.data() + (v - v0) * kAmxKeys;
+    const int64_t r = v / p.G, t = task.r0 + r;
+    auto none = [&] {
+      for (int i = 0; i < kAmxPieces; ++i) std::memset(weights + i * piece, 0, cols * 2);
+    };
+    if (r >= w.rows || !p.real[t]) {
+      none();
+      continue;
+    }
+    const int64_t pos = p.tree ? p.tree_position(t) : w.base + r;
+    if (p.soft_cap > 0)  // in units of log2 e: cap * tanh(s / cap), both scaled
+      for (int64_t c = 0; c < n; ++c) row[c] = cap * std::tanh(row[c] * scale / cap) / scale;
+    // every key of the step seen by the row (no tree, the band holding the step, no
+    // column past n): its maximum alone, else the mask (paged_mask) first
+    const bool whole = !p.tree && n == cols && (p.left < 0 || pos - p.left <= j0) &&
+                       (p.right < 0 || pos + p.right >= j0 + n - 1);
+    float seen;
+    if (whole) {
+      vf x = load(row);
+      for (int64_t c = VW; c < cols; c += VW) x = nan_max(load(row + c), x);
+      seen = hmax(x) * scale;
+    } else {
+      seen = paged_mask(p, w, t, pos, j0, n, cols, row) * scale;
+    }
+    float& m = w.m[v];
+    const float m_new = nan_max(m, seen);
+    if (m_new == -kInf) {  // nothing seen yet
+      none();
+      continue;
+    }
+    if (!(m_new <= m + kAmxLazy)) {  // the first keys seen, a NaN, or a maximum far above
+      const float alpha = std::exp2(m - m_new);  // 0 when m was -inf
+      w.l[v] *= alpha;
+      if (alpha != 1.0f) {
+        float* o = w.o + v * p.Hv;
+        for (int64_t h = 0; h < p.Hv; h += VW) store(o + h, load(o + h) * splat(alpha));
+      }
+      m = m_new;
+    }
+    const vf shift = splat(-m), times = splat(scale);
+    vf sum = vf{};
+    for (int64_t c = 0; c < cols; c += 32) {
+      const vf e0 = vexp2(load(row + c) * times + shift);
+      const vf e1 = vexp2(load(row + c + 16) * times + shift);
+      sum += e0 + e1;
+      amx_split(__builtin_bit_cast(__m512, e0), __builtin_bit_cast(__m512, e1), weights + c, piece);
+    }
+    w.l[v] += hsum(sum);
+  }
+}
+
+// The task on tiles: its keys [w.lo, w.hi) a step at a time; w.o, w.m and w.l as
+// paged_tile leaves them (w.o: a.o, fitted to the task), for paged_finish.
+inline void paged_task_amx(const Paged& p, const uint16_t* q, const uint16_t* kp,
+                           const uint16_t* vp, const PagedTask& task, const PagedWork& w,
+                           AmxScratch& a) {
+  const int64_t G = p.G, H = p.H, Hv = p.Hv;
+  for (int64_t v = 0; v < w.padded; ++v) {  // the queries unscaled, padding 0
+    const int64_t r = v / G;
+    uint16_t* dst = a.q.data() + v * H;
+    if (r < w.rows && p.real[task.r0 + r])
+      std::memcpy(dst, q + ((task.r0 + r) * p.N + task.kh0 * G + v % G) * H, H * 2);
+    else
+      std::memset(dst, 0, H * 2);
+  }
+  amx_begin();
+  const int32_t* pages = p.table + task.b * p.M;
+  const uint16_t* rows[2][2][kAmxKeys];  // [step parity][keys, values][key]
+  // the step's rows from j0 at `parity`: n keys, through the page table
+  auto locate = [&](int64_t j0, int parity) {
+    const int64_t n = std::min<int64_t>(kAmxKeys, w.hi - j0);
+    int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
+      const int64_t row = page * p.page_size + slot;
+      rows[parity][0][c] = kp + row * p.key_row + task.kh0 * H;
+      rows[parity][1][c] = vp + row * p.value_row + task.kh0 * Hv;
+      if (++slot == p.page_size) slot = 0, ++entry;
+    }
+    return n;
+  };
+  // every line of the rows of `kind` at `parity`, fetched into L2 a step ahead
+  auto fetch = [&](int parity, int kind, int64_t n) {
+    const int64_t bytes = (kind == 0 ? H : Hv) * 2;
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t b = 0; b < bytes; b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(rows[parity][kind][c]) + b, 0, 2);
+  };
+  int64_t n = w.lo < w.hi ? locate(w.lo, 0) : 0;
+  for (int64_t j0 = w.lo, step = 0; j0 < w.hi; j0 += kAmxKeys, ++step) {
+    const int parity = step % 2;
+    const int64_t next = j0 + kAmxKeys < w.hi ? locate(j0 + kAmxKeys, 1 - parity) : 0;
+    amx_keys(rows[parity][0], n, H, a);
+    fetch(1 - parity, 0, next);
+    amx_scores(a, w.padded, H, n);
+    amx_values_pack(rows[parity][1], n, Hv, a);
+    fetch(1 - parity, 1, next);
+    for (int64_t v0 = 0; v0 < w.padded; v0 += 32) {  // a block's weights, then its products
+      amx_weights(p, task, w, a, j0, n, v0);
+      amx_values(a, Hv, n, w.o + v0 * Hv);
+    }
+    n = next;
+  }
+  for (int64_t v = 0; v < w.padded; ++v) w.m[v] *= kLn2;  // the maxima in natural units
+  amx_end();
+}
+
+#endif
+
+}  // namespace
