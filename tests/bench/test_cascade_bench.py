@@ -23,12 +23,17 @@ def test_the_shared_call_equals_the_unshared_one_and_the_row_reports():
     np.testing.assert_allclose(shared, plain, atol=1e-5, rtol=1e-5)
     row = _cascade.measure_cascade(TINY, implementation="native")
     assert 0 < row["shared_min_ms"] <= row["shared_median_ms"] and row["speedup"] > 0
-    assert "| shared_prefixes (cascade) |" in "\n".join(_cascade.cascade_markdown(row))
+    assert row["shared_bf16_min_ms"] > 0 and row["speedup_bf16"] > 0
+    table = "\n".join(_cascade.cascade_markdown(row))
+    assert "| shared_prefixes (cascade), float32 |" in table
+    assert "| unshared, bfloat16 |" in table
 
 
-def test_the_target_compares_the_right_way_round():
-    rows = [{"B": 32, "prefix": 4096, "speedup": r} for r in (4.5, 3.0)]
-    assert [_cascade.cascade_targets(r, True)[0]["passed"] for r in rows] == [True, False]
+def test_the_targets_compare_the_right_way_round_in_each_type():
+    rows = [{"B": 32, "prefix": 4096, "speedup": r, "speedup_bf16": 5 - r} for r in (4.5, 0.5)]
+    judged = [[t["passed"] for t in _cascade.cascade_targets(r, True)] for r in rows]
+    assert judged == [[True, False], [False, True]]
+    assert "bfloat16" in _cascade.cascade_targets(rows[0], True)[1]["target"]
     assert _cascade.cascade_targets(rows[0], False) == []
 
 
