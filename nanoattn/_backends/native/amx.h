@@ -108,32 +108,29 @@ struct AmxBuffer {
 // A thread's operands, kept from task to task: queries (vectors, H); a step's keys
 // (kAmxKeys / 16 blocks, H / 32 slices, 16, 32) and values (kAmxKeys / 32 chunks, Hv /
 // 16 tiles, 16, 32); weights of a block of 32 vectors (pieces, 32, kAmxKeys), all
-// bfloat16 bits (a block's weights, 24 KiB, stay in L1 for its products); the scores
-// (vectors, kAmxKeys) and the outputs (vectors, Hv) in float32.
+// bfloat16 bits (a block's weights, 24 KiB, stay in L1 for its products); the block's
+// scores (32, kAmxKeys) and the outputs (vectors, Hv) in float32.
 struct AmxScratch {
   AmxBuffer<uint16_t> q, k, v, w;
   AmxBuffer<float> s, o;
   void fit(int64_t vectors, int64_t H, int64_t Hv) {
     q.fit(vectors * H), k.fit(kAmxKeys * H), v.fit(kAmxKeys * Hv);
-    w.fit(kAmxPieces * 32 * kAmxKeys), s.fit(vectors * kAmxKeys), o.fit(vectors * Hv);
+    w.fit(kAmxPieces * 32 * kAmxKeys), s.fit(32 * kAmxKeys), o.fit(vectors * Hv);
   }
 };
 
 // 32 float32 numbers x (x0: the first 16) as three bfloat16 pieces, pieces + i * stride
 // (32 of them each), whose sum is x exactly: hi is x with its low 16 bits cleared, mid
 // the same of r = x - hi (exact: 16 significant bits at most), lo = r - mid (exact, 8
-// significant bits at most: a bfloat16 number, so the rounding keeps it). Clearing bits
-// and taking the high halves costs less than rounding (a shift and a widening per piece
-// to subtract it): the B = 32 cascade's group pass 1.1x faster.
+// significant bits at most). Each piece is a bfloat16 number already, so rounding to
+// bfloat16 (one instruction for 32) keeps it; clearing bits costs less than rounding
+// first (a shift and a widening per piece to subtract it): the B = 32 cascade's group
+// pass 1.1x faster.
 inline void amx_split(__m512 x0, __m512 x1, uint16_t* pieces, int64_t stride) {
-  alignas(64) static const uint16_t kHigh[32] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
-      25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};  // fmt: skip
-  const __m512i high = _mm512_load_si512(kHigh);  // the high halves of x0's then x1's
   const __m512 top = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
   for (int i = 0; i < kAmxPieces - 1; ++i) {
     const __m512 h0 = _mm512_and_ps(x0, top), h1 = _mm512_and_ps(x1, top);
-    _mm512_storeu_si512(pieces + i * stride, _mm512_permutex2var_epi16(
-        _mm512_castps_si512(h0), high, _mm512_castps_si512(h1)));
+    _mm512_storeu_si512(pieces + i * stride, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
     x0 = _mm512_sub_ps(x0, h0), x1 = _mm512_sub_ps(x1, h1);
   }
   _mm512_storeu_si512(pieces + (kAmxPieces - 1) * stride, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
@@ -202,13 +199,13 @@ inline void amx_values_pack(const uint16_t* const* vrow, int64_t n, int64_t Hv, 
   }
 }
 
-// a.s[v, c] = q_v . k_c for the `vectors` query vectors (a multiple of 32) and
-// the step's keys c < n rounded up to 32 (keys past n: 0), in 2 x 2 blocks of tiles.
-inline void amx_scores(AmxScratch& a, int64_t vectors, int64_t H, int64_t n) {
+// a.s[v - v0, c] = q_v . k_c for the block of 32 query vectors from v0 and the step's keys
+// c < n rounded up to 32 (keys past n: 0), in 2 x 2 blocks of tiles (the block's scores,
+// 16 KiB, stay in L1 for its softmax).
+inline void amx_scores(AmxScratch& a, int64_t v0, int64_t H, int64_t n) {
   const int64_t slices = H / 32, cols = (n + 31) / 32 * 32;
   amx_fence();
-  for (int64_t v0 = 0; v0 < vectors; v0 += 32)
-    for (int64_t c0 = 0; c0 < cols; c0 += 32) {
+  for (int64_t c0 = 0; c0 < cols; c0 += 32) {
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
@@ -224,7 +221,7 @@ inline void amx_scores(AmxScratch& a, int64_t vectors, int64_t H, int64_t n) {
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
       }
-      float* s = a.s.data() + v0 * kAmxKeys + c0;
+      float* s = a.s.data() + c0;
       _tile_stored(0, s, kAmxKeys * 4);
       _tile_stored(1, s + 16, kAmxKeys * 4);
       _tile_stored(2, s + 16 * kAmxKeys, kAmxKeys * 4);

@@ -40,6 +40,23 @@ inline bool amx_serves(const Paged& p, int64_t heads, int64_t vectors) {
          p.Hv % 32 == 0 && amx_ready();
 }
 
+// A row's weights 2^(scale * row[c] - m) for its `cols` scores (in units of log2 e
+// once scaled) into `weights` as pieces (amx_split); returns their lane sums, and the
+// scores' lane maxima folded into `top` (NaN kept).
+inline vf amx_exponentials(const float* row, int64_t cols, float scale, float m,
+                           uint16_t* weights, int64_t piece, vf& top) {
+  const vf shift = splat(-m), times = splat(scale);
+  vf sum = vf{};
+  for (int64_t c = 0; c < cols; c += 32) {
+    const vf x0 = load(row + c), x1 = load(row + c + 16);
+    top = nan_max(nan_max(x0, x1), top);
+    const vf e0 = vexp2(x0 * times + shift), e1 = vexp2(x1 * times + shift);
+    sum += e0 + e1;
+    amx_split(__builtin_bit_cast(__m512, e0), __builtin_bit_cast(__m512, e1), weights + c, piece);
+  }
+  return sum;
+}
+
 // The step's softmax: each real vector's scores a.s[v] against keys [j0, j0 + n) masked,
 // its maximum, sum and output row moved on (lazily), its weights into a.w as pieces;
 // vectors that are padding or rows not written get weights 0.
@@ -48,7 +65,7 @@ inline void amx_weights(const Paged& p, const PagedTask& task, const PagedWork& 
   const int64_t cols = (n + 31) / 32 * 32, piece = 32 * kAmxKeys;
   const float scale = p.scale * kLog2e, cap = p.soft_cap * kLog2e;
   for (int64_t v = v0; v < v0 + 32; ++v) {
-    float* row = a.s.data() + v * kAmxKeys;
+    float* row = a.s.data() + (v - v0) * kAmxKeys;
     uint16_t* weights = a.w.data() + (v - v0) * kAmxKeys;
     const int64_t r = v / p.G, t = task.r0 + r;
     auto none = [&] {
@@ -62,18 +79,28 @@ inline void amx_weights(const Paged& p, const PagedTask& task, const PagedWork& 
     if (p.soft_cap > 0)  // in units of log2 e: cap * tanh(s / cap), both scaled
       for (int64_t c = 0; c < n; ++c) row[c] = cap * std::tanh(row[c] * scale / cap) / scale;
     // every key of the step seen by the row (no tree, the band holding the step, no
-    // column past n): its maximum alone, else the mask (paged_mask) first
+    // column past n): no mask; where the row has a finite maximum already, the weights
+    // against it at once, the step's maximum found on the way (kept unless it passes
+    // m + kAmxLazy, or is NaN: then once more, below); else its maximum first
     const bool whole = !p.tree && n == cols && (p.left < 0 || pos - p.left <= j0) &&
                        (p.right < 0 || pos + p.right >= j0 + n - 1);
+    float& m = w.m[v];
     float seen;
-    if (whole) {
+    if (whole && std::isfinite(m)) {
+      vf top = splat(-kInf);
+      const vf sum = amx_exponentials(row, cols, scale, m, weights, piece, top);
+      seen = hmax(top) * scale;
+      if (seen <= m + kAmxLazy) {
+        w.l[v] += hsum(sum);
+        continue;
+      }
+    } else if (whole) {
       vf x = load(row);
       for (int64_t c = VW; c < cols; c += VW) x = nan_max(load(row + c), x);
       seen = hmax(x) * scale;
     } else {
       seen = paged_mask(p, w, t, pos, j0, n, cols, row) * scale;
     }
-    float& m = w.m[v];
     const float m_new = nan_max(m, seen);
     if (m_new == -kInf) {  // nothing seen yet
       none();
@@ -88,15 +115,8 @@ inline void amx_weights(const Paged& p, const PagedTask& task, const PagedWork& 
       }
       m = m_new;
     }
-    const vf shift = splat(-m), times = splat(scale);
-    vf sum = vf{};
-    for (int64_t c = 0; c < cols; c += 32) {
-      const vf e0 = vexp2(load(row + c) * times + shift);
-      const vf e1 = vexp2(load(row + c + 16) * times + shift);
-      sum += e0 + e1;
-      amx_split(__builtin_bit_cast(__m512, e0), __builtin_bit_cast(__m512, e1), weights + c, piece);
-    }
-    w.l[v] += hsum(sum);
+    vf top = splat(-kInf);
+    w.l[v] += hsum(amx_exponentials(row, cols, scale, m, weights, piece, top));
   }
 }
 
@@ -143,10 +163,10 @@ inline void paged_task_amx(const Paged& p, const uint16_t* q, const uint16_t* kp
     const int64_t next = j0 + kAmxKeys < w.hi ? locate(j0 + kAmxKeys, 1 - parity) : 0;
     amx_keys(rows[parity][0], n, H, a);
     fetch(1 - parity, 0, next);
-    amx_scores(a, w.padded, H, n);
     amx_values_pack(rows[parity][1], n, Hv, a);
     fetch(1 - parity, 1, next);
-    for (int64_t v0 = 0; v0 < w.padded; v0 += 32) {  // a block's weights, then its products
+    for (int64_t v0 = 0; v0 < w.padded; v0 += 32) {  // a block's scores, weights, outputs
+      amx_scores(a, v0, H, n);
       amx_weights(p, task, w, a, j0, n, v0);
       amx_values(a, Hv, n, w.o + v0 * Hv);
     }
