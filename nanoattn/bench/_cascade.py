@@ -4,7 +4,7 @@ shared prompt, forks, prefix-cache hits), each with its own suffix, through
 ``paged_attention`` with ``shared_prefixes`` against the same call without it.
 
 Both calls run on one backend (by default the automatic choice: native on a CPU), in
-one process, timed in turn, in float32 and in bfloat16 (queries and pages; where the
+one process, timed in turn, in float32 and then in bfloat16 (queries and pages; where the
 native kernel has AMX tiles, the group pass of bfloat16 runs on them: the row's
 ``amx``). Issue 48's target, at the full shape (32 sequences sharing a 4096-token
 prefix, each with its own 64-token suffix, N = 32 on K = 8, H = 128, pages of 16): the
@@ -74,11 +74,11 @@ def measure_cascade(shape: CascadeShape, progress=None, implementation=None) -> 
     """Median and min ms of the shared and the unshared call in each type, their ratios
     (``speedup``, ``speedup_bf16``), and whether the native kernel has AMX tiles."""
     label = f"cascade: {shape.B} sequences sharing {shape.prefix} tokens"
-    calls, ratios = {}, {}
-    for suffix, dtype in DTYPES.items():
-        calls |= _calls(shape, implementation, dtype, suffix)
-        ratios["speedup" + suffix] = ("unshared" + suffix, "shared" + suffix)
-    row = timed_row(shape, calls, implementation, progress, label, ratios=ratios)
+    row = {}
+    for suffix, dtype in DTYPES.items():  # each type's pair timed in turn, apart
+        ratios = {"speedup" + suffix: ("unshared" + suffix, "shared" + suffix)}
+        calls = _calls(shape, implementation, dtype, suffix)
+        row |= timed_row(shape, calls, implementation, progress, label, ratios=ratios)
     return row | {"amx": native.amx()}
 
 
