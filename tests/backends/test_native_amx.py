@@ -176,3 +176,21 @@ def test_shared_prefixes_on_tiles_equal_the_unshared_call():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32),
                                atol=8e-3, rtol=8e-3)  # fmt: skip
     np.testing.assert_allclose(lse, plain_lse, **WIDE)
+
+
+def test_one_combined_pool_is_read_in_place_as_two_pools_are():
+    """A pool of (P, page_size, 2, K, H) whose token rows hold their keys then their
+    values (values as wide as keys): the tiles read it in place, bit for bit as the two
+    pools holding the same numbers."""
+    q, kp, _, table, lengths, starts = _pool(**CHUNK, seed=13)
+    vp = _rounded(randn(14, *kp.shape))
+    vp[np.isnan(kp)] = np.nan
+    pool = jnp.asarray(np.stack([kp, vp], axis=2), jnp.bfloat16)
+    args = (jnp.asarray(q, jnp.bfloat16), pool, None, table, lengths, starts)
+    combined = nanoattn.paged_attention(*args, implementation="native", return_residual=True)
+    pools = (jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16))
+    apart = nanoattn.paged_attention(args[0], *pools, *args[3:], implementation="native",
+                                     return_residual=True)  # fmt: skip
+    for got, want in zip(combined, apart):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.isfinite(np.asarray(combined[0], np.float32)).all()
