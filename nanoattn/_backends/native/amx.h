@@ -206,61 +206,61 @@ inline void amx_scores(AmxScratch& a, int64_t v0, int64_t H, int64_t n) {
   const int64_t slices = H / 32, cols = (n + 31) / 32 * 32;
   amx_fence();
   for (int64_t c0 = 0; c0 < cols; c0 += 32) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t h = 0; h < H; h += 32) {
-        const uint16_t* k = a.k.data() + ((c0 / 16) * slices + h / 32) * 512;
-        _tile_loadd(4, a.q.data() + v0 * H + h, H * 2);
-        _tile_loadd(5, a.q.data() + (v0 + 16) * H + h, H * 2);
-        _tile_loadd(6, k, 64);
-        _tile_loadd(7, k + slices * 512, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t h = 0; h < H; h += 32) {
+      const uint16_t* k = a.k.data() + ((c0 / 16) * slices + h / 32) * 512;
+      _tile_loadd(4, a.q.data() + v0 * H + h, H * 2);
+      _tile_loadd(5, a.q.data() + (v0 + 16) * H + h, H * 2);
+      _tile_loadd(6, k, 64);
+      _tile_loadd(7, k + slices * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* s = a.s.data() + c0;
+    _tile_stored(0, s, kAmxKeys * 4);
+    _tile_stored(1, s + 16, kAmxKeys * 4);
+    _tile_stored(2, s + 16 * kAmxKeys, kAmxKeys * 4);
+    _tile_stored(3, s + 16 * kAmxKeys + 16, kAmxKeys * 4);
+  }
+  amx_fence();
+}
+
+// o[v] += sum over the step's keys c of w[v, c] v_c (the weights' three pieces) for the
+// block of 32 query vectors whose outputs are o's rows (Hv wide, a multiple of 32; their
+// weights a.w: (pieces, 32, kAmxKeys)), over the keys c < n rounded up to 32 (weights and
+// values past n: 0).
+inline void amx_values(const AmxScratch& a, int64_t Hv, int64_t n, float* o) {
+  const int64_t chunks = (n + 31) / 32, piece = 32 * kAmxKeys;
+  amx_fence();
+  for (int64_t d = 0; d < Hv; d += 32) {
+    float* out = o + d;
+    _tile_loadd(0, out, Hv * 4);
+    _tile_loadd(1, out + 16, Hv * 4);
+    _tile_loadd(2, out + 16 * Hv, Hv * 4);
+    _tile_loadd(3, out + 16 * Hv + 16, Hv * 4);
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const uint16_t* v = a.v.data() + chunk * Hv * 32 + d * 32;
+      _tile_loadd(6, v, 64);
+      _tile_loadd(7, v + 16 * 32, 64);
+      const uint16_t* w = a.w.data() + chunk * 32;
+      for (int i = 0; i < kAmxPieces; ++i, w += piece) {
+        _tile_loadd(4, w, kAmxKeys * 2);
+        _tile_loadd(5, w + 16 * kAmxKeys, kAmxKeys * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
       }
-      float* s = a.s.data() + c0;
-      _tile_stored(0, s, kAmxKeys * 4);
-      _tile_stored(1, s + 16, kAmxKeys * 4);
-      _tile_stored(2, s + 16 * kAmxKeys, kAmxKeys * 4);
-      _tile_stored(3, s + 16 * kAmxKeys + 16, kAmxKeys * 4);
     }
-  amx_fence();
-}
-
-// o[v] += sum over the step's keys c of w[v, c] v_c (the weights' three pieces) for the
-// block of 32 query vectors whose outputs are o's rows (their weights a.w: (pieces, 32,
-// kAmxKeys)), Hv wide (a multiple of 32), over the keys c < n rounded up to 32 (weights and values past
-// n: 0).
-inline void amx_values(const AmxScratch& a, int64_t Hv, int64_t n, float* o) {
-  const int64_t chunks = (n + 31) / 32, piece = 32 * kAmxKeys;
-  amx_fence();
-  for (int64_t d = 0; d < Hv; d += 32) {
-      float* out = o + d;
-      _tile_loadd(0, out, Hv * 4);
-      _tile_loadd(1, out + 16, Hv * 4);
-      _tile_loadd(2, out + 16 * Hv, Hv * 4);
-      _tile_loadd(3, out + 16 * Hv + 16, Hv * 4);
-      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-        const uint16_t* v = a.v.data() + chunk * Hv * 32 + d * 32;
-        _tile_loadd(6, v, 64);
-        _tile_loadd(7, v + 16 * 32, 64);
-        const uint16_t* w = a.w.data() + chunk * 32;
-        for (int i = 0; i < kAmxPieces; ++i, w += piece) {
-          _tile_loadd(4, w, kAmxKeys * 2);
-          _tile_loadd(5, w + 16 * kAmxKeys, kAmxKeys * 2);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      _tile_stored(0, out, Hv * 4);
-      _tile_stored(1, out + 16, Hv * 4);
-      _tile_stored(2, out + 16 * Hv, Hv * 4);
-      _tile_stored(3, out + 16 * Hv + 16, Hv * 4);
+    _tile_stored(0, out, Hv * 4);
+    _tile_stored(1, out + 16, Hv * 4);
+    _tile_stored(2, out + 16 * Hv, Hv * 4);
+    _tile_stored(3, out + 16 * Hv + 16, Hv * 4);
   }
   amx_fence();
 }

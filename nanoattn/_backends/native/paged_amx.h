@@ -3,16 +3,20 @@
 // prefixes, whose rows are every member's decode token) over a bfloat16 pool, with
 // bfloat16 queries. The same task as paged_task's, in steps of kAmxKeys keys:
 //
-//   1. the step's key and value rows located through the page table (as PagedTiles);
-//   2. the scores of every vector against the step's keys (amx_scores);
-//   3. each vector's row masked (paged_mask: band, tree, keys past the step) and its
-//      online softmax, whose weights go to the tiles as three bfloat16 pieces;
-//   4. the outputs (float32, in memory between steps) += weights x values (amx_values).
+//   1. the step's key and value rows located through the page table (as PagedTiles), the
+//      next step's fetched, and both packed as the tiles' right operands;
+//   2. for each block of 32 vectors: its scores against the step's keys (amx_scores);
+//      each vector's row masked where the step is not wholly visible to it (paged_mask:
+//      band, tree, keys past the step) and its online softmax on the vector units (in
+//      units of log2 e), whose weights go to the tiles as three bfloat16 pieces
+//      (amx_weights); its outputs (float32, in memory between steps) += weights x values
+//      (amx_values).
 //
 // The running maximum moves lazily: only when a step's maximum exceeds it by more than
 // kAmxLazy (or it is -inf or NaN) are the sum and the outputs rescaled to a new one, so
-// the weights stay below e^kAmxLazy and most steps rescale nothing. Any maximum gives the
-// same softmax; the log-sum-exp is m + log l whichever m is kept.
+// the weights stay below 2^kAmxLazy and most steps rescale nothing. Any maximum gives the
+// same softmax; the log-sum-exp is m + log l whichever m is kept (m in natural units at
+// the end).
 //
 // Included by paged.h after the task's types (attention.cc's one translation unit,
 // unnamed namespace).
@@ -33,11 +37,12 @@ constexpr float kAmxLazy = 12.0f;  // in units of log2 e: weights below 2^12
 constexpr int64_t kAmxVectors = 128;  // query vectors a task (rows x G)
 
 // Whether the tiles serve a task of `heads` key/value heads and `vectors` query vectors
-// (rows x G) of this call: one head, a register tile of vectors at least, rows that are
-// whole slices of 32 numbers, and a process that may use the tiles.
+// (rows x G) of this call: one head, a tile's 16 rows of vectors at least, a positive
+// scale (a row's maximum is taken before scaling), rows that are whole slices of 32
+// numbers, and a process that may use the tiles.
 inline bool amx_serves(const Paged& p, int64_t heads, int64_t vectors) {
-  return heads == 1 && vectors >= 16 && p.scale > 0 && p.H == p.Hp && p.H % 32 == 0 && p.Hv == p.Hvp &&
-         p.Hv % 32 == 0 && amx_ready();
+  return heads == 1 && vectors >= 16 && p.scale > 0 && p.H == p.Hp && p.H % 32 == 0 &&
+         p.Hv == p.Hvp && p.Hv % 32 == 0 && amx_ready();
 }
 
 // A row's weights 2^(scale * row[c] - m) for its `cols` scores (in units of log2 e
