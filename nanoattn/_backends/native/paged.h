@@ -401,15 +401,18 @@ inline bool paged_keys(const Paged& p, const PagedTask& task, PagedWork& w) {
   return true;
 }
 
-// The query vectors times the scale, head after head (padding vectors 0), and the
-// online softmax's start: outputs 0, maxima -inf, sums 0.
+// The online softmax's start: outputs 0, maxima -inf, sums 0.
+inline void paged_start(const Paged& p, const PagedWork& w) {
+  std::fill(w.o, w.o + w.vectors * p.Hvp, 0.0f);
+  std::fill(w.m, w.m + w.vectors, -kInf);
+  std::fill(w.l, w.l + w.vectors, 0.0f);
+}
+
+// The query vectors times the scale, head after head (padding vectors 0).
 template <class Q>
 void paged_queries(const Paged& p, const Q* q, const PagedTask& task, const PagedWork& w) {
   const int64_t G = p.G, Hp = p.Hp, H = p.H;
   std::fill(w.qs, w.qs + w.vectors * Hp, 0.0f);
-  std::fill(w.o, w.o + w.vectors * p.Hvp, 0.0f);
-  std::fill(w.m, w.m + w.vectors, -kInf);
-  std::fill(w.l, w.l + w.vectors, 0.0f);
   for (int64_t hh = 0; hh < w.heads; ++hh)
     for (int64_t r = 0; r < w.rows; ++r) {
       if (!p.real[task.r0 + r]) continue;
@@ -418,6 +421,27 @@ void paged_queries(const Paged& p, const Q* q, const PagedTask& task, const Page
       for (int64_t g = 0; g < G; ++g)
         for (int64_t h = 0; h < H; ++h) dst[g * Hp + h] = widen(src[g * H + h]) * p.scale;
     }
+}
+
+// f(c, row) for the keys c < n of sequence b from key j0: `row`, the key's token row of
+// the pool (page * page_size + slot), its page id clamped into [0, P).
+template <class F>
+void paged_walk(const Paged& p, int64_t b, int64_t j0, int64_t n, const F& f) {
+  const int32_t* pages = p.table + b * p.M;
+  int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a walk
+  for (int64_t c = 0; c < n; ++c) {
+    f(c, std::clamp<int64_t>(pages[entry], 0, p.P - 1) * p.page_size + slot);
+    if (++slot == p.page_size) slot = 0, ++entry;
+  }
+}
+
+// Every line of the rows rows[c] + offset (bytes long each), c < n, fetched into L2.
+template <class In>
+void fetch_rows(const In* const* rows, int64_t n, int64_t offset, int64_t bytes) {
+  for (int64_t c = 0; c < n; ++c) {
+    const char* row = reinterpret_cast<const char*>(rows[c] + offset);
+    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+  }
 }
 
 // Where a task's tiles of keys and values are: the rows of the tile being read (head
@@ -438,11 +462,7 @@ struct PagedTiles {
   // (the next tile's, as this one is computed).
   void fetch(int parity, int kind, int64_t c0, int64_t m, int64_t hh) const {
     const int64_t width = kind == 0 ? p.H : p.Hv;
-    const int64_t bytes = width * static_cast<int64_t>(sizeof(In));
-    for (int64_t c = c0; c < c0 + m; ++c) {
-      const char* row = reinterpret_cast<const char*>(rows_of[parity][kind][c] + hh * width);
-      for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
-    }
+    fetch_rows(rows_of[parity][kind] + c0, m, hh * width, width * static_cast<int64_t>(sizeof(In)));
   }
 
   float* scales_at(int parity, int kind, int64_t hh) const {
@@ -454,12 +474,9 @@ struct PagedTiles {
     constexpr bool quantized = kQuantized<In>;
     const In** keys = rows_of[parity][0];
     const In** values = rows_of[parity][1];
-    const int32_t* pages = p.table + task.b * p.M;
     const int64_t n = std::min<int64_t>(kPagedKeys, hi - j0);
-    int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;  // one division a tile
-    for (int64_t c = 0; c < n; ++c) {
-      const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
-      const int64_t row = page * p.page_size + slot, token = row * p.K + task.kh0;
+    paged_walk(p, task.b, j0, n, [&](int64_t c, int64_t row) {
+      const int64_t token = row * p.K + task.kh0;
       keys[c] = kp + row * p.key_row + task.kh0 * p.H;
       values[c] = vp + row * p.value_row + task.kh0 * p.Hv;
       if constexpr (quantized)
@@ -467,8 +484,7 @@ struct PagedTiles {
           scales_at(parity, 0, hh)[c] = p.key_scales[token + hh];
           scales_at(parity, 1, hh)[c] = p.value_scales[token + hh];
         }
-      if (++slot == p.page_size) slot = 0, ++entry;
-    }
+    });
     if constexpr (quantized)
       for (int64_t hh = 0; hh < heads; ++hh)
         for (int64_t c = n; c < kPagedKeys; ++c)
@@ -713,15 +729,16 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
   if (amx) operands.fit(w.padded, p.H, p.Hv), w.o = operands.o.data();  // rows on 64 bytes
 #endif
   if (!paged_keys(p, task, w)) return;  // no real row: nothing to write
-  paged_queries(p, q, task, w);
+  paged_start(p, w);
 #if NANOATTN_AMX
   if constexpr (bfloat16)
-    if (amx) {
+    if (amx) {  // its own queries, unscaled
       paged_task_amx(p, q, kp, vp, task, w, operands);
       paged_finish(p, task, w, pieces, out, lse);
       return;
     }
 #endif
+  paged_queries(p, q, task, w);
   PagedTiles<In> tiles{p, task, kp, vp, w.heads, w.hi, scratch.scales.data(), {}};
   constexpr int64_t width = kPagedKeys;
   for (int a = 0; a < kPagedAhead; ++a)

@@ -140,36 +140,24 @@ inline void paged_task_amx(const Paged& p, const uint16_t* q, const uint16_t* kp
       std::memset(dst, 0, H * 2);
   }
   amx_begin();
-  const int32_t* pages = p.table + task.b * p.M;
   const uint16_t* rows[2][2][kAmxKeys];  // [step parity][keys, values][key]
   // the step's rows from j0 at `parity`: n keys, through the page table
   auto locate = [&](int64_t j0, int parity) {
     const int64_t n = std::min<int64_t>(kAmxKeys, w.hi - j0);
-    int64_t entry = j0 / p.page_size, slot = j0 % p.page_size;
-    for (int64_t c = 0; c < n; ++c) {
-      const int64_t page = std::clamp<int64_t>(pages[entry], 0, p.P - 1);
-      const int64_t row = page * p.page_size + slot;
+    paged_walk(p, task.b, j0, n, [&](int64_t c, int64_t row) {
       rows[parity][0][c] = kp + row * p.key_row + task.kh0 * H;
       rows[parity][1][c] = vp + row * p.value_row + task.kh0 * Hv;
-      if (++slot == p.page_size) slot = 0, ++entry;
-    }
+    });
     return n;
-  };
-  // every line of the rows of `kind` at `parity`, fetched into L2 a step ahead
-  auto fetch = [&](int parity, int kind, int64_t n) {
-    const int64_t bytes = (kind == 0 ? H : Hv) * 2;
-    for (int64_t c = 0; c < n; ++c)
-      for (int64_t b = 0; b < bytes; b += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(rows[parity][kind][c]) + b, 0, 2);
   };
   int64_t n = w.lo < w.hi ? locate(w.lo, 0) : 0;
   for (int64_t j0 = w.lo, step = 0; j0 < w.hi; j0 += kAmxKeys, ++step) {
     const int parity = step % 2;
     const int64_t next = j0 + kAmxKeys < w.hi ? locate(j0 + kAmxKeys, 1 - parity) : 0;
     amx_keys(rows[parity][0], n, H, a);
-    fetch(1 - parity, 0, next);
+    fetch_rows(rows[1 - parity][0], next, 0, H * 2);  // the next step's, into L2
     amx_values_pack(rows[parity][1], n, Hv, a);
-    fetch(1 - parity, 1, next);
+    fetch_rows(rows[1 - parity][1], next, 0, Hv * 2);
     for (int64_t v0 = 0; v0 < w.padded; v0 += 32) {  // a block's scores, weights, outputs
       amx_scores(a, v0, H, n);
       amx_weights(p, task, w, a, j0, n, v0);
