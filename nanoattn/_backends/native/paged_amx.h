@@ -34,6 +34,7 @@ namespace {
 #if NANOATTN_AMX
 
 constexpr float kAmxLazy = 12.0f;  // in units of log2 e: weights below 2^12
+constexpr float kAmxBound = 4096.0f;  // 2^kAmxLazy
 constexpr int64_t kAmxVectors = 128;  // query vectors a task (rows x G)
 
 // Whether the tiles serve a task of `heads` key/value heads and `vectors` query vectors
@@ -46,16 +47,15 @@ inline bool amx_serves(const Paged& p, int64_t heads, int64_t vectors) {
 }
 
 // A row's weights 2^(scale * row[c] - m) for its `cols` scores (in units of log2 e
-// once scaled) into `weights` as pieces (amx_split); returns their lane sums, and the
-// scores' lane maxima folded into `top` (NaN kept).
+// once scaled) into `weights` as pieces (amx_split); returns their lane sums (NaN where
+// a score is NaN, inf where a weight overflows).
 inline vf amx_exponentials(const float* row, int64_t cols, float scale, float m,
-                           uint16_t* weights, int64_t piece, vf& top) {
+                           uint16_t* weights, int64_t piece) {
   const vf shift = splat(-m), times = splat(scale);
   vf sum = vf{};
   for (int64_t c = 0; c < cols; c += 32) {
-    const vf x0 = load(row + c), x1 = load(row + c + 16);
-    top = nan_max(nan_max(x0, x1), top);
-    const vf e0 = vexp2(x0 * times + shift), e1 = vexp2(x1 * times + shift);
+    const vf e0 = vexp2(load(row + c) * times + shift);
+    const vf e1 = vexp2(load(row + c + 16) * times + shift);
     sum += e0 + e1;
     amx_split(__builtin_bit_cast(__m512, e0), __builtin_bit_cast(__m512, e1), weights + c, piece);
   }
@@ -85,21 +85,21 @@ inline void amx_weights(const Paged& p, const PagedTask& task, const PagedWork& 
       for (int64_t c = 0; c < n; ++c) row[c] = cap * std::tanh(row[c] * scale / cap) / scale;
     // every key of the step seen by the row (no tree, the band holding the step, no
     // column past n): no mask; where the row has a finite maximum already, the weights
-    // against it at once, the step's maximum found on the way (kept unless it passes
-    // m + kAmxLazy, or is NaN: then once more, below); else its maximum first
+    // against it at once, kept unless their sum passes 2^kAmxLazy (then a weight may,
+    // and the row's maximum moves: once more, below) or is NaN; else its maximum first
     const bool whole = !p.tree && n == cols && (p.left < 0 || pos - p.left <= j0) &&
                        (p.right < 0 || pos + p.right >= j0 + n - 1);
     float& m = w.m[v];
-    float seen;
-    if (whole && std::isfinite(m)) {
-      vf top = splat(-kInf);
-      const vf sum = amx_exponentials(row, cols, scale, m, weights, piece, top);
-      seen = hmax(top) * scale;
-      if (seen <= m + kAmxLazy) {
-        w.l[v] += hsum(sum);
+    const bool tried = whole && std::isfinite(m);  // and refused: the maximum moves up
+    if (tried) {
+      const float sum = hsum(amx_exponentials(row, cols, scale, m, weights, piece));
+      if (sum <= kAmxBound) {
+        w.l[v] += sum;
         continue;
       }
-    } else if (whole) {
+    }
+    float seen;
+    if (whole) {
       vf x = load(row);
       for (int64_t c = VW; c < cols; c += VW) x = nan_max(load(row + c), x);
       seen = hmax(x) * scale;
@@ -111,7 +111,8 @@ inline void amx_weights(const Paged& p, const PagedTask& task, const PagedWork& 
       none();
       continue;
     }
-    if (!(m_new <= m + kAmxLazy)) {  // the first keys seen, a NaN, or a maximum far above
+    // the first keys seen, a NaN, a maximum far above, or weights summing past the bound
+    if (!(m_new <= m + kAmxLazy) || (tried && m_new > m)) {
       const float alpha = std::exp2(m - m_new);  // 0 when m was -inf
       w.l[v] *= alpha;
       if (alpha != 1.0f) {
@@ -120,8 +121,7 @@ inline void amx_weights(const Paged& p, const PagedTask& task, const PagedWork& 
       }
       m = m_new;
     }
-    vf top = splat(-kInf);
-    w.l[v] += hsum(amx_exponentials(row, cols, scale, m, weights, piece, top));
+    w.l[v] += hsum(amx_exponentials(row, cols, scale, m, weights, piece));
   }
 }
 

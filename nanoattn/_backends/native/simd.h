@@ -186,10 +186,13 @@ inline vf vexp(vf x) {
 // is needed.
 inline vf vexp2(vf x) {
   const vf lo = splat(-150.0f);
-  const vf xc = x < lo ? lo : x;  // NaN compares false and stays
 #if defined(__AVX512F__)
+  // x < lo ? lo : x in one instruction (GCC emits a compare and a blend): MAXPS returns
+  // its second operand where either is NaN, so NaN stays
+  const vf xc = (vf)_mm512_max_ps((__m512)lo, (__m512)x);
   const vf n = (vf)_mm512_roundscale_ps((__m512)xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
+  const vf xc = x < lo ? lo : x;  // NaN compares false and stays
   const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   const vf t = xc + magic;
   const vf n = t - magic;
