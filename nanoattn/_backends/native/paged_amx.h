@@ -12,9 +12,11 @@
 //      (amx_weights); its outputs (float32, in memory between steps) += weights x values
 //      (amx_values).
 //
-// The running maximum moves lazily: only when a step's maximum exceeds it by more than
-// kAmxLazy (or it is -inf or NaN) are the sum and the outputs rescaled to a new one, so
-// the weights stay below 2^kAmxLazy and most steps rescale nothing. Any maximum gives the
+// The running maximum moves lazily: a step's weights are made against it at once and
+// kept while their sum stays below 2^kAmxLazy (so does every weight: nothing overflows);
+// only past that (or where it is -inf, or a sum is NaN) is the step's maximum found and,
+// where it exceeds the running one by more than kAmxLazy or the sum was refused, the sum
+// and the outputs rescaled to it. Most steps rescale nothing. Any maximum gives the
 // same softmax; the log-sum-exp is m + log l whichever m is kept (m in natural units at
 // the end).
 //
