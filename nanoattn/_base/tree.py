@@ -113,22 +113,25 @@ def paged_tree(parents, sequence, first_row, real) -> Tree:
 
 def _tree(parents) -> Tree:
     """The ancestry of one chunk's parents (T,), each in [-1, i) for token i (a chunk with
-    another parent is broken, every token of it), by pointer doubling: each token's
-    ancestors within 2^k steps, k = 0, 1, ..., joined with those of its ancestor 2^k
-    steps up: ceil(log2(T - 1)) vectorized steps where a loop over the tokens would run
-    T iterations one after another."""
+    another parent is broken, every token of it): token by token, each its own ancestor
+    and its parent's ancestors'."""
     T = parents.shape[0]
     rows = jnp.arange(T, dtype=jnp.int32)
     valid = (parents >= -1) & (parents < rows)
     broken = jnp.broadcast_to(~valid.all(), (T,))
-    up = jnp.where(valid, parents, -1)  # each token's ancestor 2^k steps up, -1: none
-    ancestors = (rows[:, None] == rows[None]) | (up[:, None] == rows[None])  # k = 0
-    for _ in range(max(T - 2, 0).bit_length()):  # a depth is at most T - 1
-        above = up >= 0
-        ancestors |= above[:, None] & ancestors[jnp.maximum(up, 0)]
-        up = jnp.where(above, up[jnp.maximum(up, 0)], -1)
+    safe = jnp.where(valid, parents, -1)
+
+    def add(i, state):
+        ancestors, depth = state
+        p = safe[i]
+        inherited = jnp.where(p >= 0, ancestors[jnp.maximum(p, 0)], False)
+        ancestors = ancestors.at[i].set(inherited | (rows == i))
+        depth = depth.at[i].set(jnp.where(p >= 0, depth[jnp.maximum(p, 0)] + 1, 0))
+        return ancestors, depth
+
+    start = (jnp.zeros((T, T), bool), jnp.zeros((T,), jnp.int32))
+    ancestors, depth = jax.lax.fori_loop(0, T, add, start)
     ancestors = ancestors & ~broken[:, None]
-    depth = ancestors.sum(axis=1, dtype=jnp.int32) - 1  # its ancestors, itself apart
     return Tree(ancestors, jnp.where(broken, 0, depth), broken)
 
 
