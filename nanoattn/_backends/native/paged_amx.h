@@ -92,7 +92,8 @@ inline void amx_weights(const Paged& p, const PagedTask& task, const PagedWork& 
     const bool whole = !p.tree && n == cols && (p.left < 0 || pos - p.left <= j0) &&
                        (p.right < 0 || pos + p.right >= j0 + n - 1);
     float& m = w.m[v];
-    const bool tried = whole && std::isfinite(m);  // and refused: the maximum moves up
+    // tried: the weights against m made first; past the `if`, they were refused
+    const bool tried = whole && std::isfinite(m);
     if (tried) {
       const float sum = hsum(amx_exponentials(row, cols, scale, m, weights, piece));
       if (sum <= kAmxBound) {
