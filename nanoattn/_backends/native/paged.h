@@ -527,6 +527,15 @@ inline float paged_mask(const Paged& p, const PagedWork& w, int64_t t, int64_t p
   return hmax(mx);
 }
 
+// Vector v's output row times alpha (the online softmax's maximum moved), unless alpha
+// is 1.
+inline void paged_rescale(const Paged& p, const PagedWork& w, int64_t v, float alpha) {
+  if (alpha == 1.0f) return;
+  float* orow = w.o + v * p.Hvp;
+  const vf a = splat(alpha);
+  for (int64_t h = 0; h < p.Hvp; h += VW) store(orow + h, load(orow + h) * a);
+}
+
 // Query vector v's scores `row` (query row t, at position `pos`) against the tile of
 // keys [j0, j0 + n), in place: the soft cap, the row's mask (paged_mask), then the
 // online softmax, as the dense kernel's: maxima keep a NaN, and a row that sees nothing
@@ -555,11 +564,7 @@ void paged_softmax(const Paged& p, const PagedWork& w, int64_t v, int64_t t, int
   }
   w.l[v] = w.l[v] * alpha + hsum(sum);
   w.m[v] = m_new;
-  if (alpha != 1.0f) {
-    float* orow = w.o + v * p.Hvp;
-    const vf a = splat(alpha);
-    for (int64_t h = 0; h < p.Hvp; h += VW) store(orow + h, load(orow + h) * a);
-  }
+  paged_rescale(p, w, v, alpha);
 }
 
 // f(std::true_type{}) where rows are whole vectors (their width a multiple of VW), else

@@ -35,8 +35,9 @@ namespace {
 
 #if NANOATTN_AMX
 
-constexpr float kAmxLazy = 12.0f;  // in units of log2 e: weights below 2^12
-constexpr float kAmxBound = 4096.0f;  // 2^kAmxLazy
+constexpr int kAmxLazyBits = 12;
+constexpr float kAmxLazy = kAmxLazyBits;  // in units of log2 e: weights below 2^12
+constexpr float kAmxBound = 1 << kAmxLazyBits;  // 2^kAmxLazy
 constexpr int64_t kAmxVectors = 128;  // query vectors a task (rows x G)
 
 // Whether the tiles serve a task of `heads` key/value heads and `vectors` query vectors
@@ -118,10 +119,7 @@ inline void amx_weights(const Paged& p, const PagedTask& task, const PagedWork& 
     if (!(m_new <= m + kAmxLazy) || (tried && m_new > m)) {
       const float alpha = std::exp2(m - m_new);  // 0 when m was -inf
       w.l[v] *= alpha;
-      if (alpha != 1.0f) {
-        float* o = w.o + v * p.Hv;
-        for (int64_t h = 0; h < p.Hv; h += VW) store(o + h, load(o + h) * splat(alpha));
-      }
+      paged_rescale(p, w, v, alpha);  // rows Hv wide: Hv == Hvp where the tiles serve
       m = m_new;
     }
     w.l[v] += hsum(amx_exponentials(row, cols, scale, m, weights, piece));
