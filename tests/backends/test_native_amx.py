@@ -1,8 +1,10 @@
 """The native paged pass on AMX tiles (``paged_amx.h``, ``amx.h``): tasks of many query
-vectors over bfloat16 pools (prefill chunks, the group pass of shared prefixes) whose
-scores and outputs are tile products. Their float32 outputs (before the caller rounds
-them to bfloat16) and log-sum-exps equal float64 on the rounded inputs to float32's
-precision: the weights enter the products as three bfloat16 pieces. Run only where the
+vectors over bfloat16 pools (prefill chunks, the group pass of shared prefixes), and
+decode rows of 8 or more query heads a key/value head over bfloat16 or int8 pools
+(``paged_amx_decode.h``), whose scores and outputs are tile products. Their float32
+outputs (before the caller rounds them to bfloat16) and log-sum-exps equal float64 on the
+rounded inputs to float32's precision: the weights (and float32 queries) enter the
+products as three bfloat16 pieces. Run only where the
 kernel has the tiles (``native.amx()``); ``NANOATTN_AMX=0`` is the same call without
 them. The behaviours every paged backend shares are in tests/core/test_paged_attention.py,
 the native pass's own in test_native_paged.py."""
@@ -206,3 +208,85 @@ def test_one_combined_pool_is_read_in_place_as_two_pools_are():
     for got, want in zip(combined, apart):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert np.isfinite(np.asarray(combined[0], np.float32)).all()
+
+
+# Decode rows at G = 8 (N = 16 on K = 2): lengths of one key, of exactly one page of 16,
+# of a page and a key, of many tiles of keys (the last one cut short) and more; 12
+# sequences, so that a task takes both key/value heads (paged_tasks) on up to 3 threads.
+DECODE = dict(N=16, K=2, H=64, HV=96, lengths=[1, 16, 17, 300, 5, 33, 64, 129, 2, 47, 90, 31])
+DECODE_CASES = {
+    "bfloat16, pages of 16 read in place": ("bfloat16", 16, {}),
+    "bfloat16, pages of 7 copied, a window": ("bfloat16", 7, dict(window=(40, 0))),
+    "int8 float32 queries, pages of 16, soft cap": ("int8", 16, dict(logit_soft_cap=3.0)),
+    "int8 float32 queries, pages of 5": ("int8", 5, {}),
+}
+
+
+def _decode_inputs(dtype, page_size, seed):
+    """Queries (B, N, H), pools in shuffled pages (int8: with their scales), the table and
+    lengths, and the float64 keys and values each sequence holds (as stored, scaled)."""
+    rng = np.random.default_rng(seed)
+    n_heads, kv_heads, width, value_width = (DECODE[k] for k in ("N", "K", "H", "HV"))
+    lengths = np.asarray(DECODE["lengths"], np.int32)
+    held = -(-lengths // page_size)
+    P = int(held.sum()) + 2
+    order = rng.permutation(P).astype(np.int32)
+    table = np.zeros((len(lengths), held.max()), np.int32)
+    table[np.arange(held.max()) < held[:, None]] = order[: held.sum()]
+    kp = jnp.asarray(rng.standard_normal((P, page_size, kv_heads, width)), jnp.bfloat16)
+    vp = jnp.asarray(rng.standard_normal((P, page_size, kv_heads, value_width)), jnp.bfloat16)
+    scales = {}
+    if dtype == "int8":
+        (kp, ks), (vp, vs) = (nanoattn.quantize_kv(x, "int8") for x in (kp, vp))
+        scales = dict(key_scales=ks, value_scales=vs)
+        q = jnp.asarray(rng.standard_normal((len(lengths), n_heads, width)), jnp.float32)
+    else:
+        q = jnp.asarray(rng.standard_normal((len(lengths), n_heads, width)), jnp.bfloat16)
+    held_keys = []
+    for pages, scale in ((kp, scales.get("key_scales")), (vp, scales.get("value_scales"))):
+        x = np.asarray(pages, np.float64)
+        held_keys.append(x if scale is None else x * np.asarray(scale, np.float64)[..., None])
+    return q, kp, vp, table, lengths, scales, held_keys
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_rows_on_tiles_equal_float64_to_float32_precision(case, monkeypatch):
+    """Each decode row's float32 output and log-sum-exp against float64 on the inputs as
+    stored, every query head alone; the same call off the tiles agrees."""
+    dtype, page_size, rules = DECODE_CASES[case]
+    q, kp, vp, table, lengths, scales, (keys, values) = _decode_inputs(dtype, page_size, 17)
+    starts = np.arange(len(lengths) + 1, dtype=np.int32)
+
+    def call():
+        spec = Rules.make_paged(q, kp, vp, table, lengths, starts, return_residual=True,
+                                **scales, **rules)  # fmt: skip
+        out, lse = native_paged_attention(q, kp, vp, spec)
+        return np.asarray(out), np.asarray(lse)
+
+    out, lse = call()
+    window, cap = rules.get("window", (None,))[0], rules.get("logit_soft_cap")
+    for b, n in enumerate(lengths):
+        pages = table[b, : -(-n // page_size)]
+        k = keys[pages].reshape(-1, DECODE["K"], DECODE["H"])[None, :n]
+        v = values[pages].reshape(-1, DECODE["K"], DECODE["HV"])[None, :n]
+        allowed = np.arange(n)[None] >= (n - 1 - window if window is not None else 0)
+        qb = np.asarray(q, np.float64)[b][None, None]
+        want = np_attention(qb, k, v, allowed, soft_cap=cap)[0, 0]
+        np.testing.assert_allclose(out[b], want, **TIGHT)
+        np.testing.assert_allclose(lse[b], np_lse(qb, k, allowed, soft_cap=cap)[0, 0], **TIGHT)
+    monkeypatch.setenv("NANOATTN_AMX", "0")
+    off, off_lse = call()
+    np.testing.assert_allclose(out, off, atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(lse, off_lse, atol=2e-6, rtol=2e-6)
+
+
+def test_nan_in_a_decode_key_makes_only_its_rows_nan():
+    """NaN in a key of sequence 3 (key/value head 1): that sequence's query heads 8 .. 15
+    are NaN, its heads 0 .. 7 and the other sequences finite."""
+    q, kp, vp, table, lengths, _, _ = _decode_inputs("bfloat16", 16, 19)
+    kp = kp.at[table[3, 5], 3, 1, 7].set(jnp.nan)  # key 83 of sequence 3
+    starts = np.arange(len(lengths) + 1, dtype=np.int32)
+    spec = Rules.make_paged(q, kp, vp, table, lengths, starts, return_residual=True)
+    out, lse = (np.asarray(x) for x in native_paged_attention(q, kp, vp, spec))
+    assert np.isnan(out[3, 8:]).all() and np.isnan(lse[3, 8:]).all()
+    assert np.isfinite(out[3, :8]).all() and np.isfinite(np.delete(out, 3, axis=0)).all()

@@ -63,20 +63,22 @@ inline bool amx_ready() {
   return granted && !(off && std::string(off) == "0");
 }
 
-// Every tile register 16 rows of 64 bytes (palette 1), on this thread. The configuration
-// is a constant in memory: GCC 12 does not see that LDTILECFG reads its operand, and
-// dropped the stores of a local one (a fault: every tile 0 bytes wide).
-inline void amx_begin() {
-  struct alignas(64) Config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  };
-  alignas(64) static const Config config = {
-      1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-  static_assert(sizeof(Config) == 64, "a tile configuration is 64 bytes");
-  _tile_loadconfig(&config);
-}
+// A tile configuration (palette 1): each tile register's rows and bytes a row. The
+// configurations are constants in memory: GCC 12 does not see that LDTILECFG reads its
+// operand, and dropped the stores of a local one (a fault: every tile 0 bytes wide).
+struct alignas(64) AmxConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(AmxConfig) == 64, "a tile configuration is 64 bytes");
+
+// Every tile register 16 rows of 64 bytes: the tasks of many query vectors.
+const AmxConfig kAmxWhole = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
+                             {16, 16, 16, 16, 16, 16, 16, 16}};
+
+// Load `config` on this thread (its tiles' state until amx_end).
+inline void amx_begin(const AmxConfig& config = kAmxWhole) { _tile_loadconfig(&config); }
 inline void amx_end() { _tile_release(); }
 
 // A compiler barrier around the tile products: GCC's tile loads and stores are asm
@@ -178,10 +180,24 @@ inline void amx_keys(const uint16_t* const* krow, int64_t n, int64_t H, AmxScrat
     }
 }
 
-// The step's values (rows vrow[c] of Hv bfloat16 numbers, c < n; zeros from n to the
-// next multiple of 32) as right operands: a.v's tile (chunk, d / 16) holds, row i, keys
-// 32 chunk + 2i and + 1 interleaved over columns d .. d + 15.
-inline void amx_values_pack(const uint16_t* const* vrow, int64_t n, int64_t Hv, AmxScratch& a) {
+// 32 numbers of a row at p as bfloat16 bits: bfloat16 as they are, int8 widened (every
+// int8 number is a bfloat16 one).
+inline __m512i amx_bf16x32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+inline __m512i amx_bf16x32(const int8_t* p) {
+  const __m128i* bytes = reinterpret_cast<const __m128i*>(p);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// The step's values (rows vrow[c] of Hv bfloat16 or int8 numbers, c < n; zeros from n to
+// the next multiple of 32) as right operands in bfloat16: a.v's tile (chunk, d / 16)
+// holds, row i, keys 32 chunk + 2i and + 1 interleaved over columns d .. d + 15.
+// between(k0) runs before each pair of keys from k0 (the decode task fetches the next
+// tile's lines there).
+template <class In, class Between>
+void amx_values_pack(const In* const* vrow, int64_t n, int64_t Hv, AmxScratch& a,
+                     const Between& between) {
   alignas(64) static const uint16_t kFirst[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
       6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};  // fmt: skip
   const __m512i first = _mm512_load_si512(kFirst);
@@ -189,10 +205,11 @@ inline void amx_values_pack(const uint16_t* const* vrow, int64_t n, int64_t Hv, 
   const int64_t pairs = (n + 31) / 32 * 16;
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t k0 = 2 * pair, k1 = k0 + 1;
+    between(k0);
     uint16_t* dst = a.v.data() + (pair / 16) * Hv * 32 + (pair % 16) * 32;
     for (int64_t d = 0; d < Hv; d += 32) {
-      const __m512i x = k0 < n ? _mm512_loadu_si512(vrow[k0] + d) : _mm512_setzero_si512();
-      const __m512i y = k1 < n ? _mm512_loadu_si512(vrow[k1] + d) : _mm512_setzero_si512();
+      const __m512i x = k0 < n ? amx_bf16x32(vrow[k0] + d) : _mm512_setzero_si512();
+      const __m512i y = k1 < n ? amx_bf16x32(vrow[k1] + d) : _mm512_setzero_si512();
       _mm512_storeu_si512(dst + d * 32, _mm512_permutex2var_epi16(x, first, y));
       _mm512_storeu_si512(dst + (d + 16) * 32, _mm512_permutex2var_epi16(x, second, y));
     }

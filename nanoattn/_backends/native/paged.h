@@ -435,12 +435,29 @@ void paged_walk(const Paged& p, int64_t b, int64_t j0, int64_t n, const F& f) {
   }
 }
 
+// The line at p fetched into L2; kAsm: by an asm statement on x86. GCC 12 takes a
+// function whose only effect is __builtin_prefetch for one with none and may drop the
+// calls to it (the decode tiles' fetches, made through a lambda, vanished from the
+// build); the vector tiles keep the builtin they were tuned with (with the asm
+// statements their B = 16 bfloat16 decode read 0.9x as fast in three alternations, 2-core
+// Intel Xeon, family 6 model 207: within that machine's noise, but no gain either).
+template <bool kAsm>
+inline void fetch_line(const char* p) {
+#if defined(__x86_64__)
+  if constexpr (kAsm) {
+    asm volatile("prefetcht1 %0" : : "m"(*p));
+    return;
+  }
+#endif
+  __builtin_prefetch(p, 0, 2);
+}
+
 // Every line of the rows rows[c] + offset (bytes long each), c < n, fetched into L2.
-template <class In>
+template <bool kAsm = false, class In>
 void fetch_rows(const In* const* rows, int64_t n, int64_t offset, int64_t bytes) {
   for (int64_t c = 0; c < n; ++c) {
     const char* row = reinterpret_cast<const char*>(rows[c] + offset);
-    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+    for (int64_t byte = 0; byte < bytes; byte += 64) fetch_line<kAsm>(row + byte);
   }
 }
 
@@ -459,10 +476,12 @@ struct PagedTiles {
   const In* rows_of[kPagedAhead + 1][2][kPagedKeys];  // [parity][keys, values][key]
 
   // Every line of the keys (kind 0) or values (1) [c0, c0 + m) of head hh at `parity`
-  // (the next tile's, as this one is computed).
+  // (the next tile's, as this one is computed); kAsm as fetch_line's.
+  template <bool kAsm = false>
   void fetch(int parity, int kind, int64_t c0, int64_t m, int64_t hh) const {
     const int64_t width = kind == 0 ? p.H : p.Hv;
-    fetch_rows(rows_of[parity][kind] + c0, m, hh * width, width * static_cast<int64_t>(sizeof(In)));
+    fetch_rows<kAsm>(rows_of[parity][kind] + c0, m, hh * width,
+                     width * static_cast<int64_t>(sizeof(In)));
   }
 
   float* scales_at(int parity, int kind, int64_t hh) const {
@@ -577,6 +596,45 @@ void with_whole(bool whole, const F& f) {
     f(std::false_type{});
 }
 
+// Every query vector's scores w.s (kPagedKeys a vector, head after head) against the
+// tile of keys [j0, j0 + n) at `parity` made weights (paged_softmax); padding vectors and
+// rows not written get weights 0.
+template <class In>
+void paged_tile_softmax(const Paged& p, const PagedTask& task, const PagedWork& w,
+                        const PagedTiles<In>& tiles, int parity, int64_t j0, int64_t n) {
+  const int64_t padded = w.padded;
+  for (int64_t hh = 0; hh < w.heads; ++hh) {
+    const float* vscale = tiles.scales_at(parity, 1, hh);
+    for (int64_t i = 0; i < padded; ++i) {
+      float* row = w.s + (hh * padded + i) * kPagedKeys;
+      const int64_t r = i / p.G;
+      if (r >= w.rows || !p.real[task.r0 + r]) {  // a padding vector or a row not written
+        std::fill(row, row + kPagedKeys, 0.0f);
+        continue;
+      }
+      const int64_t t = task.r0 + r, pos = p.tree ? p.tree_position(t) : w.base + r;
+      paged_softmax<In>(p, w, hh * padded + i, t, pos, j0, n, vscale, row);
+    }
+  }
+}
+
+// f(parity, j0, n) for the task's tiles of keys [j0, j0 + n) in order, from w.lo to
+// w.hi, each located kPagedAhead tiles before its turn (its lines fetched by f's work on
+// the tile before it).
+template <class In, class F>
+void paged_tiles_walk(PagedTiles<In>& tiles, const PagedWork& w, const F& f) {
+  constexpr int64_t width = kPagedKeys;
+  for (int a = 0; a < kPagedAhead; ++a)
+    if (w.lo + a * width < w.hi) tiles.locate(w.lo + a * width, a);
+  for (int64_t j0 = w.lo, tile = 0; j0 < w.hi; j0 += width, ++tile) {
+    const int64_t n = std::min<int64_t>(width, w.hi - j0);
+    const int parity = tile % (kPagedAhead + 1);
+    if (j0 + kPagedAhead * width < w.hi)
+      tiles.locate(j0 + kPagedAhead * width, (tile + kPagedAhead) % (kPagedAhead + 1));
+    f(parity, j0, n);
+  }
+}
+
 // The task's heads against the tile of keys [j0, j0 + n) at `parity`: every query
 // vector's scores, their online softmax, then the values. The products walk the tile in
 // the order of memory: kPagedChunk keys at a time (kValuesChunk for the values), every
@@ -614,19 +672,7 @@ void paged_tile(const Paged& p, const PagedTask& task, const PagedWork& w,
       }
     }
   }
-  for (int64_t hh = 0; hh < w.heads; ++hh) {
-    const float* vscale = tiles.scales_at(parity, 1, hh);
-    for (int64_t i = 0; i < padded; ++i) {
-      float* row = w.s + (hh * padded + i) * kPagedKeys;
-      const int64_t r = i / G;
-      if (r >= w.rows || !p.real[task.r0 + r]) {  // a padding vector or a row not written
-        std::fill(row, row + kPagedKeys, 0.0f);
-        continue;
-      }
-      const int64_t t = task.r0 + r, pos = p.tree ? p.tree_position(t) : w.base + r;
-      paged_softmax<In>(p, w, hh * padded + i, t, pos, j0, n, vscale, row);
-    }
-  }
+  paged_tile_softmax(p, task, w, tiles, parity, j0, n);
   // one head: its rows are in memory order already, and the tile's values at once keep
   // the outputs in registers across them
   const int64_t chunk = w.heads > 1 ? kValuesChunk : n;
@@ -706,6 +752,7 @@ inline void paged_finish(const Paged& p, const PagedTask& task, const PagedWork&
 }  // namespace
 
 #include "paged_amx.h"
+#include "paged_amx_decode.h"
 
 namespace {
 
@@ -723,6 +770,7 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
   constexpr bool bfloat16 = std::is_same_v<Q, uint16_t> && std::is_same_v<In, uint16_t>;
   const bool amx = bfloat16 && amx_serves(p, w.heads, w.rows * p.G);
   if (amx) w.padded = (w.rows * p.G + 31) / 32 * 32;  // whole 2 x 2 blocks of tiles
+  const bool amx_few = !amx && amx_decode_serves<Q, In>(p, w.rows * p.G);  // paged_amx_decode.h
 #endif
   w.vectors = w.heads * w.padded;
   thread_local PagedScratch scratch;
@@ -731,7 +779,8 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
   w.m = scratch.m.data(), w.l = scratch.l.data();
 #if NANOATTN_AMX
   thread_local AmxScratch operands;
-  if (amx) operands.fit(w.padded, p.H, p.Hv), w.o = operands.o.data();  // rows on 64 bytes
+  if (amx || amx_few)  // rows on 64 bytes
+    operands.fit(w.vectors, p.H, p.Hv), w.o = operands.o.data();
 #endif
   if (!paged_keys(p, task, w)) return;  // no real row: nothing to write
   paged_start(p, w);
@@ -742,19 +791,18 @@ void paged_task(const Paged& p, const Q* q, const In* kp, const In* vp, const Pa
       paged_finish(p, task, w, pieces, out, lse);
       return;
     }
+  if constexpr (kAmxFewTypes<Q, In>)
+    if (amx_few) {
+      paged_task_amx_decode(p, q, kp, vp, task, w, scratch.scales.data(), operands);
+      paged_finish(p, task, w, pieces, out, lse);
+      return;
+    }
 #endif
   paged_queries(p, q, task, w);
   PagedTiles<In> tiles{p, task, kp, vp, w.heads, w.hi, scratch.scales.data(), {}};
-  constexpr int64_t width = kPagedKeys;
-  for (int a = 0; a < kPagedAhead; ++a)
-    if (w.lo + a * width < w.hi) tiles.locate(w.lo + a * width, a);
-  for (int64_t j0 = w.lo, tile = 0; j0 < w.hi; j0 += width, ++tile) {
-    const int64_t n = std::min<int64_t>(width, w.hi - j0);
-    const int parity = tile % (kPagedAhead + 1);
-    if (j0 + kPagedAhead * width < w.hi)
-      tiles.locate(j0 + kPagedAhead * width, (tile + kPagedAhead) % (kPagedAhead + 1));
+  paged_tiles_walk(tiles, w, [&](int parity, int64_t j0, int64_t n) {
     paged_tile(p, task, w, tiles, parity, j0, n);
-  }
+  });
   paged_finish(p, task, w, pieces, out, lse);
 }
 

@@ -157,7 +157,7 @@ inline void paged_task_amx(const Paged& p, const uint16_t* q, const uint16_t* kp
     const int64_t next = j0 + kAmxKeys < w.hi ? locate(j0 + kAmxKeys, 1 - parity) : 0;
     amx_keys(rows[parity][0], n, H, a);
     fetch_rows(rows[1 - parity][0], next, 0, H * 2);  // the next step's, into L2
-    amx_values_pack(rows[parity][1], n, Hv, a);
+    amx_values_pack(rows[parity][1], n, Hv, a, [](int64_t) {});
     fetch_rows(rows[1 - parity][1], next, 0, Hv * 2);
     for (int64_t v0 = 0; v0 < w.padded; v0 += 32) {  // a block's scores, weights, outputs
       amx_scores(a, v0, H, n);
