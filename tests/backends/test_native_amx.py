@@ -1,6 +1,6 @@
 """The native paged pass on AMX tiles (``paged_amx.h``, ``amx.h``): tasks of many query
 vectors over bfloat16 pools (prefill chunks, the group pass of shared prefixes), and
-decode rows of 8 or more query heads a key/value head over bfloat16 or int8 pools
+decode rows of 16 or more query heads a key/value head over bfloat16 or int8 pools
 (``paged_amx_decode.h``), whose scores and outputs are tile products. Their float32
 outputs (before the caller rounds them to bfloat16) and log-sum-exps equal float64 on the
 rounded inputs to float32's precision: the weights (and float32 queries) enter the
@@ -210,10 +210,10 @@ def test_one_combined_pool_is_read_in_place_as_two_pools_are():
     assert np.isfinite(np.asarray(combined[0], np.float32)).all()
 
 
-# Decode rows at G = 8 (N = 16 on K = 2): lengths of one key, of exactly one page of 16,
+# Decode rows at G = 16 (N = 32 on K = 2): lengths of one key, of exactly one page of 16,
 # of a page and a key, of many tiles of keys (the last one cut short) and more; 12
 # sequences, so that a task takes both key/value heads (paged_tasks) on up to 3 threads.
-DECODE = dict(N=16, K=2, H=64, HV=96, lengths=[1, 16, 17, 300, 5, 33, 64, 129, 2, 47, 90, 31])
+DECODE = dict(N=32, K=2, H=64, HV=96, lengths=[1, 16, 17, 300, 5, 33, 64, 129, 2, 47, 90, 31])
 DECODE_CASES = {
     "bfloat16, pages of 16 read in place": ("bfloat16", 16, {}),
     "bfloat16, pages of 7 copied, a window": ("bfloat16", 7, dict(window=(40, 0))),
@@ -281,12 +281,12 @@ def test_decode_rows_on_tiles_equal_float64_to_float32_precision(case, monkeypat
 
 
 def test_nan_in_a_decode_key_makes_only_its_rows_nan():
-    """NaN in a key of sequence 3 (key/value head 1): that sequence's query heads 8 .. 15
-    are NaN, its heads 0 .. 7 and the other sequences finite."""
+    """NaN in a key of sequence 3 (key/value head 1): that sequence's query heads 16 .. 31
+    are NaN, its heads 0 .. 15 and the other sequences finite."""
     q, kp, vp, table, lengths, _, _ = _decode_inputs("bfloat16", 16, 19)
     kp = kp.at[table[3, 5], 3, 1, 7].set(jnp.nan)  # key 83 of sequence 3
     starts = np.arange(len(lengths) + 1, dtype=np.int32)
     spec = Rules.make_paged(q, kp, vp, table, lengths, starts, return_residual=True)
     out, lse = (np.asarray(x) for x in native_paged_attention(q, kp, vp, spec))
-    assert np.isnan(out[3, 8:]).all() and np.isnan(lse[3, 8:]).all()
-    assert np.isfinite(out[3, :8]).all() and np.isfinite(np.delete(out, 3, axis=0)).all()
+    assert np.isnan(out[3, 16:]).all() and np.isnan(lse[3, 16:]).all()
+    assert np.isfinite(out[3, :16]).all() and np.isfinite(np.delete(out, 3, axis=0)).all()

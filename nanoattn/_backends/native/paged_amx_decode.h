@@ -1,6 +1,6 @@
 // The paged pass's task of few query vectors on AMX tiles (amx.h): a decode token's G
 // query heads of each key/value head (or a few rows of a short chunk), at least
-// kAmxFewVectors of them, bfloat16 or float32 queries over a bfloat16 or int8 pool. The
+// kAmxFewVectors of them (and not served by paged_task_amx: several heads, or int8), bfloat16 or float32 queries over a bfloat16 or int8 pool. The
 // same task as paged_task's, tile after tile of kPagedKeys keys, its products on tiles:
 //
 //   - scores: the keys are the left operand, 16 of them a tile, loaded straight from the
@@ -57,11 +57,14 @@ constexpr int64_t kAmxQueryPieces = std::is_same_v<Q, float> ? kAmxPieces : 1;
 const AmxConfig kAmxFew = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
                            {16, 16, 16, 4, 4, 4, 4, 4}};
 
-// The query vectors a head of a task needs for the decode tiles: with 4 (a decode row
-// at G = 4) they measured no faster than the vector units (the B = 16 decode, N = 32 on
-// K = 8, bfloat16 and int8, 2-core Intel Xeon, family 6 model 207), with 8 and 16
-// 1.15x-1.25x faster, and 1.55x for MLA's absorbed widths (H = 576, G = 16).
-constexpr int64_t kAmxFewVectors = 8;
+// The query vectors a head of a task needs for the decode tiles. Against the vector
+// units on one thread (2-core Intel Xeon, family 6 model 207, three alternations with
+// the build before them): the B = 16 decode (512-8192 keys, H = 128) at G = 16 (N = 32
+// on K = 2) 12.1-13.4 ms against 14.0-16.6, at G = 8 18.1-19.5 against 17.2-19.9 (no
+// gain); MLA's absorbed decode over int8 pages (G = 16, H = 576, Hv = 512, 32768 keys,
+// float32 queries) 10.3-12.1 against 12.7-14.3. At G = 4 no gain either (bfloat16 and
+// int8, on two threads).
+constexpr int64_t kAmxFewVectors = 16;
 
 // Whether the decode tiles serve a task of `vectors` query vectors a head: bfloat16 or
 // float32 queries over bfloat16 or int8 pools (kAmxFewTypes), rows of whole 32-number
