@@ -290,3 +290,44 @@ def test_nan_in_a_decode_key_makes_only_its_rows_nan():
     out, lse = (np.asarray(x) for x in native_paged_attention(q, kp, vp, spec))
     assert np.isnan(out[3, 16:]).all() and np.isnan(lse[3, 16:]).all()
     assert np.isfinite(out[3, :16]).all() and np.isfinite(np.delete(out, 3, axis=0)).all()
+
+
+def test_a_token_tree_over_int8_pages_on_the_decode_tiles():
+    """Tree chunks over an int8 pool at G = 16 (several rows a task: the decode tiles,
+    which the many-vector tiles leave to int8): each draft sees the committed keys, its
+    ancestors and itself, against float64."""
+    rng = np.random.default_rng(23)
+    n_heads, kv_heads, width, ps = 32, 2, 64, 16
+    committed, parents = [40, 100], [[-1, 0, 0, 1, 2], [-1, 0, 1]]
+    lengths = np.asarray([c + len(t) for c, t in zip(committed, parents)], np.int32)
+    held = -(-lengths // ps)
+    table = np.zeros((2, held.max()), np.int32)
+    table[np.arange(held.max()) < held[:, None]] = rng.permutation(int(held.sum()))
+    pools = [jnp.asarray(rng.standard_normal((int(held.sum()), ps, kv_heads, width)), jnp.bfloat16)
+             for _ in range(2)]  # fmt: skip
+    (kp, ks), (vp, vs) = (nanoattn.quantize_kv(x, "int8") for x in pools)
+    starts = np.asarray([0, 5, 8], np.int32)
+    q = jnp.asarray(rng.standard_normal((8, n_heads, width)), jnp.float32)
+    tree = np.concatenate([np.asarray(t, np.int32) for t in parents])
+    spec = Rules.make_paged(q, kp, vp, table, lengths, starts, key_scales=ks, value_scales=vs,
+                            tree_parents=tree, return_residual=True)  # fmt: skip
+    out, lse = (np.asarray(x) for x in native_paged_attention(q, kp, vp, spec))
+    for b, (c, tokens) in enumerate(zip(committed, parents)):
+        pages = table[b, : held[b]]
+        k, v = (
+            (np.asarray(x, np.float64) * np.asarray(s, np.float64)[..., None])[pages].reshape(
+                -1, kv_heads, width
+            )[None, : lengths[b]]
+            for x, s in ((kp, ks), (vp, vs))
+        )
+        for i in range(len(tokens)):
+            seen, a = {i}, tokens[i]
+            while a >= 0:
+                seen.add(a)
+                a = tokens[a]
+            allowed = np.asarray([j < c or j - c in seen for j in range(lengths[b])])[None]
+            qi = np.asarray(q, np.float64)[starts[b] + i][None, None]
+            np.testing.assert_allclose(
+                out[starts[b] + i], np_attention(qi, k, v, allowed)[0, 0], **TIGHT
+            )
+            np.testing.assert_allclose(lse[starts[b] + i], np_lse(qi, k, allowed)[0, 0], **TIGHT)
