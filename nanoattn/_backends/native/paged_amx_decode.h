@@ -75,14 +75,13 @@ inline bool amx_decode_serves(const Paged& p, int64_t vectors) {
          p.Hv == p.Hvp && p.Hv % 32 == 0 && amx_ready();
 }
 
-// x as `pieces` bfloat16 numbers (bits) whose sum is x: itself, or three (as amx_split).
-inline void amx_query_pieces(uint16_t x, uint16_t* out, int64_t) { out[0] = x; }
-inline void amx_query_pieces(float x, uint16_t* out, int64_t stride) {
-  for (int i = 0; i < kAmxPieces; ++i) {
-    const uint32_t bits = __builtin_bit_cast(uint32_t, x);
-    out[i * stride] = static_cast<uint16_t>(bits >> 16);  // the last piece: exact already
-    x -= __builtin_bit_cast(float, bits & 0xFFFF0000u);
-  }
+// A query vector's H numbers as bfloat16 pieces (pieces, H) whose sum is each: the
+// numbers themselves, or amx_split's three (the weights' split: exact).
+inline const uint16_t* amx_query_pieces(const uint16_t* x, int64_t, uint16_t*) { return x; }
+inline const uint16_t* amx_query_pieces(const float* x, int64_t H, uint16_t* out) {
+  for (int64_t h = 0; h < H; h += 32)
+    amx_split(_mm512_loadu_ps(x + h), _mm512_loadu_ps(x + h + 16), out + h, H);
+  return out;
 }
 
 // The task's query vectors (unscaled, padding vectors 0) as right operands: a.q's tile
@@ -96,14 +95,16 @@ void amx_decode_queries(const Paged& p, const Q* q, const PagedTask& task, const
   const int64_t size = w.heads * groups * pieces * tile;
   a.q.fit(size);
   std::memset(a.q.data(), 0, size * 2);
+  uint16_t* split = a.k.data();  // a vector's pieces (pieces, H): a.k is free until the keys
   for (int64_t hh = 0; hh < w.heads; ++hh)
     for (int64_t v = 0; v < w.padded; ++v) {
       const int64_t r = v / G;
       if (r >= w.rows || !p.real[task.r0 + r]) continue;
       const Q* src = q + ((task.r0 + r) * p.N + (task.kh0 + hh) * G + v % G) * H;
+      const uint16_t* parts = amx_query_pieces(src, H, split);
       uint16_t* dst = a.q.data() + (hh * groups + v / 4) * pieces * tile + (v % 4) * 2;
-      for (int64_t h = 0; h < H; ++h)
-        amx_query_pieces(src[h], dst + (h / 2) * 32 + h % 2, tile);
+      for (int64_t i = 0; i < pieces; ++i)
+        for (int64_t h = 0; h < H; ++h) dst[i * tile + (h / 2) * 32 + h % 2] = parts[i * H + h];
     }
 }
 
